@@ -1,0 +1,26 @@
+// Unary activations and the scale/shift/clamp op (which also serves add/mul by a scalar).
+// Instantiated per dtype by gpuops/ops/elementwise.py through pointwise.cuh.
+#include "elementwise/pointwise.cuh"
+
+namespace gpuops {
+
+// erfc-based GELU needs many registers per element: one pack per operand in flight.
+template <Act A>
+struct Activation : PointwiseOp {
+  static constexpr int kIlp = A == Act::kGeluErf ? 1 : PointwiseOp::kIlp;
+  static __device__ __forceinline__ float apply(const PointwiseParams&, float a, float, float) {
+    return activate<A>(a);
+  }
+};
+
+// clamp(a * scale + shift, lo, hi) with p = {scale, shift, lo, hi}. A NaN stays NaN, as in
+// torch.clamp; shift is -0.0 for a plain scale so that -0 * s keeps its sign.
+struct ScaleShiftClamp : PointwiseOp {
+  static __device__ __forceinline__ float apply(const PointwiseParams& p, float a, float, float) {
+    float v = fmaf(a, p.a, p.b);
+    v = v < p.c ? p.c : v;
+    return v > p.d ? p.d : v;
+  }
+};
+
+}  // namespace gpuops

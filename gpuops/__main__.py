@@ -1,0 +1,5 @@
+import sys
+
+from gpuops.cli import main
+
+sys.exit(main())

@@ -1,0 +1,379 @@
+"""``python -m gpuops bench``: check every op against its reference, time it, compare with torch.
+
+For each op and dtype: the op's output at a reduced "check" shape (the default shape with fewer
+rows) against the NumPy float64 reference; then the median time of the op at the benchmark shape
+(CUDA events around each call, after warm-up), the bytes it must move over that time as GB/s and
+as a share of the device-to-device copy bandwidth measured in the same run, and torch eager's time
+for the same computation. ``--runtime`` adds host dispatch overhead and module load times.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from math import prod
+
+import numpy as np
+
+from gpuops import dtypes as dt
+from gpuops import registry
+from gpuops.runtime import device, nvrtc
+
+# relative L2 error a result may have against the float64 reference, by storage dtype
+TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+CHECK_ELEMENTS = 1 << 20
+
+
+@dataclass
+class Row:
+    op: str
+    dtype: str
+    shape: tuple
+    check_shape: tuple
+    rel_err: float
+    max_abs_err: float
+    ok: bool
+    time_us: float | None = None
+    gbps: float | None = None
+    pct_copy: float | None = None
+    torch_us: float | None = None
+    speedup_vs_torch: float | None = None
+    bytes: int | None = None
+    device: str = "cpu"
+
+
+def _check_shape(shape):
+    shape = tuple(shape)
+    if prod(shape) <= CHECK_ELEMENTS or len(shape) < 2:
+        return shape
+    rows = max(1, CHECK_ELEMENTS // prod(shape[1:]))
+    return (min(shape[0], rows),) + shape[1:]
+
+
+class _Framework:
+    """Random inputs, host copies and event timing for torch (preferred) or CuPy arrays."""
+
+    def __init__(self):
+        self.torch = None
+        try:
+            import torch  # noqa: PLC0415
+            if torch.cuda.is_available():
+                self.torch = torch
+        except ImportError:
+            pass
+        self.cp = device.cupy_or_none()
+        self.name = "torch" if self.torch is not None else "cupy"
+
+    def randn(self, shape, d):
+        if self.torch is not None:
+            return self.torch.randn(shape, device="cuda").to(dt.to_torch(d))
+        x = self.cp.random.standard_normal(shape, dtype=np.float32)
+        return x.astype(dt.to_numpy(d)) if d is not dt.float32 else x
+
+    def to_f64(self, x):
+        if self.torch is not None and isinstance(x, self.torch.Tensor):
+            return x.double().cpu().numpy()
+        if self.cp is not None and isinstance(x, self.cp.ndarray):
+            return self.cp.asnumpy(x).astype(np.float64)
+        return x
+
+    def nbytes(self, x):
+        if self.torch is not None and isinstance(x, self.torch.Tensor):
+            return x.numel() * x.element_size()
+        return int(getattr(x, "nbytes", 0))
+
+    def sync(self):
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
+        else:
+            self.cp.cuda.runtime.deviceSynchronize()
+
+    def time_us(self, fn, warmup=3, iters=20, budget_s=2.0):
+        """Median microseconds per call, CUDA events around each call."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        once = time.perf_counter() - t0
+        iters = int(max(5, min(iters, budget_s / max(once, 1e-6))))
+        if self.torch is not None:
+            ev = self.torch.cuda.Event
+            pairs = [(ev(enable_timing=True), ev(enable_timing=True)) for _ in range(iters)]
+        else:
+            ev = self.cp.cuda.Event
+            pairs = [(ev(), ev()) for _ in range(iters)]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        self.sync()
+        if self.torch is not None:
+            times = [s.elapsed_time(e) for s, e in pairs]
+        else:
+            times = [self.cp.cuda.get_elapsed_time(s, e) for s, e in pairs]
+        return statistics.median(times) * 1e3
+
+    def copy_bandwidth_gbps(self, nbytes=1 << 30):
+        """Device-to-device copy, bytes read + written per second."""
+        if self.torch is not None:
+            src = self.torch.empty(nbytes, dtype=self.torch.uint8, device="cuda").random_(0, 255)
+            dst = self.torch.empty_like(src)
+            us = self.time_us(lambda: dst.copy_(src), iters=30)
+        else:
+            src = self.cp.ones(nbytes, dtype=np.uint8)
+            dst = self.cp.empty_like(src)
+            us = self.time_us(lambda: dst.data.copy_from_device_async(src.data, nbytes), iters=30)
+        return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def _errors(out, ref):
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    finite = np.isfinite(ref)
+    if not np.array_equal(np.isnan(out), np.isnan(ref)):
+        return float("inf"), float("inf")
+    diff = np.abs(out[finite] - ref[finite])
+    denom = np.linalg.norm(ref[finite])
+    rel = float(np.linalg.norm(diff) / denom) if denom > 0 else float(np.linalg.norm(diff))
+    return rel, float(diff.max(initial=0.0))
+
+
+def _reference_result(op, args, kwargs, to_f64):
+    ref_kwargs = {}
+    names = [n for n in op.param_names if n != "out"]
+    for name, value in zip(names, args):
+        ref_kwargs[name] = to_f64(value)
+    for name, value in kwargs.items():
+        ref_kwargs[name] = to_f64(value)
+    return op.reference(**ref_kwargs)
+
+
+def bench_op(op, d, shape, fw, copy_gbps, peer=True) -> Row:
+    spec = op.bench
+    shape = tuple(shape) if shape else tuple(spec.default_shape(d))
+    cshape = _check_shape(shape)
+    args, kwargs = spec.make_inputs(cshape, d, fw.randn)
+    out = op.function(*args, **kwargs)
+    ref = _reference_result(op, args, kwargs, fw.to_f64)
+    rel, mx = _errors(fw.to_f64(out), ref)
+    row = Row(op.name, d.name, shape, cshape, rel, mx, rel <= TOLERANCE[d.name], device=fw.name)
+    del args, out
+    args, kwargs = spec.make_inputs(shape, d, fw.randn)
+    out = op.function(*args, **kwargs)
+    moved = (spec.bytes_moved(args, out) if spec.bytes_moved else
+             sum(fw.nbytes(a) for a in args) + fw.nbytes(out))
+    del out
+    row.bytes = moved
+    row.time_us = fw.time_us(lambda: op.function(*args, **kwargs))
+    row.gbps = moved / (row.time_us * 1e-6) / 1e9
+    row.pct_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
+    if peer and spec.torch_fn is not None and fw.torch is not None:
+        row.torch_us = fw.time_us(lambda: spec.torch_fn(*args, **kwargs))
+        row.speedup_vs_torch = row.torch_us / row.time_us
+    return row
+
+
+def bench_reference_only(op, d, shape) -> Row:
+    """No GPU: time the CPU path (the NumPy reference) and check its casting."""
+    spec = op.bench
+    shape = _check_shape(tuple(shape) if shape else tuple(spec.default_shape(d)))
+    rng = np.random.default_rng(0)
+
+    def randn(s, dd):
+        return rng.standard_normal(s).astype(dt.to_numpy(dd))
+    args, kwargs = spec.make_inputs(shape, d, randn)
+    t0 = time.perf_counter()
+    out = op.function(*args, **kwargs)
+    us = (time.perf_counter() - t0) * 1e6
+    ref = _reference_result(op, args, kwargs, lambda x: x.astype(np.float64)
+                            if isinstance(x, np.ndarray) else x)
+    rel, mx = _errors(np.asarray(out, dtype=np.float64), ref)
+    return Row(op.name, d.name, shape, shape, rel, mx, rel <= TOLERANCE[d.name], time_us=us)
+
+
+# --------------------------------------------------------------------------------------------
+# runtime costs: host dispatch overhead, module load and compile times
+
+_BARE = r'''
+extern "C" __global__ void relu_f32(const float* x, float* y, long long n) {
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] < 0.f ? 0.f : x[i];
+}'''
+
+
+def _host_us(fn, sync, n=3000):
+    for _ in range(50):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def dispatch_overhead(fw) -> dict:
+    """Host microseconds per call, back to back, of a 1024-element ReLU by several routes."""
+    import gpuops  # noqa: PLC0415
+    cp = fw.cp
+    n = 1024
+    res = {}
+    bare = cp.RawKernel(_BARE, "relu_f32")
+    xc = cp.random.standard_normal(n, dtype=np.float32)
+    yc = cp.empty_like(xc)
+    sync = fw.sync
+    res["bare_cupy_launch_us"] = _host_us(lambda: bare((4,), (256,), (xc, yc, np.int64(n))), sync)
+    res["bare_cupy_alloc_launch_us"] = _host_us(
+        lambda: bare((4,), (256,), (xc, cp.empty_like(xc), np.int64(n))), sync)
+    res["gpuops_cupy_us"] = _host_us(lambda: gpuops.relu(xc), sync)
+    res["gpuops_cupy_out_us"] = _host_us(lambda: gpuops.relu(xc, out=yc), sync)
+    if fw.torch is not None:
+        torch = fw.torch
+        xt = torch.randn(n, device="cuda")
+        yt = torch.empty_like(xt)
+        res["gpuops_torch_us"] = _host_us(lambda: gpuops.relu(xt), sync)
+        res["gpuops_torch_out_us"] = _host_us(lambda: gpuops.relu(xt, out=yt), sync)
+        res["torch_relu_us"] = _host_us(lambda: torch.relu(xt), sync)
+        res["overhead_vs_bare_cupy_us"] = res["gpuops_torch_us"] - res["bare_cupy_launch_us"]
+    res["overhead_cupy_vs_bare_cupy_us"] = res["gpuops_cupy_us"] - res["bare_cupy_alloc_launch_us"]
+    return res
+
+
+_LOAD_SNIPPET = r'''
+import json, sys, time
+import cupy as cp
+cp.cuda.Device(0).use(); cp.empty(1); cp.cuda.runtime.deviceSynchronize()
+from gpuops.runtime import device, loader, modules
+device.device_info(0)
+m = modules.get_module(sys.argv[1])
+t = time.perf_counter(); lm = loader.load(m, 0); s = time.perf_counter() - t
+print(json.dumps({"seconds": s, "origin": lm.origin, "target": lm.target.label}))
+'''
+
+
+def module_load_times() -> list:
+    """Per module, in fresh processes: cold (compile + load, empty cache) and warm (disk cache)."""
+    from gpuops.runtime.modules import all_modules  # noqa: PLC0415
+    rows = []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for m in all_modules():
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, GPUOPS_CACHE_DIR=cache, GPUOPS_QUIET="1",
+                       PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env.pop("GPUOPS_KERNEL_BUNDLE", None)
+            runs = []
+            for _ in range(2):
+                p = subprocess.run([sys.executable, "-c", _LOAD_SNIPPET, m.name], env=env,
+                                   capture_output=True, text=True, timeout=600)
+                if p.returncode != 0:
+                    raise RuntimeError(f"module load of {m.name} failed:\n{p.stderr[-2000:]}")
+                runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        rows.append({"module": m.name, "kernels": len(m.kernels), "target": runs[0]["target"],
+                     "cold_compile_and_load_ms": runs[0]["seconds"] * 1e3,
+                     "cold_origin": runs[0]["origin"],
+                     "warm_load_ms": runs[1]["seconds"] * 1e3, "warm_origin": runs[1]["origin"]})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+
+def context(fw, copy_gbps) -> dict:
+    import gpuops  # noqa: PLC0415
+    ctx = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "gpuops": gpuops.__version__, "python": platform.python_version(),
+           "numpy": np.__version__}
+    cp = device.cupy_or_none()
+    ctx["cupy"] = cp.__version__ if cp else None
+    ctx["nvrtc"] = ".".join(map(str, nvrtc.version())) if nvrtc.available() else None
+    if fw is not None:
+        info = device.device_info(0)
+        ctx.update(gpu=info.name, compute_capability=info.cc, sm_count=info.sm_count,
+                   framework=fw.name, copy_gbps=copy_gbps,
+                   gpuops_arch=os.environ.get("GPUOPS_ARCH"),
+                   kernel_bundle=os.environ.get("GPUOPS_KERNEL_BUNDLE"))
+        try:
+            ctx["driver"] = cp.cuda.runtime.driverGetVersion()
+        except Exception:
+            pass
+        if fw.torch is not None:
+            ctx["torch"] = fw.torch.__version__
+    else:
+        ctx["gpu"] = None
+    return ctx
+
+
+def fmt_table(rows) -> str:
+    head = (f"{'op':<14}{'dtype':<10}{'shape':<16}{'rel err':>9} {'ok':<3}{'time us':>10}"
+            f"{'GB/s':>9}{'%copy':>7}{'torch us':>10}{'speedup':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(v, spec):
+            return format(v, spec) if v is not None else "-".rjust(len(format(0.0, spec)))
+        lines.append(f"{r.op:<14}{r.dtype:<10}{'x'.join(map(str, r.shape)):<16}{r.rel_err:9.1e} "
+                     f"{'y' if r.ok else 'NO':<3}{f(r.time_us, '10.1f')}{f(r.gbps, '9.0f')}"
+                     f"{f(r.pct_copy, '7.1f')}{f(r.torch_us, '10.1f')}{f(r.speedup_vs_torch, '9.2f')}")
+    return "\n".join(lines)
+
+
+def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=True,
+        out=sys.stdout) -> dict:
+    from gpuops.runtime import progress  # noqa: PLC0415
+    selected = [o for o in registry.ops() if o.bench is not None and (not ops or o.name in ops)]
+    if ops:
+        unknown = set(ops) - {o.name for o in registry.ops()}
+        if unknown:
+            raise SystemExit(f"gpuops bench: unknown op(s): {', '.join(sorted(unknown))}")
+    dts = [dt.BY_NAME[n] for n in dtypes] if dtypes else None
+    rows = []
+    result = {}
+    if not device.gpu_available():
+        print("gpuops bench: no GPU found: running the NumPy references on the CPU "
+              "(at the check shape) instead of timing kernels", file=out)
+        for op in selected:
+            for d in (dts or [dt.float32]):
+                if d in op.dtypes:
+                    rows.append(bench_reference_only(op, d, shape))
+        result["context"] = context(None, None)
+    else:
+        fw = _Framework()
+        copy_gbps = fw.copy_bandwidth_gbps()
+        print(f"gpuops bench on {device.device_info(0).name}: device-to-device copy "
+              f"{copy_gbps:.0f} GB/s (read + write), inputs from {fw.name}", file=out)
+        jobs = [(op, d) for op in selected for d in (dts or op.dtypes) if d in op.dtypes]
+        bar = progress.Bar(len(jobs), "gpuops bench")
+        for op, d in jobs:
+            rows.append(bench_op(op, d, shape, fw, copy_gbps, peer=peer))
+            bar.step(f"{op.name} {d.name}")
+        result["context"] = context(fw, copy_gbps)
+        if runtime:
+            result["dispatch"] = dispatch_overhead(fw)
+            result["module_load"] = module_load_times()
+    result["rows"] = [asdict(r) for r in rows]
+    print(fmt_table(rows), file=out)
+    if "dispatch" in result:
+        print("\nhost time per call, 1024-element relu, back to back (us):", file=out)
+        for k, v in result["dispatch"].items():
+            print(f"  {k:<32}{v:8.2f}", file=out)
+    if "module_load" in result:
+        print("\nmodule load (fresh process): cold = compile + load, warm = disk cache", file=out)
+        for m in result["module_load"]:
+            print(f"  {m['module']:<26}{m['kernels']:4d} kernels {m['target']:<12}"
+                  f"cold {m['cold_compile_and_load_ms']:8.1f} ms   warm {m['warm_load_ms']:6.1f} ms",
+                  file=out)
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        print(f"\n{len(bad)} result(s) outside tolerance: "
+              + ", ".join(f"{r.op}/{r.dtype}" for r in bad), file=out)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return result

@@ -1,0 +1,311 @@
+"""From the caller's arrays to kernel launches and back.
+
+The registry (:mod:`gpuops.registry`) generates each op's public function; that function calls
+:func:`begin` with the argument values, which
+
+* classifies every array argument (NumPy, CuPy, torch) and checks they share a framework and a
+  device, with errors that name the arguments;
+* checks dtypes against what the op accepts (no silent casts: mixed dtypes are an error);
+* for GPU arrays, wraps them as :class:`gpuops.tensor.Tensor` views and returns a :class:`Call`
+  that knows the framework, device and stream (torch's current stream or CuPy's current stream),
+  and allocates outputs with the caller's framework (so they live in its allocator, and the op
+  can be captured in a CUDA graph: no host sync, no device-to-host read);
+* for NumPy arrays on a machine with a GPU, stages them to the device and back;
+* otherwise returns no Call, and the public function runs the op's NumPy reference
+  (:func:`run_reference`) in float64 and converts the result to the inputs' dtype and framework.
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+
+import numpy as np
+
+from gpuops import dtypes as dt
+from gpuops.runtime import config, device
+from gpuops.runtime.errors import NoGPUError
+from gpuops.shapes import contiguous_strides
+from gpuops.tensor import Tensor
+
+NUMPY, CUPY, TORCH = "numpy", "cupy", "torch"
+_MISSING = object()
+_type_kinds: dict = {}
+_torch_dtypes: dict = {}
+_torch_devices: dict = {}
+
+
+def _classify(tp):
+    if issubclass(tp, np.ndarray):
+        return NUMPY
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(tp, torch.Tensor):
+        return TORCH
+    if tp.__module__.split(".")[0] == "cupy" and hasattr(tp, "__cuda_array_interface__"):
+        return CUPY
+    return None
+
+
+def kind_of(x):
+    """'numpy', 'cupy', 'torch', or None for anything that is not an array."""
+    tp = type(x)
+    k = _type_kinds.get(tp, _MISSING)
+    if k is _MISSING:
+        k = _type_kinds[tp] = _classify(tp)
+    return k
+
+
+def _device_of(kind, x, op, name) -> int:
+    if kind == TORCH:
+        d = x.get_device()
+        if d < 0 and x.device.type != "cpu":
+            raise TypeError(f"gpuops.{op.name}: {name!r} is on torch device {x.device}; gpuops "
+                            "takes CPU and CUDA tensors")
+        return d
+    if kind == CUPY:
+        return x.device.id
+    return -1
+
+
+def _dtype_of(kind, x, op, name):
+    if kind == TORCH:
+        if not _torch_dtypes:
+            _torch_dtypes.update(dt.torch_table())
+        d = _torch_dtypes.get(x.dtype)
+    else:
+        d = dt.from_numpy(x.dtype)
+    if d is None:
+        raise TypeError(f"gpuops.{op.name}: {name!r} has dtype {x.dtype}, which gpuops does not "
+                        "support")
+    return d
+
+
+def _check_dtypes(op, found: dict, on_gpu: bool):
+    """found: param name -> DType. Returns the dtype shared by the op's main group."""
+    group_dtype, group_name = None, None
+    for name, d in found.items():
+        allowed = op.param_dtypes.get(name)
+        if allowed is not None:
+            if d not in allowed:
+                raise TypeError(f"gpuops.{op.name}: {name!r} has dtype {d}; expected one of "
+                                f"{dt.names(allowed)}")
+            continue
+        if group_dtype is None:
+            ok = op.dtypes if on_gpu else op.cpu_dtypes
+            if d not in ok:
+                note = (" (float64 runs only on the CPU reference path, for NumPy and CPU torch "
+                        "inputs)" if on_gpu and d in op.cpu_dtypes else "")
+                raise TypeError(f"gpuops.{op.name}: {name!r} has dtype {d}; expected one of "
+                                f"{dt.names(ok)}{note}")
+            group_dtype, group_name = d, name
+        elif d is not group_dtype:
+            raise TypeError(f"gpuops.{op.name}: {name!r} is {d} but {group_name!r} is "
+                            f"{group_dtype}; gpuops does not promote dtypes, cast explicitly")
+    return group_dtype
+
+
+def _check_grad(op, name, x):
+    if x.requires_grad:
+        torch = sys.modules["torch"]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"gpuops.{op.name}: {name!r} requires grad, and gpuops.{op.name} does not record "
+                "autograd; call it under torch.no_grad(), detach the input, or use the autograd "
+                "op in gpuops.torch where there is one")
+
+
+class Call:
+    """One GPU invocation of an op: framework, device, stream, output allocation."""
+
+    __slots__ = ("op", "kind", "device", "stream", "restore_device", "user_out", "staged_out",
+                 "result_dtype")
+
+    def __init__(self, op, kind, dev):
+        self.op = op
+        self.kind = kind
+        self.device = dev
+        self.restore_device = device.make_current(dev)
+        self.user_out = None
+        self.staged_out = None
+        if kind == TORCH:
+            torch = sys.modules["torch"]
+            self.stream = torch._C._cuda_getCurrentRawStream(dev)
+        else:
+            self.stream = device.cupy_or_none().cuda.get_current_stream().ptr
+
+    def empty(self, shape, dtype) -> Tensor:
+        """A new contiguous output in the caller's framework (poisoned with NaN bytes when
+        GPUOPS_DEBUG_POISON=1, so that tests see every element a kernel fails to write)."""
+        shape = tuple(int(s) for s in shape)
+        if self.kind == TORCH:
+            torch = sys.modules["torch"]
+            dev = _torch_devices.get(self.device)
+            if dev is None:
+                dev = _torch_devices[self.device] = torch.device("cuda", self.device)
+            obj = torch.empty(shape, dtype=dt.to_torch(dtype), device=dev)
+            ptr = obj.data_ptr()
+        else:
+            cp = device.cupy_or_none()
+            alloc = dt.storage_numpy(dtype) if self.kind == NUMPY else (
+                dt.to_numpy(dtype) if dtype is dt.bfloat16 else np.dtype(dtype.name))
+            obj = cp.empty(shape, dtype=alloc)
+            ptr = obj.data.ptr
+        t = Tensor(ptr, shape, contiguous_strides(shape), dtype, self.device, obj)
+        if config.settings.poison and t.numel:
+            device.cupy_or_none().cuda.runtime.memsetAsync(ptr, 0xFF, t.nbytes, self.stream)
+        return t
+
+    def finish(self, result):
+        if self.kind != NUMPY:
+            if type(result) is tuple:
+                return tuple(r.obj for r in result)
+            return result.obj
+        if type(result) is tuple:
+            return tuple(self._to_host(r) for r in result)
+        return self._to_host(result)
+
+    def _to_host(self, t: Tensor):
+        host = t.obj.get()
+        if t.dtype is dt.bfloat16:
+            host = host.view(dt.to_numpy(dt.bfloat16))
+        if self.staged_out is t:
+            np.copyto(self.user_out, host)
+            return self.user_out
+        return host
+
+    def close(self):
+        if self.restore_device is not None:
+            device.cupy_or_none().cuda.runtime.setDevice(self.restore_device)
+
+
+def _wrap_gpu(kind, x, d, dev) -> Tensor:
+    if kind == TORCH:
+        return Tensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), d, dev, x)
+    item = x.itemsize
+    return Tensor(x.data.ptr, x.shape, tuple(s // item for s in x.strides), d, dev, x)
+
+
+def _stage(call, x, d) -> Tensor:
+    cp = device.cupy_or_none()
+    host = np.ascontiguousarray(x).view(dt.storage_numpy(d))
+    arr = cp.asarray(host)
+    return Tensor(arr.data.ptr, arr.shape, contiguous_strides(arr.shape), d, call.device, arr)
+
+
+def begin(op, values: tuple):
+    """(Call, converted values) for a GPU run, or (None, None) for the CPU reference path."""
+    kind = dev = first = None
+    found = {}
+    names = op.param_names
+    for pos in op.tensor_positions:
+        x = values[pos]
+        name = names[pos]
+        if x is None:
+            if pos in op.required_tensor_positions:
+                raise TypeError(f"gpuops.{op.name}: {name!r} is required, got None")
+            continue
+        k = kind_of(x)
+        if k is None:
+            if pos in op.scalar_positions and isinstance(x, numbers.Real) and not isinstance(x, bool):
+                continue
+            expected = "an array or a number" if pos in op.scalar_positions else "an array"
+            raise TypeError(f"gpuops.{op.name}: {name!r} must be {expected} (NumPy, CuPy or "
+                            f"torch), got {type(x).__name__}")
+        d = _device_of(k, x, op, name)
+        if kind is None:
+            kind, dev, first = k, d, name
+        elif k != kind:
+            raise TypeError(f"gpuops.{op.name}: {first!r} is a {kind} array but {name!r} is a {k} "
+                            "array; pass arrays of one framework")
+        elif d != dev:
+            where = lambda i: "cpu" if i < 0 else f"cuda:{i}"  # noqa: E731
+            raise ValueError(f"gpuops.{op.name}: {first!r} is on {where(dev)} but {name!r} is on "
+                             f"{where(d)}; move them to one device")
+        if k == TORCH:
+            _check_grad(op, name, x)
+        found[name] = _dtype_of(k, x, op, name)
+    if kind is None:
+        raise TypeError(f"gpuops.{op.name}: no array argument given")
+
+    on_gpu = dev >= 0 or (kind == NUMPY and device.gpu_available()
+                          and all(d in op.dtypes or name in op.param_dtypes
+                                  for name, d in found.items()))
+    result_dtype = _check_dtypes(op, found, on_gpu)
+    if not on_gpu:
+        return None, None
+
+    call = Call(op, kind, max(dev, 0) if kind != NUMPY else device.default_device())
+    call.result_dtype = result_dtype
+    converted = list(values)
+    try:
+        for pos in op.tensor_positions:
+            x = values[pos]
+            if x is None or kind_of(x) is None:
+                continue
+            d = found[names[pos]]
+            if kind == NUMPY:
+                if pos == op.out_position:
+                    t = call.empty(x.shape, d)
+                    call.user_out, call.staged_out = x, t
+                else:
+                    t = _stage(call, x, d)
+            else:
+                t = _wrap_gpu(kind, x, d, dev)
+            converted[pos] = t
+    except BaseException:
+        call.close()
+        raise
+    return call, converted
+
+
+def _to_float64(kind, x):
+    if kind == TORCH:
+        x = x.detach()
+        return x.double().numpy() if x.is_floating_point() else x.numpy()
+    return np.asarray(x).astype(np.float64) if np.asarray(x).dtype.kind == "f" else np.asarray(x)
+
+
+def _from_numpy(kind, res: np.ndarray, d):
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        if res.dtype.kind == "f":
+            return torch.from_numpy(np.ascontiguousarray(res)).to(dt.to_torch(d))
+        return torch.from_numpy(np.ascontiguousarray(res))
+    if res.dtype.kind == "f":
+        return res.astype(dt.to_numpy(d))
+    return res
+
+
+def run_reference(op, values: tuple):
+    """The CPU path: the op's NumPy reference in float64, cast back to the inputs' dtype."""
+    if config.settings.fallback == "error":
+        raise NoGPUError(
+            f"gpuops.{op.name}: no GPU run is possible for these inputs "
+            f"({'no usable GPU' if not device.gpu_available() else 'CPU arrays or float64'}) and "
+            "GPUOPS_FALLBACK=error forbids the CPU reference path")
+    kind, found = None, {}
+    kwargs = {}
+    out = None
+    for pos, name in enumerate(op.param_names):
+        x = values[pos]
+        k = kind_of(x) if pos in op.tensor_positions and x is not None else None
+        if k is not None:
+            kind = kind or k
+            found[name] = _dtype_of(k, x, op, name)
+        if pos == op.out_position:
+            out = x
+            continue
+        kwargs[name] = _to_float64(k, x) if k is not None else x
+    result_dtype = _check_dtypes(op, found, on_gpu=False)
+    res = op.reference(**kwargs)
+    single = not isinstance(res, tuple)
+    outs = tuple(_from_numpy(kind, np.asarray(r), result_dtype) for r in ((res,) if single else res))
+    if out is not None:
+        if tuple(out.shape) != tuple(outs[0].shape):
+            raise ValueError(f"gpuops.{op.name}: 'out' has shape {tuple(out.shape)}, the result "
+                             f"has {tuple(outs[0].shape)}")
+        if kind == TORCH:
+            out.copy_(outs[0])
+        else:
+            np.copyto(out, outs[0])
+        outs = (out,) + outs[1:]
+    return outs[0] if single else outs

@@ -1,0 +1,381 @@
+"""The runtime, on a machine without a GPU: sources, NVRTC compilation of every module for every
+arch it declares (no spills), kernel parameter layouts against the PTX, caches and bundles."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from gpuops.runtime import bundle, config, loader, nvrtc
+from gpuops.runtime.cache import DiskCache, cache_key
+from gpuops.runtime.errors import CompileError
+from gpuops.runtime.launch import ArgSpec, ptx_params
+from gpuops.runtime.modules import DEFAULT_ARCHS, KernelModule, _MODULES, all_modules, get_module
+from gpuops.runtime.nvrtc import Target
+from gpuops.runtime.sources import all_source_files, assemble
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
+
+
+@pytest.fixture(scope="session")
+def full_bundle(tmp_path_factory):
+    """Every module for every arch it declares, as cubins (ptxas -v) and compute_61 PTX."""
+    if not nvrtc.available():
+        pytest.skip("NVRTC not installed")
+    out = tmp_path_factory.mktemp("bundle")
+    archs = sorted({a for m in all_modules() for a in m.archs}, key=lambda a: (int(a.rstrip("a")), a))
+    targets = [Target.parse(a) for a in archs] + [Target(61, "ptx")]
+    manifest = bundle.build(out, targets, show_progress=False, jobs=os.cpu_count() or 1)
+    return out, manifest
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    """Set GPUOPS_* variables for one test (with a private cache dir) and refresh the settings."""
+    monkeypatch.setenv("GPUOPS_CACHE_DIR", str(tmp_path / "cache"))
+
+    def set_env(**values):
+        for k, v in values.items():
+            if v is None:
+                monkeypatch.delenv(k, raising=False)
+            else:
+                monkeypatch.setenv(k, str(v))
+        config.refresh()
+    set_env()
+    yield set_env
+    monkeypatch.undo()
+    config.refresh()
+
+
+# ------------------------------------------------------------------------------- sources
+
+def _tree(tmp_path, files: dict) -> Path:
+    root = tmp_path / "cuda_src"
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def test_assemble_inlines_each_header_once_with_line_directives(tmp_path):
+    root = _tree(tmp_path, {
+        "common/a.cuh": "#pragma once\nint a_value = 1;\n",
+        "common/b.cuh": '#pragma once\n#include "common/a.cuh"\nint b_value = 2;\n',
+        "fam/k.cu": '#include "common/a.cuh"\n#include "common/b.cuh"\n__global__ void k() {}\n'})
+    src = assemble("fam/k.cu", root)
+    assert src.text.count("int a_value") == 1
+    assert src.files == ("fam/k.cu", "common/a.cuh", "common/b.cuh")
+    assert '#line 1 "cuda_src/common/a.cuh"' in src.text
+    assert '#line 3 "cuda_src/fam/k.cu"' in src.text      # back in k.cu after the 2nd include
+    assert "#pragma once" not in src.text
+
+
+def test_editing_a_header_changes_the_hash(tmp_path):
+    root = _tree(tmp_path, {"common/a.cuh": "#pragma once\nint x = 1;\n",
+                            "k.cu": '#include "common/a.cuh"\n'})
+    before = assemble("k.cu", root).sha256
+    (root / "common/a.cuh").write_text("#pragma once\nint x = 2;\n")
+    assert assemble("k.cu", root).sha256 != before
+
+
+def test_missing_include_names_the_includer(tmp_path):
+    root = _tree(tmp_path, {"k.cu": 'int a;\n#include "nope.cuh"\n'})
+    with pytest.raises(FileNotFoundError, match=r"cuda_src/k.cu:2.*nope.cuh"):
+        assemble("k.cu", root)
+
+
+@needs_nvrtc
+def test_compile_error_names_the_file_and_line(tmp_path):
+    root = _tree(tmp_path, {"common/h.cuh": "#pragma once\n\nint broken = undefined_name;\n",
+                            "k.cu": '#include "common/h.cuh"\n__global__ void k() {}\n'})
+    src = assemble("k.cu", root)
+    with pytest.raises(CompileError) as info:
+        nvrtc.compile_source(src.text, src.main_file, "test.k", Target(61), (), [])
+    assert 'cuda_src/common/h.cuh(3)' in str(info.value)
+    assert "undefined_name" in info.value.log
+    assert info.value.module == "test.k" and info.value.target == "sm_61"
+
+
+def test_every_cu_file_belongs_to_a_module():
+    declared = {m.source for m in all_modules()}
+    assert set(all_source_files()) == declared
+
+
+# ------------------------------------------------------------------------------- NVRTC, every module
+
+@needs_nvrtc
+def test_every_module_compiles_for_every_declared_arch_without_spills(full_bundle):
+    _, manifest = full_bundle
+    for m in all_modules():
+        entry = manifest["modules"][m.name]
+        for arch in m.archs:
+            label = Target.parse(arch).label
+            assert label in entry["targets"], f"{m.name} was not built for {label}"
+            resources = entry["targets"][label]["resources"]
+            assert set(resources) == set(entry["targets"][label]["lowered"].values())
+            spilled = {k: r for k, r in resources.items() if r["spill_stores"] or r["spill_loads"]}
+            assert not spilled, f"{m.name} spills on {label}: {spilled}"
+
+
+@needs_nvrtc
+def test_every_module_has_a_path_that_runs_on_sm61():
+    assert any(m.supports(61) for m in all_modules())
+    for m in all_modules():
+        assert "61" in m.archs or m.arch_specific, f"{m.name} has no sm_61 build"
+
+
+@needs_nvrtc
+def test_kernel_argspecs_match_the_ptx_signatures(full_bundle):
+    out, manifest = full_bundle
+    for m in all_modules():
+        info = manifest["modules"][m.name]["targets"]["compute_61"]
+        ptx = (out / info["file"]).read_text(errors="replace")
+        for expr, spec in m.kernels.items():
+            params = ptx_params(ptx, info["lowered"][expr])
+            assert params == spec.layout, f"{m.name}: {expr}: PTX {params} vs ArgSpec {spec.layout}"
+            last = params[-1]
+            assert spec.size >= last[0] + last[1]
+
+
+def test_argspec_layout_and_packing():
+    spec = ArgSpec("4f", "ptr", "i32", "i8q32q", "i64")
+    assert spec.layout == [(0, 16, 4), (16, 8, 8), (24, 4, 4), (32, 328, 8), (360, 8, 8)]
+    assert spec.size == 368
+    values = [1.0, 2.0, 3.0, 4.0, 0xDEADBEEF00, -7, 3, *range(8), *range(32), 2**40]
+    buf = bytearray(spec.size)
+    spec.struct.pack_into(buf, 0, *values)
+    assert struct.unpack_from("<4f", buf, 0) == (1.0, 2.0, 3.0, 4.0)
+    assert struct.unpack_from("<Q", buf, 16)[0] == 0xDEADBEEF00
+    assert struct.unpack_from("<i", buf, 24)[0] == -7
+    assert struct.unpack_from("<i", buf, 32)[0] == 3
+    assert struct.unpack_from("<8q", buf, 40) == tuple(range(8))
+    assert struct.unpack_from("<q", buf, 360)[0] == 2**40
+    with pytest.raises(ValueError):
+        ArgSpec("bogus!")
+
+
+def test_ptx_param_parser():
+    ptx = """.visible .entry _Z1kv(
+\t.param .align 4 .b8 _Z1kv_param_0[16],
+\t.param .u64 _Z1kv_param_1,
+\t.param .u32 _Z1kv_param_2,
+\t.param .align 8 .b8 _Z1kv_param_3[328]
+)"""
+    assert ptx_params(ptx, "_Z1kv") == [(0, 16, 4), (16, 8, 8), (24, 4, 4), (32, 328, 8)]
+
+
+def test_ptxas_log_parser():
+    log = """ptxas info    : Compiling entry function '_Zk' for 'sm_61'
+ptxas info    : Function properties for _Zk
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, 1024 bytes smem, 352 bytes cmem[0]"""
+    assert nvrtc.parse_ptxas_log(log) == {"_Zk": {"registers": 40, "stack": 16, "spill_stores": 8,
+                                                  "spill_loads": 4, "smem": 1024}}
+
+
+def test_target_parse():
+    assert Target.parse("61") == Target(61, "cubin")
+    assert Target.parse("compute_61") == Target(61, "ptx")
+    assert Target.parse("sm_90a") == Target(90, "cubin", "a")
+    assert Target.parse("90a").label == "sm_90a"
+    assert Target(61, "ptx").label == "compute_61"
+    with pytest.raises(ValueError, match="not a CUDA arch"):
+        Target.parse("ampere")
+
+
+# ------------------------------------------------------------------------------- targets
+
+def _temp_module(name, archs):
+    m = KernelModule(name, "elementwise/activations.cu",
+                     {"gpuops::pointwise_flat<gpuops::ScaleShiftClamp, float, 1, 4>":
+                      ArgSpec("4f", "ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64")},
+                     archs=archs)
+    return m
+
+
+def test_runtime_target_follows_gpuops_arch(env):
+    m = get_module("elementwise.activations")
+    assert loader.runtime_target(m, 90) == Target(90, "cubin")
+    env(GPUOPS_ARCH="61")
+    assert loader.runtime_target(m, 90) == Target(61, "ptx")
+    assert loader.runtime_target(m, 61) == Target(61, "cubin")
+    env(GPUOPS_ARCH="compute_90")
+    assert loader.runtime_target(m, 90) == Target(90, "ptx")
+    env(GPUOPS_ARCH="100")
+    with pytest.raises(ValueError, match="newer than the device"):
+        loader.runtime_target(m, 90)
+    env(GPUOPS_ARCH="sm_80")
+    with pytest.raises(ValueError, match="machine code of another GPU"):
+        loader.runtime_target(m, 90)
+
+
+def test_arch_specific_module_targets_only_its_arch(env):
+    m = _temp_module("test.hopper_only", ("90a",))
+    try:
+        assert m.supports(90) and not m.supports(89) and not m.supports(61)
+        assert loader.runtime_target(m, 90) == Target(90, "cubin", "a")
+        with pytest.raises(RuntimeError, match="only for sm_90a"):
+            loader.runtime_target(m, 89)
+        env(GPUOPS_ARCH="61")
+        with pytest.raises(RuntimeError, match="cannot be honoured"):
+            loader.runtime_target(m, 90)
+    finally:
+        _MODULES.pop(m.name)
+
+
+@needs_nvrtc
+def test_newer_gpu_than_nvrtc_gets_ptx_of_the_newest_arch():
+    newest = max(nvrtc.supported_archs())
+    assert loader._compile_target(Target(newest + 30)) == Target(newest, "ptx")
+    assert loader._compile_target(Target(86)) == Target(86)
+
+
+def test_declaring_a_module_twice_is_an_error():
+    with pytest.raises(ValueError, match="declared twice"):
+        _temp_module("elementwise.activations", DEFAULT_ARCHS)
+
+
+# ------------------------------------------------------------------------------- disk cache
+
+@needs_nvrtc
+def test_disk_cache_round_trip(tmp_path):
+    m = get_module("elementwise.activations")
+    t = Target(61, "ptx")
+    compiled = nvrtc.compile_source(m.assembled.text, m.assembled.main_file, m.name, t,
+                                    (), m.name_expressions)
+    cache = DiskCache(tmp_path)
+    key = cache_key(m.identity, t, nvrtc.version())
+    assert cache.lookup(key, t) is None
+    path = cache.store(key, compiled, {"module": m.name})
+    hit = cache.lookup(key, t)
+    assert hit is not None and hit[0] == path and path.read_bytes() == compiled.image
+    assert hit[1]["lowered"] == compiled.lowered
+    path.write_bytes(compiled.image[:100])            # a torn write is not a hit
+    assert cache.lookup(key, t) is None
+    assert cache_key(m.identity, t, (13, 0)) != key   # the NVRTC version is part of the key
+
+
+_LOCATE = """
+import json, sys
+from gpuops.runtime import loader
+from gpuops.runtime.modules import get_module
+from gpuops.runtime.nvrtc import Target
+path, lowered, origin, target = loader._locate(get_module(sys.argv[1]), Target(61, "ptx"), 90)
+print(json.dumps({"origin": origin, "path": str(path)}))
+"""
+
+
+@needs_nvrtc
+def test_two_processes_compiling_one_module_compile_it_once(tmp_path):
+    env = dict(os.environ, GPUOPS_CACHE_DIR=str(tmp_path), GPUOPS_QUIET="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("GPUOPS_KERNEL_BUNDLE", None)
+    env.pop("GPUOPS_ARCH", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _LOCATE, "elementwise.gated"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["origin"] for r in results) == ["compiled", "disk cache"]
+    assert results[0]["path"] == results[1]["path"]
+
+
+# ------------------------------------------------------------------------------- bundles
+
+@pytest.fixture(scope="module")
+def small_bundle(tmp_path_factory):
+    if not nvrtc.available():
+        pytest.skip("NVRTC not installed")
+    out = tmp_path_factory.mktemp("small_bundle")
+    m = get_module("elementwise.activations")
+    bundle.build(out, [Target(61, "ptx"), Target(61, "cubin")], [m], show_progress=False)
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_bundle_manifest(small_bundle):
+    from gpuops import __version__
+    manifest = json.loads((small_bundle / "manifest.json").read_text())
+    m = get_module("elementwise.activations")
+    assert manifest["format"] == bundle.FORMAT
+    assert manifest["gpuops_version"] == __version__
+    assert manifest["nvrtc_version"] == ".".join(map(str, nvrtc.version()))
+    entry = manifest["modules"][m.name]
+    assert entry["identity"] == m.identity and entry["source"] == m.source
+    assert set(entry["targets"]) == {"compute_61", "sm_61"}
+    for info in entry["targets"].values():
+        assert set(info["lowered"]) == set(m.kernels)
+        import hashlib
+        assert hashlib.sha256((small_bundle / info["file"]).read_bytes()).hexdigest() == info["sha256"]
+
+
+def test_bundle_lookup_prefers_exact_cubin_then_ptx(small_bundle):
+    b = bundle.Bundle(small_bundle)
+    m = get_module("elementwise.activations")
+    assert b.find(m, 61, "", exact_cubin=True).target == Target(61, "cubin")
+    assert b.find(m, 61, "", exact_cubin=False).target == Target(61, "ptx")
+    assert b.find(m, 90, "", exact_cubin=True).target == Target(61, "ptx")   # PTX runs on newer
+
+
+def test_bundle_rejects_tampered_file_with_a_warning(small_bundle, tmp_path):
+    root = _copy(small_bundle, tmp_path / "b")
+    manifest = json.loads((root / "manifest.json").read_text())
+    f = root / manifest["modules"]["elementwise.activations"]["targets"]["compute_61"]["file"]
+    f.write_bytes(f.read_bytes().replace(b".target sm_61", b".target sm_62"))
+    with pytest.warns(RuntimeWarning, match="does not match the sha256"):
+        assert bundle.Bundle(root).find(get_module("elementwise.activations"), 90, "", True) is None
+
+
+def test_bundle_rejects_other_source_and_missing_modules(small_bundle, tmp_path):
+    root = _copy(small_bundle, tmp_path / "b")
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["modules"]["elementwise.activations"]["identity"] = "0" * 64
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    b = bundle.Bundle(root)
+    with pytest.warns(RuntimeWarning, match="different source"):
+        assert b.find(get_module("elementwise.activations"), 61, "", True) is None
+    with pytest.warns(RuntimeWarning, match="has no module"):
+        assert b.find(get_module("elementwise.gated"), 61, "", True) is None
+
+
+def test_bundle_without_manifest_is_an_error(tmp_path):
+    from gpuops.runtime.errors import BundleError
+    with pytest.raises(BundleError, match="manifest.json"):
+        bundle.Bundle(tmp_path)
+
+
+@needs_nvrtc
+def test_loader_takes_kernels_from_the_bundle(small_bundle, env):
+    env(GPUOPS_KERNEL_BUNDLE=str(small_bundle), GPUOPS_ARCH="61")
+    m = get_module("elementwise.activations")
+    path, lowered, origin, target = loader._locate(m, loader.runtime_target(m, 90), 90)
+    assert origin == "bundle" and target == Target(61, "ptx")
+    assert Path(path).parent == small_bundle
+
+
+@needs_nvrtc
+def test_loader_compiles_what_the_bundle_lacks(small_bundle, env):
+    env(GPUOPS_KERNEL_BUNDLE=str(small_bundle))
+    m = get_module("elementwise.gated")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, lowered, origin, target = loader._locate(m, Target(61, "ptx"), 90)
+    assert origin == "compiled" and set(lowered) == set(m.kernels)
+    assert any("has no module" in str(w.message) for w in caught)
