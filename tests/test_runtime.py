@@ -379,3 +379,21 @@ def test_loader_compiles_what_the_bundle_lacks(small_bundle, env):
         path, lowered, origin, target = loader._locate(m, Target(61, "ptx"), 90)
     assert origin == "compiled" and set(lowered) == set(m.kernels)
     assert any("has no module" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+def test_loaded_modules_report_their_origin_and_target():
+    """Under GPUOPS_KERNEL_BUNDLE + GPUOPS_ARCH=61 (the device script's second pass) the kernels
+    must really come from the bundle's compute_61 PTX."""
+    import numpy as np
+    import gpuops as go
+    go.relu(np.ones(8, np.float32))
+    m = loader.load(get_module("elementwise.activations"), 0)
+    if config.settings.bundle is not None and config.settings.arch == "61":
+        assert m.origin == "bundle" and m.target == Target(61, "ptx")
+    elif config.settings.arch is None:
+        from gpuops.runtime import device
+        assert m.target.arch == device.device_info(0).cc
+    assert m.load_seconds >= 0

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything one GPU session needs, in one call (see README "GPU runs"):
+#   1. the GPU tests on the device's own arch,
+#   2. the GPU tests again on the compute_61 (Pascal) bundle built off-device (.bundle61),
+#   3. the benchmarks (`python -m gpuops bench --runtime`), and any experiments named.
+# Logs and JSON go to $OUT. Stages: tests61 tests bench sweep (default: tests tests61 bench).
+#   bash scripts/device_run.sh                 # all default stages
+#   bash scripts/device_run.sh bench sweep     # only these
+set -uo pipefail
+OUT=${OUT:-/tmp/gpuops-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
+PY=${PY:-python3}
+stages=${*:-tests tests61 bench}
+status=0
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $PY -c "import sys, torch, cupy, numpy; print(sys.version); print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
+  $PY -m gpuops info
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+for stage in $stages; do
+  echo "=== $stage ==="
+  case $stage in
+    tests)
+      $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_native.xml" 2>&1 \
+        | tee "$OUT/tests_native.log" | tail -25 || status=1 ;;
+    tests61)
+      if [ ! -f .bundle61/manifest.json ]; then
+        echo "no .bundle61: build it off-device: python -m gpuops build --arch 61 --kind ptx --out .bundle61"
+        status=1; continue
+      fi
+      GPUOPS_KERNEL_BUNDLE="$PWD/.bundle61" GPUOPS_ARCH=61 \
+        $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_sm61.xml" 2>&1 \
+        | tee "$OUT/tests_sm61.log" | tail -25 || status=1 ;;
+    bench)
+      $PY -m gpuops bench --runtime --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    sweep)
+      $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
+        | tee "$OUT/sweep.log" || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,73 @@
+"""``python -m gpuops info | list | bench | build | cache`` as a user runs them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HAS_GPU
+from gpuops.runtime import nvrtc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, env_extra=None, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "gpuops", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+def test_info():
+    p = run("info")
+    assert p.returncode == 0, p.stderr
+    assert "gpuops:" in p.stdout and "cache dir:" in p.stdout and "nvrtc" in p.stdout
+
+
+def test_list():
+    p = run("list")
+    assert p.returncode == 0, p.stderr
+    names = [line.split()[0] for line in p.stdout.splitlines()]
+    assert {"silu", "silu_mul", "gelu_mul", "bias_act", "scale_clamp"} <= set(names)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU bench")
+def test_bench_without_gpu_runs_the_references(tmp_path):
+    out = tmp_path / "rows.json"
+    p = run("bench", "--ops", "silu,silu_mul", "--shape", "64,256", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "no GPU found" in p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"silu", "silu_mul"}
+    assert all(r["ok"] and r["rel_err"] < 1e-6 for r in rows)
+
+
+def test_bench_rejects_unknown_ops():
+    p = run("bench", "--ops", "nonesuch")
+    assert p.returncode != 0 and "unknown op" in (p.stderr + p.stdout)
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
+def test_build_writes_a_bundle(tmp_path):
+    p = run("build", "--arch", "61", "--kind", "ptx", "--modules", "elementwise.binary",
+            "--out", str(tmp_path / "b"), "-j", "1")
+    assert p.returncode == 0, p.stderr
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert list(manifest["modules"]) == ["elementwise.binary"]
+    assert list(manifest["modules"]["elementwise.binary"]["targets"]) == ["compute_61"]
+    assert "wrote 1 images" in p.stdout
+
+
+def test_cache_show_and_clear(tmp_path):
+    env = {"GPUOPS_CACHE_DIR": str(tmp_path)}
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "x.cubin").write_bytes(b"1234")
+    p = run("cache", "show", env_extra=env)
+    assert p.returncode == 0 and "1 files" in p.stdout
+    p = run("cache", "clear", env_extra=env)
+    assert p.returncode == 0 and "removed 1 files" in p.stdout
+    assert not list((tmp_path / "kernels").iterdir())
