@@ -66,13 +66,33 @@ def _device_of(kind, x, op, name) -> int:
     return -1
 
 
+def _torch_tables():
+    """torch dtype <-> gpuops dtype, torch.empty and the raw current-stream getter, looked up once
+    (the launch path is host-bound at decode sizes: every attribute lookup counts)."""
+    global _torch_empty, _torch_stream
+    torch = sys.modules["torch"]
+    table = dt.torch_table()
+    _torch_dtypes.update(table)
+    _torch_dtype_of.update({v: k for k, v in table.items()})
+    _torch_empty = torch.empty
+    _torch_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+        lambda dev: torch.cuda.current_stream(dev).cuda_stream)
+
+
+_torch_dtype_of: dict = {}
+_numpy_dtypes: dict = {}
+_torch_empty = _torch_stream = None
+
+
 def _dtype_of(kind, x, op, name):
     if kind == TORCH:
         if not _torch_dtypes:
-            _torch_dtypes.update(dt.torch_table())
+            _torch_tables()
         d = _torch_dtypes.get(x.dtype)
     else:
-        d = dt.from_numpy(x.dtype)
+        d = _numpy_dtypes.get(x.dtype, _MISSING)
+        if d is _MISSING:
+            d = _numpy_dtypes[x.dtype] = dt.from_numpy(x.dtype)
     if d is None:
         raise TypeError(f"gpuops.{op.name}: {name!r} has dtype {x.dtype}, which gpuops does not "
                         "support")
@@ -127,31 +147,28 @@ class Call:
         self.user_out = None
         self.staged_out = None
         if kind == TORCH:
-            torch = sys.modules["torch"]
-            self.stream = torch._C._cuda_getCurrentRawStream(dev)
+            self.stream = _torch_stream(dev)
+            if dev not in _torch_devices:
+                _torch_devices[dev] = sys.modules["torch"].device("cuda", dev)
         else:
             self.stream = device.cupy_or_none().cuda.get_current_stream().ptr
 
     def empty(self, shape, dtype) -> Tensor:
         """A new contiguous output in the caller's framework (poisoned with NaN bytes when
         GPUOPS_DEBUG_POISON=1, so that tests see every element a kernel fails to write)."""
-        shape = tuple(int(s) for s in shape)
         if self.kind == TORCH:
-            torch = sys.modules["torch"]
-            dev = _torch_devices.get(self.device)
-            if dev is None:
-                dev = _torch_devices[self.device] = torch.device("cuda", self.device)
-            obj = torch.empty(shape, dtype=dt.to_torch(dtype), device=dev)
-            ptr = obj.data_ptr()
+            obj = _torch_empty(shape, dtype=_torch_dtype_of[dtype], device=_torch_devices[self.device])
+            t = Tensor(obj.data_ptr(), obj.shape, obj.stride(), dtype, self.device, obj, obj.numel(),
+                       True)
         else:
             cp = device.cupy_or_none()
             alloc = dt.storage_numpy(dtype) if self.kind == NUMPY else (
                 dt.to_numpy(dtype) if dtype is dt.bfloat16 else np.dtype(dtype.name))
-            obj = cp.empty(shape, dtype=alloc)
-            ptr = obj.data.ptr
-        t = Tensor(ptr, shape, contiguous_strides(shape), dtype, self.device, obj)
+            obj = cp.empty(tuple(shape), dtype=alloc)
+            t = Tensor(obj.data.ptr, obj.shape, contiguous_strides(obj.shape), dtype, self.device,
+                       obj, obj.size, True)
         if config.settings.poison and t.numel:
-            device.cupy_or_none().cuda.runtime.memsetAsync(ptr, 0xFF, t.nbytes, self.stream)
+            device.cupy_or_none().cuda.runtime.memsetAsync(t.ptr, 0xFF, t.nbytes, self.stream)
         return t
 
     def finish(self, result):
@@ -179,9 +196,10 @@ class Call:
 
 def _wrap_gpu(kind, x, d, dev) -> Tensor:
     if kind == TORCH:
-        return Tensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), d, dev, x)
+        return Tensor(x.data_ptr(), x.shape, x.stride(), d, dev, x, x.numel(), x.is_contiguous())
     item = x.itemsize
-    return Tensor(x.data.ptr, x.shape, tuple(s // item for s in x.strides), d, dev, x)
+    return Tensor(x.data.ptr, x.shape, tuple(s // item for s in x.strides), d, dev, x, x.size,
+                  x.flags.c_contiguous)
 
 
 def _stage(call, x, d) -> Tensor:
@@ -192,65 +210,83 @@ def _stage(call, x, d) -> Tensor:
 
 
 def begin(op, values: tuple):
-    """(Call, converted values) for a GPU run, or (None, None) for the CPU reference path."""
-    kind = dev = first = None
-    found = {}
+    """(Call, converted values) for a GPU run, or (None, None) for the CPU reference path.
+
+    This runs on every call, so it is written for speed: one pass over the array arguments that
+    classifies, checks devices, grads and dtypes, then one pass that wraps them.
+    """
+    kind = None
+    dev = -1
+    first = None
+    seen = []                                  # (pos, x, dtype) of every array argument
+    group_dtype = group_name = None
     names = op.param_names
+    param_dtypes = op.param_dtypes
     for pos in op.tensor_positions:
         x = values[pos]
-        name = names[pos]
         if x is None:
             if pos in op.required_tensor_positions:
-                raise TypeError(f"gpuops.{op.name}: {name!r} is required, got None")
+                raise TypeError(f"gpuops.{op.name}: {names[pos]!r} is required, got None")
             continue
-        k = kind_of(x)
+        k = _type_kinds.get(type(x), _MISSING)
+        if k is _MISSING:
+            k = kind_of(x)
         if k is None:
             if pos in op.scalar_positions and isinstance(x, numbers.Real) and not isinstance(x, bool):
                 continue
             expected = "an array or a number" if pos in op.scalar_positions else "an array"
-            raise TypeError(f"gpuops.{op.name}: {name!r} must be {expected} (NumPy, CuPy or "
+            raise TypeError(f"gpuops.{op.name}: {names[pos]!r} must be {expected} (NumPy, CuPy or "
                             f"torch), got {type(x).__name__}")
-        d = _device_of(k, x, op, name)
+        if k == TORCH:
+            d = x.get_device()
+            if d < 0:
+                d = _device_of(k, x, op, names[pos])
+            if x.requires_grad:
+                _check_grad(op, names[pos], x)
+            xd = _torch_dtypes.get(x.dtype) if _torch_dtypes else None
+            if xd is None:
+                xd = _dtype_of(k, x, op, names[pos])
+        else:
+            d = _device_of(k, x, op, names[pos])
+            xd = _dtype_of(k, x, op, names[pos])
         if kind is None:
-            kind, dev, first = k, d, name
+            kind, dev, first = k, d, names[pos]
         elif k != kind:
-            raise TypeError(f"gpuops.{op.name}: {first!r} is a {kind} array but {name!r} is a {k} "
-                            "array; pass arrays of one framework")
+            raise TypeError(f"gpuops.{op.name}: {first!r} is a {kind} array but {names[pos]!r} is "
+                            f"a {k} array; pass arrays of one framework")
         elif d != dev:
             where = lambda i: "cpu" if i < 0 else f"cuda:{i}"  # noqa: E731
-            raise ValueError(f"gpuops.{op.name}: {first!r} is on {where(dev)} but {name!r} is on "
-                             f"{where(d)}; move them to one device")
-        if k == TORCH:
-            _check_grad(op, name, x)
-        found[name] = _dtype_of(k, x, op, name)
+            raise ValueError(f"gpuops.{op.name}: {first!r} is on {where(dev)} but {names[pos]!r} is "
+                             f"on {where(d)}; move them to one device")
+        if group_dtype is None and names[pos] not in param_dtypes:
+            group_dtype, group_name = xd, names[pos]
+        seen.append((pos, x, xd))
     if kind is None:
         raise TypeError(f"gpuops.{op.name}: no array argument given")
 
     on_gpu = dev >= 0 or (kind == NUMPY and device.gpu_available()
-                          and all(d in op.dtypes or name in op.param_dtypes
-                                  for name, d in found.items()))
-    result_dtype = _check_dtypes(op, found, on_gpu)
+                          and all(d in op.dtypes or names[pos] in param_dtypes
+                                  for pos, _, d in seen))
+    if len(seen) > 1 or group_dtype not in (op.dtypes if on_gpu else op.cpu_dtypes):
+        _check_dtypes(op, {names[pos]: d for pos, _, d in seen}, on_gpu)
     if not on_gpu:
         return None, None
 
-    call = Call(op, kind, max(dev, 0) if kind != NUMPY else device.default_device())
-    call.result_dtype = result_dtype
+    call = Call(op, kind, dev if kind != NUMPY else device.default_device())
+    call.result_dtype = group_dtype
     converted = list(values)
     try:
-        for pos in op.tensor_positions:
-            x = values[pos]
-            if x is None or kind_of(x) is None:
-                continue
-            d = found[names[pos]]
-            if kind == NUMPY:
-                if pos == op.out_position:
-                    t = call.empty(x.shape, d)
-                    call.user_out, call.staged_out = x, t
-                else:
-                    t = _stage(call, x, d)
+        for pos, x, d in seen:
+            if kind == TORCH:
+                converted[pos] = Tensor(x.data_ptr(), x.shape, x.stride(), d, dev, x, x.numel(),
+                                        x.is_contiguous())
+            elif kind == CUPY:
+                converted[pos] = _wrap_gpu(kind, x, d, dev)
+            elif pos == op.out_position:
+                t = converted[pos] = call.empty(x.shape, d)
+                call.user_out, call.staged_out = x, t
             else:
-                t = _wrap_gpu(kind, x, d, dev)
-            converted[pos] = t
+                converted[pos] = _stage(call, x, d)
     except BaseException:
         call.close()
         raise

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # singletons: identity hash/compare (dict keys on the hot path)
 class DType:
     name: str         # 'float32', 'bfloat16', ...
     itemsize: int

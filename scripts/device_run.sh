@@ -3,7 +3,7 @@
 #   1. the GPU tests on the device's own arch,
 #   2. the GPU tests again on the compute_61 (Pascal) bundle built off-device (.bundle61),
 #   3. the benchmarks (`python -m gpuops bench --runtime`), and any experiments named.
-# Logs and JSON go to $OUT. Stages: tests61 tests bench sweep (default: tests tests61 bench).
+# Logs and JSON go to $OUT. Stages: tests tests61 bench sweep dispatch (default: tests tests61 bench).
 #   bash scripts/device_run.sh                 # all default stages
 #   bash scripts/device_run.sh bench sweep     # only these
 set -uo pipefail
@@ -27,7 +27,8 @@ for stage in $stages; do
   echo "=== $stage ==="
   case $stage in
     tests)
-      $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_native.xml" 2>&1 \
+      # the whole suite: CPU tests also run their NumPy inputs through the GPU path here
+      $PY -m pytest tests -q -rfEs --junitxml="$OUT/tests_native.xml" 2>&1 \
         | tee "$OUT/tests_native.log" | tail -25 || status=1 ;;
     tests61)
       if [ ! -f .bundle61/manifest.json ]; then
@@ -42,6 +43,9 @@ for stage in $stages; do
     sweep)
       $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
         | tee "$OUT/sweep.log" || status=1 ;;
+    dispatch)
+      $PY benchmarks/experiments/dispatch_costs.py --json "$OUT/dispatch.json" 2>&1 \
+        | tee "$OUT/dispatch.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -4,10 +4,8 @@
 
 namespace gpuops {
 
-// erfc-based GELU needs many registers per element: one pack per operand in flight.
 template <Act A>
 struct Activation : PointwiseOp {
-  static constexpr int kIlp = A == Act::kGeluErf ? 1 : PointwiseOp::kIlp;
   static __device__ __forceinline__ float apply(const PointwiseParams&, float a, float, float) {
     return activate<A>(a);
   }

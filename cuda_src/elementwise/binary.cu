@@ -19,7 +19,6 @@ struct Mul : PointwiseOp {
 
 template <Act A>
 struct BiasAct : PointwiseOp {
-  static constexpr int kIlp = A == Act::kGeluErf ? 1 : PointwiseOp::kIlp;
   static __device__ __forceinline__ float apply(const PointwiseParams&, float x, float bias,
                                                 float) {
     return activate<A>(x + bias);

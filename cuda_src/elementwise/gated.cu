@@ -7,7 +7,6 @@ namespace gpuops {
 // act(gate) * up.
 template <Act A>
 struct GatedMul : PointwiseOp {
-  static constexpr int kIlp = A == Act::kGeluErf ? 1 : PointwiseOp::kIlp;
   static __device__ __forceinline__ float apply(const PointwiseParams&, float gate, float up,
                                                 float) {
     return activate<A>(gate) * up;

@@ -13,19 +13,20 @@
 namespace gpuops {
 
 constexpr int kPointwiseThreads = 256;
-// At least 4 blocks of 256 threads per SM (<= 64 registers) and 2 packs per operand in flight,
-// erfc-GELU ops 1: the largest setting that compiled without spills for every op on sm_61, sm_70
-// and sm_90 (NVRTC 12.9; 4 packs spilled in the gated ops). Overridable for tuning sweeps.
+// At least 4 blocks of 256 threads per SM (<= 64 registers): no op spills on sm_61..sm_90.
+// One 16-byte pack per operand and thread, with a grid that covers the array once, was the
+// fastest setting of the H100 sweep (benchmarks/results/2026-11-22-h100-run1/sweep.log: 98-101%
+// of the copy bandwidth; 2, 4 and 8 packs per thread within 1-4%, a one-wave grid-stride grid
+// 5-15% slower). The macros exist for such sweeps (benchmarks/experiments/pointwise_sweep.py).
 #ifndef GPUOPS_POINTWISE_MIN_BLOCKS
 #define GPUOPS_POINTWISE_MIN_BLOCKS 4
 #endif
 #ifndef GPUOPS_POINTWISE_ILP
-#define GPUOPS_POINTWISE_ILP 2
+#define GPUOPS_POINTWISE_ILP 1
 #endif
 
 // Every op functor derives from this. kIlp is how many 16-byte packs per operand a thread loads
-// before using any (bytes in flight hide HBM latency); ops whose math is register-hungry
-// (erfc-based GELU) take fewer, so that no kernel spills.
+// before using any; an op may override it.
 struct PointwiseOp {
   static constexpr int kIlp = GPUOPS_POINTWISE_ILP;
 };

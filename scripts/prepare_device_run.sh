@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Off-device preparation for scripts/device_run.sh: the compute_61 (Pascal) kernel bundle, built
+# with NVRTC 12 here because the device's NVRTC 13 cannot target sm_61. Carry .bundle61.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .bundle61
+python3 -m gpuops build --arch 61 --kind ptx --out .bundle61
