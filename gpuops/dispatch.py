@@ -260,6 +260,8 @@ def begin(op, values: tuple):
                              f"on {where(d)}; move them to one device")
         if group_dtype is None and names[pos] not in param_dtypes:
             group_dtype, group_name = xd, names[pos]
+        if k == TORCH and d >= 0:     # the common case: wrap now, no second pass
+            x = Tensor(x.data_ptr(), x.shape, x.stride(), xd, d, x, x.numel(), x.is_contiguous())
         seen.append((pos, x, xd))
     if kind is None:
         raise TypeError(f"gpuops.{op.name}: no array argument given")
@@ -278,8 +280,7 @@ def begin(op, values: tuple):
     try:
         for pos, x, d in seen:
             if kind == TORCH:
-                converted[pos] = Tensor(x.data_ptr(), x.shape, x.stride(), d, dev, x, x.numel(),
-                                        x.is_contiguous())
+                converted[pos] = x                     # wrapped in the first pass
             elif kind == CUPY:
                 converted[pos] = _wrap_gpu(kind, x, d, dev)
             elif pos == op.out_position:

@@ -208,15 +208,13 @@ def test_gpu_cupy_arrays(dtype):
 
 @gpu
 def test_gpu_numpy_inputs_run_on_the_gpu(rng):
-    before = len(loader.loaded_modules())
-    loader.clear_memory_cache()
+    loader.clear_memory_cache()             # also makes the ops look their kernels up again
     x = rng.standard_normal((129, 65)).astype(np.float32)
     out = np.full((129, 65), np.nan, np.float32)
     y = go.gelu_mul(x, x, approximate="tanh", out=out)
     assert y is out and any(m.module.name == "elementwise.gated" for m in loader.loaded_modules())
     xd = x.astype(np.float64)
     assert_close(y, go.ops.elementwise._act_ref("gelu_tanh", xd) * xd, "float32", "numpy on gpu")
-    assert before >= 0
 
 
 @gpu

@@ -47,7 +47,7 @@ def install_fakes():
     torch._C._cuda_getCurrentRawStream = lambda dev: 0
     dispatch._torch_devices[0] = torch.device("cpu")
     loader.load = lambda m, dev: fakes.setdefault(m.name, FakeModule(m))
-    elementwise.loader = types.SimpleNamespace(load=loader.load)
+    elementwise.loader = types.SimpleNamespace(load=loader.load, generation=0)
     elementwise._strided_blocks[0] = 132 * 8
 
 

@@ -58,9 +58,13 @@ class Pointwise:
             self.exprs[(d, False)] = _flat_expr(functor, d, nin, 1)
             self.exprs[(d, None)] = _strided_expr(functor, d, nin)
         self._kernels: dict = {}
+        self._generation = -1
 
     def kernel(self, dev: int, dtype, variant):
         """variant: True = flat 16-byte packs, False = flat one element, None = strided."""
+        if self._generation != loader.generation:
+            self._kernels.clear()
+            self._generation = loader.generation
         key = (dev, dtype, variant)
         k = self._kernels.get(key)
         if k is None:

@@ -20,11 +20,16 @@ from gpuops.runtime.nvrtc import Target
 
 _memory: dict = {}
 _lock = threading.RLock()
+# Bumped whenever loaded modules are forgotten, so that launchers caching Kernel objects (for
+# speed) know to look them up again.
+generation = 0
 
 
 def clear_memory_cache() -> None:
+    global generation
     with _lock:
         _memory.clear()
+        generation += 1
 
 
 @dataclass
