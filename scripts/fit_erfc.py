@@ -41,8 +41,15 @@ def main(degree=9):
     print("Horner, highest degree first:")
     for c in coeffs[::-1]:
         print(f"  {c:.9e}f")
+    # The kernel evaluates 0.5 erfc(z) = t * exp2(Q(t) - (z sqrt(log2 e))^2) with
+    # Q = P * log2(e) - 1 (the 1/2 folded into the exponent): one MUFU.EX2, no expf range reduction.
+    log2e = 1 / np.log(2)
+    q = coeffs * log2e
+    q[0] -= 1.0
+    print("log2 form (0.5 erfc), Horner, highest degree first:")
+    for c in q[::-1]:
+        print(f"  {c:.9e}f")
 
 
 if __name__ == "__main__":
-    for d in (8, 9, 10):
-        main(d)
+    main(9)

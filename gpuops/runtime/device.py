@@ -60,11 +60,17 @@ def device_info(index: int) -> DeviceInfo:
         max_smem_per_block_optin=int(props.get("sharedMemPerBlockOptin", 0)))
 
 
+_runtime = None
+
+
 def make_current(index: int):
     """Make ``index`` the current device of this thread, and its primary context current (the raw
     cuLaunchKernel in :mod:`gpuops.runtime.launch` needs one). Returns the device to restore
-    afterwards, or None when nothing changed."""
-    runtime = cupy_or_none().cuda.runtime
+    afterwards, or None when nothing changed. On every GPU call: kept to two C calls."""
+    global _runtime
+    runtime = _runtime
+    if runtime is None:
+        runtime = _runtime = cupy_or_none().cuda.runtime
     previous = runtime.getDevice()
     if not getattr(_tls, "initialized", False):
         runtime.setDevice(index)   # binds the context in a fresh thread even when index == previous
