@@ -47,6 +47,7 @@ class Row:
     speedup_vs_torch: float | None = None
     bytes: int | None = None
     device: str = "cpu"
+    time_spread_us: tuple | None = None     # (fastest, slowest) batch median
 
 
 def _check_shape(shape):
@@ -95,8 +96,10 @@ class _Framework:
         else:
             self.cp.cuda.runtime.deviceSynchronize()
 
-    def time_us(self, fn, warmup=3, iters=20, budget_s=2.0):
-        """Median microseconds per call, CUDA events around each call."""
+    def time_us(self, fn, warmup=3, iters=20, budget_s=2.0, batches=3):
+        """Microseconds per call: CUDA events around each call after warm-up, the median of each
+        of ``batches`` batches, and the median of those (one batch disturbed by something else on
+        the machine cannot move the result; the spread is in ``self.last_spread``)."""
         for _ in range(warmup):
             fn()
         self.sync()
@@ -104,23 +107,27 @@ class _Framework:
         fn()
         self.sync()
         once = time.perf_counter() - t0
-        iters = int(max(5, min(iters, budget_s / max(once, 1e-6))))
-        if self.torch is not None:
-            ev = self.torch.cuda.Event
-            pairs = [(ev(enable_timing=True), ev(enable_timing=True)) for _ in range(iters)]
-        else:
-            ev = self.cp.cuda.Event
-            pairs = [(ev(), ev()) for _ in range(iters)]
-        for start, end in pairs:
-            start.record()
-            fn()
-            end.record()
-        self.sync()
-        if self.torch is not None:
-            times = [s.elapsed_time(e) for s, e in pairs]
-        else:
-            times = [self.cp.cuda.get_elapsed_time(s, e) for s, e in pairs]
-        return statistics.median(times) * 1e3
+        iters = int(max(5, min(iters, budget_s / batches / max(once, 1e-6))))
+        medians = []
+        for _ in range(batches):
+            if self.torch is not None:
+                ev = self.torch.cuda.Event
+                pairs = [(ev(enable_timing=True), ev(enable_timing=True)) for _ in range(iters)]
+            else:
+                ev = self.cp.cuda.Event
+                pairs = [(ev(), ev()) for _ in range(iters)]
+            for start, end in pairs:
+                start.record()
+                fn()
+                end.record()
+            self.sync()
+            if self.torch is not None:
+                times = [s.elapsed_time(e) for s, e in pairs]
+            else:
+                times = [self.cp.cuda.get_elapsed_time(s, e) for s, e in pairs]
+            medians.append(statistics.median(times) * 1e3)
+        self.last_spread = (min(medians), max(medians))
+        return statistics.median(medians)
 
     def copy_bandwidth_gbps(self, nbytes=1 << 30):
         """Device-to-device copy, bytes read + written per second."""
@@ -174,6 +181,7 @@ def bench_op(op, d, shape, fw, copy_gbps, peer=True) -> Row:
     del out
     row.bytes = moved
     row.time_us = fw.time_us(lambda: op.function(*args, **kwargs))
+    row.time_spread_us = fw.last_spread
     row.gbps = moved / (row.time_us * 1e-6) / 1e9
     row.pct_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
     if peer and spec.torch_fn is not None and fw.torch is not None:

@@ -5,6 +5,7 @@ namespace gpuops {
 
 // a + alpha * b with p.a = alpha (torch.add's alpha), one rounding.
 struct AddScaled : PointwiseOp {
+  static constexpr int kMinBlocks = 6;
   static __device__ __forceinline__ float apply(const PointwiseParams& p, float a, float b,
                                                 float) {
     return fmaf(p.a, b, a);
@@ -12,6 +13,7 @@ struct AddScaled : PointwiseOp {
 };
 
 struct Mul : PointwiseOp {
+  static constexpr int kMinBlocks = 6;
   static __device__ __forceinline__ float apply(const PointwiseParams&, float a, float b, float) {
     return a * b;
   }
@@ -19,6 +21,7 @@ struct Mul : PointwiseOp {
 
 template <Act A>
 struct BiasAct : PointwiseOp {
+  static constexpr int kMinBlocks = 6;
   static __device__ __forceinline__ float apply(const PointwiseParams&, float x, float bias,
                                                 float) {
     return activate<A>(x + bias);

@@ -13,22 +13,24 @@
 namespace gpuops {
 
 constexpr int kPointwiseThreads = 256;
-// At least 4 blocks of 256 threads per SM (<= 64 registers): no op spills on sm_61..sm_90.
 // One 16-byte pack per operand and thread, with a grid that covers the array once, was the
 // fastest setting of the H100 sweep (benchmarks/results/2026-11-22-h100-run1/sweep.log: 98-101%
 // of the copy bandwidth; 2, 4 and 8 packs per thread within 1-4%, a one-wave grid-stride grid
-// 5-15% slower). The macros exist for such sweeps (benchmarks/experiments/pointwise_sweep.py).
-#ifndef GPUOPS_POINTWISE_MIN_BLOCKS
-#define GPUOPS_POINTWISE_MIN_BLOCKS 4
-#endif
+// 5-15% slower). The macro exists for such sweeps (benchmarks/experiments/pointwise_sweep.py).
 #ifndef GPUOPS_POINTWISE_ILP
 #define GPUOPS_POINTWISE_ILP 1
 #endif
 
-// Every op functor derives from this. kIlp is how many 16-byte packs per operand a thread loads
-// before using any; an op may override it.
+// Every op functor derives from this.
+//   kIlp       16-byte packs per operand a thread loads before using any.
+//   kMinBlocks blocks of 256 threads per SM the register budget must allow (8: <= 32 registers,
+//              full occupancy; 6: <= 40; 4: <= 64). More resident warps overlap the loads of
+//              some with the math of others, which matters once an op's math is not free (GELU
+//              on 16-bit data). Each op takes the largest value at which no arch from sm_61 to
+//              sm_90 spills (checked by tests/test_runtime.py).
 struct PointwiseOp {
   static constexpr int kIlp = GPUOPS_POINTWISE_ILP;
+  static constexpr int kMinBlocks = 4;
 };
 
 // Scalars of an op (alpha, scale, clamp bounds): one struct for every op, so that every
@@ -37,16 +39,22 @@ struct PointwiseParams { float a, b, c, d; };
 
 // An operand's `period`: 0 = it has the output's shape; 1 = one value broadcast everywhere;
 // k > 1 = a contiguous block of k values repeated along the leading dimensions (a bias row).
+// e % period, in 32 bits when e fits (a 64-bit remainder is a long software routine).
+__device__ __forceinline__ long long row_offset(long long e, long long period) {
+  if (e <= 0xffffffffll) return static_cast<unsigned int>(e) % static_cast<unsigned int>(period);
+  return e % period;
+}
+
 template <class T>
 __device__ __forceinline__ uint4 load_operand16(const T* ptr, long long period, long long e) {
   if (period == 0) return load16(ptr + e);
   if (period == 1) return Vec16<T>::splat(ptr[0]);
-  return load16(ptr + e % period);  // period % VEC == 0 (checked on the host): no straddling
+  return load16(ptr + row_offset(e, period));  // period % VEC == 0 (host-checked): no straddling
 }
 
 template <class T>
 __device__ __forceinline__ float load_element(const T* ptr, long long period, long long e) {
-  return to_float(period == 0 ? ptr[e] : ptr[e % period]);
+  return to_float(period == 0 ? ptr[e] : ptr[row_offset(e, period)]);
 }
 
 template <class Op, class T, int NIN>
@@ -96,7 +104,7 @@ __device__ __forceinline__ void pointwise_packs(const PointwiseParams& p, T* out
 // The explicit minimum of blocks per SM matters: with the thread bound alone ptxas picked too
 // few registers for some ops and spilled.
 template <class Op, class T, int NIN, int VEC>
-__global__ void __launch_bounds__(kPointwiseThreads, GPUOPS_POINTWISE_MIN_BLOCKS)
+__global__ void __launch_bounds__(kPointwiseThreads, Op::kMinBlocks)
 pointwise_flat(PointwiseParams p, T* __restrict__ out, const T* __restrict__ in0,
                const T* __restrict__ in1, const T* __restrict__ in2, long long period0,
                long long period1, long long period2, long long n) {
