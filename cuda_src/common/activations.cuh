@@ -2,6 +2,7 @@
 // Each is written to match torch's results on NaN and +-inf, and to avoid the cancellation in
 // torch's own 1 + erf(x) / 1 + tanh(u) forms, which loses all relative precision for x << 0.
 #pragma once
+#include "common/fastmath.cuh"
 
 namespace gpuops {
 
@@ -11,12 +12,13 @@ __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x));
 // Phi(-a) = 0.5 erfc(a / sqrt 2) for a >= 0, the lower tail of the normal CDF.
 // erfc(z) = t exp(P(t) - z^2) with t = 1 / (1 + z/2) and P of degree 9 fitted by
 // scripts/fit_erfc.py (relative error 1e-7 in exact arithmetic). Evaluated in base 2, with log2(e)
-// and the 1/2 folded into the coefficients, so the whole tail is one approximate reciprocal, ten
-// FMAs and one MUFU.EX2 (~20 instructions): erfcf (70% of copy bandwidth for bf16 GELU on the
-// H100) and then expf with an IEEE reciprocal (84%) made GELU compute-bound (runs #1, #3).
-// Relative error in fp32: under 1e-5 wherever Phi(-a) > 1e-30 (the rounding of a^2 dominates).
+// and the 1/2 folded into the coefficients, so the whole tail is one MUFU.RCP, eleven FMAs and one
+// MUFU.EX2: erfcf (70% of copy bandwidth for bf16 GELU on the H100), then expf with an IEEE
+// reciprocal (84%), then exp2f with __fdividef (94%) left GELU compute-bound (runs #1, #3, #5).
+// Relative error in fp32: under 1e-5 wherever Phi(-a) > 1e-30 (the rounding of a^2 dominates);
+// below 2^-126 the tail flushes to 0, as torch's 1 + erf(x) does far sooner.
 __device__ __forceinline__ float normal_lower_tail_f(float a) {
-  const float t = __fdividef(1.0f, fmaf(0.35355339059327376f, a, 1.0f));  // 1 / (1 + a / sqrt 8)
+  const float t = fast_rcp(fmaf(0.35355339059327376f, a, 1.0f));  // 1 / (1 + a / sqrt 8), >= 1
   const float w = a * 0.84932180028801904f;                                // a sqrt(log2 e / 2)
   float q = 2.465173090e-01f;
   q = fmaf(q, t, -1.186114952e+00f);
@@ -28,7 +30,7 @@ __device__ __forceinline__ float normal_lower_tail_f(float a) {
   q = fmaf(q, t, 5.397006151e-01f);
   q = fmaf(q, t, 1.442729204e+00f);
   q = fmaf(q, t, -2.825748211e+00f);
-  return t * exp2f(fmaf(-w, w, q));
+  return t * fast_exp2(fmaf(-w, w, q));
 }
 
 // x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), with Phi from its lower tail so that it keeps full
