@@ -201,3 +201,23 @@ def test_registration_checks():
         def silu_again(call, input: "Tensor") -> "Tensor":
             """doc"""
             return input
+
+
+def test_import_and_cpu_fallback_without_cupy():
+    """gpuops must import and run its references where CuPy is not installed at all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
+        "import numpy as np, gpuops as go\n"
+        "x = np.linspace(-3, 3, 7, dtype=np.float32)\n"
+        "y = go.silu_mul(x, x)\n"
+        "assert np.allclose(y, x / (1 + np.exp(-x)) * x, rtol=1e-6)\n"
+        "info = go.info()\n"
+        "assert info['cupy'] == 'not installed' and info['gpus'] == [], info\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

@@ -1,6 +1,10 @@
-"""Every op family; importing this package registers all ops and kernel modules.
+"""Every op family. Importing this package imports each module in it, which registers the family's
+ops and kernel modules: a new family is just a new file here (``gpuops/ops/<family>.py``, beside
+``cuda_src/<family>/`` and ``tests/test_<family>.py``), with no list to edit."""
+import importlib
+import pkgutil
 
-A new family is a module here (``gpuops/ops/<family>.py``) beside ``cuda_src/<family>/`` and
-``tests/test_<family>.py``, added to the import list below.
-"""
-from gpuops.ops import elementwise  # noqa: F401
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if not _info.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_info.name}")
+del _info
