@@ -48,6 +48,11 @@ class Row:
     bytes: int | None = None
     device: str = "cpu"
     time_spread_us: tuple | None = None     # (fastest, slowest) batch median
+    tflops: float | None = None
+    peers: dict | None = None                # peer name -> us (or "failed: ...")
+    best_peer: str | None = None
+    best_peer_us: float | None = None
+    speedup_vs_best: float | None = None
 
 
 def _check_shape(shape):
@@ -154,40 +159,87 @@ def _errors(out, ref):
     return rel, float(diff.max(initial=0.0))
 
 
-def _reference_result(op, args, kwargs, to_f64):
-    ref_kwargs = {}
-    names = [n for n in op.param_names if n != "out"]
-    for name, value in zip(names, args):
-        ref_kwargs[name] = to_f64(value)
-    for name, value in kwargs.items():
-        ref_kwargs[name] = to_f64(value)
-    return op.reference(**ref_kwargs)
+_compiled: dict = {}
 
 
-def bench_op(op, d, shape, fw, copy_gbps, peer=True) -> Row:
+def _peers(spec, fw, compile_peer: bool) -> dict:
+    """name -> callable(*args, **kwargs) of every peer available here."""
+    peers = {}
+    if fw.torch is None:
+        return peers
+    if spec.torch_fn is not None:
+        peers["torch"] = spec.torch_fn
+        if compile_peer and spec.compile_peer:
+            key = id(spec)
+            if key not in _compiled:
+                _compiled[key] = fw.torch.compile(spec.torch_fn, dynamic=False)
+            peers["torch.compile"] = _compiled[key]
+    if spec.extra_peers is not None:
+        try:
+            peers.update(spec.extra_peers())
+        except ImportError:
+            pass
+    return peers
+
+
+def bench_op(op, d, shape, fw, copy_gbps, peer=True, compile_peer=False) -> Row:
     spec = op.bench
     shape = tuple(shape) if shape else tuple(spec.default_shape(d))
-    cshape = _check_shape(shape)
+    cshape = spec.check_shape(shape) if spec.check_shape else _check_shape(shape)
     args, kwargs = spec.make_inputs(cshape, d, fw.randn)
     out = op.function(*args, **kwargs)
-    ref = _reference_result(op, args, kwargs, fw.to_f64)
-    rel, mx = _errors(fw.to_f64(out), ref)
+    ref = op.reference(**_reference_kwargs(op, args, kwargs, fw.to_f64))
+    rel, mx = _errors_any(out, ref, fw.to_f64)
     row = Row(op.name, d.name, shape, cshape, rel, mx, rel <= TOLERANCE[d.name], device=fw.name)
     del args, out
     args, kwargs = spec.make_inputs(shape, d, fw.randn)
     out = op.function(*args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
     moved = (spec.bytes_moved(args, out) if spec.bytes_moved else
-             sum(fw.nbytes(a) for a in args) + fw.nbytes(out))
-    del out
+             sum(fw.nbytes(a) for a in args) + sum(fw.nbytes(o) for o in outs))
+    flops = spec.flops(args, out) if spec.flops else None
+    del out, outs
     row.bytes = moved
     row.time_us = fw.time_us(lambda: op.function(*args, **kwargs))
     row.time_spread_us = fw.last_spread
     row.gbps = moved / (row.time_us * 1e-6) / 1e9
     row.pct_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
-    if peer and spec.torch_fn is not None and fw.torch is not None:
-        row.torch_us = fw.time_us(lambda: spec.torch_fn(*args, **kwargs))
-        row.speedup_vs_torch = row.torch_us / row.time_us
+    if flops:
+        row.tflops = flops / (row.time_us * 1e-6) / 1e12
+    if peer:
+        row.peers = {}
+        for name, fn in _peers(spec, fw, compile_peer).items():
+            try:
+                row.peers[name] = fw.time_us(lambda fn=fn: fn(*args, **kwargs))
+            except Exception as exc:  # a peer that fails is reported, not fatal
+                row.peers[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        timed = {k: v for k, v in row.peers.items() if isinstance(v, float)}
+        if "torch" in timed:
+            row.torch_us = timed["torch"]
+            row.speedup_vs_torch = row.torch_us / row.time_us
+        if timed:
+            row.best_peer = min(timed, key=timed.get)
+            row.best_peer_us = timed[row.best_peer]
+            row.speedup_vs_best = row.best_peer_us / row.time_us
     return row
+
+
+def _reference_kwargs(op, args, kwargs, to_f64):
+    names = [n for n in op.param_names if n != "out"]
+    ref = {name: to_f64(value) for name, value in zip(names, args)}
+    ref.update({name: to_f64(value) for name, value in kwargs.items()})
+    return ref
+
+
+def _errors_any(out, ref, to_f64):
+    """Worst relative error over all outputs (tuples compared element by element)."""
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    worst = (0.0, 0.0)
+    for o, r in zip(outs, refs):
+        e = _errors(to_f64(o), r)
+        worst = max(worst, e)
+    return worst
 
 
 def bench_reference_only(op, d, shape) -> Row:
@@ -202,9 +254,9 @@ def bench_reference_only(op, d, shape) -> Row:
     t0 = time.perf_counter()
     out = op.function(*args, **kwargs)
     us = (time.perf_counter() - t0) * 1e6
-    ref = _reference_result(op, args, kwargs, lambda x: x.astype(np.float64)
-                            if isinstance(x, np.ndarray) else x)
-    rel, mx = _errors(np.asarray(out, dtype=np.float64), ref)
+    to64 = lambda x: x.astype(np.float64) if isinstance(x, np.ndarray) else x  # noqa: E731
+    ref = op.reference(**_reference_kwargs(op, args, kwargs, to64))
+    rel, mx = _errors_any(out, ref, to64)
     return Row(op.name, d.name, shape, shape, rel, mx, rel <= TOLERANCE[d.name], time_us=us)
 
 
@@ -328,15 +380,17 @@ def context(fw, copy_gbps) -> dict:
 
 
 def fmt_table(rows) -> str:
-    head = (f"{'op':<14}{'dtype':<10}{'shape':<16}{'rel err':>9} {'ok':<3}{'time us':>10}"
-            f"{'GB/s':>9}{'%copy':>7}{'torch us':>10}{'speedup':>9}")
+    head = (f"{'op':<18}{'dtype':<10}{'shape':<18}{'rel err':>9} {'ok':<3}{'time us':>10}"
+            f"{'GB/s':>8}{'%copy':>7}{'torch':>7}{'best peer':>24}{'x best':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(v, spec):
-            return format(v, spec) if v is not None else "-".rjust(len(format(0.0, spec)))
-        lines.append(f"{r.op:<14}{r.dtype:<10}{'x'.join(map(str, r.shape)):<16}{r.rel_err:9.1e} "
-                     f"{'y' if r.ok else 'NO':<3}{f(r.time_us, '10.1f')}{f(r.gbps, '9.0f')}"
-                     f"{f(r.pct_copy, '7.1f')}{f(r.torch_us, '10.1f')}{f(r.speedup_vs_torch, '9.2f')}")
+            return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(len(format(0.0, spec)))
+        best = f"{r.best_peer} {r.best_peer_us:.1f}" if r.best_peer else "-"
+        lines.append(f"{r.op:<18}{r.dtype:<10}{'x'.join(map(str, r.shape)):<18}{r.rel_err:9.1e} "
+                     f"{'y' if r.ok else 'NO':<3}{f(r.time_us, '10.1f')}{f(r.gbps, '8.0f')}"
+                     f"{f(r.pct_copy, '7.1f')}{f(r.speedup_vs_torch, '7.2f')}{best:>24}"
+                     f"{f(r.speedup_vs_best, '8.2f')}")
     return "\n".join(lines)
 
 
@@ -353,9 +407,10 @@ def _load_all_modules():
 
 
 def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=True,
-        out=sys.stdout) -> dict:
+        out=sys.stdout, compile_peer=False, all_shapes=False, families=None) -> dict:
     from gpuops.runtime import progress  # noqa: PLC0415
-    selected = [o for o in registry.ops() if o.bench is not None and (not ops or o.name in ops)]
+    selected = [o for o in registry.ops() if o.bench is not None and (not ops or o.name in ops)
+                and (not families or o.family in families)]
     if ops:
         unknown = set(ops) - {o.name for o in registry.ops()}
         if unknown:
@@ -380,7 +435,9 @@ def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=T
         _load_all_modules()
         bar = progress.Bar(len(jobs), "gpuops bench")
         for op, d in jobs:
-            rows.append(bench_op(op, d, shape, fw, copy_gbps, peer=peer))
+            shapes = [shape] + (list(op.bench.extra_shapes) if all_shapes and not shape else [])
+            for s in shapes:
+                rows.append(bench_op(op, d, s, fw, copy_gbps, peer=peer, compile_peer=compile_peer))
             bar.step(f"{op.name} {d.name}")
         result["context"] = context(fw, copy_gbps)
         if runtime:

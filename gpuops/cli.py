@@ -30,7 +30,12 @@ def main(argv=None) -> int:
     b.add_argument("--json", help="also write the rows (with GPU, date, versions) to this file")
     b.add_argument("--runtime", action="store_true",
                    help="also measure host dispatch overhead and module load/compile times")
-    b.add_argument("--no-peer", action="store_true", help="skip torch eager timings")
+    b.add_argument("--no-peer", action="store_true", help="skip the peers (torch, Liger, ...)")
+    b.add_argument("--compile", action="store_true",
+                   help="also time torch.compile peers (compiles each op/dtype/shape: slow)")
+    b.add_argument("--all-shapes", action="store_true",
+                   help="also each op's extra shapes (long rows, decode sizes, ...)")
+    b.add_argument("--family", type=_csv, help="only these op families, e.g. elementwise")
 
     bl = sub.add_parser("build", help="compile every kernel module without a GPU into a bundle")
     bl.add_argument("--arch", type=_csv, default=["61", "70", "75", "80", "86", "89", "90"],
@@ -57,7 +62,8 @@ def main(argv=None) -> int:
     elif args.command == "bench":
         from gpuops import bench  # noqa: PLC0415
         result = bench.run(ops=args.ops, shape=args.shape, dtypes=args.dtype, json_path=args.json,
-                           runtime=args.runtime, peer=not args.no_peer)
+                           runtime=args.runtime, peer=not args.no_peer, compile_peer=args.compile,
+                           all_shapes=args.all_shapes, families=args.family)
         return 0 if all(r["ok"] for r in result["rows"]) else 1
     elif args.command == "build":
         return _build(args)

@@ -315,13 +315,19 @@ def _rows_shape(d):
     return ((256 << 20) // d.itemsize // 4096, 4096)
 
 
-def _bench(n_inputs, torch_fn, kwargs=None, bias=False):
+def _liger_swiglu():
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: PLC0415
+    return {"liger": lambda g, u: LigerSiLUMulFunction.apply(g, u)}
+
+
+def _bench(n_inputs, torch_fn, kwargs=None, bias=False, extra_peers=None):
     def make(shape, d, randn):
         args = [randn(shape, d) for _ in range(n_inputs)]
         if bias:
             args.append(randn(shape[-1:], d))
         return tuple(args), dict(kwargs or {})
-    return BenchSpec(make_inputs=make, torch_fn=torch_fn, default_shape=_rows_shape)
+    return BenchSpec(make_inputs=make, torch_fn=torch_fn, default_shape=_rows_shape,
+                     compile_peer=True, extra_peers=extra_peers)
 
 
 def _torch_f():
@@ -368,7 +374,7 @@ def relu(call, input: Tensor, *, out: Tensor | None = None) -> Tensor:
 
 
 @register(family="elementwise", reference=ref_silu_mul,
-          bench=_bench(2, lambda g, u: _torch_f().silu(g) * u))
+          bench=_bench(2, lambda g, u: _torch_f().silu(g) * u, extra_peers=_liger_swiglu))
 def silu_mul(call, gate: Tensor, up: Tensor, *, out: Tensor | None = None) -> Tensor:
     """SwiGLU's gate: ``silu(gate) * up`` in one pass (broadcasting like torch).
 

@@ -118,7 +118,7 @@ def _scratch():
 class Kernel:
     """One loaded kernel function: ``kernel.launch(grid, block, stream, *args)``."""
 
-    __slots__ = ("name", "ptr", "spec", "raw", "_launch")
+    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit")
 
     def __init__(self, name: str, raw_kernel, spec: ArgSpec):
         from cupy.cuda import driver  # noqa: PLC0415
@@ -127,10 +127,16 @@ class Kernel:
         self.ptr = raw_kernel.kernel.ptr
         self.spec = spec
         self._launch = driver.launchKernel
+        self._smem_limit = 48 * 1024
 
     def launch(self, grid, block, stream: int, *args, smem: int = 0) -> None:
         """Enqueue on the raw CUDA stream handle ``stream`` (an int). ``grid``/``block`` are
-        3-tuples; args are flat, as described by the kernel's ArgSpec."""
+        3-tuples; args are flat, as described by the kernel's ArgSpec. ``smem`` is dynamic
+        shared memory in bytes; above 48 KiB the kernel's limit is raised once (up to the
+        device's opt-in maximum: 227 KiB on sm_90, 96 KiB on sm_61...)."""
+        if smem > self._smem_limit:
+            self.raw.max_dynamic_shared_size_bytes = smem
+            self._smem_limit = smem
         buf, size, extra, _ = _scratch()
         spec = self.spec
         spec.struct.pack_into(buf, 0, *args)
