@@ -3,7 +3,14 @@
 #   1. the GPU tests on the device's own arch,
 #   2. the GPU tests again on the compute_61 (Pascal) bundle built off-device (.bundle61),
 #   3. the benchmarks (`python -m gpuops bench --runtime`), and any experiments named.
-# Logs and JSON go to $OUT. Stages: tests tests61 bench sweep dispatch (default: tests tests61 bench).
+# Logs and JSON go to $OUT. Stages (default: tests tests61 bench):
+#   tests      the whole test suite on the device's arch
+#   tests61    the GPU tests again on the compute_61 bundle (.bundle61, carried)
+#   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
+#   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
+#   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
+#   sweep, dispatch   experiments of the elementwise family
+# Wheels in .whl (carried; e.g. liger-kernel) are installed into /tmp/site first.
 #   bash scripts/device_run.sh                 # all default stages
 #   bash scripts/device_run.sh bench sweep     # only these
 set -uo pipefail
@@ -14,6 +21,11 @@ export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
 PY=${PY:-python3}
 stages=${*:-tests tests61 bench}
 status=0
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
@@ -40,6 +52,12 @@ for stage in $stages; do
         | tee "$OUT/tests_sm61.log" | tail -25 || status=1 ;;
     bench)
       $PY -m gpuops bench --runtime --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    benchfull)
+      $PY -m gpuops bench --compile --all-shapes --json "$OUT/benchfull.json" ${BENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/benchfull.log" || status=1 ;;
+    xent)
+      $PY benchmarks/experiments/cross_entropy_memory.py --json "$OUT/xent.json" 2>&1 \
+        | tee "$OUT/xent.log" || status=1 ;;
     sweep)
       $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
         | tee "$OUT/sweep.log" || status=1 ;;
