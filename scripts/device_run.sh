@@ -9,6 +9,7 @@
 #   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
 #   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
+#   decode     benchmarks/experiments/decode_graphs.py (per call back to back and in a CUDA graph)
 #   sweep, dispatch   experiments of the elementwise family
 # Wheels in .whl (carried; e.g. liger-kernel) are installed into /tmp/site first.
 #   bash scripts/device_run.sh                 # all default stages
@@ -58,6 +59,9 @@ for stage in $stages; do
     xent)
       $PY benchmarks/experiments/cross_entropy_memory.py --json "$OUT/xent.json" 2>&1 \
         | tee "$OUT/xent.log" || status=1 ;;
+    decode)
+      $PY benchmarks/experiments/decode_graphs.py --json "$OUT/decode.json" 2>&1 \
+        | tee "$OUT/decode.log" || status=1 ;;
     sweep)
       $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
         | tee "$OUT/sweep.log" || status=1 ;;

@@ -1,0 +1,121 @@
+"""Decode-sized calls: time per call of every benchmarked op at a small shape, back to back from
+Python and replayed from a CUDA graph, next to torch eager doing the same (issue 3: "small inputs
+such as [16, 2048]: report time per call with and without a CUDA graph").
+
+For each op: the smallest of its bench shapes (or [16, 2048] for row ops), 200 calls captured into
+one graph; per-call time = graph replay time / 200. Back to back = host loop of the same calls,
+synchronized at the end.
+
+    python benchmarks/experiments/decode_graphs.py [--ops a,b] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from math import prod
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import torch  # noqa: E402
+
+from gpuops import dtypes as dt  # noqa: E402
+from gpuops import registry  # noqa: E402
+
+CALLS = 200
+
+
+def decode_shape(spec, d):
+    shapes = [tuple(s) for s in spec.extra_shapes if prod(s) <= (1 << 17)]
+    if shapes:
+        return min(shapes, key=prod)
+    default = tuple(spec.default_shape(d))
+    if len(default) == 2:
+        return (16, 2048)
+    return None
+
+
+def randn(shape, d):
+    return torch.randn(shape, device="cuda").to(dt.to_torch(d))
+
+
+def eager_us(fn):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / CALLS * 1e6)
+    return best
+
+
+def graph_us(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / CALLS)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    wanted = set(args.ops.split(",")) if args.ops else None
+    rows = []
+    d = dt.bfloat16
+    print(f"{'op':<22}{'shape':<22}{'gpuops us':>10}{'in graph':>10}{'torch us':>10}{'in graph':>10}")
+    for op in registry.ops():
+        if op.bench is None or (wanted and op.name not in wanted) or d not in op.dtypes:
+            continue
+        shape = decode_shape(op.bench, d)
+        if shape is None:
+            continue
+        try:
+            a, kw = op.bench.make_inputs(shape, d, randn)
+            ours = lambda: op.function(*a, **kw)  # noqa: E731
+            row = {"op": op.name, "shape": shape, "eager_us": eager_us(ours),
+                   "graph_us": graph_us(ours)}
+            if op.bench.torch_fn is not None:
+                peer = lambda: op.bench.torch_fn(*a, **kw)  # noqa: E731
+                row["torch_eager_us"] = eager_us(peer)
+                row["torch_graph_us"] = graph_us(peer)
+        except Exception as exc:  # report and go on
+            row = {"op": op.name, "shape": shape, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+
+        def f(key):
+            v = row.get(key)
+            return f"{v:10.2f}" if isinstance(v, float) else f"{'-':>10}"
+        print(f"{op.name:<22}{'x'.join(map(str, shape)):<22}{f('eager_us')}{f('graph_us')}"
+              f"{f('torch_eager_us')}{f('torch_graph_us')}" + (f"  {row['error']}" if "error" in row else ""),
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "dtype": d.name, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
