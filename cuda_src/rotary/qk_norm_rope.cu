@@ -191,7 +191,7 @@ __device__ __forceinline__ void load_grad_item(const RopeTables& tb, const T* g,
 //    total = tokens. n: xq/xk = the forward's q and k, partial = [gridDim.x, D] floats.
 // Resident blocks per SM the register budget must allow: 3 (<= 85 registers) where that does not
 // spill, 2 on sm_61/sm_70 (16-bit rows need ~100 registers there). The host's persistent grid
-// (gpuops/ops/rotary.py, BWD_BLOCKS_PER_SM) follows the same rule.
+// (gpuops/ops/rotary.py, _bwd_grid) follows the same rule.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
 constexpr int kNormBwdMinBlocks = 2;
 #else

@@ -53,7 +53,7 @@ from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
 
 THREADS = 256                      # kRopeThreads
-BWD_BLOCKS_PER_SM = {61: 2, 70: 2}  # kNormBwdMinBlocks of qk_norm_rope_bwd (3 from sm_75 on)
+BWD_MIN_BLOCKS_OLD, BWD_MIN_BLOCKS = 2, 3   # kNormBwdMinBlocks of qk_norm_rope_bwd (< sm_75, later)
 BWD_SMEM_FLOATS = 4096             # red[] of qk_norm_rope_bwd: (256 / group) * D must fit
 TABLE_DTYPES = (dt.float32, dt.float16, dt.bfloat16, dt.float64)   # float64: CPU path only
 POSITION_DTYPES = (dt.int64, dt.int32)
@@ -112,7 +112,8 @@ def _bwd_grid(dev):
     n = _bwd_grids.get(dev)
     if n is None:
         info = device.device_info(dev)
-        n = _bwd_grids[dev] = info.sm_count * BWD_BLOCKS_PER_SM.get(info.cc, 3)
+        n = _bwd_grids[dev] = info.sm_count * (BWD_MIN_BLOCKS if info.cc >= 75 else
+                                               BWD_MIN_BLOCKS_OLD)
     return n
 
 
@@ -267,7 +268,9 @@ def _plan(op, q, k, cos, sin, positions, interleaved, rotary_dim, mrope_section,
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel arguments.
+# Kernel arguments. Everything but the pointers depends only on shapes, strides, dtypes, options
+# and the pointers' 16-byte alignment: it is worked out once per combination and cached, so a call
+# at decode sizes is a dict lookup, the output allocations and the launch.
 
 def _qk_strides(p, t: Tensor):
     """(b, s, h, d) strides in elements of q/k/output; 0 for dims of size 1 (never stepped)."""
@@ -299,50 +302,85 @@ def _check_table_dtypes(op, dtype, named: dict):
     return first[1]
 
 
-def _table_args(p, cos: Tensor, sin: Tensor, positions: Tensor | None):
-    cs = _tab_strides(p, cos)
-    ss = _tab_strides(p, sin)
+def _table_static(p, cos: Tensor, sin: Tensor, positions: Tensor | None):
+    """The RopeTables fields after its three pointers."""
+    cs, ss = _tab_strides(p, cos), _tab_strides(p, sin)
     if positions is None:
-        return (cos.ptr, sin.ptr, 0, *cs, *ss, 0, 0, 0, cos.shape[p.rows_dim], 0, p.mrope_mode,
-                p.sec_a, p.sec_b)
+        return (*cs, *ss, 0, 0, 0, cos.shape[p.rows_dim], 0, p.mrope_mode, p.sec_a, p.sec_b)
     pst = positions.strides
     psm, psb, pss = (pst[i] if i is not None and positions.shape[i] != 1 else 0
                      for i in p.pos_dims)
     mode = 2 if positions.dtype is dt.int64 else 1
-    return (cos.ptr, sin.ptr, positions.ptr, *cs, *ss, psm, psb, pss, cos.shape[0], mode,
-            p.mrope_mode, p.sec_a, p.sec_b)
+    return (*cs, *ss, psm, psb, pss, cos.shape[0], mode, p.mrope_mode, p.sec_a, p.sec_b)
 
 
-def _vector_ok(p, v, tensors) -> bool:
-    """16-byte packs: last dim contiguous, pointers and other strides multiples of a pack."""
-    if p.r % (2 * v) or p.d % v:
+def _vector_ok(p, v, strides, aligned) -> bool:
+    """16-byte packs: last dims contiguous, pointers and other strides multiples of a pack."""
+    if not aligned or p.r % (2 * v) or p.d % v:
         return False
-    for t, st in tensors:
-        if t.ptr % 16 or (st[3] != 1 and p.d > 1):
-            return False
-        if st[0] % v or st[1] % v or st[2] % v:
+    for st in strides:
+        if st[3] != 1 or st[0] % v or st[1] % v or st[2] % v:
             return False
     return True
 
 
-def _launch_rope(call, p, q_in, k_in, q_out, k_out, cos, sin, positions, interleaved, sign):
-    tokens = p.batch * p.seq
-    if tokens == 0 or p.d == 0 or p.hq + p.hk == 0:
-        return
-    dtype = call.result_dtype
-    tdtype = _check_table_dtypes(call.op.name, dtype, {"cos": cos, "sin": sin})
-    strides = [_qk_strides(p, t) for t in (q_in, k_in, q_out, k_out)]
-    v = _vec(dtype)
-    if not _vector_ok(p, v, list(zip((q_in, k_in, q_out, k_out), strides))):
-        v = 1
-    per_head = p.r // (2 * v) + (p.d - p.r) // v
-    total = tokens * (p.hq + p.hk) * per_head
-    grid = -(-total // THREADS)
-    kern = _kernel(ROPE_MODULE, call.device, _rope_expr(dtype, tdtype, v))
-    kern.launch((grid, 1, 1), (THREADS, 1, 1), call.stream,
-                q_in.ptr, k_in.ptr, q_out.ptr, k_out.ptr, *strides[0], *strides[1], *strides[2],
-                *strides[3], p.seq, total, p.hq, p.hk, p.d, p.r, int(bool(interleaved)),
-                float(sign), *_table_args(p, cos, sin, positions))
+def _aligned(*tensors) -> bool:
+    acc = 0
+    for t in tensors:
+        acc |= t.ptr
+    return acc % 16 == 0
+
+
+def _key(t: Tensor | None):
+    return None if t is None else (t.shape, t.strides, t.dtype)
+
+
+def _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved):
+    return (bool(interleaved), rotary_dim,
+            None if mrope_section is None else tuple(mrope_section), bool(mrope_interleaved))
+
+
+_launches: dict = {}
+
+
+def _cached(key, build):
+    entry = _launches.get(key)
+    if entry is None:
+        if len(_launches) > 4096:
+            _launches.clear()
+        entry = _launches[key] = build()
+    return entry
+
+
+def _rope_launch(call, op, q_in, k_in, q_out, k_out, cos, sin, positions, interleaved,
+                 rotary_dim, mrope_section, mrope_interleaved, sign):
+    aligned = _aligned(q_in, k_in, q_out, k_out)
+    key = (op, call.result_dtype, _key(q_in), _key(k_in), _key(cos), _key(sin), _key(positions),
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
+
+    def build():
+        p = _plan(op, q_in.shape, k_in.shape, cos.shape, sin.shape,
+                  None if positions is None else positions.shape, interleaved, rotary_dim,
+                  mrope_section, mrope_interleaved)
+        dtype = call.result_dtype
+        tdtype = _check_table_dtypes(op, dtype, {"cos": cos, "sin": sin})
+        strides = [_qk_strides(p, t) for t in (q_in, k_in, q_out, k_out)]
+        v = _vec(dtype) if _vector_ok(p, _vec(dtype), strides, aligned) else 1
+        per_head = p.r // (2 * v) + (p.d - p.r) // v
+        total = p.batch * p.seq * (p.hq + p.hk) * per_head
+        if total == 0:
+            return None
+        return (_rope_expr(dtype, tdtype, v), (-(-total // THREADS), 1, 1),
+                (*strides[0], *strides[1], *strides[2], *strides[3], p.seq, total, p.hq, p.hk,
+                 p.d, p.r, int(bool(interleaved)), float(sign)),
+                _table_static(p, cos, sin, positions))
+
+    entry = _cached(key, build)
+    if entry is not None:
+        expr, grid, mid, tab = entry
+        _kernel(ROPE_MODULE, call.device, expr).launch(
+            grid, (THREADS, 1, 1), call.stream, q_in.ptr, k_in.ptr, q_out.ptr, k_out.ptr, *mid,
+            cos.ptr, sin.ptr, 0 if positions is None else positions.ptr, *tab)
 
 
 def _norm_group(p, v):
@@ -358,16 +396,16 @@ def _norm_group(p, v):
     return group
 
 
-def _norm_config(call, p, tensors):
+def _norm_config(op, p, dtype, strides, aligned):
     """(pack width, group) of the fused kernels."""
-    v = _vec(call.result_dtype)
-    if _vector_ok(p, v, tensors):
+    v = _vec(dtype)
+    if _vector_ok(p, v, strides, aligned):
         group = _norm_group(p, v)
         if group is not None:
             return v, group
     group = _norm_group(p, 1)
     if group is None:
-        raise ValueError(f"gpuops.{call.op.name}: head dim {p.d} is too large (at most "
+        raise ValueError(f"gpuops.{op}: head dim {p.d} is too large (at most "
                          f"{BWD_SMEM_FLOATS // (THREADS // 32)})")
     return 1, group
 
@@ -381,6 +419,17 @@ def _check_weights(op, p, q_weight: Tensor, k_weight: Tensor):
         if tuple(w.shape) != (p.d,):
             raise ValueError(f"gpuops.{op}: {name!r} has shape {_shape_str(w.shape)}; expected "
                              f"[{p.d}] (the head dim)")
+
+
+def _norm_common(call, op, p, qk, xs, q_weight, k_weight, cos, sin, positions, aligned):
+    """Checks, strides (of qk then xs), pack width and group of both fused kernels."""
+    dtype = call.result_dtype
+    tdtype = _check_table_dtypes(op, dtype, {"q_weight": q_weight, "k_weight": k_weight,
+                                             "cos": cos, "sin": sin})
+    _check_weights(op, p, q_weight, k_weight)
+    strides = [_qk_strides(p, t) for t in (*qk, *xs)]
+    v, group = _norm_config(op, p, dtype, strides, aligned)
+    return dtype, tdtype, strides, v, group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,12 +711,10 @@ _NORM_DTYPES = {**_ROTARY_DTYPES, "q_weight": TABLE_DTYPES, "k_weight": TABLE_DT
 
 def _rotary(call, op, q, k, cos, sin, interleaved, positions, rotary_dim, mrope_section,
             mrope_interleaved, sign):
-    p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
-              None if positions is None else positions.shape, interleaved, rotary_dim,
-              mrope_section, mrope_interleaved)
     q_out = call.empty(q.shape, call.result_dtype)
     k_out = call.empty(k.shape, call.result_dtype)
-    _launch_rope(call, p, q, k, q_out, k_out, cos, sin, positions, interleaved, sign)
+    _rope_launch(call, op, q, k, q_out, k_out, cos, sin, positions, interleaved, rotary_dim,
+                 mrope_section, mrope_interleaved, sign)
     return q_out, k_out
 
 
@@ -706,19 +753,6 @@ def apply_rotary_backward(call, grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin
                    positions, rotary_dim, mrope_section, mrope_interleaved, -1.0)
 
 
-def _norm_args(call, p, q_in, k_in, q_out, k_out, x_q, x_k, q_weight, k_weight, cos, sin,
-               positions, interleaved):
-    """Common arguments of both fused kernels, with the pack width and row layout."""
-    dtype = call.result_dtype
-    tdtype = _check_table_dtypes(call.op.name, dtype, {"q_weight": q_weight, "k_weight": k_weight,
-                                                       "cos": cos, "sin": sin})
-    _check_weights(call.op.name, p, q_weight, k_weight)
-    tensors = [q_in, k_in, q_out, k_out] + [t for t in (x_q, x_k) if t is not None]
-    strides = [_qk_strides(p, t) for t in tensors]
-    v, group = _norm_config(call, p, list(zip(tensors, strides)))
-    return dtype, tdtype, strides, v, group
-
-
 @register(family="rotary", reference=ref_qk_norm_rotary, param_dtypes=_NORM_DTYPES,
           bench=_bench(_norm_inputs, _torch_qk_norm_rope, _liger_qk_norm_rope))
 def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor,
@@ -734,25 +768,37 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
     one dtype, q's or float32. RoPE arguments as ``apply_rotary``. Head dims up to 512.
     """
     op = "qk_norm_rotary"
-    p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
-              None if positions is None else positions.shape, interleaved, rotary_dim,
-              mrope_section, mrope_interleaved)
     q_out = call.empty(q.shape, call.result_dtype)
     k_out = call.empty(k.shape, call.result_dtype)
-    dtype, tdtype, st, v, group = _norm_args(call, p, q, k, q_out, k_out, None, None,
+    aligned = _aligned(q, k, q_out, k_out)
+    key = (op, call.result_dtype, _key(q), _key(k), _key(q_weight), _key(k_weight), _key(cos),
+           _key(sin), _key(positions), float(eps),
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
+
+    def build():
+        p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
+                  None if positions is None else positions.shape, interleaved, rotary_dim,
+                  mrope_section, mrope_interleaved)
+        dtype, tdtype, st, v, group = _norm_common(call, op, p, (q, k, q_out, k_out), (),
                                                    q_weight, k_weight, cos, sin, positions,
-                                                   interleaved)
-    rows = p.batch * p.seq * (p.hq + p.hk)
-    if rows == 0 or p.d == 0:
-        return q_out, k_out
-    grid = -(-rows // (THREADS // group))
-    kern = _kernel(NORM_MODULE, call.device, _norm_expr("fwd", dtype, tdtype, v))
-    kern.launch((grid, 1, 1), (THREADS, 1, 1), call.stream,
-                q.ptr, k.ptr, q_out.ptr, k_out.ptr, *st[0], *st[1], *st[2], *st[3], p.seq, rows,
-                p.hq, p.hk, p.d, p.r, int(bool(interleaved)), 1.0,
-                *_table_args(p, cos, sin, positions),
-                q_weight.ptr, k_weight.ptr, 0, 0, 0, *(0,) * 8, _weight_stride(q_weight),
-                _weight_stride(k_weight), float(eps), group, 0)
+                                                   aligned)
+        rows = p.batch * p.seq * (p.hq + p.hk)
+        if rows == 0:
+            return None
+        return (_norm_expr("fwd", dtype, tdtype, v), (-(-rows // (THREADS // group)), 1, 1),
+                (*st[0], *st[1], *st[2], *st[3], p.seq, rows, p.hq, p.hk, p.d, p.r,
+                 int(bool(interleaved)), 1.0),
+                _table_static(p, cos, sin, positions),
+                (*(0,) * 8, _weight_stride(q_weight), _weight_stride(k_weight), float(eps), group,
+                 0))
+
+    entry = _cached(key, build)
+    if entry is not None:
+        expr, grid, mid, tab, norm = entry
+        _kernel(NORM_MODULE, call.device, expr).launch(
+            grid, (THREADS, 1, 1), call.stream, q.ptr, k.ptr, q_out.ptr, k_out.ptr, *mid,
+            cos.ptr, sin.ptr, 0 if positions is None else positions.ptr, *tab,
+            q_weight.ptr, k_weight.ptr, 0, 0, 0, *norm)
     return q_out, k_out
 
 
@@ -773,44 +819,55 @@ def qk_norm_rotary_backward(call, grad_q: Tensor, grad_k: Tensor, q: Tensor, k: 
     per-block partials, no atomics): the same inputs give the same bits on the same GPU model.
     """
     op = "qk_norm_rotary_backward"
-    p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
-              None if positions is None else positions.shape, interleaved, rotary_dim,
-              mrope_section, mrope_interleaved)
     for name, g, x in (("grad_q", grad_q, q), ("grad_k", grad_k, k)):
         if tuple(g.shape) != tuple(x.shape):
             raise ValueError(f"gpuops.{op}: {name!r} has shape {_shape_str(g.shape)}; expected "
                              f"{_shape_str(x.shape)}")
     dq = call.empty(q.shape, call.result_dtype)
     dk = call.empty(k.shape, call.result_dtype)
-    dtype, tdtype, st, v, group = _norm_args(call, p, grad_q, grad_k, dq, dk, q, k,
+    aligned = _aligned(grad_q, grad_k, dq, dk, q, k)
+    key = (op, call.device, call.result_dtype, _key(grad_q), _key(grad_k), _key(q), _key(k),
+           _key(q_weight), _key(k_weight), _key(cos), _key(sin), _key(positions), float(eps),
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
+
+    def build():
+        p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
+                  None if positions is None else positions.shape, interleaved, rotary_dim,
+                  mrope_section, mrope_interleaved)
+        dtype, tdtype, st, v, group = _norm_common(call, op, p, (grad_q, grad_k, dq, dk), (q, k),
                                                    q_weight, k_weight, cos, sin, positions,
-                                                   interleaved)
-    dwq = call.empty((p.d,), tdtype)
-    dwk = call.empty((p.d,), tdtype)
-    if p.d == 0:
-        return dq, dk, dwq, dwk
-    tokens = p.batch * p.seq
-    slots = THREADS // group
-    rows_q, rows_k = tokens * p.hq, tokens * p.hk
-    need_q, need_k = -(-rows_q // slots), -(-rows_k // slots)
-    budget = _bwd_grid(call.device)
-    share_q = round(budget * rows_q / max(1, rows_q + rows_k))
-    nbq = min(need_q, max(1, share_q)) if rows_q else 0
-    nbk = min(need_k, max(1, budget - nbq)) if rows_k else 0
+                                                   aligned)
+        tokens = p.batch * p.seq
+        slots = THREADS // group
+        rows_q, rows_k = tokens * p.hq, tokens * p.hk
+        budget = _bwd_grid(call.device)
+        share_q = round(budget * rows_q / max(1, rows_q + rows_k))
+        nbq = min(-(-rows_q // slots), max(1, share_q)) if rows_q else 0
+        nbk = min(-(-rows_k // slots), max(1, budget - nbq)) if rows_k else 0
+        main = None
+        if nbq + nbk:
+            main = (_norm_expr("bwd", dtype, tdtype, v), (nbq + nbk, 1, 1),
+                    (*st[0], *st[1], *st[2], *st[3], p.seq, tokens, p.hq, p.hk, p.d, p.r,
+                     int(bool(interleaved)), -1.0),
+                    _table_static(p, cos, sin, positions),
+                    (*st[4], *st[5], _weight_stride(q_weight), _weight_stride(k_weight),
+                     float(eps), group, nbq))
+        return (p.d, tdtype, nbq + nbk, main, _reduce_expr(tdtype), (-(-p.d // 32), 2, 1),
+                (nbq, nbk, p.d))
+
+    d, tdtype, blocks, main, reduce_expr, reduce_grid, reduce_args = _cached(key, build)
+    dwq = call.empty((d,), tdtype)
+    dwk = call.empty((d,), tdtype)
+    partial_ptr = 0
     dev = call.device
-    if nbq + nbk:
-        partial = call.empty((nbq + nbk, p.d), dt.float32)
-        kern = _kernel(NORM_MODULE, dev, _norm_expr("bwd", dtype, tdtype, v))
-        kern.launch((nbq + nbk, 1, 1), (THREADS, 1, 1), call.stream,
-                    grad_q.ptr, grad_k.ptr, dq.ptr, dk.ptr, *st[0], *st[1], *st[2], *st[3], p.seq,
-                    tokens, p.hq, p.hk, p.d, p.r, int(bool(interleaved)), -1.0,
-                    *_table_args(p, cos, sin, positions),
-                    q_weight.ptr, k_weight.ptr, q.ptr, k.ptr, partial.ptr, *st[4], *st[5],
-                    _weight_stride(q_weight), _weight_stride(k_weight), float(eps), group, nbq)
+    if main is not None:
+        expr, grid, mid, tab, norm = main
+        partial = call.empty((blocks, d), dt.float32)
         partial_ptr = partial.ptr
-    else:
-        partial_ptr = 0
-    _kernel(NORM_MODULE, dev, _reduce_expr(tdtype)).launch(
-        (-(-p.d // 32), 2, 1), (32, 32, 1), call.stream, partial_ptr, dwq.ptr, dwk.ptr, nbq, nbk,
-        p.d)
+        _kernel(NORM_MODULE, dev, expr).launch(
+            grid, (THREADS, 1, 1), call.stream, grad_q.ptr, grad_k.ptr, dq.ptr, dk.ptr, *mid,
+            cos.ptr, sin.ptr, 0 if positions is None else positions.ptr, *tab,
+            q_weight.ptr, k_weight.ptr, q.ptr, k.ptr, partial_ptr, *norm)
+    _kernel(NORM_MODULE, dev, reduce_expr).launch(
+        reduce_grid, (32, 32, 1), call.stream, partial_ptr, dwq.ptr, dwk.ptr, *reduce_args)
     return dq, dk, dwq, dwk
