@@ -18,19 +18,19 @@ Layouts (every op of the family):
 * ``cos``/``sin`` (same shape and dtype: q's dtype or float32), last dim ``W``:
   ``W = R/2`` is one value per frequency; ``W = R`` is HF's duplicated layout (NeoX:
   ``cat(freqs, freqs)``, GPT-J: ``repeat_interleave(freqs, 2)``), of which one copy is read.
-  Leading dims:
+  Leading dims, by case (the row of token ``(b, s)``):
 
-  ============================  ===================================  =========================
-  positions                     cos / sin                            row of token (b, s)
-  ============================  ===================================  =========================
-  None                          ``[S', W]`` or ``[B or 1, S', W]``   ``s`` (``S' >= S``)
-  ``[B, S]``, ``[S]`` or ``[T]``  ``[P, W]`` (a table of P positions)  ``positions[b, s]``
-  None, M-RoPE                  ``[3, S', W]`` or ``[3, B|1, S', W]``  ``s``, per stream
-  ``[3, B, S]``/``[3, S]``/``[3, T]``, M-RoPE  ``[P, W]``              ``positions[stream, b, s]``
-  ============================  ===================================  =========================
+  - no positions: ``[S', W]`` or ``[B or 1, S', W]`` (``S' >= S``), row ``s``;
+  - ``positions`` ``[B, S]`` or ``[S]`` (packed: ``[T]``): a table ``[P, W]``, row
+    ``positions[b, s]``;
+  - M-RoPE without positions: ``[3, S', W]`` or ``[3, B or 1, S', W]`` (one table per stream),
+    row ``s``;
+  - M-RoPE with positions ``[3, B, S]`` or ``[3, S]`` (packed: ``[3, T]``): a table ``[P, W]``,
+    row ``positions[stream, b, s]``.
 
   HF's ``position_embeddings`` (``cos, sin`` of shape ``[B, S, D]``, or ``[3, B, S, D]`` for
-  Qwen2-VL) are taken as they are. Positions are int32 or int64; a position outside ``[0, P)``
+  Qwen2-VL) are taken as they are (Qwen3-VL's, already merged per frequency by its rotary
+  embedding, need no M-RoPE option). Positions are int32 or int64; a position outside ``[0, P)``
   makes that token's rotated elements NaN on the GPU (there is no bounds error without a host
   sync) and raises ValueError on the CPU path.
 * Multi-section RoPE (M-RoPE, Qwen2-VL / Qwen2.5-VL / Qwen3-VL): ``mrope_section=(t, h, w)``
