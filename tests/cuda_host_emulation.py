@@ -56,8 +56,17 @@ inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline float emu_half_to_float(unsigned short b) { _Float16 h; std::memcpy(&h, &b, 2); return (float)h; }
-inline unsigned short emu_float_to_half(float f) { _Float16 h = (_Float16)f; unsigned short b; std::memcpy(&b, &h, 2); return b; }
+inline float emu_half_to_float(unsigned short b) {
+  _Float16 h;
+  std::memcpy(&h, &b, 2);
+  return static_cast<float>(h);
+}
+inline unsigned short emu_float_to_half(float f) {
+  const _Float16 h = static_cast<_Float16>(f);     // round to nearest even, as cvt.rn.f16.f32
+  unsigned short b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
 struct EmuWarp { std::barrier<> bar; float buf[32]; explicit EmuWarp(int n) : bar(n) {} };
 thread_local int emu_lane = 0;
 thread_local EmuWarp* emu_warp = nullptr;

@@ -13,7 +13,6 @@ deterministic weight gradients, a side stream and a CUDA graph, autograd against
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -1,6 +1,7 @@
 """Backward of the gated activations (SwiGLU's ``silu(gate) * up``, GeGLU's ``gelu(gate) * up``).
 
-Kernels: cuda_src/elementwise/gated_backward.cu (derivatives in cuda_src/common/activation_grads.cuh).
+Kernels: cuda_src/elementwise/gated_backward.cu (derivatives in
+cuda_src/common/activation_grads.cuh).
 One pass: grad_output, gate and up are read once, grad_gate and grad_up written once; act(gate)
 is recomputed rather than saved. Math is fp32 for fp32/fp16/bf16 storage. The autograd ops of
 gpuops.torch (``gpuops.torch.silu_mul``, ``gelu_mul``) call these.
@@ -8,7 +9,6 @@ gpuops.torch (``gpuops.torch.silu_mul``, ``gelu_mul``) call these.
 from __future__ import annotations
 
 import math
-from math import prod
 
 import numpy as np
 
@@ -70,9 +70,10 @@ def _gated_backward(call, act, grad_output: Tensor, gate: Tensor, up: Tensor):
     if n == 0:
         return grad_gate, grad_up
     inputs = (grad_output, gate, up)
-    if (tuple(gate.shape) == shape and tuple(up.shape) == shape and tuple(grad_output.shape) == shape
-            and grad_output.contiguous and gate.contiguous and up.contiguous
-            and grad_output.ptr % 16 == 0 and gate.ptr % 16 == 0 and up.ptr % 16 == 0):
+    same = (tuple(gate.shape) == shape and tuple(up.shape) == shape
+            and tuple(grad_output.shape) == shape)
+    if (same and grad_output.contiguous and gate.contiguous and up.contiguous
+            and (grad_output.ptr | gate.ptr | up.ptr) % 16 == 0):
         packs = n // (16 // dtype.itemsize)
         grid = max(1, -(-packs // THREADS))
         _kernel(call.device, act, dtype, True).launch(
@@ -93,7 +94,8 @@ def _gated_backward(call, act, grad_output: Tensor, gate: Tensor, up: Tensor):
         layout += [*st, *[0] * pad]
     blocks = _blocks.get(call.device)
     if blocks is None:
-        blocks = _blocks[call.device] = device.device_info(call.device).sm_count * STRIDED_BLOCKS_PER_SM
+        blocks = _blocks[call.device] = (device.device_info(call.device).sm_count
+                                         * STRIDED_BLOCKS_PER_SM)
     grid = max(1, min(-(-n // THREADS), blocks))
     _kernel(call.device, act, dtype, False).launch(
         (grid, 1, 1), (THREADS, 1, 1), call.stream, grad_gate.ptr, grad_up.ptr, grad_output.ptr,

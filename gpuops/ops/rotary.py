@@ -153,8 +153,8 @@ def _make_plan(op, q, k, cos, sin, positions, interleaved, rotary_dim, mrope_sec
     if rotary_dim is None:
         if w not in (p.d, p.d // 2) or p.d % 2 or p.d < 2:
             raise ValueError(
-                f"gpuops.{op}: 'cos' has {w} columns and the head dim is {p.d}: a full rotary table "
-                f"has D/2 = {p.d / 2:g} (one per frequency) or D = {p.d} (HF's duplicated "
+                f"gpuops.{op}: 'cos' has {w} columns and the head dim is {p.d}: a full rotary "
+                f"table has D/2 = {p.d / 2:g} (one per frequency) or D = {p.d} (HF's duplicated "
                 "layout); for partial rotary pass rotary_dim")
         r = p.d
     else:
