@@ -1,0 +1,329 @@
+// Qwen3's attention prologue in one pass: per-head RMSNorm of q and k over the head dim (weights
+// [D]) followed by RoPE (gpuops.qk_norm_rotary), and its backward (qk_norm_rotary_backward).
+//
+// A head row (D elements) belongs to a group of G lanes (G = a power of two <= 32 chosen by the
+// host); an item is a rotary unit (two packs, see rope_common.cuh) or a pass-through pack. With
+// 16-byte packs each lane holds one item in registers (the row is read once and written once);
+// with one-element packs (strided or unaligned heads) lanes loop over items in two passes. The
+// row's sums are butterflies over the group's lanes.
+//
+// Forward:  n = x * rstd, rstd = 1 / sqrt(mean(x^2) + eps); y = n * w; out = rotate(y).
+// Backward: gy = rotate^-1(g) (pass-through: gy = g); dn = gy * w;
+//           dx = rstd * (dn - n * mean(dn * n)); dw += gy * n.
+// The weight gradients are deterministic, with no atomics: the backward runs a fixed grid of
+// persistent blocks (blocks [0, nbq) walk the q rows, the others the k rows); each lane adds its
+// columns' terms into its slot's row of a shared-memory table, a block adds the slots in a fixed
+// order and writes one partial row; qk_norm_dw_reduce adds the partial rows in a fixed order.
+#include "rotary/rope_common.cuh"
+
+namespace gpuops {
+
+// Element offsets of item `it` of a head row: a rotary unit (two packs) or a pass-through pack
+// (off1 = -1).
+template <int V>
+__device__ __forceinline__ void item_offsets(int it, int units, int r, bool inter, int& off0,
+                                             int& off1) {
+  if (it < units) {
+    unit_offsets<V>(it, r, inter, off0, off1);
+  } else {
+    off0 = r + (it - units) * V;
+    off1 = -1;
+  }
+}
+
+// Loads item `it` of a head row at x (element stride sd when V == 1) into v[0], v[1]
+// (v[1] = 0 for a pass-through pack).
+template <class T, int V>
+__device__ __forceinline__ void load_item(const T* x, long long sd, int it, int units, int r,
+                                          bool inter, float (&v)[2][V]) {
+  int off0, off1;
+  item_offsets<V>(it, units, r, inter, off0, off1);
+  load_pack<T, V>(x, off0, sd, v[0]);
+  if (off1 >= 0) {
+    load_pack<T, V>(x, off1, sd, v[1]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[1][e] = 0.0f;
+  }
+}
+
+template <class T, int V>
+__device__ __forceinline__ void store_item(T* o, long long sd, int it, int units, int r,
+                                           bool inter, const float (&v)[2][V]) {
+  int off0, off1;
+  item_offsets<V>(it, units, r, inter, off0, off1);
+  store_pack<T, V>(o, off0, sd, v[0]);
+  if (off1 >= 0) store_pack<T, V>(o, off1, sd, v[1]);
+}
+
+// The weights of item `it` in the same layout (0 for the missing second pack).
+template <class TC, int V>
+__device__ __forceinline__ void load_item_weights(const TC* w, long long ws, int it, int units,
+                                                  int r, bool inter, float (&out)[2][V]) {
+  int off0, off1;
+  item_offsets<V>(it, units, r, inter, off0, off1);
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    out[0][e] = to_float(w[(off0 + e) * ws]);
+    out[1][e] = off1 >= 0 ? to_float(w[(off1 + e) * ws]) : 0.0f;
+  }
+}
+
+// Rotates a rotary unit in pack layout by the token's angles (sign = -1: the inverse).
+template <class TC, int V>
+__device__ __forceinline__ void rotate_unit(const RopeTables& tb, long long b, long long r0,
+                                            long long r1, long long r2, bool ok, int it, bool inter,
+                                            float sign, float (&v)[2][V]) {
+  float c[V], sn[V], lo[V], hi[V];
+  fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, it * V, sign, c, sn);
+  unit_pairs<V>(v, inter, lo, hi);
+  rotate_pairs<V>(lo, hi, c, sn);
+  unit_scatter<V>(lo, hi, inter, v);
+}
+
+// Where a head row of q or k (or of their gradients, outputs, ...) starts.
+template <class T>
+__device__ __forceinline__ T* row_ptr(const void* base, const long long (&st)[4], long long b,
+                                      long long s, long long h) {
+  return static_cast<T*>(const_cast<void*>(base)) + (b * st[0] + s * st[1] + h * st[2]);
+}
+
+// One head row per group of G lanes: a.total = tokens * (hq + hk) rows, one per group.
+//   V > 1: one item per lane (per_head <= G, host-checked), kept in registers: read once.
+//   V = 1: any number of items per lane, two passes (sum of squares, then the output); the second
+//          reads the row again (from L1/L2). For strided or unaligned heads.
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, 4)
+qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
+  const int G = n.group;
+  const int lane = threadIdx.x & (G - 1);
+  const int slots = kRopeThreads / G;
+  const long long row = static_cast<long long>(blockIdx.x) * slots + threadIdx.x / G;
+  const bool valid = row < a.total;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  const bool inter = a.interleaved != 0;
+
+  long long b = 0, s = 0;
+  unsigned h = 0;
+  if (valid) split_index(row, a.total, static_cast<unsigned>(a.hq + a.hk), a.seq, b, s, h);
+  const bool is_q = static_cast<int>(h) < a.hq;
+  const long long hh = is_q ? h : h - a.hq;
+  const T* x = row_ptr<const T>(is_q ? a.q : a.k, is_q ? a.q_s : a.k_s, b, s, hh);
+  const long long xsd = is_q ? a.q_s[3] : a.k_s[3];
+
+  float v[2][V];
+  float ss = 0.0f;
+  if constexpr (V > 1) {
+    if (valid && lane < per_head) {
+      load_item<T, V>(x, xsd, lane, units, a.r, inter, v);
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss = fmaf(v[p][e], v[p][e], ss);
+    }
+  } else {
+    if (valid) {
+      for (int it = lane; it < per_head; it += G) {
+        load_item<T, V>(x, xsd, it, units, a.r, inter, v);
+        ss = fmaf(v[0][0], v[0][0], fmaf(v[1][0], v[1][0], ss));
+      }
+    }
+  }
+  ss = group_sum(ss, G);
+  if (!valid) return;                         // after the last shuffle
+  const float rstd = rsqrtf(ss / static_cast<float>(a.d) + n.eps);
+
+  T* o = row_ptr<T>(is_q ? a.oq : a.ok, is_q ? a.oq_s : a.ok_s, b, s, hh);
+  const long long osd = is_q ? a.oq_s[3] : a.ok_s[3];
+  const TC* w = static_cast<const TC*>(is_q ? n.wq : n.wk);
+  const long long ws = is_q ? n.wq_s : n.wk_s;
+  long long r0, r1, r2;
+  bool ok;
+  token_rows(tb, b, s, r0, r1, r2, ok);
+  for (int it = lane; it < per_head; it += G) {
+    if constexpr (V == 1) load_item<T, V>(x, xsd, it, units, a.r, inter, v);
+    float wv[2][V];
+    load_item_weights<TC, V>(w, ws, it, units, a.r, inter, wv);
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+    if (it < units) rotate_unit<TC, V>(tb, b, r0, r1, r2, ok, it, inter, a.sign, v);
+    store_item<T, V>(o, osd, it, units, a.r, inter, v);
+    if constexpr (V > 1) break;                 // one item per lane
+  }
+}
+
+// red[off + e] += x[e] over a pack (red: this slot's row of column sums in shared memory).
+template <int V>
+__device__ __forceinline__ void smem_add(float* red, int off, const float (&x)[V]) {
+  if constexpr (V % 4 == 0) {
+    float4* p = reinterpret_cast<float4*>(red + off);   // off and D are multiples of 4 here
+#pragma unroll
+    for (int e = 0; e < V / 4; ++e) {
+      float4 t = p[e];
+      t.x += x[4 * e]; t.y += x[4 * e + 1]; t.z += x[4 * e + 2]; t.w += x[4 * e + 3];
+      p[e] = t;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) red[off + e] += x[e];
+  }
+}
+
+// Loads item `it` of the gradient and of x, and turns the gradient back (gy = rotate^-1(g)).
+template <class T, class TC, int V>
+__device__ __forceinline__ void load_grad_item(const RopeTables& tb, const T* g, long long gsd,
+                                               const T* x, long long xsd, int it, int units, int r,
+                                               bool inter, float sign, long long b, long long r0,
+                                               long long r1, long long r2, bool ok,
+                                               float (&gy)[2][V], float (&xv)[2][V]) {
+  load_item<T, V>(g, gsd, it, units, r, inter, gy);
+  load_item<T, V>(x, xsd, it, units, r, inter, xv);
+  if (it < units) rotate_unit<TC, V>(tb, b, r0, r1, r2, ok, it, inter, sign, gy);
+}
+
+// Backward, one pass per row with the row in registers (V > 1) or two passes (V = 1), as the
+// forward. Per row: S_xx = sum x^2, S_gwx = sum gy w x; rstd = 1/sqrt(S_xx/D + eps); with
+// n = x rstd, dn = gy w: mean(dn n) = rstd S_gwx / D and dx = rstd (dn - n mean(dn n)).
+// a: q/k = the output gradients, oq/ok = the input gradients (written), sign = -1,
+//    total = tokens. n: xq/xk = the forward's q and k, partial = [gridDim.x, D] floats.
+// Resident blocks per SM the register budget must allow: 3 (<= 85 registers) where that does not
+// spill, 2 on sm_61/sm_70 (16-bit rows need ~100 registers there). The host's persistent grid
+// (gpuops/ops/rotary.py, _bwd_grid) follows the same rule.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+constexpr int kNormBwdMinBlocks = 2;
+#else
+constexpr int kNormBwdMinBlocks = 3;
+#endif
+
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, kNormBwdMinBlocks)
+qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
+  // Column sums of gy * n per slot (each (slot, column) belongs to one lane): slots * D <= 4096
+  // (host-checked).
+  __shared__ __align__(16) float red[4096];
+  const int G = n.group;
+  const int lane = threadIdx.x & (G - 1);
+  const int slots = kRopeThreads / G;
+  const int slot = threadIdx.x / G;
+  const bool is_q = static_cast<int>(blockIdx.x) < n.nbq;
+  const long long lb = is_q ? blockIdx.x : blockIdx.x - n.nbq;
+  const long long nb = is_q ? n.nbq : gridDim.x - n.nbq;
+  const int heads = is_q ? a.hq : a.hk;
+  const long long rows = a.total * heads;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  const bool inter = a.interleaved != 0;
+  const float inv_d = 1.0f / static_cast<float>(a.d);
+  for (int i = threadIdx.x; i < slots * a.d; i += kRopeThreads) red[i] = 0.0f;
+  __syncthreads();
+  float* my_red = red + slot * a.d;
+
+  const void* g0 = is_q ? a.q : a.k;
+  const void* x0 = is_q ? n.xq : n.xk;
+  void* o0 = is_q ? a.oq : a.ok;
+  const long long gsd = is_q ? a.q_s[3] : a.k_s[3];
+  const long long xsd = is_q ? n.xq_s[3] : n.xk_s[3];
+  const long long osd = is_q ? a.oq_s[3] : a.ok_s[3];
+  const TC* w = static_cast<const TC*>(is_q ? n.wq : n.wk);
+  const long long ws = is_q ? n.wq_s : n.wk_s;
+
+  for (long long base = lb * slots; base < rows; base += nb * slots) {
+    const long long row = base + slot;
+    const bool valid = row < rows;
+    long long b = 0, s = 0;
+    unsigned hh = 0;
+    if (valid) split_index(row, rows, static_cast<unsigned>(heads), a.seq, b, s, hh);
+    long long r0 = 0, r1 = 0, r2 = 0;
+    bool ok = true;
+    if (valid) token_rows(tb, b, s, r0, r1, r2, ok);
+    const T* g = row_ptr<const T>(g0, is_q ? a.q_s : a.k_s, b, s, hh);
+    const T* x = row_ptr<const T>(x0, is_q ? n.xq_s : n.xk_s, b, s, hh);
+
+    float gy[2][V], xv[2][V];
+    float sxx = 0.0f, sgwx = 0.0f;
+    if (valid) {
+      for (int it = lane; it < per_head; it += G) {
+        load_grad_item<T, TC, V>(tb, g, gsd, x, xsd, it, units, a.r, inter, a.sign, b, r0, r1,
+                                 r2, ok, gy, xv);
+        float wv[2][V];
+        load_item_weights<TC, V>(w, ws, it, units, a.r, inter, wv);
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            sxx = fmaf(xv[p][e], xv[p][e], sxx);
+            sgwx = fmaf(gy[p][e] * wv[p][e], xv[p][e], sgwx);
+          }
+        if constexpr (V > 1) break;               // one item per lane, kept in gy / xv
+      }
+    }
+    sxx = group_sum(sxx, G);
+    sgwx = group_sum(sgwx, G);
+    if (!valid) continue;                       // (the loop bound is uniform across the block)
+    const float rstd = rsqrtf(sxx * inv_d + n.eps);
+    const float mean_dn_n = rstd * sgwx * inv_d;
+    T* o = row_ptr<T>(o0, is_q ? a.oq_s : a.ok_s, b, s, hh);
+    for (int it = lane; it < per_head; it += G) {
+      if constexpr (V == 1)
+        load_grad_item<T, TC, V>(tb, g, gsd, x, xsd, it, units, a.r, inter, a.sign, b, r0, r1,
+                                 r2, ok, gy, xv);
+      int off0, off1;
+      item_offsets<V>(it, units, a.r, inter, off0, off1);
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        if (p == 1 && off1 < 0) break;
+        float wv[V], prod[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) wv[e] = to_float(w[((p ? off1 : off0) + e) * ws]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float nv = xv[p][e] * rstd;
+          prod[e] = gy[p][e] * nv;                                  // dw terms
+          gy[p][e] = rstd * fmaf(-nv, mean_dn_n, gy[p][e] * wv[e]);  // dx
+        }
+        smem_add<V>(my_red, p ? off1 : off0, prod);
+      }
+      store_item<T, V>(o, osd, it, units, a.r, inter, gy);
+      if constexpr (V > 1) break;
+    }
+  }
+
+  // Block sum of the slots' column sums, in slot order: one partial row per block.
+  __syncthreads();
+  float* part = n.partial + static_cast<long long>(blockIdx.x) * a.d;
+  for (int c = threadIdx.x; c < a.d; c += kRopeThreads) {
+    float sum = 0.0f;
+    for (int sl = 0; sl < slots; ++sl) sum += red[sl * a.d + c];
+    part[c] = sum;
+  }
+}
+
+// dw[c] = sum of partial[row][c] over the rows of q ([0, nbq), blockIdx.y = 0) or of k
+// ([nbq, nbq + nbk), blockIdx.y = 1), in a fixed order: 32 columns x 32 row strides per block.
+// nbq or nbk may be 0 (no rows): the gradient is then 0.
+template <class TW>
+__global__ void __launch_bounds__(1024)
+qk_norm_dw_reduce(const float* __restrict__ partial, TW* __restrict__ dwq, TW* __restrict__ dwk,
+                  int nbq, int nbk, int d) {
+  __shared__ float sm[32][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int lo = blockIdx.y == 0 ? 0 : nbq;
+  const int hi = blockIdx.y == 0 ? nbq : nbq + nbk;
+  float sum = 0.0f;
+  if (c < d)
+    for (int r = lo + static_cast<int>(threadIdx.y); r < hi; r += 32)
+      sum += partial[static_cast<long long>(r) * d + c];
+  sm[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < d) {
+    float total = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) total += sm[j][threadIdx.x];
+    (blockIdx.y == 0 ? dwq : dwk)[c] = from_float<TW>(total);
+  }
+}
+
+}  // namespace gpuops

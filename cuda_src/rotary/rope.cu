@@ -1,0 +1,63 @@
+// Rotary position embedding of q and k in one launch (gpuops.apply_rotary and its backward,
+// apply_rotary_backward, which turns by the opposite angle: sign = -1).
+//
+// One work item per thread, the grid covering the items once (the elementwise family's lesson):
+// an item is one rotary unit (two packs of V elements: V pairs) or one pass-through pack of one
+// head of q or k. Items are numbered token-major, then head (q heads, then k heads), then unit,
+// so the threads of a warp share a token and its cos/sin rows stay in L1.
+//   V = 16 / sizeof(T): 16-byte loads and stores, for heads whose last dim is contiguous and
+//                       aligned (host-checked: ptrs and strides multiples of V, R % 2V == 0,
+//                       D % V == 0);
+//   V = 1:              one element per pack, any strides.
+#include "rotary/rope_common.cuh"
+
+namespace gpuops {
+
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, 4)
+rope_kernel(RopeQK a, RopeTables tb) {
+  const long long i = static_cast<long long>(blockIdx.x) * kRopeThreads + threadIdx.x;
+  if (i >= a.total) return;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  long long b, s;
+  unsigned rem;
+  split_index(i, a.total, static_cast<unsigned>((a.hq + a.hk) * per_head), a.seq, b, s, rem);
+  const int h = static_cast<int>(rem / per_head);
+  const int it = static_cast<int>(rem - h * per_head);
+
+  const bool is_q = h < a.hq;
+  const int hh = is_q ? h : h - a.hq;
+  const T* x = static_cast<const T*>(is_q ? a.q : a.k);
+  T* o = static_cast<T*>(is_q ? a.oq : a.ok);
+  const long long xsd = is_q ? a.q_s[3] : a.k_s[3];
+  const long long osd = is_q ? a.oq_s[3] : a.ok_s[3];
+  x += b * (is_q ? a.q_s[0] : a.k_s[0]) + s * (is_q ? a.q_s[1] : a.k_s[1]) +
+       hh * (is_q ? a.q_s[2] : a.k_s[2]);
+  o += b * (is_q ? a.oq_s[0] : a.ok_s[0]) + s * (is_q ? a.oq_s[1] : a.ok_s[1]) +
+       hh * (is_q ? a.oq_s[2] : a.ok_s[2]);
+
+  if (it >= units) {                       // pass-through part of the head (partial rotary)
+    const int off = a.r + (it - units) * V;
+    copy_pack<T, V>(x, off, xsd, o, off, osd);
+    return;
+  }
+  const bool inter = a.interleaved != 0;
+  int off0, off1;
+  unit_offsets<V>(it, a.r, inter, off0, off1);
+  float v[2][V];
+  load_pack<T, V>(x, off0, xsd, v[0]);
+  load_pack<T, V>(x, off1, xsd, v[1]);
+  long long r0, r1, r2;
+  bool ok;
+  token_rows(tb, b, s, r0, r1, r2, ok);
+  float c[V], sn[V], lo[V], hi[V];
+  fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, it * V, a.sign, c, sn);
+  unit_pairs<V>(v, inter, lo, hi);
+  rotate_pairs<V>(lo, hi, c, sn);
+  unit_scatter<V>(lo, hi, inter, v);
+  store_pack<T, V>(o, off0, osd, v[0]);
+  store_pack<T, V>(o, off1, osd, v[1]);
+}
+
+}  // namespace gpuops
