@@ -3,9 +3,9 @@ emulation of cuda_src/copy/copy.cu (index arithmetic, fast dividers, alignment, 
 and its bank-conflict freedom), and on the GPU every dtype, layout and path bit-exactly against
 NumPy / torch, with poisoned outputs, CuPy and NumPy inputs, a side stream and a CUDA graph.
 
-The emulation harness here (``Arena``, ``FakeCall``, ``Emulator``, ``emulated``) replaces kernel
-launches with NumPy transliterations of the kernels working on a byte arena, so the real host
-code (plans, launch arguments) runs without a GPU.
+The emulation harness here (``Arena``, ``FakeCall``, ``Emulator``, ``emulated``) is shared with
+tests/test_group_norm.py: it replaces kernel launches with NumPy transliterations of the kernels
+working on a byte arena, so the real host code (plans, launch arguments) runs without a GPU.
 """
 from __future__ import annotations
 
@@ -300,10 +300,12 @@ class Emulator:
 @contextlib.contextmanager
 def emulated(monkeypatch, emulator_cls=Emulator, **kw):
     """Route every gpuops kernel launch of the copy and group-norm ops to an emulator."""
+    from gpuops.ops import group_norm as GN  # noqa: PLC0415
     arena = Arena(kw.pop("arena_bytes", 1 << 25))
     emu = emulator_cls(arena, **kw)
     # plans made here (fake device properties) must not outlive the emulation
     monkeypatch.setattr(C, "_plans", {})
+    monkeypatch.setattr(GN, "_plans", {})
     monkeypatch.setattr(C.KernelCache, "get", lambda self, dev, expr: emu.kernel(expr))
     monkeypatch.setattr(C.KernelCache, "target_arch", lambda self, dev: emu.target_arch)
     monkeypatch.setattr(C, "sm_count", lambda dev: emu.sms)
