@@ -5,6 +5,7 @@ float64 reference, poisoned outputs, in-place use, CuPy/NumPy channels-last arra
 propagation, a side stream and a CUDA graph."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import numpy as np
@@ -368,6 +369,28 @@ def test_emulated_designs(monkeypatch, rng):
         assert kernels((2, 16, 8, 8), 4, "strided_nhwc") == ["group_norm_nhwc_stats",
                                                            "group_norm_nhwc_apply"]
         assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
+
+
+def test_refused_cluster_launch_falls_back(monkeypatch, rng):
+    impl = registry.get("group_norm").impl
+    with emulated(monkeypatch, GroupNormEmulator) as emu:
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
+        monkeypatch.setattr(GN, "_clusters_refused", {})
+
+        def refuse(*args):
+            raise RuntimeError("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
+        monkeypatch.setattr(emu, "k_group_norm_onchip_cluster", refuse)
+        host, x = _emulated_input(emu.arena, rng, (2, 320, 16, 16), dt.float16, "nchw", 0)
+        ref = GN.ref_group_norm(host.astype(np.float64), 32, activation="silu")
+        for attempt in range(2):
+            emu.launches.clear()
+            with pytest.warns(RuntimeWarning, match="refused") if attempt == 0 else \
+                    contextlib.nullcontext():
+                y = impl(FakeCall(emu.arena, "group_norm"), x, 32, None, None, 1e-5, "silu", False)
+            np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref, **TOL64["float16"])
+            assert emu.names()[-1] == "group_norm_onchip<gpuops::float16_t, 8>"
+        assert len(emu.launches) == 1        # the second call does not try clusters again
 
 
 # ------------------------------------------------------------------------------ GPU

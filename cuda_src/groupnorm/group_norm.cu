@@ -211,8 +211,17 @@ group_norm_onchip_cluster(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     int hw, int cg, int groups, int group_packs, int slice_packs, float eps, int act) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // A launch that did not form clusters would merge garbage: fail loudly instead.
-  if (cluster_nctarank() != CLUSTER) __trap();
+  if (cluster_nctarank() != CLUSTER) {
+    // Not launched as clusters of CLUSTER blocks (which the compiled-in cluster size should make
+    // impossible): the partials would be garbage. Write NaN over this block's slice instead (a
+    // visible failure that, unlike __trap, leaves the context usable) and skip every barrier.
+    const int p0 = static_cast<int>(blockIdx.x % CLUSTER) * slice_packs;
+    const int p1 = min(p0 + slice_packs, group_packs);
+    T* yg = y + static_cast<long long>(blockIdx.x / CLUSTER) * group_packs * Vec16<T>::size;
+    for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x)
+      store16(yg + p * Vec16<T>::size, make_uint4(~0u, ~0u, ~0u, ~0u));
+    return;
+  }
   group_norm_onchip_body<T, PACKS, CLUSTER>(x, w, b, y, hw, cg, groups, group_packs, slice_packs,
                                             eps, act, blockIdx.x / CLUSTER,
                                             static_cast<int>(cluster_ctarank()));

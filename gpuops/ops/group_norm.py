@@ -38,6 +38,7 @@ are normalized through NCHW copies.
 """
 from __future__ import annotations
 
+import warnings
 from math import gcd, prod
 
 import numpy as np
@@ -109,9 +110,22 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+_clusters_refused: dict = {}          # device -> the driver's error for a cluster launch
+
+
 def _clusters_available(dev) -> bool:
-    """sm_90+ and the module built for sm_90+ (GPUOPS_ARCH=61 on an H100 loads Pascal PTX)."""
-    return device.device_info(dev).cc >= 90 and KERNELS.target_arch(dev) >= 90
+    """sm_90+ and the module built for sm_90+ (GPUOPS_ARCH=61 on an H100 loads Pascal PTX), and
+    the driver has not refused a cluster launch on this device."""
+    return (device.device_info(dev).cc >= 90 and KERNELS.target_arch(dev) >= 90
+            and dev not in _clusters_refused)
+
+
+def _refuse_clusters(dev, exc):
+    _clusters_refused[dev] = exc
+    _plans.clear()
+    warnings.warn(f"gpuops.group_norm: the driver refused a thread-block-cluster launch on "
+                  f"device {dev} ({exc}); groups are no longer split over clusters there",
+                  RuntimeWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +201,7 @@ def _ptr(t):
     return 0 if t is None else t.ptr
 
 
-def _nchw_launcher(dev, d, n, c, hw, g, aligned, act):
+def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     """run(call, x, w, b, y, eps) for x, y: contiguous [n, c, hw]."""
     vec = 16 // d.itemsize
     cg = c // g
@@ -196,8 +210,9 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act):
     sms = _copy.sm_count(dev)
     aligned = aligned and hw % vec == 0
     if aligned and force_path != "twopass":
-        plan = plan_onchip(groups, elems // vec, sms,
-                           force_path != "onchip" and _clusters_available(dev), force_path)
+        clusters = clusters and force_path != "onchip" and _clusters_available(dev)
+        plan = plan_onchip(groups, elems // vec, sms, clusters,
+                           force_path if clusters or force_path == "onchip" else None)
         if plan is not None:
             s, slice_packs, packs, threads = plan
             expr = _onchip_expr(d, packs, s)
@@ -207,7 +222,17 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act):
             def run_onchip(call, x, w, b, y, eps):
                 KERNELS.get(dev, expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
                                               y.ptr, *tail, eps, act)
-            return run_onchip
+            if s == 1:
+                return run_onchip
+            fallback = _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False)
+
+            def run_cluster(call, x, w, b, y, eps):
+                try:
+                    run_onchip(call, x, w, b, y, eps)
+                except Exception as exc:   # noqa: BLE001  (the launch itself failed: no clusters)
+                    _refuse_clusters(dev, exc)
+                    fallback(call, x, w, b, y, eps)
+            return run_cluster
     v = vec if aligned else 1
     group_units = elems // v
     chunks, chunk_units = plan_two_pass(groups, group_units, sms)
