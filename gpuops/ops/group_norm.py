@@ -1,0 +1,561 @@
+"""GroupNorm forward with a fused activation (the diffusion U-Net ResNet block's GroupNorm + SiLU).
+
+Kernels: cuda_src/groupnorm/group_norm.cu. fp32 math and statistics for fp32/fp16/bf16 storage;
+statistics are numerically stable everywhere (exact two-pass over registers, Welford, and Chan's
+merge of partial (n, mean, M2); never E[x^2] - E[x]^2).
+
+Layouts (how the kernel is chosen, all without a copy of the input):
+
+* ``channels_last=False`` (default): ``input`` is [N, C, *spatial] as in torch.
+  - C-contiguous (NCHW): the NCHW kernels.
+  - strides of a contiguous [N, *spatial, C] (a torch tensor in ``torch.channels_last`` /
+    ``channels_last_3d`` memory format, or an equivalent CuPy view): the channels-last kernels,
+    and the output has the same strides (a torch result is again ``channels_last``).
+* ``channels_last=True``: ``input`` is [N, *spatial, C] with the channels last in the shape (NumPy
+  and CuPy arrays, which have no memory formats); C-contiguous ones take the channels-last kernels
+  and the output is [N, *spatial, C].
+* Any other strides: the input is first copied to C-contiguous (``gpuops.contiguous``'s kernels),
+  and the output is C-contiguous.
+
+Which kernels (NCHW):
+
+* on chip: a group (hw a multiple of 16 bytes' worth of elements, 16-byte aligned pointers) of at
+  most 8192 16-byte packs is read once into the registers of one block (8 packs per thread),
+  normalized and written once. On sm_90 a group is split over a cluster of 2, 4 or 8 blocks,
+  which exchange their partial statistics through distributed shared memory: so that the blocks
+  fill every SM (the diffusion shape [2, 320, 64, 64] has only 64 groups: clusters of 4 make 256
+  blocks of 20 KiB), slices stay at most 64 KiB (2-3 blocks per SM), and groups of up to 1 MiB
+  still fit on chip.
+* two passes otherwise (groups too large for the chip, unaligned rows, or clusters unavailable
+  with a group too large for one block): per-chunk partial statistics into a workspace, then a
+  second kernel that merges them and normalizes; x is read twice (the second time from L2 when it
+  fits there).
+
+Channels-last: two passes (statistics per tile of rows x slab of whole groups' channels, then
+normalization), reading x twice; slabs wider than the kernels allow (more than 512 units of
+channels: 16-byte packs, or single elements when C or the pointers are not 16-byte multiples)
+are normalized through NCHW copies.
+"""
+from __future__ import annotations
+
+import warnings
+from math import gcd, prod
+
+import numpy as np
+
+from gpuops import dtypes as dt
+from gpuops.bench_spec import BenchSpec
+from gpuops.ops import copy as _copy
+from gpuops.registry import register
+from gpuops.runtime import device, loader
+from gpuops.runtime.launch import ArgSpec
+from gpuops.runtime.modules import KernelModule
+from gpuops.tensor import Tensor
+
+ONCHIP_PACKS = 8                    # 16-byte packs per thread of the on-chip kernels
+CLUSTERS = (2, 4, 8)                # blocks per group on sm_90
+ONCHIP_MAX_THREADS = 1024           # kOnchipThreads
+ONCHIP_MAX_PACKS = ONCHIP_MAX_THREADS * ONCHIP_PACKS   # a whole group in one block (128 KiB)
+CLUSTER_SLICE_PACKS = 4096          # slice per block when clusters split groups: 64 KiB, so that
+#                                     2-3 blocks share an SM's registers
+MIN_SLICE_PACKS = 128               # no cluster splits into slices smaller than 2 KiB
+TWO_PASS_THREADS = 256              # kTwoPassThreads
+UNROLL = 4                          # kUnroll
+BLOCKS_PER_SM = 4                   # grid target of the two-pass kernels
+NHWC_ROW_THREADS = 256              # threads of a channels-last block when a slab row is narrow
+NHWC_MAX_THREADS = 512              # kNhwcMaxThreads
+NHWC_SMEM_LIMIT = 32 * 1024         # per-channel statistics of one block (stats kernel)
+MIN_SLAB_BYTES = 128                # channels-last slab rows of at least one 128-byte line
+
+# Forcing a design (tests): None, "onchip" (no clusters), "cluster2" / "cluster4" / "cluster8",
+# "twopass" (NCHW), "nhwc_copy" (channels-last through NCHW copies).
+force_path: str | None = None
+
+ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
+
+_ONCHIP_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "f32", "i32")
+_NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32")
+_NCHW_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
+                           "i32", "f32", "i32")
+_NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
+_NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
+                           "i32", "i32", "f32", "i32")
+
+
+def _onchip_expr(d, packs, cluster):
+    if cluster == 1:
+        return f"gpuops::group_norm_onchip<{d.ctype}, {packs}>"
+    return f"gpuops::group_norm_onchip_cluster<{d.ctype}, {packs}, {cluster}>"
+
+
+def _vecs(d):
+    return (16 // d.itemsize, 1)
+
+
+def _expr(kind, d, vec):
+    return f"gpuops::group_norm_{kind}<{d.ctype}, {vec}>"
+
+
+MODULE = KernelModule("norms.group_norm", "groupnorm/group_norm.cu", {
+    **{_onchip_expr(d, ONCHIP_PACKS, s): _ONCHIP_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
+    **{_expr("nchw_stats", d, v): _NCHW_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
+    **{_expr("nchw_apply", d, v): _NCHW_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
+    **{_expr("nhwc_stats", d, v): _NHWC_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
+    **{_expr("nhwc_apply", d, v): _NHWC_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
+})
+KERNELS = _copy.KernelCache(MODULE)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+_clusters_refused: dict = {}          # device -> the driver's error for a cluster launch
+
+
+def _clusters_available(dev) -> bool:
+    """sm_90+ and the module built for sm_90+ (GPUOPS_ARCH=61 on an H100 loads Pascal PTX), and
+    the driver has not refused a cluster launch on this device."""
+    return (device.device_info(dev).cc >= 90 and KERNELS.target_arch(dev) >= 90
+            and dev not in _clusters_refused)
+
+
+def _refuse_clusters(dev, exc):
+    _clusters_refused[dev] = exc
+    _plans.clear()
+    warnings.warn(f"gpuops.group_norm: the driver refused a thread-block-cluster launch on "
+                  f"device {dev} ({exc}); groups are no longer split over clusters there",
+                  RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: which kernel and launch shape. Pure functions of sizes (tests check them on the CPU).
+
+def plan_onchip(groups: int, group_packs: int, sms: int, clusters: bool, force=None):
+    """(cluster size, slice packs, packs per thread, threads) of the on-chip kernel, or None when
+    the group does not fit on chip."""
+    if force == "onchip":
+        clusters = False
+    if force and force.startswith("cluster"):
+        if not clusters:
+            raise RuntimeError("gpuops.group_norm: clusters need sm_90 and kernels built for it")
+        s = int(force[len("cluster"):])
+        if _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
+            return None
+    elif clusters:
+        s = 1
+        # fit: slices small enough for 2-3 blocks per SM
+        while s < CLUSTERS[-1] and _cdiv(group_packs, s) > CLUSTER_SLICE_PACKS:
+            s *= 2
+        # fill: at least one block per SM, while slices stay worth a block
+        while (s < CLUSTERS[-1] and groups * s < sms
+               and _cdiv(group_packs, 2 * s) >= MIN_SLICE_PACKS):
+            s *= 2
+        if _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
+            return None
+    else:
+        s = 1
+        if group_packs > ONCHIP_MAX_PACKS:
+            return None
+    slice_packs = _cdiv(group_packs, s)
+    threads = max(32, _cdiv(_cdiv(slice_packs, ONCHIP_PACKS), 32) * 32)
+    return s, slice_packs, ONCHIP_PACKS, threads
+
+
+def plan_two_pass(groups: int, group_units: int, sms: int):
+    """(chunks per group, chunk units) of the two-pass NCHW kernels."""
+    chunks = max(1, min(_cdiv(BLOCKS_PER_SM * sms, groups),
+                        _cdiv(group_units, TWO_PASS_THREADS * UNROLL)))
+    chunk_units = _cdiv(group_units, chunks)
+    return _cdiv(group_units, chunk_units), chunk_units
+
+
+def plan_nhwc(n: int, hw: int, c: int, cg: int, vec: int, itemsize: int, sms: int):
+    """(slab channels, threads, slabs, tiles, tile rows) of the channels-last kernels, or None when
+    even the narrowest slab (whole groups, a multiple of vec channels) is too wide for them."""
+    limit = min(NHWC_MAX_THREADS, NHWC_SMEM_LIMIT // (8 * vec))   # units per slab row
+    sc0 = cg * vec // gcd(cg, vec)
+    if sc0 // vec > limit:
+        return None
+    sc = sc0
+    k = c // sc0
+    for m in range(1, k + 1):          # widen to >= one 128-byte line while the row stays short
+        if k % m == 0 and sc0 * m // vec <= limit:
+            sc = sc0 * m
+            if sc * itemsize >= MIN_SLAB_BYTES:
+                break
+    p = sc // vec
+    rs = max(1, NHWC_ROW_THREADS // p)
+    threads = p * rs
+    slabs = c // sc
+    tiles = max(1, min(_cdiv(BLOCKS_PER_SM * sms, n * slabs), _cdiv(hw, rs), 1024))
+    tile_rows = _cdiv(hw, tiles)
+    return sc, threads, slabs, _cdiv(hw, tile_rows), tile_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: built once per device, dtype, sizes and alignment (cached with the op's plan), they
+# take the pointers of one call and launch.
+
+def _ptr(t):
+    return 0 if t is None else t.ptr
+
+
+def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
+    """run(call, x, w, b, y, eps) for x, y: contiguous [n, c, hw]."""
+    vec = 16 // d.itemsize
+    cg = c // g
+    groups = n * g
+    elems = cg * hw
+    sms = _copy.sm_count(dev)
+    aligned = aligned and hw % vec == 0
+    if aligned and force_path != "twopass":
+        clusters = clusters and force_path != "onchip" and _clusters_available(dev)
+        plan = plan_onchip(groups, elems // vec, sms, clusters,
+                           force_path if clusters or force_path == "onchip" else None)
+        if plan is not None:
+            s, slice_packs, packs, threads = plan
+            expr = _onchip_expr(d, packs, s)
+            grid, block = (groups * s, 1, 1), (threads, 1, 1)
+            tail = (hw, cg, g, elems // vec, slice_packs)
+
+            def run_onchip(call, x, w, b, y, eps):
+                KERNELS.get(dev, expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
+                                              y.ptr, *tail, eps, act)
+            if s == 1:
+                return run_onchip
+            fallback = _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False)
+
+            def run_cluster(call, x, w, b, y, eps):
+                try:
+                    run_onchip(call, x, w, b, y, eps)
+                except Exception as exc:   # noqa: BLE001  (the launch itself failed: no clusters)
+                    _refuse_clusters(dev, exc)
+                    fallback(call, x, w, b, y, eps)
+            return run_cluster
+    v = vec if aligned else 1
+    group_units = elems // v
+    chunks, chunk_units = plan_two_pass(groups, group_units, sms)
+    stats_expr, apply_expr = _expr("nchw_stats", d, v), _expr("nchw_apply", d, v)
+    grid, block = (groups * chunks, 1, 1), (TWO_PASS_THREADS, 1, 1)
+    part_len = groups * chunks * 4
+    apply_tail = (hw, cg, g, group_units, chunk_units, chunks)
+
+    def run_two_pass(call, x, w, b, y, eps):
+        part = call.empty((part_len,), dt.float32)
+        KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr,
+                                            group_units, chunk_units, chunks)
+        KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
+                                            y.ptr, part.ptr, *apply_tail, eps, act)
+    return run_two_pass
+
+
+def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act):
+    """run(call, x, w, b, y, eps) for x, y: contiguous [n, hw, c] in memory; None when the
+    channels are too wide for the channels-last kernels."""
+    vec = 16 // d.itemsize
+    if not (aligned and c % vec == 0):
+        vec = 1
+    cg = c // g
+    plan = plan_nhwc(n, hw, c, cg, vec, d.itemsize, _copy.sm_count(dev))
+    if plan is None or force_path == "nhwc_copy":
+        return None
+    sc, threads, slabs, tiles, tile_rows = plan
+    grid, block = (n * slabs * tiles, 1, 1), (threads, 1, 1)
+    part_len = n * g * tiles * 4
+    stats_expr, apply_expr = _expr("nhwc_stats", d, vec), _expr("nhwc_apply", d, vec)
+    tail = (hw, c, cg, sc, slabs, tiles, tile_rows)
+    stats_smem, apply_smem = 2 * threads * vec * 4, 2 * (sc // cg) * 4
+
+    def run_nhwc(call, x, w, b, y, eps):
+        part = call.empty((part_len,), dt.float32)
+        KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr, *tail,
+                                            smem=stats_smem)
+        KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
+                                            y.ptr, part.ptr, *tail, eps, act, smem=apply_smem)
+    return run_nhwc
+
+
+def _nhwc_via_nchw_launcher(dev, d, n, c, hw, g, act):
+    """Channels-last through NCHW copies (slabs too wide for the channels-last kernels)."""
+    inner = _nchw_launcher(dev, d, n, c, hw, g, True, act)
+
+    def run_via_nchw(call, x, w, b, y, eps):
+        xc = call.empty((n, c, hw), d)
+        _copy.strided_copy(call, Tensor(x.ptr, (n, c, hw), (hw * c, 1, c), d, x.device, x.obj,
+                                        x.numel, False), xc)
+        yc = call.empty((n, c, hw), d)
+        inner(call, xc, w, b, yc, eps)
+        # y's memory is [n, hw, c]: a contiguous copy of yc seen as [n, hw, c]
+        _copy.strided_copy(call, Tensor(yc.ptr, (n, hw, c), (c * hw, 1, hw), d, yc.device,
+                                        yc.obj, yc.numel, False),
+                           Tensor(y.ptr, (n, hw, c), (hw * c, c, 1), d, y.device, y.obj, y.numel,
+                                  True))
+    return run_via_nchw
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers
+
+def _channels_last_perm(ndim):
+    """Logical [N, C, *sp] -> memory order [N, *sp, C]."""
+    return (0, *range(2, ndim), 1)
+
+
+def _is_channels_last(shape, strides) -> bool:
+    """Are these the strides of a contiguous [N, *sp, C] seen as [N, C, *sp]? (size-1 dims may
+    have any stride, as in torch)"""
+    expected = 1
+    for axis in reversed(_channels_last_perm(len(shape))):
+        if shape[axis] != 1 and strides[axis] != expected:
+            return False
+        expected *= shape[axis]
+    return True
+
+
+def _permuted(t: Tensor, perm) -> Tensor:
+    """A view of t with its dimensions permuted (the framework object too)."""
+    obj = t.obj.permute(*perm) if hasattr(t.obj, "permute") else t.obj.transpose(perm)
+    return Tensor(t.ptr, tuple(t.shape[p] for p in perm), tuple(t.strides[p] for p in perm),
+                  t.dtype, t.device, obj, t.numel, False)
+
+
+def _check_activation(activation):
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"gpuops.group_norm: activation={activation!r}; expected one of "
+                         f"{', '.join(repr(a) for a in ACTIVATIONS)}") from None
+
+
+def _num_groups(num_groups) -> int:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)):
+        raise ValueError(f"gpuops.group_norm: num_groups must be a positive int, got "
+                         f"{num_groups!r}")
+    return int(num_groups)
+
+
+def _check_args(shape, num_groups, channels_last, weight_shape, bias_shape):
+    """(N, C, HW) of a valid call; errors name the argument."""
+    if len(shape) < 2:
+        raise ValueError(f"gpuops.group_norm: 'input' must have at least 2 dimensions "
+                         f"([N, C, *spatial]), got shape {tuple(shape)}")
+    if _num_groups(num_groups) < 1:
+        raise ValueError(f"gpuops.group_norm: num_groups must be a positive int, got "
+                         f"{num_groups!r}")
+    c = shape[-1] if channels_last else shape[1]
+    if c % num_groups:
+        raise ValueError(f"gpuops.group_norm: the {c} channels of 'input' (dimension "
+                         f"{-1 if channels_last else 1}) are not divisible by "
+                         f"num_groups={num_groups}")
+    for name, s in (("weight", weight_shape), ("bias", bias_shape)):
+        if s is not None and tuple(s) != (c,):
+            raise ValueError(f"gpuops.group_norm: {name!r} must have shape ({c},) (one value per "
+                             f"channel), got {tuple(s)}")
+    hw = prod(shape[1:-1]) if channels_last else prod(shape[2:])
+    return shape[0], c, hw
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+def ref_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, activation=None,
+                   channels_last=False):
+    act = _check_activation(activation)
+    x = np.asarray(input, dtype=np.float64)
+    _check_args(x.shape, num_groups, channels_last,
+                None if weight is None else np.shape(weight), None if bias is None else np.shape(bias))
+    if channels_last:
+        x = np.moveaxis(x, -1, 1)
+    n, c = x.shape[:2]
+    g = x.reshape(n, num_groups, -1)
+    mean = g.mean(axis=-1, keepdims=True)
+    var = ((g - mean) ** 2).mean(axis=-1, keepdims=True)
+    y = ((g - mean) / np.sqrt(var + eps)).reshape(x.shape)
+    per_channel = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * np.asarray(weight, dtype=np.float64).reshape(per_channel)
+    if bias is not None:
+        y = y + np.asarray(bias, dtype=np.float64).reshape(per_channel)
+    if act == 1:
+        with np.errstate(all="ignore"):
+            y = y / (1.0 + np.exp(-y))
+    if channels_last:
+        y = np.moveaxis(y, 1, -1)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks. A shape whose last dimension is larger than its second is [N, H, W, C]: it is timed
+# as a torch tensor in channels_last memory format (logical [N, C, H, W]).
+
+def _is_nhwc_shape(shape):
+    return len(shape) >= 3 and shape[-1] > shape[1]
+
+
+def _make_group_norm(shape, d, randn):
+    shape = tuple(shape)
+    x = randn(shape, d)
+    if _is_nhwc_shape(shape):
+        perm = (0, len(shape) - 1, *range(1, len(shape) - 1))
+        x = x.permute(*perm) if hasattr(x, "permute") else x.transpose(perm)
+    c = x.shape[1]
+    groups = 32 if c % 32 == 0 else 1
+    return (x, groups, randn((c,), d), randn((c,), d)), {"activation": "silu"}
+
+
+def _torch_group_norm(x, num_groups, weight, bias, activation=None):
+    import torch.nn.functional as F  # noqa: PLC0415,N812
+    y = F.group_norm(x, num_groups, weight, bias)
+    return F.silu(y) if activation == "silu" else y
+
+
+def _liger_group_norm():
+    import torch.nn.functional as F  # noqa: PLC0415,N812
+    from liger_kernel.ops.group_norm import LigerGroupNormFunction  # noqa: PLC0415
+
+    def fn(x, num_groups, weight, bias, activation=None):
+        y = LigerGroupNormFunction.apply(x, weight, bias, x.shape[1], num_groups, 1e-5)
+        return F.silu(y) if activation == "silu" else y
+    return {"liger": fn}
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+
+_plans: dict = {}
+MAX_CACHED_PLANS = 4096
+
+
+@register(family="norms", reference=ref_group_norm,
+          bench=BenchSpec(make_inputs=_make_group_norm, torch_fn=_torch_group_norm,
+                          default_shape=lambda d: (2, 320, 64, 64), compile_peer=True,
+                          extra_peers=_liger_group_norm,
+                          extra_shapes=((8, 640, 64, 64), (4, 1280, 32, 32), (2, 64, 64, 320),
+                                        (8, 64, 64, 640), (1, 256, 256, 256))))
+def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5, activation: str | None = None,
+               channels_last: bool = False, *, out: Tensor | None = None) -> Tensor:
+    """GroupNorm, as ``torch.nn.functional.group_norm``, with an optional fused activation:
+    ``activation(((x - mean) / sqrt(var + eps)) * weight[c] + bias[c])`` with mean and biased
+    variance over each sample's groups of C / num_groups channels and all spatial positions.
+
+    ``activation``: None (or 'none') or 'silu' (diffusion ResNet blocks: GroupNorm then SiLU, in
+    one pass). ``weight`` and ``bias`` have shape [C] (None: 1 and 0).
+
+    Layout: ``input`` is [N, C, *spatial] (``channels_last=False``, the default), contiguous or in
+    torch's ``channels_last`` memory format (detected from the strides, no copy; the result keeps
+    the format); with ``channels_last=True`` it is [N, *spatial, C] (NumPy/CuPy NHWC arrays) and so
+    is the result. Other strides are copied to contiguous first.
+
+    fp32 statistics and math for every storage type, numerically stable (two-pass / Welford /
+    Chan merges). ``out`` (optional) must have the layout the result would have; it may be
+    ``input`` itself.
+    """
+    act = _check_activation(activation)
+    if type(num_groups) is not int:
+        num_groups = _num_groups(num_groups)
+    key = (call.device, loader.generation, force_path, input.dtype, tuple(input.shape),
+           tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
+           None if weight is None else (tuple(weight.shape), weight.contiguous),
+           None if bias is None else (tuple(bias.shape), bias.contiguous),
+           None if out is None else (tuple(out.shape), tuple(out.strides), out.ptr % 16 == 0))
+    run = _plans.get(key)
+    if run is None:
+        run = _build(call.device, input, num_groups, weight, bias, act, bool(channels_last), out)
+        if len(_plans) >= MAX_CACHED_PLANS:
+            _plans.clear()
+        _plans[key] = run
+    return run(call, input, weight, bias, float(eps), out)
+
+
+def _build(dev, input: Tensor, num_groups, weight, bias, act, channels_last, out):
+    """Validate one kind of call and return run(call, input, weight, bias, eps, out) -> result."""
+    d = input.dtype
+    shape = tuple(input.shape)
+    n, c, hw = _check_args(shape, num_groups, channels_last,
+                           None if weight is None else weight.shape,
+                           None if bias is None else bias.shape)
+    g = int(num_groups)
+    if (c // g) * hw >= 1 << 31:
+        raise ValueError(f"gpuops.group_norm: a group of {(c // g) * hw} elements; at most 2^31 - 1")
+    if channels_last:
+        layout = "nhwc" if input.contiguous else "copy"
+    elif input.contiguous:
+        layout = "nchw"
+    elif _is_channels_last(shape, input.strides):
+        layout = "nhwc_strided"
+    else:
+        layout = "copy"
+    if out is not None:
+        _check_out_layout(out, shape, layout)
+    empty = prod(shape) == 0
+
+    # the result has the input's layout (C-contiguous after a copy)
+    perm = _channels_last_perm(len(shape))
+    if layout == "nhwc_strided":
+        mem_shape = tuple(shape[p] for p in perm)
+        inverse = tuple(perm.index(i) for i in range(len(shape)))
+    x_aligned = layout == "copy" or input.ptr % 16 == 0
+    y_aligned = out is None or out.ptr % 16 == 0
+    nchw_memory = layout == "nchw" or (layout == "copy" and not channels_last)
+    if empty:
+        inner = None
+    elif nchw_memory:
+        inner = _nchw_launcher(dev, d, n, c, hw, g, x_aligned and y_aligned, act)
+    else:
+        inner = (_nhwc_launcher(dev, d, n, c, hw, g, x_aligned and y_aligned, act)
+                 or _nhwc_via_nchw_launcher(dev, d, n, c, hw, g, act))
+    copy_in = layout == "copy"
+
+    def run(call, x, w, b, eps, out):
+        if out is None:
+            if layout == "nhwc_strided":
+                y = _permuted(call.empty(mem_shape, d), inverse)
+            else:
+                y = call.empty(shape, d)
+        else:
+            _check_out_overlap(out, x, copy_in)
+            y = out
+        if inner is None:
+            return y
+        if w is not None and not w.contiguous:
+            w = _contiguous_copy(call, w)
+        if b is not None and not b.contiguous:
+            b = _contiguous_copy(call, b)
+        if copy_in:
+            xc = call.empty(shape, d)
+            _copy.strided_copy(call, x, xc)
+            x = xc
+        inner(call, x, w, b, y, eps)
+        return y
+    return run
+
+
+def _contiguous_copy(call, t):
+    dst = call.empty(tuple(t.shape), t.dtype)
+    _copy.strided_copy(call, t, dst)
+    return dst
+
+
+def _check_out_layout(out: Tensor, shape, layout):
+    if tuple(out.shape) != shape:
+        raise ValueError(f"gpuops.group_norm: 'out' has shape {tuple(out.shape)}, the result has "
+                         f"{shape}")
+    if layout == "nhwc_strided":
+        ok = _is_channels_last(shape, out.strides)
+        what = "the strides of a channels-last tensor, as 'input'"
+    else:
+        ok = out.contiguous
+        what = "C-contiguous"
+    if not ok:
+        raise ValueError(f"gpuops.group_norm: 'out' must be {what}")
+
+
+def _check_out_overlap(out: Tensor, input: Tensor, copied: bool):
+    lo, hi = out.span()
+    a, b = input.span()
+    if out.numel and a <= hi and lo <= b and not (
+            not copied and out.ptr == input.ptr and tuple(out.strides) == tuple(input.strides)):
+        raise ValueError("gpuops.group_norm: 'out' overlaps 'input' without being the same view; "
+                         "in-place use must pass the identical array")

@@ -1,0 +1,592 @@
+"""GroupNorm (+ fused SiLU): the float64 reference against torch, argument errors, the launch plans,
+the host code run against a CPU emulation of cuda_src/groupnorm/group_norm.cu (every kernel and
+layout, clusters included), and on the GPU every dtype, layout, design and odd size against the
+float64 reference, poisoned outputs, in-place use, CuPy/NumPy channels-last arrays, NaN
+propagation, a side stream and a CUDA graph."""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+import gpuops as go
+from gpuops import dtypes as dt
+from gpuops import registry
+from gpuops.ops import group_norm as GN
+from gpuops.tensor import Tensor
+from conftest import HAS_GPU, HAS_TORCH, HAS_TORCH_CUDA, assert_close
+from test_copy import Emulator, FakeCall, FakeObj, emulated, np_storage
+
+torch = pytest.importorskip("torch") if HAS_TORCH else None
+F = torch.nn.functional if HAS_TORCH else None
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+# ------------------------------------------------------------------------------ CPU: reference
+
+@needs_torch
+@pytest.mark.parametrize("shape,groups", [((2, 6, 5, 4), 3), ((3, 8), 4), ((2, 4, 7), 1),
+                                          ((1, 6, 2, 3, 4), 6)])
+def test_reference_matches_torch_in_float64(rng, shape, groups):
+    x = rng.standard_normal(shape) * 3 + 1
+    c = shape[1]
+    w, b = rng.standard_normal(c), rng.standard_normal(c)
+    tx = torch.from_numpy(x)
+    expected = F.group_norm(tx, groups, torch.from_numpy(w), torch.from_numpy(b), eps=1e-5)
+    np.testing.assert_allclose(GN.ref_group_norm(x, groups, w, b), expected.numpy(), rtol=1e-12,
+                               atol=1e-12)
+    np.testing.assert_allclose(GN.ref_group_norm(x, groups, w, b, activation="silu"),
+                               F.silu(expected).numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(GN.ref_group_norm(x, groups, eps=0.1),
+                               F.group_norm(tx, groups, eps=0.1).numpy(), rtol=1e-12, atol=1e-12)
+    last = np.moveaxis(x, 1, -1)
+    np.testing.assert_allclose(GN.ref_group_norm(last, groups, w, b, channels_last=True),
+                               np.moveaxis(expected.numpy(), 1, -1), rtol=1e-12, atol=1e-12)
+
+
+def test_argument_errors(rng):
+    x = rng.standard_normal((2, 6, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match="divisible by num_groups=4"):
+        go.group_norm(x, 4)
+    with pytest.raises(ValueError, match="num_groups"):
+        go.group_norm(x, 0)
+    with pytest.raises(ValueError, match="'weight' must have shape \\(6,\\)"):
+        go.group_norm(x, 3, np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="'bias'"):
+        go.group_norm(x, 3, None, np.ones((6, 1), np.float32))
+    with pytest.raises(ValueError, match="activation"):
+        go.group_norm(x, 3, activation="gelu")
+    with pytest.raises(ValueError, match="at least 2"):
+        go.group_norm(x[0, 0], 1)
+    with pytest.raises(ValueError, match="divisible"):
+        go.group_norm(x, 3, channels_last=True)          # 4 channels last
+    with pytest.raises(TypeError, match="float16"):
+        go.group_norm(x, 3, np.ones(6, np.float16))
+
+
+@needs_torch
+def test_cpu_path_torch_and_numpy(rng):
+    x = rng.standard_normal((2, 8, 3, 3)).astype(np.float32)
+    w, b = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    ref = GN.ref_group_norm(x.astype(np.float64), 4, w, b, activation="silu")
+    tx = torch.from_numpy(x).to(torch.bfloat16)
+    y = go.group_norm(tx, 4, torch.from_numpy(w).to(torch.bfloat16),
+                      torch.from_numpy(b).to(torch.bfloat16), activation="silu")
+    assert y.dtype == torch.bfloat16 and y.shape == tx.shape
+    ref16 = GN.ref_group_norm(tx.double().numpy(), 4, torch.from_numpy(w).to(torch.bfloat16)
+                              .double().numpy(), torch.from_numpy(b).to(torch.bfloat16).double()
+                              .numpy(), activation="silu")
+    assert_close(y.double().numpy(), ref16, "bfloat16", "cpu torch")
+    yn = go.group_norm(x, 4, w, b, activation="silu")
+    assert yn.dtype == np.float32
+    assert_close(yn, ref, "float32", "numpy")
+
+
+# ------------------------------------------------------------------------------ CPU: plans
+
+@pytest.mark.parametrize("clusters", [False, True])
+def test_onchip_plan_covers_each_group(clusters):
+    for groups in (1, 2, 7, 64, 132, 1000):
+        for gp in (1, 5, 31, 128, 1000, 1280, 5120, 8192, 10240, 32768, 65536, 70000):
+            plan = GN.plan_onchip(groups, gp, 132, clusters)
+            if plan is None:
+                assert gp > (8 if clusters else 1) * GN.ONCHIP_MAX_PACKS
+                continue
+            s, slice_packs, packs, threads = plan
+            assert s == 1 or (clusters and s in GN.CLUSTERS)
+            assert s * slice_packs >= gp and (s - 1) * slice_packs < gp   # no empty rank
+            assert threads % 32 == 0 and 32 <= threads <= GN.ONCHIP_MAX_THREADS
+            assert threads * packs >= slice_packs and packs == GN.ONCHIP_PACKS
+    # the diffusion shape [2, 320, 64, 64] fp16: 64 groups of 5120 packs fill 132 SMs
+    assert GN.plan_onchip(64, 5120, 132, True) == (4, 1280, 8, 160)
+    assert GN.plan_onchip(64, 5120, 132, False) == (1, 5120, 8, 640)
+    assert GN.plan_onchip(64, 100, 132, True) == (1, 100, 8, 32)
+
+
+def test_two_pass_and_nhwc_plans():
+    for groups in (1, 3, 64, 4096):
+        for gu in (1, 7, 1024, 40960, 1 << 20):
+            chunks, cu = GN.plan_two_pass(groups, gu, 132)
+            assert chunks >= 1 and chunks * cu >= gu and (chunks - 1) * cu < gu
+    for n, hw, c, g, vec in [(2, 4096, 320, 32, 8), (8, 4096, 640, 32, 8), (1, 49, 12, 3, 1),
+                             (4, 1024, 1280, 32, 4), (1, 7, 4096, 1, 8), (1, 5, 8192, 2, 8),
+                             (3, 100, 96, 96, 8), (1, 1, 8, 1, 8)]:
+        cg = c // g
+        plan = GN.plan_nhwc(n, hw, c, cg, vec, 2, 132)
+        if plan is None:
+            assert (cg * vec // np.gcd(cg, vec)) // vec > GN.NHWC_MAX_THREADS
+            continue
+        sc, threads, slabs, tiles, rows = plan
+        p = sc // vec
+        assert sc % cg == 0 and sc % vec == 0 and c == sc * slabs
+        assert threads % p == 0 and 128 <= threads <= GN.NHWC_MAX_THREADS
+        assert 2 * threads * vec * 4 <= GN.NHWC_SMEM_LIMIT
+        assert tiles * rows >= hw and (tiles - 1) * rows < hw
+    assert GN.plan_nhwc(1, 5, 8192, 8192, 8, 2, 132) is None    # one group of 1024 packs
+
+
+# ------------------------------------------------------------------------------ CPU: emulation
+
+def _merge(a, b):
+    n = a[0] + b[0]
+    if n == 0:
+        return (0.0, 0.0, 0.0)
+    f, delta = b[0] / n, b[1] - a[1]
+    return (n, a[1] + delta * f, a[2] + b[2] + delta * delta * a[0] * f)
+
+
+def _stats(vals):
+    if vals.size == 0:
+        return (0.0, 0.0, 0.0)
+    m = vals.mean()
+    return (float(vals.size), float(m), float(((vals - m) ** 2).sum()))
+
+
+class GroupNormEmulator(Emulator):
+    """The group-norm kernels in float64 (index arithmetic, coverage, alignment, statistics
+    merges; the fp32 rounding is the GPU tests' business)."""
+
+    def _f(self, ptr, d, offsets):
+        return self.arena.load(ptr, d, offsets).astype(np.float64)
+
+    def _affine(self, vals, mean, rstd, w, b, d, c, act):
+        wv = self._f(w, d, c) if w else 1.0
+        bv = self._f(b, d, c) if b else 0.0
+        y = (vals - mean) * rstd * wv + bv
+        return y / (1 + np.exp(-y)) if act else y
+
+    def _part(self, part, i):
+        return tuple(self._f(part, dt.float32, 4 * i + np.arange(3)))
+
+    def _onchip(self, targs, grid, block, args, cluster):
+        d, packs = GN_DTYPES[targs[0]], int(targs[1])
+        x, w, b, y, hw, cg, groups, group_packs, slice_packs, eps, act = args
+        vec, nth = 16 // d.itemsize, block[0]
+        assert nth % 32 == 0 and grid[0] % cluster == 0
+        assert x % 16 == 0 and y % 16 == 0 and hw % vec == 0 and group_packs * vec < 2 ** 31
+        for g in range(grid[0] // cluster):
+            base, st, pieces = g * group_packs * vec, (0.0, 0.0, 0.0), []
+            for rank in range(cluster):
+                p0 = rank * slice_packs
+                p1 = min(p0 + slice_packs, group_packs)
+                ps = (np.arange(nth)[:, None] + np.arange(packs)[None, :] * nth + p0).reshape(-1)
+                ps = ps[ps < p1]
+                assert len(ps) == max(p1 - p0, 0), "the block's threads miss packs of its slice"
+                offs = base + (ps[:, None] * vec + np.arange(vec)).reshape(-1)
+                vals = self._f(x, d, offs)
+                st = _merge(st, _stats(vals))
+                pieces.append((offs, vals))
+            assert st[0] == group_packs * vec
+            rstd = 1 / np.sqrt(st[2] / st[0] + eps)
+            for offs, vals in pieces:
+                c = (g % groups) * cg + (offs - base) // hw
+                self.arena.store(y, d, offs, self._affine(vals, st[1], rstd, w, b, d, c, act))
+
+    def k_group_norm_onchip(self, targs, grid, block, args, smem):
+        self._onchip(targs, grid, block, args, 1)
+
+    def k_group_norm_onchip_cluster(self, targs, grid, block, args, smem):
+        assert self.cc >= 90 and self.target_arch >= 90, "cluster kernel launched below sm_90"
+        self._onchip(targs, grid, block, args, int(targs[2]))
+
+    def k_group_norm_nchw_stats(self, targs, grid, block, args, smem):
+        d, vec = GN_DTYPES[targs[0]], int(targs[1])
+        x, part, group_units, chunk_units, chunks = args
+        assert block[0] == GN.TWO_PASS_THREADS and (vec == 1 or x % 16 == 0)
+        for blk in range(grid[0]):
+            g, chunk = divmod(blk, chunks)
+            u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
+            vals = self._f(x, d, g * group_units * vec + (u[:, None] * vec + np.arange(vec)))
+            self.arena.store(part, dt.float32, 4 * blk + np.arange(4), [*_stats(vals), 0.0])
+
+    def k_group_norm_nchw_apply(self, targs, grid, block, args, smem):
+        d, vec = GN_DTYPES[targs[0]], int(targs[1])
+        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act = args
+        assert vec == 1 or (x % 16 == 0 and y % 16 == 0 and hw % vec == 0)
+        for blk in range(grid[0]):
+            g, chunk = divmod(blk, chunks)
+            st = (0.0, 0.0, 0.0)
+            for i in range(chunks):
+                st = _merge(st, self._part(part, g * chunks + i))
+            u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
+            offs = g * group_units * vec + (u[:, None] * vec + np.arange(vec)).reshape(-1)
+            c = (g % groups) * cg + np.repeat(u * vec // hw, vec)
+            self.arena.store(y, d, offs, self._affine(self._f(x, d, offs), st[1],
+                                                      1 / np.sqrt(st[2] / st[0] + eps), w, b, d,
+                                                      c, act))
+
+    def _nhwc_block(self, x, d, blk, slabs, tiles, tile_rows, hw, c, sc, bd, p):
+        """Block `blk`'s tile [rows, sc] and the element offsets, with the rows each of the
+        block's row phases (threads t // p) visits."""
+        assert bd % p == 0 and 32 <= bd <= GN.NHWC_MAX_THREADS
+        rs = bd // p
+        rest, slab = divmod(blk, slabs)
+        n, tile = divmod(rest, tiles)
+        r0 = tile * tile_rows
+        rows = min(tile_rows, hw - r0)
+        assert rows >= 1, "empty tile"
+        phase_rows = [np.arange(ty, rows, rs) for ty in range(rs)]
+        assert np.array_equal(np.sort(np.concatenate(phase_rows)), np.arange(rows))
+        offs = (n * hw + r0 + np.arange(rows))[:, None] * c + slab * sc + np.arange(sc)[None, :]
+        return n, slab, tile, rows, rs, phase_rows, offs, self._f(x, d, offs).reshape(offs.shape)
+
+    def k_group_norm_nhwc_stats(self, targs, grid, block, args, smem):
+        d, vec = GN_DTYPES[targs[0]], int(targs[1])
+        x, part, hw, c, cg, sc, slabs, tiles, tile_rows = args
+        bd, p, kg = block[0], sc // vec, sc // cg
+        assert smem >= 2 * bd * vec * 4 and sc % vec == 0 and sc % cg == 0 and c == sc * slabs
+        assert vec == 1 or (x % 16 == 0 and c % vec == 0)
+        for blk in range(grid[0]):
+            n, slab, tile, rows, rs, phase_rows, _, v = self._nhwc_block(
+                x, d, blk, slabs, tiles, tile_rows, hw, c, sc, bd, p)
+            # shared memory entry ty * sc + channel: Welford of that channel over phase ty's rows
+            cnt = np.array([len(r) for r in phase_rows], dtype=np.float64)
+            sums = np.stack([v[r].sum(0) for r in phase_rows])
+            mean = np.divide(sums, cnt[:, None], out=np.zeros_like(sums), where=cnt[:, None] > 0)
+            m2 = np.stack([((v[r] - mean[ty]) ** 2).sum(0) for ty, r in enumerate(phase_rows)])
+            s_n, s_mean, s_m2 = np.repeat(cnt, sc), mean.reshape(-1), m2.reshape(-1)
+            # the kernel's merge: group gl takes entries ph * sc + gl * cg + (e % cg), e < rs * cg
+            e = np.arange(rs * cg)
+            ph = e // cg
+            for gl in range(kg):
+                idx = ph * sc + gl * cg + e % cg
+                counts = np.where(ph < rows, (rows - ph + rs - 1) // rs, 0)
+                assert np.array_equal(s_n[idx], counts), "phase_rows disagrees with the loop"
+                tot = s_n[idx].sum()
+                gm = (s_n[idx] * s_mean[idx]).sum() / tot
+                gm2 = s_m2[idx].sum() + (s_n[idx] * (s_mean[idx] - gm) ** 2).sum()
+                g = n * (c // cg) + slab * kg + gl
+                self.arena.store(part, dt.float32, 4 * (g * tiles + tile) + np.arange(4),
+                                 [tot, gm, gm2, 0.0])
+
+    def k_group_norm_nhwc_apply(self, targs, grid, block, args, smem):
+        d, vec = GN_DTYPES[targs[0]], int(targs[1])
+        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act = args
+        bd, p, kg = block[0], sc // vec, sc // cg
+        assert smem >= 8 * kg
+        for blk in range(grid[0]):
+            n, slab, tile, rows, rs, _, offs, v = self._nhwc_block(
+                x, d, blk, slabs, tiles, tile_rows, hw, c, sc, bd, p)
+            mean, rstd = np.zeros(kg), np.zeros(kg)
+            for gl in range(kg):
+                g = n * (c // cg) + slab * kg + gl
+                st = (0.0, 0.0, 0.0)
+                for i in range(tiles):
+                    st = _merge(st, self._part(part, g * tiles + i))
+                assert st[0] == hw * cg, "a group's partials do not add up"
+                mean[gl], rstd[gl] = st[1], 1 / np.sqrt(st[2] / st[0] + eps)
+            ch = slab * sc + np.arange(sc)
+            gl = np.arange(sc) // cg
+            self.arena.store(y, d, offs, self._affine(v, mean[gl], rstd[gl], w, b, d, ch, act))
+
+
+GN_DTYPES = {"float": dt.float32, "gpuops::float16_t": dt.float16,
+             "gpuops::bfloat16_t": dt.bfloat16}
+TOL64 = {"float32": dict(rtol=1e-6, atol=1e-7), "float16": dict(rtol=1e-3, atol=1e-5),
+         "bfloat16": dict(rtol=8e-3, atol=1e-5)}
+
+# (shape, groups, layout, forced design)
+EMULATED = [
+    ((2, 320, 8, 8), 32, "nchw", None), ((1, 4, 3, 3), 2, "nchw", None), ((3, 6, 5), 3, "nchw", None),
+    ((2, 8), 2, "nchw", None), ((1, 32, 32, 32), 4, "nchw", None), ((1, 8, 128, 128), 1, "nchw", None),
+    ((1, 8, 64, 64), 2, "nchw", "twopass"), ((2, 16, 8, 8), 4, "nchw", "onchip"),
+    ((2, 16, 16, 16), 4, "nchw", "cluster2"), ((1, 16, 16, 16), 2, "nchw", "cluster8"),
+    ((2, 8, 8, 320), 32, "nhwc", None), ((2, 5, 7, 12), 3, "nhwc", None),
+    ((1, 4, 4, 64), 64, "nhwc", None), ((2, 320, 8, 8), 32, "strided_nhwc", None),
+    ((2, 40, 3, 5), 4, "strided_nhwc", None), ((2, 16, 6, 10), 4, "other", None),
+    ((2, 8, 8, 320), 32, "nhwc", "nhwc_copy"), ((2, 320, 8, 8), 32, "strided_nhwc", "nhwc_copy"),
+    ((1, 3, 1024), 1, "strided_nhwc", None), ((4, 512, 2, 2), 2, "nhwc", None),
+]
+
+
+def _emulated_input(arena, rng, shape, d, layout, misalign):
+    host = (rng.standard_normal(shape) * 2 + 0.5).astype(np_storage(d))
+    if layout in ("nchw", "nhwc"):
+        return host, arena.put(host, d, misalign)
+    perm = (0, *range(2, len(shape)), 1) if layout == "strided_nhwc" else (0, 1, 3, 2)
+    mem = arena.put(np.ascontiguousarray(host.transpose(perm)), d, misalign)
+    inv = [int(i) for i in np.argsort(perm)]
+    return host, Tensor(mem.ptr, tuple(shape), tuple(mem.strides[i] for i in inv), d, 0, FakeObj(),
+                        mem.numel, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_norm_on_the_emulated_kernels(monkeypatch, rng, dtype):
+    d = dt.BY_NAME[dtype]
+    impl = registry.get("group_norm").impl
+    with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
+        for arch in ((90, 61) if dtype == "float16" else (90,)):
+            emu.cc = emu.target_arch = arch
+            GN._plans.clear()                  # plans depend on the device's arch
+            for shape, groups, layout, force in EMULATED:
+                if arch < 90 and force and force.startswith("cluster"):
+                    continue
+                monkeypatch.setattr(GN, "force_path", force)   # (part of the plans' key)
+                for misalign, affine, act in ((0, True, "silu"), (1, False, None)):
+                    emu.arena.top = 0
+                    host, x = _emulated_input(emu.arena, rng, shape, d, layout, misalign)
+                    cl = layout == "nhwc"
+                    c = shape[-1] if cl else shape[1]
+                    w = emu.arena.put(rng.standard_normal(c), d) if affine else None
+                    b = emu.arena.put(rng.standard_normal(c), d) if affine else None
+                    emu.launches.clear()
+                    y = impl(FakeCall(emu.arena, "group_norm"), x, groups, w, b, 1e-5, act, cl)
+                    ref = GN.ref_group_norm(host.astype(np.float64), groups,
+                                            None if w is None else emu.arena.read(w),
+                                            None if b is None else emu.arena.read(b), 1e-5, act, cl)
+                    got = emu.arena.read(y).astype(np.float64)
+                    what = f"{shape} G={groups} {layout} {force} misalign={misalign} sm_{arch}: " \
+                           f"{emu.names()}"
+                    assert got.shape == ref.shape, what
+                    np.testing.assert_allclose(got, ref, **TOL64[dtype], err_msg=what)
+
+
+def test_emulated_designs(monkeypatch, rng):
+    """Which kernels each case takes (the H100 path of the benchmark shapes, scaled down)."""
+    impl = registry.get("group_norm").impl
+    with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
+
+        def kernels(shape, groups, layout="nchw"):
+            emu.arena.top = 0
+            emu.launches.clear()
+            _, x = _emulated_input(emu.arena, rng, shape, dt.float16, layout, 0)
+            impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
+                 layout == "nhwc")
+            return [n for n, *_ in emu.launches]
+        # 64 groups of 40 channels x 256: clusters of 2 blocks to fill 132 SMs
+        assert kernels((2, 320, 16, 16), 32) == ["group_norm_onchip_cluster"]
+        assert emu.launches[0][1][2] == "2" and emu.launches[0][2][0] == 128
+        assert kernels((8, 64, 8, 8), 32) == ["group_norm_onchip"]
+        assert kernels((2, 16, 8, 8), 4, "strided_nhwc") == ["group_norm_nhwc_stats",
+                                                           "group_norm_nhwc_apply"]
+        assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
+
+
+def test_refused_cluster_launch_falls_back(monkeypatch, rng):
+    impl = registry.get("group_norm").impl
+    with emulated(monkeypatch, GroupNormEmulator) as emu:
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
+        monkeypatch.setattr(GN, "_clusters_refused", {})
+
+        def refuse(*args):
+            raise RuntimeError("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
+        monkeypatch.setattr(emu, "k_group_norm_onchip_cluster", refuse)
+        host, x = _emulated_input(emu.arena, rng, (2, 320, 16, 16), dt.float16, "nchw", 0)
+        ref = GN.ref_group_norm(host.astype(np.float64), 32, activation="silu")
+        for attempt in range(2):
+            emu.launches.clear()
+            with pytest.warns(RuntimeWarning, match="refused") if attempt == 0 else \
+                    contextlib.nullcontext():
+                y = impl(FakeCall(emu.arena, "group_norm"), x, 32, None, None, 1e-5, "silu", False)
+            np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref, **TOL64["float16"])
+            assert emu.names()[-1] == "group_norm_onchip<gpuops::float16_t, 8>"
+        assert len(emu.launches) == 1        # the second call does not try clusters again
+
+
+# ------------------------------------------------------------------------------ GPU
+
+def _randn(shape, dtype, scale=2.0, offset=0.5):
+    return (torch.randn(shape, device="cuda") * scale + offset).to(getattr(torch, dtype))
+
+
+def _host(t):
+    return t.double().cpu().numpy()
+
+
+def _check(x, groups, dtype, w=None, b=None, act="silu", what="", **kw):
+    y = go.group_norm(x, groups, w, b, activation=act, **kw)
+    ref = GN.ref_group_norm(_host(x), groups, None if w is None else _host(w),
+                            None if b is None else _host(b), 1e-5, act,
+                            kw.get("channels_last", False))
+    assert_close(_host(y), ref, dtype, what)
+    return y
+
+
+@pytest.fixture
+def force(monkeypatch):
+    def set_path(path):
+        monkeypatch.setattr(GN, "force_path", path)
+    return set_path
+
+
+def _clusters():
+    return GN._clusters_available(torch.cuda.current_device())
+
+
+SHAPES = [((2, 320, 64, 64), 32), ((1, 32, 8, 8), 8), ((3, 12, 7, 7), 4), ((2, 6, 5), 3),
+          ((4, 8), 2), ((1, 1, 1, 1), 1), ((2, 64, 1, 1000), 32), ((1, 4, 3, 4097), 2),
+          ((2, 128, 32, 32), 32), ((1, 32, 128, 128), 32), ((2, 16, 2, 3, 5), 8),
+          ((1, 8, 256, 256), 2)]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_shapes(dtype):
+    for shape, groups in SHAPES:
+        x = _randn(shape, dtype)
+        c = shape[1]
+        w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
+        _check(x, groups, dtype, w, b, "silu", f"{shape} G={groups}")
+        _check(x, groups, dtype, None, None, None, f"{shape} G={groups} plain")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["onchip", "cluster2", "cluster4", "cluster8", "twopass"])
+def test_gpu_each_nchw_design(dtype, path, force):
+    if path.startswith("cluster") and not _clusters():
+        pytest.skip("thread-block clusters need sm_90 kernels")
+    force(path)
+    for shape, groups in [((2, 320, 32, 32), 32), ((1, 16, 64, 64), 2), ((3, 8, 4, 8), 4),
+                          ((1, 2, 128, 128), 1)]:
+        x = _randn(shape, dtype)
+        w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
+        _check(x, groups, dtype, w, b, "silu", f"{path} {shape}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_channels_last(dtype, force):
+    for shape, groups in [((2, 320, 32, 32), 32), ((2, 640, 16, 16), 32), ((3, 12, 5, 7), 3),
+                          ((1, 64, 4, 4), 64), ((2, 24, 3, 4, 5), 4), ((1, 4096, 2, 2), 1)]:
+        x = _randn(shape, dtype)
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        xl = x.contiguous(memory_format=fmt)
+        w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
+        for path in (None, "nhwc_copy"):
+            force(path)
+            y = _check(xl, groups, dtype, w, b, "silu", f"channels_last {shape} {path}")
+            assert y.is_contiguous(memory_format=fmt), "the result keeps the memory format"
+        force(None)
+        perm = (0, *range(2, len(shape)), 1)
+        nhwc = x.permute(*perm).contiguous()               # [N, *sp, C] with channels_last=True
+        y = _check(nhwc, groups, dtype, w, b, "silu", f"channels_last=True {shape}",
+                   channels_last=True)
+        assert y.shape == nhwc.shape and y.is_contiguous()
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_unaligned_and_strided_inputs():
+    base = _randn((2 * 64 * 16 * 16 + 1,), "float16")
+    x = base[1:].view(2, 64, 16, 16)                       # 2-byte aligned: one element per unit
+    w = _randn((128,), "float16", 1.0, 0.0)[::2]          # a strided weight
+    _check(x, 32, "float16", w, None, "silu", "unaligned")
+    y = _randn((2, 32, 12, 10), "bfloat16").transpose(2, 3)    # neither NCHW nor NHWC
+    out = _check(y, 8, "bfloat16", what="transposed spatial")
+    assert out.is_contiguous()
+    xl = _randn((2, 16, 8, 8), "float32").contiguous(memory_format=torch.channels_last)[..., 1:]
+    _check(xl, 4, "float32", what="sliced channels_last")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_out_poisoned_and_in_place(dtype):
+    x = _randn((2, 64, 16, 16), dtype)
+    w, b = _randn((64,), dtype, 1.0, 0.0), _randn((64,), dtype, 1.0, 0.0)
+    ref = GN.ref_group_norm(_host(x), 32, _host(w), _host(b), 1e-5, "silu")
+    out = torch.full_like(x, float("nan"))
+    y = go.group_norm(x, 32, w, b, activation="silu", out=out)
+    assert y is out
+    assert_close(_host(out), ref, dtype, "out=")
+    xl = x.contiguous(memory_format=torch.channels_last)
+    outl = torch.full_like(xl, float("nan"))
+    assert go.group_norm(xl, 32, w, b, activation="silu", out=outl) is outl
+    assert_close(_host(outl), ref, dtype, "channels_last out=")
+    with pytest.raises(ValueError, match="layout|channels-last"):
+        go.group_norm(xl, 32, w, b, out=torch.empty_like(x))
+    for path in (None, "twopass"):
+        GN.force_path = path
+        try:
+            xi = x.clone()
+            assert go.group_norm(xi, 32, w, b, activation="silu", out=xi) is xi
+            assert_close(_host(xi), ref, dtype, f"in place {path}")
+        finally:
+            GN.force_path = None
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_nan_stays_in_its_group():
+    x = _randn((2, 8, 4, 4), "float32")
+    x[1, 3, 2, 2] = float("nan")                          # sample 1, group 1 (channels 2, 3)
+    y = go.group_norm(x, 4)
+    expected = F.group_norm(x, 4)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.isnan(y[1, 2:4]).all() and not torch.isnan(y[1, :2]).any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_cupy_and_numpy_channels_last(dtype, rng):
+    import cupy as cp
+    h = (rng.standard_normal((2, 6, 10, 64)) * 2).astype(dtype)          # [N, H, W, C]
+    w = rng.standard_normal(64).astype(dtype)
+    ref = GN.ref_group_norm(h.astype(np.float64), 16, w.astype(np.float64), None, 1e-5, "silu",
+                            True)
+    y = go.group_norm(cp.asarray(h), 16, cp.asarray(w), activation="silu", channels_last=True)
+    assert isinstance(y, cp.ndarray) and y.shape == h.shape
+    assert_close(cp.asnumpy(y).astype(np.float64), ref, dtype, "cupy nhwc")
+    yn = go.group_norm(h, 16, w, activation="silu", channels_last=True)
+    assert isinstance(yn, np.ndarray)
+    assert_close(yn.astype(np.float64), ref, dtype, "numpy nhwc")
+    view = cp.asarray(h).transpose(0, 3, 1, 2)                          # NCHW view of NHWC memory
+    yv = go.group_norm(view, 16, cp.asarray(w), activation="silu")
+    assert_close(cp.asnumpy(yv).astype(np.float64), np.moveaxis(ref, -1, 1), dtype, "cupy view")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_side_stream_and_cuda_graph():
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = _randn((2, 320, 32, 32), "float16")
+        y = go.group_norm(x, 32, activation="silu")
+    side.synchronize()
+    assert_close(_host(y), GN.ref_group_norm(_host(x), 32, activation="silu"), "float16", "side")
+    sx = _randn((2, 320, 32, 32), "float16")
+    sl = _randn((2, 64, 16, 16), "bfloat16").contiguous(memory_format=torch.channels_last)
+    w = _randn((64,), "bfloat16", 1.0, 0.0)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.group_norm(sx, 32, activation="silu")
+        go.group_norm(sl, 32, w, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oy = go.group_norm(sx, 32, activation="silu")
+        ol = go.group_norm(sl, 32, w, w)
+    for _ in range(2):
+        sx.copy_(_randn((2, 320, 32, 32), "float16"))
+        sl.copy_(_randn((2, 64, 16, 16), "bfloat16"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(_host(oy), GN.ref_group_norm(_host(sx), 32, activation="silu"), "float16",
+                     "graph")
+        assert_close(_host(ol), GN.ref_group_norm(_host(sl), 32, _host(w), _host(w)), "bfloat16",
+                     "graph channels_last")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_matches_torch_on_the_benchmark_shapes():
+    for shape in [(8, 640, 64, 64), (4, 1280, 32, 32)]:
+        x = _randn(shape, "float16")
+        w, b = _randn((shape[1],), "float16", 1.0, 0.0), _randn((shape[1],), "float16", 1.0, 0.0)
+        _check(x, 32, "float16", w, b, "silu", f"{shape}")
+        _check(x.contiguous(memory_format=torch.channels_last), 32, "float16", w, b, "silu",
+               f"{shape} channels_last")
