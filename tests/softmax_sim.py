@@ -19,6 +19,7 @@ from gpuops.shapes import contiguous_strides
 from gpuops.tensor import Tensor
 
 _ALIGN = 256
+SMEM_OPTIN = 232448            # H100: 227 KiB per block
 _ITEM = {"float": 4, "gpuops::float16_t": 2, "gpuops::bfloat16_t": 2, "long long": 8, "int": 4}
 
 
@@ -171,6 +172,8 @@ class SimKernel:
     def launch(self, grid, block, stream, *args, smem=0):
         assert block[0] * block[1] * block[2] <= 1024, "more than 1024 threads per block"
         assert all(g >= 1 for g in grid) and grid[0] < 2 ** 31, f"bad grid {grid}"
+        assert smem <= SMEM_OPTIN, "more dynamic shared memory than the device allows"
+        self.smem = smem
         getattr(self, "_" + self.name)(grid, block, *args)
 
     # ---- helpers
@@ -441,7 +444,7 @@ class SimKernel:
                 assert j0 + N <= C
                 a = 0.0
                 if t != ignore:
-                    a = self.ld(grad, row * gs if mode == 0 else 0, 1)[0]
+                    a = self.ld(grad, row * gs if mode == 0 else 0, 1)[0] if grad else 1.0
                     if mode == 2:
                         a /= self.ldf(count, 0)[0]
                 bb = self.ldf(glse, row * glse_stride)[0] if glse else 0.0
@@ -461,6 +464,72 @@ class SimKernel:
         assert len(written) == rows * C, "the backward grid does not cover the input once"
 
 
+    def _ce_fused(self, grid, block, x, xs, target, ts, C, cache_packs, ignore, eps, mode, count,
+                  dx, ds, loss, loss_stride, partial, smem=0):
+        N, ti = self._N(_flag(self.targs[2])), self._ti(1)
+        TX = block[0]
+        assert block[1] == block[2] == 1 and TX % 32 == 0 and TX <= 1024
+        assert C % N == 0
+        packs = C // N
+        raw = 16 if N > 1 else 4
+        assert cache_packs <= packs and self.smem == cache_packs * raw, "cache/smem mismatch"
+        for row in range(grid[0]):
+            t = int(self.mem.load(target + row * ts * ti, 1, ti)[0])
+            valid, inside = t != ignore, 0 <= t < C
+            xt = self.ld(x, row * xs + t, 1)[0] if valid and inside else 0.0
+            idx = [i for tx in range(TX) for i0 in range(tx, packs, 2 * TX) for i in (i0, i0 + TX)
+                   if i < packs]
+            assert sorted(idx) == list(range(packs)), "pass 1 does not cover the row once"
+            cache = {i: self.ld(x, row * xs + i * N, N) for i in idx if i < cache_packs}
+            f = np.concatenate([self.ld(x, row * xs + i * N, N) for i in range(packs)])
+            with np.errstate(all="ignore"):
+                M = np.max(f)
+                z = M + np.log(np.sum(np.exp(f - M)))
+                l_ = 0.0
+                if valid:
+                    l_ = z - xt if inside else np.nan
+                    if inside and eps:
+                        l_ = (1 - eps) * l_ + eps * (z - f.sum() / C)
+            if mode == 0:
+                self.st(loss, row * loss_stride, l_)
+            else:
+                self.stf(partial, 2 * row, [l_, float(valid)])
+            a = (1.0 / self.ldf(count, 0)[0] if mode == 2 else 1.0) if valid else 0.0
+            for tx in range(TX):
+                for i in range(tx, packs, TX):
+                    if a == 0:
+                        v = np.zeros(N)
+                    else:
+                        g = cache[i] if i < cache_packs else self.ld(x, row * xs + i * N, N)
+                        with np.errstate(all="ignore"):
+                            v = np.exp(g - z) * a - a * eps / C
+                        for k in range(N):
+                            if i * N + k == t:
+                                v[k] -= a * (1 - eps)
+                    self.st(dx, row * ds + i * N, v)
+
+    def _ce_scale(self, grid, block, grad, gs, mode, src, ss, dst, ds, rows, C, cpb):
+        N = self._N(_flag(self.targs[1]))
+        assert block == (256, 1, 1)
+        in_place = src == dst
+        if mode != 0 and in_place and self.ld(grad, 0, 1)[0] == 1.0:
+            return
+        done = set()
+        for b in range(grid[0]):
+            for w in range(b, rows * cpb, grid[0]):
+                row, part = divmod(w, cpb)
+                a = self.ld(grad, row * gs if mode == 0 else 0, 1)[0]
+                for tx in range(256):
+                    j0 = (part * 256 + tx) * N
+                    if (in_place and a == 1.0) or j0 >= C:
+                        continue
+                    assert j0 + N <= C
+                    self.st(dst, row * ds + j0, self.ld(src, row * ss + j0, N) * a)
+                    done.add((row, j0))
+        assert all((r, j) in done for r in range(rows) for j in range(0, C, N)
+                   if not (in_place and self.ld(grad, r * gs if mode == 0 else 0, 1)[0] == 1.0))
+
+
 class SimKernels:
     """Stands in for gpuops.ops.softmax.KERNELS."""
 
@@ -474,7 +543,7 @@ class SimKernels:
         return SimKernel(self.mem, expr)
 
 
-def run_op(monkeypatch, op_name, dtype, build):
+def run_op(monkeypatch, op_name, dtype, build, smem_budget=SMEM_OPTIN - 1024, sms=132):
     """Run op ``op_name``'s GPU implementation on simulated memory. ``build(mem)`` returns the
     op's arguments (simulated Tensors and Python values) as (args, kwargs)."""
     from gpuops import registry  # noqa: PLC0415
@@ -484,7 +553,8 @@ def run_op(monkeypatch, op_name, dtype, build):
     monkeypatch.setattr(sm, "KERNELS", kernels)
     import gpuops.ops.loss as loss_mod  # noqa: PLC0415
     monkeypatch.setattr(loss_mod, "KERNELS", kernels)
-    monkeypatch.setitem(sm._sm_counts, 0, 132)
+    monkeypatch.setitem(sm._sm_counts, 0, sms)
+    monkeypatch.setitem(loss_mod._smem_budget, 0, smem_budget)
     args, kwargs = build(mem)
     call = FakeCall(mem, op_name, dtype)
     out = registry.get(op_name).impl(call, *args, **kwargs)

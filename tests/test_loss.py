@@ -172,6 +172,41 @@ def test_simulated_backward(monkeypatch, rng, case, reduction):
         np.testing.assert_allclose(sim.values(dx), ref, rtol=1e-11, atol=1e-15)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_simulated_with_grad_and_scale(monkeypatch, rng, reduction):
+    from gpuops import dtypes as dt
+    # (rows, C, dtype, smem budget) on a simulated 8-SM GPU: 8 rows or more take ce_fused, with
+    # the whole row cached, part of it, or none; fewer rows take the split forward +
+    # ce_backward; odd C the scalar path
+    cases = [(12, 64, "bfloat16", 1 << 20), (9, 1000, "float32", 1024), (8, 77, "float16", 64),
+             (10, 48, "float32", 0), (5, 3000, "bfloat16", 1 << 20)]
+    for n, c, dtype, budget in cases:
+        x = rng.standard_normal((n, c)) * 3
+        t = _targets(rng, n, c)
+        d = sim.FLOAT_DTYPES[dtype]
+        ref_grad, ref_loss = ls.ref_cross_entropy_with_grad(x, t, -100, reduction, 0.1)
+        for inplace in (False, True):
+            def build(mem):
+                xt = sim.upload(mem, x, d)
+                return ((xt, sim.upload(mem, t, dt.int32), -100, reduction, 0.1),
+                        {"out": xt} if inplace else {})
+            (grad, loss), launched = sim.run_op(monkeypatch, "cross_entropy_with_grad", d, build,
+                                                smem_budget=budget, sms=8)
+            assert any("ce_fused" in e for e in launched) == (n >= 8), launched
+            np.testing.assert_allclose(sim.values(grad), ref_grad, rtol=1e-11, atol=1e-15)
+            np.testing.assert_allclose(sim.values(loss), ref_loss, rtol=1e-11, atol=1e-14)
+        g = rng.standard_normal(n) if reduction == "none" else np.array(0.7)
+        g1 = np.ones(n) if reduction == "none" else np.array(1.0)
+        for go_, inplace in ((g, False), (g, True), (g1, True)):
+            def build(mem):
+                gt_ = sim.upload(mem, ref_grad, d)
+                return (sim.upload(mem, go_, d), gt_, reduction), {"out": gt_} if inplace else {}
+            out, _ = sim.run_op(monkeypatch, "cross_entropy_grad_scale", d, build)
+            np.testing.assert_allclose(sim.values(out),
+                                       ls.ref_cross_entropy_grad_scale(go_, ref_grad, reduction),
+                                       rtol=1e-12, atol=1e-15)
+
+
 # ----------------------------------------------------------------------------- CPU: autograd
 
 @needs_torch
@@ -224,6 +259,34 @@ def test_inplace_backward_semantics_cpu(rng):
         loss.backward()
     with torch.no_grad():                                   # nothing to do without a backward
         gt.cross_entropy(z, t, inplace_backward=True)
+
+
+@needs_torch
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_inplace_forward_semantics_cpu(rng, reduction):
+    import gpuops.torch as gt
+    t = torch.from_numpy(_targets(rng, 5, 9))
+    z = torch.from_numpy(rng.standard_normal((5, 9))).requires_grad_()
+    for scale in (1.0, 0.25):
+        z.grad = None
+        logits = z * 2.0
+        before = logits.detach().clone()
+        loss = gt.cross_entropy(logits, t, reduction=reduction, label_smoothing=0.1,
+                                inplace_backward="forward")
+        ref = before.clone().requires_grad_()
+        ref_loss = F.cross_entropy(ref, t, reduction=reduction, label_smoothing=0.1)
+        np.testing.assert_allclose(loss.detach().numpy(), ref_loss.detach().numpy(), rtol=1e-12)
+        assert not torch.equal(logits.detach(), before)     # the gradient is there already
+        (loss.sum() * scale).backward(retain_graph=True)
+        (ref_loss.sum() * scale).backward()
+        np.testing.assert_allclose(z.grad.numpy(), 2.0 * ref.grad.numpy(), rtol=1e-12, atol=1e-16)
+        with pytest.raises(RuntimeError, match="backward ran a second time"):
+            loss.sum().backward()
+    loss = gt.cross_entropy(torch.tanh(z), t, inplace_backward="forward")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(ValueError, match="inplace_backward='sideways'"):
+        gt.cross_entropy(z * 1.0, t, inplace_backward="sideways")
 
 
 @needs_torch
@@ -408,6 +471,56 @@ def test_gpu_inplace_backward():
     assert_close(_host(logits.detach()), _host(ref_logits.grad), "bfloat16", "logits -> grad")
     assert_close(_host(h.grad), _host(ref_logits.grad.to(torch.bfloat16).float() @ w.float()),
                  "bfloat16", "upstream grad")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_gpu_with_grad_and_scale(dtype, reduction):
+    for (n, c), tdtype in (((300, 151936), torch.int64), ((1000, 4097), torch.int32),
+                           ((200, 2048), torch.int64), ((16, 151936), torch.int32),
+                           ((140, 3), torch.int64)):
+        what = f"{dtype} {reduction} {(n, c)}"
+        x = _randn((n, c), dtype)
+        t = _gpu_targets(n, c, tdtype)
+        ref_grad, ref_loss = ls.ref_cross_entropy_with_grad(_host(x), t.cpu().numpy(), -100,
+                                                            reduction, 0.1)
+        grad, loss = go.cross_entropy_with_grad(x, t, -100, reduction, 0.1)
+        assert_close(_host(loss), ref_loss, dtype, f"loss {what}")
+        assert_close(_host(grad), ref_grad, dtype, f"grad {what}")
+        y, loss = go.cross_entropy_with_grad(x, t, -100, reduction, 0.1, out=x)   # in place
+        assert y is x
+        assert_close(_host(x), ref_grad, dtype, f"in place grad {what}")
+        assert_close(_host(loss), ref_loss, dtype, f"in place loss {what}")
+        g = _randn(loss.shape, dtype, 1.0)
+        expected = ls.ref_cross_entropy_grad_scale(_host(g), _host(x), reduction)
+        assert_close(_host(go.cross_entropy_grad_scale(g, x, reduction)), expected, dtype,
+                     f"scale {what}")
+        before = x.clone()
+        go.cross_entropy_grad_scale(torch.ones_like(g), x, reduction, out=x)
+        assert torch.equal(x, before)
+        go.cross_entropy_grad_scale(g, x, reduction, out=x)
+        assert_close(_host(x), expected, dtype, f"scale in place {what}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("mode", [True, "forward"])
+def test_gpu_inplace_modes_fwd_bwd(mode):
+    import gpuops.torch as gt
+    for n, scale in ((512, 1.0), (512, 0.25), (8, 1.0)):
+        base = _randn((n, 151936), "bfloat16").requires_grad_()
+        t = _gpu_targets(n, 151936)
+        logits = base * 1.0
+        ref = logits.detach().float().requires_grad_()
+        loss = gt.cross_entropy(logits, t, inplace_backward=mode)
+        (g,) = torch.autograd.grad(loss * scale, logits)
+        ref_loss = F.cross_entropy(ref, t)
+        (rg,) = torch.autograd.grad(ref_loss * scale, ref)
+        assert g.data_ptr() == logits.data_ptr()
+        assert_close(_host(loss.detach()), ref_loss.item(), "bfloat16", f"{mode} loss")
+        assert_close(_host(g), _host(rg), "bfloat16", f"{mode} grad n={n} scale={scale}")
 
 
 @gpu

@@ -1,6 +1,6 @@
 """Cross-entropy forward + backward at LLM vocabulary sizes: time and peak memory of
-gpuops.torch.cross_entropy (default and inplace_backward=True) against torch eager,
-torch.compile and Liger-Kernel's cross-entropy.
+gpuops.torch.cross_entropy (default, inplace_backward=True and inplace_backward="forward")
+against torch eager, torch.compile and Liger-Kernel's cross-entropy.
 
     python benchmarks/experiments/cross_entropy_memory.py --json ce.json [--rows 8192,4096]
 
@@ -8,9 +8,10 @@ Each measurement: fresh logits [N, V] (a non-leaf tensor: a clone of a leaf, mad
 timed region), then ``loss = fn(logits, target)`` and ``torch.autograd.grad(loss, logits)`` between
 two CUDA events. Peak memory is ``torch.cuda.max_memory_allocated()`` during that region minus
 what was allocated before it (the logits and their source), i.e. what the loss adds. Targets have
-5% of rows at ignore_index. Liger writes the gradient into the logits during the forward;
-gpuops' inplace_backward=True writes it into the logits during the backward; both return the
-logits' memory as the gradient.
+5% of rows at ignore_index. Liger and gpuops' inplace_backward="forward" write the gradient
+into the logits during the forward, gpuops' inplace_backward=True during the backward; all three
+return the logits' memory as the gradient. --scale 0.25 differentiates loss * 0.25 instead of
+the loss (a grad_output other than 1, as with gradient accumulation).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def variants():
         "torch": lambda x, t: F.cross_entropy(x, t),
         "torch.compile": torch.compile(lambda x, t: F.cross_entropy(x, t), dynamic=False),
         "gpuops": lambda x, t: gt.cross_entropy(x, t),
-        "gpuops inplace_backward": lambda x, t: gt.cross_entropy(x, t, inplace_backward=True),
+        "gpuops inplace=True": lambda x, t: gt.cross_entropy(x, t, inplace_backward=True),
+        "gpuops inplace='forward'": lambda x, t: gt.cross_entropy(x, t,
+                                                                  inplace_backward="forward"),
     }
     try:
         from gpuops.ops.loss import liger_cross_entropy_fn
@@ -38,7 +41,7 @@ def variants():
     return out
 
 
-def measure(fn, leaf, target, iters, ref=None):
+def measure(fn, leaf, target, iters, ref=None, scale=1.0):
     times, peaks = [], []
     err = None
     for i in range(iters + 2):                         # two warm-up runs (compilation, caches)
@@ -49,7 +52,7 @@ def measure(fn, leaf, target, iters, ref=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         loss = fn(logits, target)
-        (grad,) = torch.autograd.grad(loss, logits)
+        (grad,) = torch.autograd.grad(loss * scale if scale != 1.0 else loss, logits)
         end.record()
         torch.cuda.synchronize()
         if i >= 2:
@@ -58,7 +61,7 @@ def measure(fn, leaf, target, iters, ref=None):
         if ref is not None and err is None:
             ref_loss, ref_grad = ref
             err = {"loss_abs": abs(loss.float().item() - ref_loss),
-                   "grad_max_abs": (grad.float() - ref_grad).abs().max().item()}
+                   "grad_max_abs": (grad.float() - ref_grad * scale).abs().max().item()}
         del loss, grad, logits
     return statistics.median(times), max(peaks), err
 
@@ -69,11 +72,12 @@ def main():
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--json")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "vocab": args.vocab, "dtype": args.dtype, "rows": {}}
+               "vocab": args.vocab, "dtype": args.dtype, "scale": args.scale, "rows": {}}
     fns = variants()
     for n in [int(r) for r in args.rows.split(",")]:
         torch.manual_seed(0)
@@ -93,7 +97,7 @@ def main():
         rows = {}
         for name, fn in fns.items():
             try:
-                ms, peak, err = measure(fn, leaf, target, args.iters, ref)
+                ms, peak, err = measure(fn, leaf, target, args.iters, ref, args.scale)
             except Exception as exc:  # a peer that fails is reported, not fatal
                 rows[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 print(f"{name:<26} failed: {rows[name]['error']}")

@@ -13,7 +13,17 @@
 //                a = d loss / d loss_row (grad_output, / count for 'mean', 0 if ignored) and
 //                b = d loss / d lse_row (0 unless the caller differentiates through lse).
 //                dx may be x itself (the caller's opt-in in-place mode).
+//                grad may be null: a unit grad_output (the gradient computed with the loss).
 //   ce_count     one block: the number of non-ignored rows, for 'mean'.
+// Loss and gradient in one pass (the gradient for a unit grad_output, e.g. written over the
+// logits, as gpuops.torch.cross_entropy(..., inplace_backward="forward") does):
+//   ce_fused     one block of 1024 threads per row: pass 1 streams the row (online max / sum exp
+//                / sum x) keeping its first `cache_packs` packs in shared memory (up to 227 KB on
+//                the H100: 3/4 of a 151,936-entry bf16 row), pass 2 writes the gradient from
+//                the cache and the rest of the row, which is re-read while still in L2. DRAM:
+//                one read and one write of the logits.
+//   ce_scale     the gradient times grad_output, per row; rows whose factor is exactly 1 are
+//                skipped when scaling in place (then the whole launch is a few reads).
 #include "softmax/rows.cuh"
 
 namespace gpuops {
@@ -145,7 +155,7 @@ ce_backward(const T* grad, long long gs, const T* x, long long xs, const TI* tar
   const long long t = static_cast<long long>(target[row * ts]);
   float a = 0.0f;
   if (t != ignore_index) {
-    a = to_float(grad[mode == kCeNone ? row * gs : 0]);
+    a = grad != nullptr ? to_float(grad[mode == kCeNone ? row * gs : 0]) : 1.0f;
     if (mode == kCeMean) a /= count[0];
   }
   const float b = glse != nullptr ? glse[row * glse_stride] : 0.0f;
@@ -169,6 +179,121 @@ ce_backward(const T* grad, long long gs, const T* x, long long xs, const TI* tar
     f[k] = v;
   }
   PK::store(d, f);
+}
+
+template <class T, class TI, bool V>
+__global__ void __launch_bounds__(1024)
+ce_fused(const T* x, long long xs, const TI* target, long long ts, int C, int cache_packs,
+         long long ignore_index, float eps, int mode, const float* count, T* dx, long long dxs,
+         T* loss, long long loss_stride, float* partial) {
+  using PK = Pack<T, V>;
+  using Raw = typename PK::Raw;
+  constexpr int N = PK::N, U = 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Raw* cache = reinterpret_cast<Raw*>(smem_raw);
+  __shared__ float scratch[32];
+  __shared__ float xt_shared;
+  const long long row = blockIdx.x;
+  const int TX = blockDim.x, packs = C / N;
+  const T* xr = x + row * xs;
+  const long long t = static_cast<long long>(target[row * ts]);
+  const bool valid = t != ignore_index, inside = t >= 0 && t < C;
+  if (threadIdx.x == 0) xt_shared = valid && inside ? to_float(xr[t]) : 0.0f;
+
+  float m = neg_inf(), s = 0.0f, sx = 0.0f;
+  for (int i0 = threadIdx.x; i0 < packs; i0 += U * TX) {
+    PK pk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * TX;
+      if (i < packs) {
+        pk[u].load(xr + static_cast<long long>(i) * N);
+        if (i < cache_packs) cache[i] = pk[u].raw;
+      }
+    }
+    float f[U * N];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float g[N];
+      if (i0 + u * TX < packs) {
+        pk[u].unpack(g);
+#pragma unroll
+        for (int k = 0; k < N; ++k) sx += g[k];
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) g[k] = neg_inf();
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) f[u * N + k] = g[k];
+    }
+    online_add(m, s, f);
+  }
+  const float M = block_max(m, scratch);
+  const float S = block_sum(s * online_rescale(m, M), scratch);
+  sx = block_sum(sx, scratch);              // (its barriers also publish xt_shared)
+  const float z = M + logf(S);
+  float l = 0.0f;
+  if (valid) {
+    l = inside ? z - xt_shared : __int_as_float(0x7fffffff);
+    if (inside && eps != 0.0f) l = (1.0f - eps) * l + eps * (z - sx / static_cast<float>(C));
+  }
+  if (threadIdx.x == 0) {
+    if (mode == kCeNone) {
+      loss[row * loss_stride] = from_float<T>(l);
+    } else {
+      partial[2 * row] = l;
+      partial[2 * row + 1] = valid ? 1.0f : 0.0f;
+    }
+  }
+  // every read of x (also x[target]) is done: dx may be x
+  __syncthreads();
+  const float a = valid ? (mode == kCeMean ? 1.0f / count[0] : 1.0f) : 0.0f;
+  const float smooth = a * eps / static_cast<float>(C), hit = a * (1.0f - eps);
+  T* dr = dx + row * dxs;
+  for (int i = threadIdx.x; i < packs; i += TX) {
+    float f[N];
+    if (a == 0.0f) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) f[k] = 0.0f;
+    } else {
+      PK pk;
+      if (i < cache_packs) pk.raw = cache[i];
+      else pk.load(xr + static_cast<long long>(i) * N);
+      pk.unpack(f);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        float v = fmaf(exp_fast(f[k] - z), a, -smooth);
+        if (i * N + k == t) v -= hit;
+        f[k] = v;
+      }
+    }
+    PK::store(dr + static_cast<long long>(i) * N, f);
+  }
+}
+
+// dst = src * grad_output (per row for 'none'); grid-stride over (row, chunk of 256 packs).
+template <class T, bool V>
+__global__ void __launch_bounds__(256)
+ce_scale(const T* grad, long long gs, int mode, const T* src, long long ss, T* dst, long long ds,
+         long long rows, int C, int cpb) {
+  using PK = Pack<T, V>;
+  constexpr int N = PK::N;
+  const bool in_place = src == dst;
+  if (mode != kCeNone && in_place && to_float(grad[0]) == 1.0f) return;
+  const long long work = rows * cpb;
+  for (long long w = blockIdx.x; w < work; w += gridDim.x) {
+    const long long row = w / cpb;
+    const int j0 = (static_cast<int>(w - row * cpb) * blockDim.x + threadIdx.x) * N;
+    const float a = to_float(grad[mode == kCeNone ? row * gs : 0]);
+    if ((in_place && a == 1.0f) || j0 >= C) continue;
+    PK pk;
+    pk.load(src + row * ss + j0);
+    float f[N];
+    pk.unpack(f);
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] *= a;
+    PK::store(dst + row * ds + j0, f);
+  }
 }
 
 }  // namespace gpuops

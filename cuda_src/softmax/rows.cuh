@@ -20,6 +20,7 @@ template <class T, bool V> struct Pack;
 
 template <class T> struct Pack<T, true> {
   static constexpr int N = Vec16<T>::size;
+  using Raw = uint4;
   uint4 raw;
   __device__ __forceinline__ void load(const T* p) { raw = load16(p); }
   __device__ __forceinline__ void unpack(float (&f)[N]) const { Vec16<T>::unpack(raw, f); }
@@ -30,6 +31,7 @@ template <class T> struct Pack<T, true> {
 
 template <class T> struct Pack<T, false> {
   static constexpr int N = 1;
+  using Raw = float;
   float raw;   // converted at load: a 16-bit value would sit in a 16-bit register
   __device__ __forceinline__ void load(const T* p) { raw = to_float(*p); }
   __device__ __forceinline__ void unpack(float (&f)[1]) const { f[0] = raw; }

@@ -16,7 +16,7 @@ import numpy as np
 from gpuops import dtypes as dt
 from gpuops.bench_spec import BenchSpec
 from gpuops.ops.softmax import (KERNELS, SPLIT_THREADS, cdiv, check_out, contiguous_copy,
-                                copy_into, sm_count)
+                                copy_into, pow2ceil, sm_count)
 from gpuops.registry import register
 from gpuops.runtime.launch import ArgSpec
 from gpuops.runtime.modules import KernelModule
@@ -35,6 +35,9 @@ REDUCE_ARGS = ArgSpec("ptr", "i32", "i32", "ptr")
 COUNT_ARGS = ArgSpec("ptr", "i64", "i64", "i64", "ptr")
 BACKWARD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "i64", "ptr",
                         "i64", "i32", "i32", "i64", "f32", "i32", "ptr")
+FUSED_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "i32", "i32", "i64", "f32", "i32", "ptr", "ptr",
+                     "i64", "ptr", "i64", "ptr")
+SCALE_ARGS = ArgSpec("ptr", "i64", "i32", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
 
 CE_MODULE = KernelModule("loss.cross_entropy", "loss/cross_entropy.cu", {
     **{f"gpuops::ce_stats<{d.ctype}, {_B[v]}>": STATS_ARGS
@@ -44,10 +47,16 @@ CE_MODULE = KernelModule("loss.cross_entropy", "loss/cross_entropy.cu", {
     **{f"gpuops::ce_reduce<{d.ctype}>": REDUCE_ARGS for d in dt.FLOATS},
     **{f"gpuops::ce_count<{ti}>": COUNT_ARGS for ti in _TI.values()},
     **{f"gpuops::ce_backward<{d.ctype}, {ti}, {_B[v]}>": BACKWARD_ARGS
-       for d in dt.FLOATS for ti in _TI.values() for v in (True, False)}})
+       for d in dt.FLOATS for ti in _TI.values() for v in (True, False)},
+    **{f"gpuops::ce_fused<{d.ctype}, {ti}, {_B[v]}>": FUSED_ARGS
+       for d in dt.FLOATS for ti in _TI.values() for v in (True, False)},
+    **{f"gpuops::ce_scale<{d.ctype}, {_B[v]}>": SCALE_ARGS
+       for d in dt.FLOATS for v in (True, False)}})
 
 FINALIZE_THREADS = 256
 REDUCE_THREADS = 1024
+FUSED_THREADS = 1024            # ce_fused's __launch_bounds__
+FUSED_STATIC_SMEM = 1024        # what ce_fused's static shared memory may take, rounded up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +164,36 @@ def ref_cross_entropy_backward(grad_output, input, target, lse, ignore_index=-10
     return dx.reshape(x.shape)
 
 
+def ref_cross_entropy_with_grad(input, target, ignore_index=-100, reduction="mean",
+                                label_smoothing=0.0):
+    loss, lse = ref_cross_entropy_forward(input, target, ignore_index, reduction, label_smoothing)
+    grad = ref_cross_entropy_backward(np.ones(np.shape(loss)), input, target, lse, ignore_index,
+                                      reduction, label_smoothing)
+    return grad, loss
+
+
+def ref_cross_entropy_grad_scale(grad_output, grad, reduction="mean"):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"gpuops.cross_entropy_grad_scale: reduction={reduction!r}; expected "
+                         "'none', 'sum' or 'mean'")
+    g = np.asarray(grad_output, dtype=np.float64)
+    x = np.asarray(grad, dtype=np.float64)
+    _check_scale_shapes("cross_entropy_grad_scale", g.shape, x.shape, reduction)
+    if reduction == "none":
+        return x * g.reshape(g.shape + (1,))
+    return x * g.reshape(-1)[0]
+
+
+def _check_scale_shapes(op, grad_shape, shape, reduction):
+    if len(shape) not in (1, 2):
+        raise ValueError(f"gpuops.{op}: 'grad' must be [N, C] (or [C]), got shape {tuple(shape)}")
+    expected = _loss_shape(shape, reduction)
+    if tuple(grad_shape) != expected and not (reduction != "none" and
+                                              int(np.prod(grad_shape)) == 1):
+        raise ValueError(f"gpuops.{op}: 'grad_output' has shape {tuple(grad_shape)}; for "
+                         f"reduction={reduction!r} it must be {expected}")
+
+
 def _check_grad_shapes(op, input_shape, grad_shape, lse_shape, reduction, grad_lse_shape):
     loss_shape = _loss_shape(input_shape, reduction)
     if tuple(grad_shape) != loss_shape and not (reduction != "none" and
@@ -252,26 +291,121 @@ def _backward(call, grad_output: Tensor, input: Tensor, target: Tensor, lse: Ten
     # the kernel writes rows with unit stride along the classes; any other `out` gets a copy
     d = out if c == 1 or out.strides[-1] == 1 else call.empty(tuple(input.shape), dtype)
     ds = d.strides[0] if len(d.shape) == 2 and rows > 1 else c
+    gs = grad_output.strides[0] if REDUCTIONS[reduction] == 0 and grad_output.shape else 0
+    _launch_backward(call, grad_output.ptr, gs, x, rows, c, xs, target, lse,
+                     grad_lse.ptr if grad_lse is not None else 0,
+                     grad_lse.strides[0] if grad_lse is not None and grad_lse.shape else 0,
+                     d, ds, ignore_index, label_smoothing, REDUCTIONS[reduction])
+    if d is not out:
+        copy_into(call, out, d)
+    return out
+
+
+_smem_budget: dict = {}
+
+
+def _fused_smem_budget(dev: int) -> int:
+    b = _smem_budget.get(dev)
+    if b is None:
+        from gpuops.runtime import device  # noqa: PLC0415
+        b = _smem_budget[dev] = max(0, device.device_info(dev).max_smem_per_block_optin
+                                    - FUSED_STATIC_SMEM)
+    return b
+
+
+def _with_grad(call, input: Tensor, target: Tensor, ignore_index, reduction, label_smoothing,
+               out):
+    op = call.op.name
+    _check_args(op, input.shape, target.shape, ignore_index, reduction, label_smoothing)
+    dtype, dev = call.result_dtype, call.device
+    if out is None:
+        out = call.empty(tuple(input.shape), dtype)
+    else:
+        check_out(op, out, input.shape, {"input": input, "target": target})
+    x, rows, c, xs = _rows_view(call, input)
+    d = out if c == 1 or out.strides[-1] == 1 else call.empty(tuple(input.shape), dtype)
+    ds = d.strides[0] if len(d.shape) == 2 and rows > 1 else c
     mode = REDUCTIONS[reduction]
-    count = 0
-    if mode == 2:
-        cnt = call.empty((1,), dt.float32)
-        KERNELS.get(dev, CE_MODULE, f"gpuops::ce_count<{_TI[target.dtype]}>").launch(
-            (1, 1, 1), (REDUCE_THREADS, 1, 1), call.stream, target.ptr, _target_stride(target),
-            rows, int(ignore_index), cnt.ptr)
-        count = cnt.ptr
-    gs = grad_output.strides[0] if mode == 0 and grad_output.shape else 0
+    ti = _TI[target.dtype]
+    if rows < sm_count(dev):
+        # few rows: one block per row would leave SMs idle; the split forward, then the
+        # gradient with a unit grad_output (x[target] is read by the forward before any write)
+        loss, lse = _forward(call, x, target, ignore_index, reduction, label_smoothing)
+        if rows:
+            _launch_backward(call, 0, 0, x, rows, c, xs, target, lse, 0, 0, d, ds, ignore_index,
+                             label_smoothing, mode)
+    else:
+        loss = call.empty(_loss_shape(input.shape, reduction), dtype)
+        count = _launch_count(call, target, rows, ignore_index) if mode == 2 else 0
+        vec = 16 // dtype.itemsize
+        v = _vec_ok(vec, c, (x.ptr, d.ptr), (xs, ds))
+        N = vec if v else 1
+        packs = c // N
+        raw = 16 if v else 4
+        cache_packs = min(packs, _fused_smem_budget(dev) // raw)
+        part = call.empty((2 * rows,), dt.float32) if mode != 0 else None
+        threads = min(FUSED_THREADS, max(32, pow2ceil(cdiv(packs, 2))))
+        KERNELS.get(dev, CE_MODULE, f"gpuops::ce_fused<{dtype.ctype}, {ti}, {_B[v]}>").launch(
+            (rows, 1, 1), (threads, 1, 1), call.stream, x.ptr, xs, target.ptr,
+            _target_stride(target), c, cache_packs, int(ignore_index), float(label_smoothing),
+            mode, count, d.ptr, ds, loss.ptr if mode == 0 else 0,
+            loss.strides[0] if mode == 0 and loss.shape else 0,
+            part.ptr if part is not None else 0, smem=cache_packs * raw)
+        if mode != 0:
+            KERNELS.get(dev, CE_MODULE, f"gpuops::ce_reduce<{dtype.ctype}>").launch(
+                (1, 1, 1), (REDUCE_THREADS, 1, 1), call.stream, part.ptr, rows, mode, loss.ptr)
+    if d is not out:
+        copy_into(call, out, d)
+    return out, loss
+
+
+def _launch_count(call, target, rows, ignore_index) -> int:
+    cnt = call.empty((1,), dt.float32)
+    KERNELS.get(call.device, CE_MODULE, f"gpuops::ce_count<{_TI[target.dtype]}>").launch(
+        (1, 1, 1), (REDUCE_THREADS, 1, 1), call.stream, target.ptr, _target_stride(target), rows,
+        int(ignore_index), cnt.ptr)
+    return cnt.ptr
+
+
+def _launch_backward(call, grad_ptr, gs, x, rows, c, xs, target, lse, glse_ptr, glse_stride, d,
+                     ds, ignore_index, label_smoothing, mode):
+    dtype, dev = call.result_dtype, call.device
+    count = _launch_count(call, target, rows, ignore_index) if mode == 2 else 0
     vec = 16 // dtype.itemsize
     v = _vec_ok(vec, c, (x.ptr, d.ptr), (xs, ds))
-    per_block = SPLIT_THREADS * (vec if v else 1)
-    cpb = cdiv(c, per_block)
-    glse_ptr = grad_lse.ptr if grad_lse is not None else 0
-    glse_stride = grad_lse.strides[0] if grad_lse is not None and grad_lse.shape else 0
+    cpb = cdiv(c, SPLIT_THREADS * (vec if v else 1))
     KERNELS.get(dev, CE_MODULE,
                 f"gpuops::ce_backward<{dtype.ctype}, {_TI[target.dtype]}, {_B[v]}>").launch(
-        (rows * cpb, 1, 1), (SPLIT_THREADS, 1, 1), call.stream, grad_output.ptr, gs, x.ptr, xs,
+        (rows * cpb, 1, 1), (SPLIT_THREADS, 1, 1), call.stream, grad_ptr, gs, x.ptr, xs,
         target.ptr, _target_stride(target), lse.ptr, glse_ptr, glse_stride, d.ptr, ds, c, cpb,
         int(ignore_index), float(label_smoothing), mode, count)
+
+
+def _grad_scale(call, grad_output: Tensor, grad: Tensor, reduction, out):
+    op = call.op.name
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"gpuops.{op}: reduction={reduction!r}; expected 'none', 'sum' or 'mean'")
+    _check_scale_shapes(op, grad_output.shape, grad.shape, reduction)
+    dtype, dev = call.result_dtype, call.device
+    if out is None:
+        out = call.empty(tuple(grad.shape), dtype)
+    else:
+        check_out(op, out, grad.shape, {"grad_output": grad_output, "grad": grad})
+    if out.numel == 0:
+        return out
+    src, rows, c, ss = _rows_view(call, grad)
+    d = out if (c == 1 or out.strides[-1] == 1) and src is grad else call.empty(
+        tuple(grad.shape), dtype)
+    ds = d.strides[0] if len(d.shape) == 2 and rows > 1 else c
+    mode = REDUCTIONS[reduction]
+    vec = 16 // dtype.itemsize
+    v = _vec_ok(vec, c, (src.ptr, d.ptr), (ss, ds))
+    cpb = cdiv(c, SPLIT_THREADS * (vec if v else 1))
+    gs = grad_output.strides[0] if mode == 0 and grad_output.shape else 0
+    grid = max(1, min(rows * cpb, sm_count(dev) * 16))
+    KERNELS.get(dev, CE_MODULE, f"gpuops::ce_scale<{dtype.ctype}, {_B[v]}>").launch(
+        (grid, 1, 1), (SPLIT_THREADS, 1, 1), call.stream, grad_output.ptr, gs, mode, src.ptr, ss,
+        d.ptr, ds, rows, c, cpb)
     if d is not out:
         copy_into(call, out, d)
     return out
@@ -340,7 +474,7 @@ def _bwd_make(shape, d, randn):
     x = randn(shape, d)
     t = _int_targets(x, shape[0], shape[1])
     lse = randn((shape[0],), dt.float32) * 0.5 + 12.0
-    g = randn((), d) * 0.0 + 1.0
+    g = x[0, :1] * 0 + 1                    # a one-element grad_output of x's dtype and framework
     return (g, x, t, lse), {}
 
 
@@ -351,6 +485,37 @@ def _torch_ce_backward(g, x, target, lse, ignore_index=-100, reduction="mean",
     p = (x.float() - lse[:, None]).exp_()
     p[torch.arange(x.shape[0], device=x.device), target] -= 1.0
     return (p * (g / x.shape[0])).to(x.dtype)
+
+
+def _torch_ce_with_grad(x, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                        _ce=None):
+    """torch's forward + backward of the same loss: (grad, loss)."""
+    import torch  # noqa: PLC0415
+    xr = x.detach().requires_grad_()
+    loss = (_ce or _torch_ce)(xr, target, ignore_index=ignore_index, reduction=reduction,
+                              label_smoothing=label_smoothing)
+    (grad,) = torch.autograd.grad(loss, xr)
+    return grad, loss
+
+
+def _with_grad_peers():
+    import torch  # noqa: PLC0415
+    peers = {}
+    compiled = torch.compile(_torch_ce, dynamic=False)
+    peers["torch.compile"] = lambda *a, **k: _torch_ce_with_grad(*a, **k, _ce=compiled)
+    try:
+        liger = liger_cross_entropy_fn()
+    except ImportError:
+        return peers
+
+    def liger_fwd_bwd(x, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+        # Liger writes the gradient into x during the forward (as ours with out=x would)
+        xr = x.detach().requires_grad_()
+        loss = liger(xr, target, ignore_index, reduction, label_smoothing)
+        (grad,) = torch.autograd.grad(loss, xr)
+        return grad, loss
+    peers["liger"] = liger_fwd_bwd
+    return peers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,3 +571,36 @@ def cross_entropy_backward(call, grad_output: Tensor, input: Tensor, target: Ten
     """
     return _backward(call, grad_output, input, target, lse, ignore_index, reduction,
                      label_smoothing, grad_lse, out)
+
+
+@register(family="loss", reference=ref_cross_entropy_with_grad, param_dtypes=_CE_PARAMS,
+          bench=BenchSpec(make_inputs=_ce_make, torch_fn=_torch_ce_with_grad,
+                          default_shape=_ce_shape, extra_peers=_with_grad_peers,
+                          extra_shapes=((4096, 151936), (16, 151936))))
+def cross_entropy_with_grad(call, input: Tensor, target: Tensor, ignore_index: int = -100,
+                            reduction: str = "mean", label_smoothing: float = 0.0, *,
+                            out: Tensor | None = None):
+    """:func:`cross_entropy` and its gradient for a unit grad_output in one pass: returns
+    ``(grad, loss)``, grad = d loss / d input (what :func:`cross_entropy_backward` gives with
+    grad_output = 1). ``out`` receives grad and may be ``input`` itself: the logits are then
+    replaced by their gradient (the memory-saving mode of Liger-Kernel and of
+    ``gpuops.torch.cross_entropy(..., inplace_backward="forward")``).
+
+    One block per row streams the row once, keeping most of it in shared memory, and writes the
+    gradient (DRAM: one read, one write); with fewer rows than SMs the forward is split over
+    blocks and the gradient written by a second kernel. Scale by another grad_output with
+    :func:`cross_entropy_grad_scale`.
+    """
+    return _with_grad(call, input, target, ignore_index, reduction, label_smoothing, out)
+
+
+@register(family="loss", reference=ref_cross_entropy_grad_scale)
+def cross_entropy_grad_scale(call, grad_output: Tensor, grad: Tensor, reduction: str = "mean", *,
+                             out: Tensor | None = None) -> Tensor:
+    """``grad * grad_output``: the gradient of :func:`cross_entropy_with_grad` (computed for a unit
+    grad_output) scaled by the actual one (per row for 'none', one value otherwise).
+
+    ``out`` may be ``grad`` (in place); in place, rows whose factor is exactly 1 are not touched,
+    so the common ``loss.backward()`` costs one launch and no pass over the gradient.
+    """
+    return _grad_scale(call, grad_output, grad, reduction, out)

@@ -4,23 +4,35 @@
     import gpuops.torch as gt
     loss = gt.cross_entropy(logits, target)                          # like F.cross_entropy
     loss = gt.cross_entropy(logits, target, inplace_backward=True)   # no second [N, C] buffer
+    loss = gt.cross_entropy(logits, target, inplace_backward="forward")   # ... and one pass less
 
-The forward reads the logits once and saves only the per-row log-sum-exp (fp32) besides its
-inputs; the backward reads the logits once more and writes the gradient.
+Default: the forward reads the logits once and saves only the per-row log-sum-exp (fp32) besides
+its inputs; the backward reads the logits once more and writes the gradient into a new tensor.
+It never writes into a tensor the caller holds.
 
-``inplace_backward=True`` (opt-in, as Liger-Kernel's cross-entropy does always): the backward
-writes the gradient into the memory of ``input`` and hands that memory on as the gradient, so no
-second [N, C] tensor is allocated (peak memory: the logits alone). Semantics:
+``inplace_backward`` (opt-in) reuses the memory of ``input`` for its gradient, so no second
+[N, C] tensor is allocated (peak memory: the logits alone):
 
-* after ``backward()``, ``input`` (and every view of its memory) holds d loss / d input, not the
-  logits; its version counter is bumped, so an op that saved the logits for its own backward
-  (e.g. a tanh soft-cap before the loss) makes autograd raise instead of using overwritten data;
+* ``True``: the backward writes the gradient over the logits (same passes as the default). The
+  logits are intact until ``backward()`` runs.
+* ``"forward"``: the forward computes the loss and the gradient together (for grad_output = 1)
+  and writes the gradient over the logits right away, as Liger-Kernel does: one read and one
+  write of the logits in all (instead of two reads and a write). The backward then only scales
+  the gradient by grad_output -- no pass at all when grad_output is exactly 1 (checked on the
+  device, no host sync), one read + write of the logits otherwise (e.g. ``(loss / k).backward()``
+  for gradient accumulation: then True is as fast). The logits are gone once the loss is
+  computed: read anything else you need from them (argmax, accuracy) before the call.
+
+In both modes:
+* ``input`` (and every view of its memory) ends up holding d loss / d input. Its version counter
+  is bumped, so an op that saved the logits for its own backward (e.g. a tanh soft-cap before
+  the loss) makes autograd raise instead of using overwritten data;
 * the graph can be backpropagated once (a second backward raises);
-* ``input`` must not be a leaf tensor, or a view of one (its ``.grad`` would share memory with
-  its data): use it on logits produced by the model (``lm_head(h)``, ``logits.float()``, ...);
-* it changes nothing until backward runs, and nothing at all when no gradient is needed.
-The default (False) never writes into a tensor the caller holds. Eager mode is what this option
-is tested in; under ``torch.compile`` use the default.
+* ``input`` must not be a leaf tensor or a view of one (its ``.grad`` would share memory with its
+  data): use it on logits produced by the model (``lm_head(h)``, ``logits.float()``, ...);
+* nothing is overwritten when no gradient is needed (``torch.no_grad()``, or an input that does
+  not require grad).
+The in-place modes are tested in eager mode; under ``torch.compile`` use the default.
 """
 from __future__ import annotations
 
@@ -101,6 +113,42 @@ def _(grad_output, input, target, lse, ignore_index, reduction, label_smoothing)
     return None
 
 
+@torch.library.custom_op("gpuops::cross_entropy_with_grad_", mutates_args=("input",))
+def _cross_entropy_with_grad_(input: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                              reduction: str, label_smoothing: float) -> torch.Tensor:
+    """The loss; ``input`` is replaced by d loss / d input for a unit grad_output."""
+    if input.is_cuda:
+        _, loss = gpuops.cross_entropy_with_grad(input, target, ignore_index, reduction,
+                                                 label_smoothing, out=input)
+        return loss
+    grad, loss = gpuops.cross_entropy_with_grad(input.double(), target, ignore_index, reduction,
+                                                label_smoothing)
+    input.copy_(grad)
+    return loss.reshape(_loss_shape(tuple(input.shape), reduction)).to(input.dtype)
+
+
+@_cross_entropy_with_grad_.register_fake
+def _(input, target, ignore_index, reduction, label_smoothing):
+    _check_args("cross_entropy", input.shape, target.shape, ignore_index, reduction,
+                label_smoothing)
+    return input.new_empty(_loss_shape(tuple(input.shape), reduction))
+
+
+@torch.library.custom_op("gpuops::cross_entropy_grad_scale_", mutates_args=("grad",))
+def _cross_entropy_grad_scale_(grad_output: torch.Tensor, grad: torch.Tensor,
+                               reduction: str) -> None:
+    if grad.is_cuda:
+        gpuops.cross_entropy_grad_scale(grad_output, grad, reduction, out=grad)
+    else:
+        grad.copy_(gpuops.cross_entropy_grad_scale(grad_output.double(), grad.double(),
+                                                   reduction))
+
+
+@_cross_entropy_grad_scale_.register_fake
+def _(grad_output, grad, reduction):
+    return None
+
+
 def _setup(ctx, inputs, output):
     input, target, ignore_index, reduction, label_smoothing = inputs
     ctx.save_for_backward(input, target, output[1])
@@ -142,24 +190,58 @@ class _InplaceBackward(torch.autograd.Function):
         return input, None, None, None, None
 
 
+class _InplaceForward(torch.autograd.Function):
+    """cross_entropy whose forward writes the gradient over the logits (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, input, target, ignore_index, reduction, label_smoothing):
+        loss = _cross_entropy_with_grad_(input, target, ignore_index, reduction, label_smoothing)
+        ctx.save_for_backward(input)          # saved after the write: it holds the gradient
+        ctx.reduction = reduction
+        ctx.spent = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.spent:
+            raise RuntimeError(
+                "gpuops.torch.cross_entropy(inplace_backward='forward'): backward ran a second "
+                "time, but the gradient stored in the logits was already handed on; use the "
+                "default inplace_backward=False to backpropagate through the loss more than once")
+        (grad,) = ctx.saved_tensors
+        _cross_entropy_grad_scale_(grad_loss, grad, ctx.reduction)
+        ctx.spent = True
+        return grad, None, None, None, None
+
+
+_MODES = {False: None, True: _InplaceBackward, "backward": _InplaceBackward,
+          "forward": _InplaceForward}
+
+
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0, *,
-                  inplace_backward: bool = False) -> torch.Tensor:
+                  inplace_backward: bool | str = False) -> torch.Tensor:
     """Differentiable cross-entropy of logits ``input`` [N, C] (or [C]) against class indices
     ``target`` [N] (or 0-d), int64 or int32, as ``torch.nn.functional.cross_entropy`` with the
     same arguments (see ``gpuops.cross_entropy`` for what is supported).
 
-    ``inplace_backward=True`` lets the backward write the gradient into ``input``'s memory
-    (see this module's documentation for the exact semantics); the default never does.
+    ``inplace_backward``: False (default: never writes into a tensor the caller holds), True
+    (the backward writes the gradient over ``input``) or "forward" (the forward computes the
+    gradient with the loss and writes it over ``input`` at once, saving one read of the logits).
+    See this module's documentation for the exact semantics.
     """
+    try:
+        mode = _MODES[inplace_backward]
+    except (KeyError, TypeError):
+        raise ValueError(f"gpuops.torch.cross_entropy: inplace_backward={inplace_backward!r}; "
+                         "expected False, True or 'forward'") from None
     label_smoothing = float(label_smoothing)
-    if inplace_backward and input.requires_grad and torch.is_grad_enabled():
+    if mode is not None and input.requires_grad and torch.is_grad_enabled():
         base = input._base if input._base is not None else input
         if base.is_leaf:
             raise ValueError(
-                "gpuops.torch.cross_entropy: inplace_backward=True needs logits computed by the "
+                "gpuops.torch.cross_entropy: inplace_backward needs logits computed by the "
                 "model (a non-leaf tensor): the gradient would overwrite a leaf's own data and its "
                 ".grad would share that memory")
-        return _InplaceBackward.apply(input, target, int(ignore_index), reduction,
-                                      label_smoothing)
+        return mode.apply(input, target, int(ignore_index), reduction, label_smoothing)
     return _cross_entropy(input, target, int(ignore_index), reduction, label_smoothing)[0]
