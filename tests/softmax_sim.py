@@ -551,6 +551,7 @@ def run_op(monkeypatch, op_name, dtype, build, smem_budget=SMEM_OPTIN - 1024, sm
     mem = Memory()
     kernels = SimKernels(mem)
     monkeypatch.setattr(sm, "KERNELS", kernels)
+    monkeypatch.setattr(sm, "_PLANS", {})
     import gpuops.ops.loss as loss_mod  # noqa: PLC0415
     monkeypatch.setattr(loss_mod, "KERNELS", kernels)
     monkeypatch.setitem(sm._sm_counts, 0, sms)

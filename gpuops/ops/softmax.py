@@ -255,13 +255,6 @@ class Layout:
         return lay
 
 
-def _aligned(ptrs, *multiples_of) -> bool:
-    for p in ptrs:
-        if p % 16:
-            return False
-    return all(m for m in multiples_of)
-
-
 def row_config(packs: int, choices: tuple):
     """(threads per row, packs per thread) for a register-resident row, or None if the row is
     longer than 1024 threads x max(choices) packs. Threads: a power of two, up to a warp for
@@ -305,28 +298,87 @@ def _use_split(rows, n, itemsize, dev, packs_ok) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers.
+# Launchers. A call's launches depend only on the operands' shapes, strides, 16-byte alignment,
+# dim, dtype and device: they are planned once per such key (the decode-size path is host-bound)
+# and replayed with the call's pointers.
+
+class _Ptr:
+    """Placeholder for the k-th pointer of a call (operands, then the workspace) in a plan."""
+    __slots__ = ("k",)
+
+    def __init__(self, k):
+        self.k = k
+
+
+_P = tuple(_Ptr(k) for k in range(4))
+
+
+class Plan:
+    __slots__ = ("steps", "ws")
+
+    def __init__(self, steps, ws=0):
+        self.steps = steps          # [(module, kernel name, grid, block, args with _Ptr slots)]
+        self.ws = ws                # fp32 workspace elements
+
+    def run(self, call, ptrs: tuple):
+        if self.ws:
+            ptrs = ptrs + (call.empty((self.ws,), dt.float32).ptr,)
+        dev, stream = call.device, call.stream
+        for module, expr, grid, block, args in self.steps:
+            KERNELS.get(dev, module, expr).launch(
+                grid, block, stream, *[ptrs[a.k] if type(a) is _Ptr else a for a in args])
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _cached_plan(key, build):
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = build()
+    return plan
+
 
 def _forward(call, x: Tensor, dim, out, log: bool) -> Tensor:
     op = call.op.name
-    d = norm_dim(op, len(x.shape), dim)
-    dtype = call.result_dtype
     if out is None:
         out = empty_like(call, x)
     else:
         check_out(op, out, x.shape, {"input": x})
-    if x.numel == 0:
-        return out
-    lay = Layout.of(x.shape, d, [x.strides, out.strides])
-    if lay is None:
-        x = contiguous_copy(call, x)
-        lay = Layout.of(x.shape, d, [x.strides, out.strides])
-        if lay is None:        # out itself has an exotic layout: compute into a fresh array
-            tmp = call.empty(tuple(x.shape), dtype)
-            _launch_forward(call, x, tmp, Layout.of(x.shape, d, [x.strides, tmp.strides]), log)
-            copy_into(call, out, tmp)
+    if type(dim) is not int:     # (also keeps 1.0 from sharing the plan of 1)
+        dim = norm_dim(op, len(x.shape), dim)
+    dtype, dev = call.result_dtype, call.device
+    key = (x.shape, x.strides, out.strides, dim, log, dtype, dev, x.ptr % 16 == 0,
+           out.ptr % 16 == 0)
+    plan = _PLANS.get(key)
+    if plan is None:
+        d = norm_dim(op, len(x.shape), dim)
+        if x.numel == 0:
             return out
-    _launch_forward(call, x, out, lay, log)
+        lay = Layout.of(x.shape, d, [x.strides, out.strides])
+        if lay is None:
+            return _forward_exotic(call, x, d, out, log)
+        plan = _cached_plan(key, lambda: _forward_plan(lay, log, dtype, dev, key[-2:]))
+    plan.run(call, (x.ptr, out.ptr))
+    return out
+
+
+def _forward_exotic(call, x, d, out, log):
+    """Other dims that do not merge into two: a contiguous copy of x first (not cached)."""
+    dtype, dev = call.result_dtype, call.device
+    x = contiguous_copy(call, x)
+    lay = Layout.of(x.shape, d, [x.strides, out.strides])
+    y = out
+    if lay is None:        # out itself has an exotic layout: compute into a fresh array
+        y = call.empty(tuple(x.shape), dtype)
+        lay = Layout.of(x.shape, d, [x.strides, y.strides])
+    _forward_plan(lay, log, dtype, dev, (x.ptr % 16 == 0, y.ptr % 16 == 0)).run(
+        call, (x.ptr, y.ptr))
+    if y is not out:
+        copy_into(call, out, y)
     return out
 
 
@@ -337,37 +389,34 @@ def copy_into(call, out: Tensor, src: Tensor):
         out.obj[...] = src.obj
 
 
-def _launch_forward(call, x: Tensor, y: Tensor, lay: Layout, log: bool):
-    dtype, dev = call.result_dtype, call.device
+def _forward_plan(lay: Layout, log: bool, dtype, dev: int, aligned) -> Plan:
     vec = 16 // dtype.itemsize
     n = lay.n
+    X, Y, WS = _P[0], _P[1], _P[2]
     if lay.kind == "rows":
         xs, ys = lay.row_strides
         rows = lay.rows
-        v = n % vec == 0 and xs % vec == 0 and ys % vec == 0 and _aligned((x.ptr, y.ptr))
+        v = n % vec == 0 and xs % vec == 0 and ys % vec == 0 and all(aligned)
         N = vec if v else 1
         cfg = row_config(n // N, ROW_P[v])
         if not _use_split(rows, n, dtype.itemsize, dev, cfg is not None):
             tx, p = cfg
             ty = max(1, COL_THREADS // tx) if tx <= 32 else 1
-            k = KERNELS.get(dev, ROWS_MODULE, _rows_expr(dtype, v, p, log))
-            k.launch((cdiv(rows, ty), 1, 1), (tx, ty, 1), call.stream, x.ptr, y.ptr, rows, n, xs, ys)
-            return
+            return Plan([(ROWS_MODULE, _rows_expr(dtype, v, p, log), (cdiv(rows, ty), 1, 1),
+                          (tx, ty, 1), (X, Y, rows, n, xs, ys))])
         chunk, S = split_config(rows, n, N, dev)
-        ws = call.empty((rows * S * 2,), dt.float32)
-        grid = (rows * S, 1, 1)
-        KERNELS.get(dev, SPLIT_MODULE, f"gpuops::softmax_split_stats<{dtype.ctype}, {_B[v]}>").launch(
-            grid, (SPLIT_THREADS, 1, 1), call.stream, x.ptr, xs, n, chunk, S, ws.ptr)
-        KERNELS.get(dev, SPLIT_MODULE,
-                    f"gpuops::softmax_split_apply<{dtype.ctype}, {_B[v]}, {_B[log]}>").launch(
-            grid, (SPLIT_THREADS, 1, 1), call.stream, x.ptr, y.ptr, xs, ys, n, chunk, S, ws.ptr)
-        return
+        grid, block = (rows * S, 1, 1), (SPLIT_THREADS, 1, 1)
+        return Plan([
+            (SPLIT_MODULE, f"gpuops::softmax_split_stats<{dtype.ctype}, {_B[v]}>", grid, block,
+             (X, xs, n, chunk, S, WS)),
+            (SPLIT_MODULE, f"gpuops::softmax_split_apply<{dtype.ctype}, {_B[v]}, {_B[log]}>",
+             grid, block, (X, Y, xs, ys, n, chunk, S, WS))], ws=rows * S * 2)
     (xso, xsr, xsi), (yso, ysr, ysi) = lay.strides
-    v = (xsi == 1 and ysi == 1 and lay.I % vec == 0 and _aligned(
-        (x.ptr, y.ptr), xso % vec == 0, yso % vec == 0, xsr % vec == 0, ysr % vec == 0))
+    v = (xsi == 1 and ysi == 1 and lay.I % vec == 0 and all(aligned) and all(
+        s % vec == 0 for s in (xso, yso, xsr, ysr)))
     grid, block, nib = _cols_config(lay, vec if v else 1, dev)
-    KERNELS.get(dev, COLS_MODULE, f"gpuops::softmax_cols<{dtype.ctype}, {_B[v]}, {_B[log]}>").launch(
-        grid, block, call.stream, x.ptr, y.ptr, n, lay.I, nib, xso, xsr, xsi, yso, ysr, ysi)
+    return Plan([(COLS_MODULE, f"gpuops::softmax_cols<{dtype.ctype}, {_B[v]}, {_B[log]}>", grid,
+                  block, (X, Y, n, lay.I, nib, xso, xsr, xsi, yso, ysr, ysi))])
 
 
 def _cols_config(lay: Layout, N: int, dev: int):
@@ -387,63 +436,73 @@ def _backward(call, grad: Tensor, y: Tensor, dim, out, log: bool) -> Tensor:
     if tuple(grad.shape) != tuple(y.shape):
         raise ValueError(f"gpuops.{op}: 'grad_output' has shape {tuple(grad.shape)} but 'output' "
                          f"has {tuple(y.shape)}; they must match")
-    d = norm_dim(op, len(y.shape), dim)
     if out is None:
         out = empty_like(call, y)
     else:
         check_out(op, out, y.shape, {"grad_output": grad, "output": y})
-    if y.numel == 0:
-        return out
-    lay = Layout.of(y.shape, d, [grad.strides, y.strides, out.strides])
-    if lay is None:
-        grad, y = contiguous_copy(call, grad), contiguous_copy(call, y)
+    if type(dim) is not int:
+        dim = norm_dim(op, len(y.shape), dim)
+    dtype, dev = call.result_dtype, call.device
+    key = (y.shape, grad.strides, y.strides, out.strides, dim, log, dtype, dev,
+           grad.ptr % 16 == 0, y.ptr % 16 == 0, out.ptr % 16 == 0)
+    plan = _PLANS.get(key)
+    if plan is None:
+        d = norm_dim(op, len(y.shape), dim)
+        if y.numel == 0:
+            return out
         lay = Layout.of(y.shape, d, [grad.strides, y.strides, out.strides])
         if lay is None:
-            tmp = call.empty(tuple(y.shape), call.result_dtype)
-            _launch_backward(call, grad, y, tmp,
-                             Layout.of(y.shape, d, [grad.strides, y.strides, tmp.strides]), log)
-            copy_into(call, out, tmp)
-            return out
-    _launch_backward(call, grad, y, out, lay, log)
+            return _backward_exotic(call, grad, y, d, out, log)
+        plan = _cached_plan(key, lambda: _backward_plan(lay, log, dtype, dev, key[-3:]))
+    plan.run(call, (grad.ptr, y.ptr, out.ptr))
     return out
 
 
-def _launch_backward(call, g: Tensor, y: Tensor, dx: Tensor, lay: Layout, log: bool):
+def _backward_exotic(call, grad, y, d, out, log):
     dtype, dev = call.result_dtype, call.device
+    grad, y = contiguous_copy(call, grad), contiguous_copy(call, y)
+    lay = Layout.of(y.shape, d, [grad.strides, y.strides, out.strides])
+    dx = out
+    if lay is None:
+        dx = call.empty(tuple(y.shape), dtype)
+        lay = Layout.of(y.shape, d, [grad.strides, y.strides, dx.strides])
+    aligned = (grad.ptr % 16 == 0, y.ptr % 16 == 0, dx.ptr % 16 == 0)
+    _backward_plan(lay, log, dtype, dev, aligned).run(call, (grad.ptr, y.ptr, dx.ptr))
+    if dx is not out:
+        copy_into(call, out, dx)
+    return out
+
+
+def _backward_plan(lay: Layout, log: bool, dtype, dev: int, aligned) -> Plan:
     vec = 16 // dtype.itemsize
     n = lay.n
+    G, Y, D, WS = _P
+    tail = f"<{dtype.ctype}, {{}}, {_B[log]}>"
     if lay.kind == "rows":
         gs, ys, ds = lay.row_strides
         rows = lay.rows
-        v = (n % vec == 0 and gs % vec == 0 and ys % vec == 0 and ds % vec == 0
-             and _aligned((g.ptr, y.ptr, dx.ptr)))
+        v = n % vec == 0 and all(s % vec == 0 for s in (gs, ys, ds)) and all(aligned)
         N = vec if v else 1
         cfg = row_config(n // N, ROW_BWD_P[v])
         if not _use_split(rows, n, dtype.itemsize, dev, cfg is not None):
             tx, p = cfg
             ty = max(1, COL_THREADS // tx) if tx <= 32 else 1
-            k = KERNELS.get(dev, ROWS_MODULE, _rows_bwd_expr(dtype, v, p, log))
-            k.launch((cdiv(rows, ty), 1, 1), (tx, ty, 1), call.stream, g.ptr, y.ptr, dx.ptr, rows,
-                     n, gs, ys, ds)
-            return
+            return Plan([(ROWS_MODULE, _rows_bwd_expr(dtype, v, p, log), (cdiv(rows, ty), 1, 1),
+                          (tx, ty, 1), (G, Y, D, rows, n, gs, ys, ds))])
         chunk, S = split_config(rows, n, N, dev)
-        ws = call.empty((rows * S,), dt.float32)
-        grid = (rows * S, 1, 1)
-        tail = f"<{dtype.ctype}, {_B[v]}, {_B[log]}>"
-        KERNELS.get(dev, SPLIT_MODULE, "gpuops::softmax_backward_split_stats" + tail).launch(
-            grid, (SPLIT_THREADS, 1, 1), call.stream, g.ptr, y.ptr, gs, ys, n, chunk, S, ws.ptr)
-        KERNELS.get(dev, SPLIT_MODULE, "gpuops::softmax_backward_split_apply" + tail).launch(
-            grid, (SPLIT_THREADS, 1, 1), call.stream, g.ptr, y.ptr, dx.ptr, gs, ys, ds, n, chunk, S,
-            ws.ptr)
-        return
+        grid, block = (rows * S, 1, 1), (SPLIT_THREADS, 1, 1)
+        t = tail.format(_B[v])
+        return Plan([
+            (SPLIT_MODULE, "gpuops::softmax_backward_split_stats" + t, grid, block,
+             (G, Y, gs, ys, n, chunk, S, WS)),
+            (SPLIT_MODULE, "gpuops::softmax_backward_split_apply" + t, grid, block,
+             (G, Y, D, gs, ys, ds, n, chunk, S, WS))], ws=rows * S)
     (gso, gsr, gsi), (yso, ysr, ysi), (dso, dsr, dsi) = lay.strides
-    v = (gsi == 1 and ysi == 1 and dsi == 1 and lay.I % vec == 0 and _aligned(
-        (g.ptr, y.ptr, dx.ptr), *(s % vec == 0 for s in (gso, gsr, yso, ysr, dso, dsr))))
+    v = (gsi == 1 and ysi == 1 and dsi == 1 and lay.I % vec == 0 and all(aligned) and all(
+        s % vec == 0 for s in (gso, gsr, yso, ysr, dso, dsr)))
     grid, block, nib = _cols_config(lay, vec if v else 1, dev)
-    KERNELS.get(dev, COLS_MODULE,
-                f"gpuops::softmax_backward_cols<{dtype.ctype}, {_B[v]}, {_B[log]}>").launch(
-        grid, block, call.stream, g.ptr, y.ptr, dx.ptr, n, lay.I, nib, gso, gsr, gsi, yso, ysr,
-        ysi, dso, dsr, dsi)
+    return Plan([(COLS_MODULE, "gpuops::softmax_backward_cols" + tail.format(_B[v]), grid, block,
+                  (G, Y, D, n, lay.I, nib, gso, gsr, gsi, yso, ysr, ysi, dso, dsr, dsi))])
 
 
 # ---------------------------------------------------------------------------------------------
