@@ -150,7 +150,8 @@ def ref_cross_entropy_backward(grad_output, input, target, lse, ignore_index=-10
     else:
         a = np.full(n, g.reshape(-1)[0])
         if reduction == "mean":
-            a = a / np.sum(valid)
+            with np.errstate(divide="ignore", invalid="ignore"):   # all ignored: a is unused
+                a = a / np.sum(valid)
     a = np.where(valid, a, 0.0)
     b = np.zeros(n) if grad_lse is None else np.asarray(grad_lse, np.float64).reshape(-1)
     eps = float(label_smoothing)
