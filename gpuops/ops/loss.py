@@ -531,8 +531,10 @@ _CE_PARAMS = {"target": TARGET_DTYPES}
                           extra_shapes=((16, 151936), (4096, 151936))))
 def cross_entropy(call, input: Tensor, target: Tensor, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-    """Cross-entropy of logits ``input`` [N, C] (or [C]) against class indices ``target`` [N]
-    (or 0-d), int64 or int32, as ``torch.nn.functional.cross_entropy`` with those arguments.
+    """Cross-entropy loss of logits against class indices, as ``F.cross_entropy``; no softmax stored.
+
+    ``input`` [N, C] (or [C]) logits, ``target`` [N] (or 0-d) int64 or int32 class indices, the
+    arguments of ``torch.nn.functional.cross_entropy`` of the same names.
 
     Rows whose target is ``ignore_index`` contribute 0 and are left out of the 'mean' denominator
     (all ignored: NaN, as torch); ``label_smoothing`` eps gives (1 - eps) nll + eps (lse - mean x).
@@ -547,9 +549,10 @@ def cross_entropy(call, input: Tensor, target: Tensor, ignore_index: int = -100,
 @register(family="loss", reference=ref_cross_entropy_forward, param_dtypes=_CE_PARAMS)
 def cross_entropy_forward(call, input: Tensor, target: Tensor, ignore_index: int = -100,
                           reduction: str = "mean", label_smoothing: float = 0.0):
-    """:func:`cross_entropy` returning ``(loss, lse)``, lse = logsumexp(input, -1) per row in fp32:
-    what :func:`cross_entropy_backward` needs. (On the CPU reference path lse has the input's
-    dtype.)"""
+    """cross_entropy returning ``(loss, lse)``: the per-row logsumexp (fp32) the backward needs.
+
+    lse = logsumexp(input, -1), what :func:`cross_entropy_backward` takes. (On the CPU reference
+    path lse has the input's dtype.)"""
     return _forward(call, input, target, ignore_index, reduction, label_smoothing)
 
 
@@ -561,7 +564,8 @@ def cross_entropy_backward(call, grad_output: Tensor, input: Tensor, target: Ten
                            ignore_index: int = -100, reduction: str = "mean",
                            label_smoothing: float = 0.0, grad_lse: Tensor | None = None, *,
                            out: Tensor | None = None) -> Tensor:
-    """Gradient of :func:`cross_entropy` with respect to ``input``:
+    """Gradient of cross_entropy with respect to the logits, from the forward's per-row lse.
+
     ``(softmax(input) - (1 - eps) onehot(target) - eps / C) * a`` per row, plus
     ``softmax(input) * grad_lse`` when the row's lse is differentiated too.
 
@@ -581,9 +585,9 @@ def cross_entropy_backward(call, grad_output: Tensor, input: Tensor, target: Ten
 def cross_entropy_with_grad(call, input: Tensor, target: Tensor, ignore_index: int = -100,
                             reduction: str = "mean", label_smoothing: float = 0.0, *,
                             out: Tensor | None = None):
-    """:func:`cross_entropy` and its gradient for a unit grad_output in one pass: returns
-    ``(grad, loss)``, grad = d loss / d input (what :func:`cross_entropy_backward` gives with
-    grad_output = 1). ``out`` receives grad and may be ``input`` itself: the logits are then
+    """Cross-entropy loss and its gradient (for grad_output = 1) in one pass: ``(grad, loss)``.
+
+    grad = d loss / d input, what :func:`cross_entropy_backward` gives with grad_output = 1. ``out`` receives grad and may be ``input`` itself: the logits are then
     replaced by their gradient (the memory-saving mode of Liger-Kernel and of
     ``gpuops.torch.cross_entropy(..., inplace_backward="forward")``).
 
@@ -598,8 +602,9 @@ def cross_entropy_with_grad(call, input: Tensor, target: Tensor, ignore_index: i
 @register(family="loss", reference=ref_cross_entropy_grad_scale)
 def cross_entropy_grad_scale(call, grad_output: Tensor, grad: Tensor, reduction: str = "mean", *,
                              out: Tensor | None = None) -> Tensor:
-    """``grad * grad_output``: the gradient of :func:`cross_entropy_with_grad` (computed for a unit
-    grad_output) scaled by the actual one (per row for 'none', one value otherwise).
+    """Scale a cross_entropy_with_grad gradient by the actual grad_output: ``grad * grad_output``.
+
+    Per row for reduction 'none', one value otherwise.
 
     ``out`` may be ``grad`` (in place); in place, rows whose factor is exactly 1 are not touched,
     so the common ``loss.backward()`` costs one launch and no pass over the gradient.

@@ -628,14 +628,18 @@ def log_softmax(call, input: Tensor, dim: int = -1, *, out: Tensor | None = None
 @register(family="softmax", reference=ref_softmax_backward, bench=_bwd_bench(False))
 def softmax_backward(call, grad_output: Tensor, output: Tensor, dim: int = -1, *,
                      out: Tensor | None = None) -> Tensor:
-    """Gradient of softmax from its output: ``output * (grad_output - sum(grad_output * output))``
-    along ``dim``, as ``torch._softmax_backward_data``. ``out`` may be either input."""
+    """Gradient of softmax from its output: ``y * (g - sum(g * y))``, as torch's softmax backward.
+
+    ``g`` = grad_output, ``y`` = output, sums along ``dim`` (``torch._softmax_backward_data``).
+    ``out`` may be either input (in place)."""
     return _backward(call, grad_output, output, dim, out, False)
 
 
 @register(family="softmax", reference=ref_log_softmax_backward, bench=_bwd_bench(True))
 def log_softmax_backward(call, grad_output: Tensor, output: Tensor, dim: int = -1, *,
                          out: Tensor | None = None) -> Tensor:
-    """Gradient of log_softmax from its output: ``grad_output - exp(output) * sum(grad_output)``
-    along ``dim``, as ``torch._log_softmax_backward_data``. ``out`` may be either input."""
+    """Gradient of log_softmax from its output: ``g - exp(y) * sum(g)``, as torch's backward.
+
+    ``g`` = grad_output, ``y`` = output, sums along ``dim``
+    (``torch._log_softmax_backward_data``). ``out`` may be either input (in place)."""
     return _backward(call, grad_output, output, dim, out, True)
