@@ -254,19 +254,39 @@ def test_grids_cover_every_row_once_and_fit_when_fused(persistent, monkeypatch):
             for rows in (1, 2, 5, 16, 1000):
                 for force in (False, True):
                     monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", force)
-                    plan = N.Plan(None, (256, 1, 1), 1, C, capacity)
-                    grid, phases = N._grid(plan, rows, persistent)
-                    assert grid % C == 0 and grid >= C
-                    if phases == (N.FUSED,) and C > 1:
-                        assert grid <= capacity       # every block of a row resident at once
-                    if C > 1:
-                        assert phases == ((N.FUSED,) if C <= capacity and not force
-                                          else (N.PARTIALS, N.APPLY))
-                    slots = grid // C
+                    fallback = N.Plan("generic", (256, 1, 1), 4, max(1, C // 2), capacity)
+                    plan = N.Plan("split", (256, 1, 1), 1, C, capacity,
+                                  fallback if C > 1 and persistent else None)
+                    used, grid, phases = N._grid(plan, rows, persistent)
+                    C_used = used.C
+                    assert grid % C_used == 0 and grid >= C_used
+                    if C == 1:
+                        assert used is plan and phases == (N.FUSED,)
+                        assert grid <= capacity if persistent else grid * 1 >= rows
+                    elif C <= capacity and not force:
+                        assert used is plan and phases == (N.FUSED,)
+                        assert grid <= capacity      # every block of a row resident at once
+                    else:
+                        assert used is (plan.fallback or plan)
+                        assert phases == (N.PARTIALS, N.APPLY)
+                    slots = grid // C_used
                     seen = np.concatenate([np.arange(s, rows, slots) for s in range(slots)])
                     assert np.array_equal(np.sort(seen), np.arange(rows))
-                    if C == 1 and persistent:
-                        assert grid <= capacity
+
+
+@pytest.mark.parametrize("kind", [k for k in N.TUNING if N.TUNING[k].split_template])
+def test_split_kernel_plans(kind):
+    k = N.TUNING[kind]
+    for vec in _vecs():
+        for n in (4097, 20000, 262147, 1 << 20, 1 << 24):
+            if vec > 1 and n % vec:
+                continue
+            threads, packs, C = N.split_shape(k, vec, n)
+            assert packs * vec <= k.split_cap and threads == k.split_threads
+            units = n // vec
+            assert threads * packs * C >= units > threads * packs * (C - 1)
+            assert (vec, packs) in {(v, p) for (_, v), e in N._SPLIT_EXPRS[kind].items()
+                                    for p in [int(e.split(",")[2].strip(" >"))]}
 
 
 # ---------------------------------------------------------------- launches with a recording loader
@@ -314,8 +334,9 @@ def _cstrides(shape):
 
 
 @pytest.fixture
-def recording(monkeypatch):
-    """Launches go to a log; the device has 2 SMs of 4 blocks (so long rows take two launches)."""
+def recording(monkeypatch, request):
+    """Launches go to a log; the device has 4 blocks on each of `param` SMs (2: long rows take
+    two launches; 64: rows of 20000 elements run split in one launch)."""
     log, memsets = [], []
 
     class _Runtime:
@@ -328,14 +349,14 @@ def recording(monkeypatch):
             runtime = _Runtime
 
     class _Info:
-        sm_count = 2
+        sm_count = getattr(request, "param", 2)
 
     monkeypatch.setattr(N.loader, "load", lambda module, dev: _FakeLoaded(module, log))
     monkeypatch.setattr(N, "_occupancy", lambda ptr, threads, smem: 4)
     monkeypatch.setattr(N.device, "device_info", lambda dev: _Info)
     monkeypatch.setattr(N.device, "cupy_or_none", lambda: _Cupy)
     monkeypatch.setattr(N, "_plans", {})
-    return log, memsets
+    return log, memsets, 4 * _Info.sm_count
 
 
 def _input(call, shape, dtype, strides=None):
@@ -348,10 +369,11 @@ def _within(call, ptr, nbytes):
     return any(a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes for a in call.allocs)
 
 
+@pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16])
 @pytest.mark.parametrize("n", [1, 4096, 4097, 20000, 1 << 20])
 def test_forward_launch_arguments(recording, dtype, n):
-    log, memsets = recording
+    log, memsets, capacity = recording
     rows = 3
     for op in ("layer_norm", "rms_norm", "add_rms_norm"):
         log.clear()
@@ -366,8 +388,8 @@ def test_forward_launch_arguments(recording, dtype, n):
             r = _input(call, (rows, n), dtype) if op == "add_rms_norm" else None
             y, h, rstd = N._rms_norm_launch(call, op, x, r, (n,), w, 1e-6, None, True)
             K = 1
-        expected = {"layer_norm": "layer_norm_fwd<", "rms_norm": "rms_norm_fwd<",
-                    "add_rms_norm": "rms_norm_fwd<"}[op]
+        expected = {"layer_norm": "layer_norm_", "rms_norm": "rms_norm_",
+                    "add_rms_norm": "rms_norm_"}[op]
         assert log and all(expected in name for name, *_ in log)
         if op != "layer_norm":
             assert all(name.endswith("true>" if op == "add_rms_norm" else "false>")
@@ -387,19 +409,25 @@ def test_forward_launch_arguments(recording, dtype, n):
             assert counters == memsets[0][0] and _within(call, counters, rows * 4)
             assert _within(call, partials, rows * C * K * 4)
             assert partials >= counters + rows * 4
+            stat_ptrs = args[6:8] if op == "layer_norm" else args[9:10]
+            assert all(p != 0 and _within(call, p, rows * 4) for p in stat_ptrs)
             if len(log) == 2:
+                assert "_fwd<" in name and log[1][0] == name
                 assert grid[0] // C >= 1 and log[1][1] == grid and log[1][3][:-2] == args[:-2]
             else:
-                assert grid[0] <= 8          # fused: all blocks resident (2 SMs x 4)
+                assert "_split<" in name     # one launch: the pipelined kernel
+                assert grid[0] <= capacity   # every block resident at once
+                assert (capacity, n) == (256, 20000)
         assert args[-5] == rows and args[-4] == n
         stats = [a for a in (mean if op == "layer_norm" else None, rstd) if a is not None]
         assert all(s.shape == (rows,) and s.dtype is dt.float32 for s in stats)
 
 
+@pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("layer", [True, False])
 @pytest.mark.parametrize("n", [7, 4096, 9000, 1 << 20])
 def test_backward_launch_arguments(recording, layer, n):
-    log, memsets = recording
+    log, memsets, capacity = recording
     dtype = dt.bfloat16
     rows = 5
     call = _FakeCall(dtype)
@@ -429,14 +457,16 @@ def test_backward_launch_arguments(recording, layer, n):
         assert len(memsets) == 1 and memsets[0][2] == rows * 4
         K = 2 if layer else 1
         assert _within(call, args[14], rows * 4) and _within(call, args[13], rows * C * K * 4)
-        if len(main) == 2:
-            assert _within(call, args[15], rows * K * 4)
+        assert _within(call, args[15], rows * K * 4)
+        assert [a[-1] for *_, a in main] == ([N.FUSED] if C <= capacity else
+                                             [N.PARTIALS, N.APPLY])
+        assert len(main) == 2 or grid[0] <= capacity
     else:
-        assert not memsets and len(main) == 1 and grid[0] == min(rows, 8)
+        assert not memsets and len(main) == 1 and grid[0] == min(rows, capacity)
 
 
 def test_strided_and_unaligned_launches(recording):
-    log, _ = recording
+    log, _, _ = recording
     call = _FakeCall(dt.float32)
     base = _input(call, (6, 40), dt.float32)
     x = Tensor(base.ptr, (6, 32), (40, 1), dt.float32, 0, None)   # rows 160 B apart: packs

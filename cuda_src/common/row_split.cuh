@@ -1,13 +1,15 @@
 // Rows split over several blocks of one grid (rows too long for one block's registers): each
 // block reduces its chunk of a row to a partial (K floats), publishes it in global memory and
-// arrives at the row's counter; the partials are then read back either by every block of the row
-// after all have arrived (one launch: every block of the grid must be resident at once, which
-// the host guarantees by sizing the grid from the occupancy calculator) or by the last block to
-// arrive (two launches, any grid size).
+// arrives at the row's counter; the last block to arrive (the one that sees C - 1 arrivals
+// before its own) reads the row's C partials, combines them in a fixed order, writes the row's
+// result and releases the row (counter = C + 1). In one launch, the other blocks of the row wait
+// for the release and read the result: every block of the grid must then be resident at once,
+// which the host guarantees by sizing the grid from the occupancy calculator. In two launches,
+// nobody waits: the second launch reads the results.
 //
 // Counters are unsigned ints that the host zeroes before the launch (cudaMemsetAsync, which a CUDA
-// graph captures like a kernel). Partials are written and read through L2 only (.cg): L1 is not
-// coherent between SMs.
+// graph captures like a kernel). Partials and results written during the launch are written and
+// read through L2 only (.cg): L1 is not coherent between SMs.
 #pragma once
 
 namespace gpuops {
@@ -24,9 +26,8 @@ __device__ __forceinline__ void store_cg(float* p, float v) {
 
 // Thread 0 stores the block's partial `v` at `slot`, makes it visible device-wide, and arrives
 // at `counter`. Every thread returns how many blocks of the row had arrived before this one.
-// `flag`: one unsigned of shared memory, rewritten by the next call, so a __syncthreads() must
-// separate the return from the next call (every block reduction contains one). Contains one
-// __syncthreads().
+// `flag`: one unsigned of shared memory. Contains two __syncthreads() (the second lets the next
+// call rewrite `flag`).
 template <int K>
 __device__ __forceinline__ unsigned split_arrive(float* slot, const float (&v)[K],
                                                  unsigned* counter, unsigned* flag) {
@@ -38,11 +39,22 @@ __device__ __forceinline__ unsigned split_arrive(float* slot, const float (&v)[K
     __threadfence();
   }
   __syncthreads();
-  return *flag;
+  const unsigned before = *flag;
+  __syncthreads();
+  return before;
 }
 
-// Returns once `target` blocks have arrived at `counter`; every thread may then read their
-// partials with load_cg. Only thread 0 polls. Contains one __syncthreads().
+// The last block of a row: after thread 0 has stored the row's result (store_cg), release the
+// row to the blocks waiting for it (split_wait(counter, C + 1)).
+__device__ __forceinline__ void split_release(unsigned* counter) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+
+// Returns once `counter` has reached `target`; every thread may then read what was published
+// before with load_cg. Only thread 0 polls. Contains one __syncthreads().
 __device__ __forceinline__ void split_wait(const unsigned* counter, unsigned target) {
   if (threadIdx.x == 0) {
     while (*reinterpret_cast<const volatile unsigned*>(counter) < target) {

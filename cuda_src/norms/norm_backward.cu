@@ -29,7 +29,8 @@ __device__ __forceinline__ void store_f32(float* p, const float (&f)[VEC]) {
 // dy, x, dx (and dres, RMSNorm only, or null): rows of n elements with their own row strides;
 // mean (kLN) and rstd: a float per row; w: n elements or null. dw_part, db_part (kLN): [slots, n]
 // fp32, written in kFused and kApply. partials (rows * C * K), counters (rows, zeroed) and
-// row_sums (rows * K, written by kPartials, read by kApply): only for C > 1. n >= 1.
+// row_sums (rows * K: the rows' sums, written by the last block of each row): only for C > 1.
+// n >= 1.
 template <class T, int VEC, int PACKS, bool kLN>
 __global__ void __launch_bounds__(1024, 1)
 norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const T* dres,
@@ -92,24 +93,28 @@ norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           s[0] = fmaf(g[p][j], xh[p][j], s[0]);
-          if (kLN) s[K - 1] += g[p][j];
+          if constexpr (kLN) s[1] += g[p][j];
         }
       }
       block_sum_n<K>(s, scratch);
       if (C > 1) {
+        // The last block of the row sums the partials and publishes the row's sums; in one
+        // launch (kFused) the others wait for them.
         float* row_partials = partials + row * C * K;
-        const unsigned before =
-            split_arrive<K>(row_partials + K * map.chunk, s, counters + row, &flag);
-        if (phase == kPartials && before != static_cast<unsigned>(C - 1)) continue;
-        if (phase == kFused) split_wait(counters + row, static_cast<unsigned>(C));
-        sum_partials<K>(row_partials, C, s, scratch);
-      }
-      if (phase == kPartials) {   // the last block of the row
-        if (threadIdx.x == 0) {
+        float* sums = row_sums + row * K;
+        if (split_arrive<K>(row_partials + K * map.chunk, s, counters + row, &flag) ==
+            static_cast<unsigned>(C - 1)) {
+          sum_partials<K>(row_partials, C, s, scratch);
+          if (threadIdx.x == 0) {
 #pragma unroll
-          for (int k = 0; k < K; ++k) row_sums[row * K + k] = s[k];
+            for (int k = 0; k < K; ++k) store_cg(sums + k, s[k]);
+          }
+          if (phase == kFused) split_release(counters + row);
         }
-        continue;
+        if (phase == kPartials) continue;
+        split_wait(counters + row, static_cast<unsigned>(C + 1));
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[k] = load_cg(sums + k);
       }
     }
 

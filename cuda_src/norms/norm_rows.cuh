@@ -13,11 +13,11 @@
 //   C > 1   blockDim.y == 1, gridDim.x a multiple of C: block b holds chunk b % C of rows b / C,
 //           b / C + gridDim.x / C, ... Each block reduces its chunk to a partial and the row's
 //           blocks combine them through global memory (common/row_split.cuh), either in one launch
-//           (phase kFused: the whole grid is resident, every block of a row waits for the others
-//           and merges all partials itself, so the chunk is read once and stays in registers) or
-//           in two (kPartials: partials, and the last block of each row to arrive merges them and
-//           writes the row's statistics; kApply: every block reads its chunk again and applies
-//           them).
+//           (phase kFused: the whole grid is resident; blocks wait for their row's statistics, so
+//           the chunk is read once and stays in registers; the forward ops use separate
+//           *_split kernels that also prefetch their next row's chunk while they wait) or in two
+//           (kPartials: partials, the last block of each row writes the row's statistics;
+//           kApply: every block reads its chunk again and applies them).
 #pragma once
 #include "common/dtypes.cuh"
 #include "common/vec.cuh"

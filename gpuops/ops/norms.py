@@ -56,7 +56,11 @@ class Kind:
     the smallest ``packs`` whose block has at most ``target`` threads, else the largest ``packs``
     with up to ``max_rows_threads`` threads; longer rows are split over blocks of
     ``split_threads`` threads. ``cap`` bounds packs * VEC (values per thread in registers, per
-    array): the kernels run under __launch_bounds__(1024), i.e. at most 64 registers.
+    array): the kernels run under __launch_bounds__(1024, 1), i.e. at most 64 registers.
+    Split rows run in one launch when all their blocks fit on the device at once: with the
+    pipelined ``split_template`` kernel (two buffers of ``split_cap`` values per thread) where
+    there is one, else with ``template`` and phase kFused; otherwise in two launches of
+    ``template`` (kPartials, kApply).
     """
     name: str
     template: str          # format fields: t (C++ type), v (VEC), p (PACKS)
@@ -67,14 +71,16 @@ class Kind:
     warp_rows: bool        # blocks of 8 rows x 32 threads for short rows (forward kernels)
     persistent: bool       # a grid of at most one resident wave, looping over rows (backward)
     stats: int             # floats of a block's partial (row_split.cuh)
+    split_template: str | None = None
+    split_cap: int = 8
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
-                  True, False, 3)
+                  True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
-                True, False, 1)
+                True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>")
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
-                    256, True, False, 1)
+                    256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>")
 LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
                       512, False, True, 2)
 RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
@@ -96,20 +102,34 @@ def packs_options(kind: Kind, vec: int) -> tuple:
     return tuple(p for p in (1, 2, 4, 8) if p * vec <= kind.cap)
 
 
+def split_packs(kind: Kind, vec: int) -> int:
+    """PACKS of the pipelined split kernel (per buffer)."""
+    return max(1, kind.split_cap // vec) if vec > 1 else kind.split_cap // 2
+
+
 def _exprs(kind: Kind) -> dict:
     return {(d, v, p): kind.template.format(t=d.ctype, v=v, p=p)
             for d in dt.FLOATS for v in (_vec_width(d), 1) for p in packs_options(kind, v)}
 
 
+def _split_exprs(kind: Kind) -> dict:
+    if kind.split_template is None:
+        return {}
+    return {(d, v): kind.split_template.format(t=d.ctype, v=v, p=split_packs(kind, v))
+            for d in dt.FLOATS for v in (_vec_width(d), 1)}
+
+
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
+_SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
-    {e: LN_FWD_ARGS for e in _EXPRS["layer_norm"].values()})
+    {e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS) for e in table["layer_norm"].values()})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
-    {e: RMS_FWD_ARGS for k in ("rms_norm", "add_rms_norm") for e in _EXPRS[k].values()})
+    {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS) for k in ("rms_norm", "add_rms_norm")
+     for e in table[k].values()})
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -129,6 +149,7 @@ class Plan:
     packs: int
     C: int               # blocks per row
     capacity: int        # blocks of this kernel and block size resident at once on the device
+    fallback: object = None   # split rows that do not fit at once: the two-launch Plan
 
 
 def _threads(units: int, packs: int) -> int:
@@ -138,7 +159,7 @@ def _threads(units: int, packs: int) -> int:
 
 
 def plan_shape(kind: Kind, vec: int, n: int):
-    """(threads, rows per block, packs, blocks per row) for rows of n elements (no GPU needed)."""
+    """(threads, rows per block, packs, blocks per row) of `template` for rows of n elements."""
     units = n // vec
     options = packs_options(kind, vec)
     for packs in options:
@@ -152,8 +173,14 @@ def plan_shape(kind: Kind, vec: int, n: int):
     if threads > kind.max_rows_threads:
         threads = kind.split_threads
         C = -(-units // (threads * packs))
-    ty = 8 if kind.warp_rows and threads == 32 else 1
+    ty = 8 if kind.warp_rows and threads == 32 and C == 1 else 1
     return threads, ty, packs, C
+
+
+def split_shape(kind: Kind, vec: int, n: int):
+    """(threads, packs, blocks per row) of the pipelined `split_template` kernel."""
+    packs = split_packs(kind, vec)
+    return kind.split_threads, packs, -(-(n // vec) // (kind.split_threads * packs))
 
 
 _plans: dict = {}
@@ -161,8 +188,21 @@ _plans_generation = -1
 _occupancy = None
 
 
+def _make_plan(kind_name: str, expr: str, threads: int, ty: int, packs: int, C: int, dev: int):
+    global _occupancy
+    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(expr)
+    if _occupancy is None:
+        from cupy.cuda import driver  # noqa: PLC0415
+        _occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
+    per_sm = int(_occupancy(kernel.ptr, threads * ty, 0))
+    if per_sm < 1:
+        raise RuntimeError(f"gpuops: {kernel.name} cannot run blocks of {threads * ty} threads "
+                           "on this device")
+    return Plan(kernel, (threads, ty, 1), packs, C, per_sm * device.device_info(dev).sm_count)
+
+
 def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
-    global _plans_generation, _occupancy
+    global _plans_generation
     if _plans_generation != loader.generation:
         _plans.clear()
         _plans_generation = loader.generation
@@ -171,31 +211,31 @@ def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
     plan = _plans.get(key)
     if plan is None:
         threads, ty, packs, C = plan_shape(kind, vec, n)
-        kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(
-            _EXPRS[kind_name][(dtype, vec, packs)])
-        if _occupancy is None:
-            from cupy.cuda import driver  # noqa: PLC0415
-            _occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
-        per_sm = int(_occupancy(kernel.ptr, threads * ty, 0))
-        if per_sm < 1:
-            raise RuntimeError(f"gpuops: {kernel.name} cannot run blocks of {threads * ty} "
-                               "threads on this device")
-        plan = _plans[key] = Plan(kernel, (threads, ty, 1), packs, C,
-                                  per_sm * device.device_info(dev).sm_count)
+        plan = _make_plan(kind_name, _EXPRS[kind_name][(dtype, vec, packs)], threads, ty, packs,
+                          C, dev)
+        if C > 1 and kind.split_template is not None:
+            threads, packs, C = split_shape(kind, vec, n)
+            split = _make_plan(kind_name, _SPLIT_EXPRS[kind_name][(dtype, vec)], threads, 1,
+                               packs, C, dev)
+            split.fallback = plan
+            plan = split
+        _plans[key] = plan
     return plan
 
 
 def _grid(plan: Plan, rows: int, persistent: bool):
-    """(grid size, phases) for a launch over `rows` rows (rows >= 1)."""
+    """(plan, grid size, phases) of a launch over `rows` rows (rows >= 1)."""
     C = plan.C
     if C == 1:
         if persistent:
-            return min(rows, plan.capacity), (FUSED,)
-        return min(-(-rows // plan.block[1]), (1 << 31) - 1), (FUSED,)
+            return plan, min(rows, plan.capacity), (FUSED,)
+        return plan, min(-(-rows // plan.block[1]), (1 << 31) - 1), (FUSED,)
     if C <= plan.capacity and not FORCE_TWO_LAUNCHES:
-        return C * min(rows, plan.capacity // C), (FUSED,)     # co-resident: one launch
+        return plan, C * min(rows, plan.capacity // C), (FUSED,)   # co-resident: one launch
+    plan = plan.fallback or plan
+    C = plan.C
     slots = max(1, min(rows, 4 * plan.capacity // C, ((1 << 31) - 1) // C))
-    return C * slots, (PARTIALS, APPLY)
+    return plan, C * slots, (PARTIALS, APPLY)
 
 
 def _split_workspace(call, rows: int, C: int, K: int, extra: int):
@@ -375,11 +415,10 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     w, b = _vector(call, weight), _vector(call, bias)
     dtype = call.result_dtype
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, ((x.ptr, xs), (y.ptr, ys)), (w, b)) else 1
-    plan = _plan("layer_norm", dtype, vec, n, call.device)
-    grid, phases = _grid(plan, rows, persistent=False)
+    plan, grid, phases = _grid(_plan("layer_norm", dtype, vec, n, call.device), rows, False)
     mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0
-    if plan.C > 1:
-        extra = 2 * rows if (mean is None and phases != (FUSED,)) else 0
+    if plan.C > 1:     # split rows carry their statistics in mean/rstd, or in the workspace
+        extra = 2 * rows if mean is None else 0
         ws, counters, partials, stats = _split_workspace(call, rows, plan.C, 3, extra)
         if extra:
             mp, rp = stats, stats + 4 * rows
@@ -409,11 +448,10 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     operands = [(x.ptr, xs), (y.ptr, ys)] + ([(r.ptr, rs), (h.ptr, hs)] if r is not None else [])
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, operands, (w,)) else 1
     kind = "add_rms_norm" if residual is not None else "rms_norm"
-    plan = _plan(kind, dtype, vec, n, call.device)
-    grid, phases = _grid(plan, rows, persistent=False)
+    plan, grid, phases = _grid(_plan(kind, dtype, vec, n, call.device), rows, False)
     rp, partials, counters = _ptr(rstd), 0, 0
     if plan.C > 1:
-        extra = rows if (rstd is None and phases != (FUSED,)) else 0
+        extra = rows if rstd is None else 0
         ws, counters, partials, stats = _split_workspace(call, rows, plan.C, 1, extra)
         if extra:
             rp = stats
@@ -455,8 +493,8 @@ def _backward_launch(call, op, layer, grad_output, input, mean, rstd, ns, weight
     w = _vector(call, weight)
     operands = [(g.ptr, gs), (x.ptr, xs), (dx.ptr, n)] + ([(d.ptr, ds)] if d is not None else [])
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, operands, (w,)) else 1
-    plan = _plan("layer_norm_bwd" if layer else "rms_norm_bwd", dtype, vec, n, call.device)
-    grid, phases = _grid(plan, rows, persistent=True)
+    plan, grid, phases = _grid(_plan("layer_norm_bwd" if layer else "rms_norm_bwd", dtype, vec,
+                                     n, call.device), rows, True)
     slots = grid // plan.C
     K = 2 if layer else 1
     part = call.empty(((2 if layer else 1) * slots * n,), dt.float32)
@@ -464,8 +502,7 @@ def _backward_launch(call, op, layer, grad_output, input, mean, rstd, ns, weight
     db_part = part.ptr + 4 * slots * n if layer else 0
     partials = counters = sums = 0
     if plan.C > 1:
-        ws, counters, partials, sums = _split_workspace(
-            call, rows, plan.C, K, K * rows if phases != (FUSED,) else 0)
+        ws, counters, partials, sums = _split_workspace(call, rows, plan.C, K, K * rows)
     for phase in phases:
         plan.kernel.launch((grid, 1, 1), plan.block, call.stream, g.ptr, gs, x.ptr, xs, _ptr(d),
                            ds, _ptr(mean) if layer else 0, rstd.ptr, _ptr(w), dx.ptr, n, dw_part,
