@@ -26,7 +26,7 @@ from gpuops import dtypes as dt
 from gpuops.ops import norms as N
 from gpuops.runtime.launch import ArgSpec
 from gpuops.tensor import Tensor
-from conftest import HAS_GPU, HAS_TORCH, HAS_TORCH_CUDA, TOLERANCE, assert_close
+from conftest import HAS_TORCH, HAS_TORCH_CUDA, assert_close
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 F = torch.nn.functional if HAS_TORCH else None
@@ -472,7 +472,8 @@ def test_strided_and_unaligned_launches(recording):
     x = Tensor(base.ptr, (6, 32), (40, 1), dt.float32, 0, None)   # rows 160 B apart: packs
     y, _, _ = N._layer_norm_launch(call, "layer_norm", x, (32,), None, None, 1e-5, None, False)
     args = log[-1][3]
-    assert args[0] == x.ptr and args[1] == 40 and args[3] == 32 and ",4," in log[-1][0].replace(" ", "")
+    assert args[0] == x.ptr and args[1] == 40 and args[3] == 32
+    assert ",4," in log[-1][0].replace(" ", "")
     x = Tensor(base.ptr + 4, (6, 32), (40, 1), dt.float32, 0, None)   # unaligned: elements
     N._layer_norm_launch(call, "layer_norm", x, (32,), None, None, 1e-5, None, False)
     assert ",1," in log[-1][0].replace(" ", "")
@@ -505,7 +506,8 @@ def _model_stats(x, chunk, per_thread):
         n = f(na + nb)
         inv = f(1) / n
         d = f(mb - ma)
-        acc = (n, f((f(na * ma) + f(nb * mb)) * inv), f(f(qa + qb) + f(d * d) * f(f(na * nb) * inv)))
+        acc = (n, f((f(na * ma) + f(nb * mb)) * inv),
+               f(f(qa + qb) + f(d * d) * f(f(na * nb) * inv)))
     return acc[1], acc[2] / acc[0]
 
 
@@ -572,7 +574,8 @@ def _compile_case(device, dtype):
         h = z + r
         return (F.rms_norm(h, [x.shape[-1]], w, 1e-6).float() * h.float()).sum()
     g = torch.Generator(device=device).manual_seed(1)
-    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, generator=g).requires_grad_()  # noqa: E731
+    def mk(*s):
+        return torch.randn(*s, device=device, dtype=dtype, generator=g).requires_grad_()
     args = (mk(4, 64), mk(4, 64), mk(64), mk(64))
     return step, eager, args
 

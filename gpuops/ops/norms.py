@@ -851,9 +851,9 @@ ADD_RMS_NORM_BWD_BENCH = _spec(
 def layer_norm(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5, *,
                out: Tensor | None = None) -> Tensor:
-    """Layer normalization over the trailing ``normalized_shape`` dims, as
-    ``torch.nn.functional.layer_norm``: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+    """Layer normalization over the trailing dims, as ``torch.nn.functional.layer_norm``.
 
+    ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape`` dims.
     Biased variance, computed stably (per-thread two-pass sums merged with Chan's formula, never
     E[x^2] - E[x]^2); fp32 math for every storage type, one rounding of the result. ``out`` may
     be ``input`` itself (in place). Inputs whose rows are not contiguous are copied first.
@@ -866,8 +866,10 @@ def layer_norm(call, input: Tensor, normalized_shape, weight: Tensor | None = No
 @register(family="norms", reference=ref_layer_norm_forward)
 def layer_norm_forward(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
                        bias: Tensor | None = None, eps: float = 1e-5):
-    """``layer_norm`` that also returns the per-row ``mean`` and ``rstd = 1/sqrt(var + eps)``
-    (float32, shape ``input.shape[:-len(normalized_shape)]``) for ``layer_norm_backward``.
+    """``layer_norm`` that also returns the per-row mean and rstd (float32) for the backward.
+
+    Returns ``(y, mean, rstd)``, ``rstd = 1/sqrt(var + eps)``, the statistics of shape
+    ``input.shape[:-len(normalized_shape)]``, for ``layer_norm_backward``.
 
     On the CPU reference path the statistics come in the input's dtype.
     """
@@ -880,8 +882,9 @@ def layer_norm_forward(call, input: Tensor, normalized_shape, weight: Tensor | N
           "rstd": _STAT}, bench=LAYER_NORM_BWD_BENCH)
 def layer_norm_backward(call, grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor,
                         normalized_shape, weight: Tensor | None = None):
-    """Gradients of ``layer_norm``: ``(grad_input, grad_weight, grad_bias)`` from the forward's
-    ``input``, ``mean`` and ``rstd`` (float32, from ``layer_norm_forward``).
+    """Gradients of ``layer_norm``: ``(grad_input, grad_weight, grad_bias)``.
+
+    From the forward's ``input``, ``mean`` and ``rstd`` (float32, from ``layer_norm_forward``).
 
     ``grad_weight = sum(grad_output * xhat)`` and ``grad_bias = sum(grad_output)`` over all rows
     are always returned (the gradients a weight/bias would have), reduced deterministically in
@@ -908,8 +911,9 @@ def _float_eps(x) -> float | None:
 @register(family="norms", reference=ref_rms_norm, bench=RMS_NORM_BENCH)
 def rms_norm(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
              eps: float | None = None, *, out: Tensor | None = None) -> Tensor:
-    """Root-mean-square normalization over the trailing ``normalized_shape`` dims, as
-    ``torch.nn.functional.rms_norm``: ``x / sqrt(mean(x^2) + eps) * weight``.
+    """RMS normalization over the trailing dims, as ``torch.nn.functional.rms_norm``.
+
+    ``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape`` dims.
 
     ``eps=None`` is the machine epsilon of the input's dtype, as torch. fp32 math, one rounding
     of the result; ``out`` may be ``input`` itself (in place).
@@ -922,8 +926,10 @@ def rms_norm(call, input: Tensor, normalized_shape, weight: Tensor | None = None
 @register(family="norms", reference=ref_rms_norm_forward)
 def rms_norm_forward(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
                      eps: float | None = None):
-    """``rms_norm`` that also returns the per-row ``rstd = 1/sqrt(mean(x^2) + eps)`` (float32,
-    shape ``input.shape[:-len(normalized_shape)]``) for ``rms_norm_backward``.
+    """``rms_norm`` that also returns the per-row rstd (float32) for the backward.
+
+    Returns ``(y, rstd)``, ``rstd = 1/sqrt(mean(x^2) + eps)`` of shape
+    ``input.shape[:-len(normalized_shape)]``, for ``rms_norm_backward``.
 
     On the CPU reference path the statistics come in the input's dtype.
     """
@@ -938,8 +944,9 @@ def rms_norm_forward(call, input: Tensor, normalized_shape, weight: Tensor | Non
           bench=RMS_NORM_BWD_BENCH)
 def rms_norm_backward(call, grad_output: Tensor, input: Tensor, rstd: Tensor, normalized_shape,
                       weight: Tensor | None = None):
-    """Gradients of ``rms_norm``: ``(grad_input, grad_weight)`` from the forward's ``input``
-    and ``rstd`` (float32, from ``rms_norm_forward``).
+    """Gradients of ``rms_norm``: ``(grad_input, grad_weight)``.
+
+    From the forward's ``input`` and ``rstd`` (float32, from ``rms_norm_forward``).
 
     ``grad_weight = sum(grad_output * x * rstd)`` over all rows is always returned, reduced
     deterministically in fp32 (per-block partial sums, then a second kernel).
@@ -953,8 +960,9 @@ def rms_norm_backward(call, grad_output: Tensor, input: Tensor, rstd: Tensor, no
 
 @register(family="norms", reference=ref_add_rms_norm, bench=ADD_RMS_NORM_BENCH)
 def add_rms_norm(call, input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6):
-    """The pre-norm residual step of LLM decoder layers in one pass: returns
-    ``(rms_norm(input + residual) * weight, input + residual)``.
+    """Residual add + RMSNorm in one pass: ``(rms_norm(input + residual) * weight, sum)``.
+
+    The pre-norm residual step of LLM decoder layers.
 
     The sum is rounded to the storage dtype, returned as the new residual, and normalized as
     rounded: what HF transformers' Llama/Qwen layers (``residual + hidden_states`` in bf16, then
@@ -972,8 +980,9 @@ def add_rms_norm(call, input: Tensor, residual: Tensor, weight: Tensor, eps: flo
 @register(family="norms", reference=ref_add_rms_norm_forward)
 def add_rms_norm_forward(call, input: Tensor, residual: Tensor, weight: Tensor,
                          eps: float = 1e-6):
-    """``add_rms_norm`` that also returns the per-row ``rstd`` (float32) of the sum, for
-    ``add_rms_norm_backward``: ``(normed, input + residual, rstd)``."""
+    """``add_rms_norm`` that also returns the per-row rstd (float32) of the sum.
+
+    Returns ``(normed, input + residual, rstd)`` for ``add_rms_norm_backward``."""
     op = "add_rms_norm_forward"
     ns = normalized_dims(op, weight.shape, input.shape)
     return _rms_norm_launch(call, op, input, residual, ns, weight, float(eps), None, True)
@@ -983,8 +992,7 @@ def add_rms_norm_forward(call, input: Tensor, residual: Tensor, weight: Tensor,
           bench=ADD_RMS_NORM_BWD_BENCH)
 def add_rms_norm_backward(call, grad_normed: Tensor, grad_residual: Tensor | None,
                           residual_out: Tensor, rstd: Tensor, weight: Tensor):
-    """Gradients of ``add_rms_norm``: ``(grad_input, grad_weight)``; the gradient of
-    ``residual`` equals ``grad_input``.
+    """Gradients of ``add_rms_norm``: ``(grad_input, grad_weight)`` (grad_residual = grad_input).
 
     ``grad_normed`` and ``grad_residual`` (None when the returned residual was not used) are the
     gradients of the two outputs; ``residual_out`` and ``rstd`` come from

@@ -3,7 +3,8 @@
     import gpuops.torch as gt
     y = gt.layer_norm(x, (4096,), w, b)          # as F.layer_norm, differentiable
     y = gt.rms_norm(x, (4096,), w)               # as F.rms_norm
-    y, residual = gt.add_rms_norm(x, residual, w, eps=1e-6)   # residual = x + residual; y = RMSNorm(residual) * w
+    y, residual = gt.add_rms_norm(x, residual, w, eps=1e-6)   # residual <- x + residual;
+                                                              # y = RMSNorm(residual) * w
 
 The forward ops (``torch.ops.gpuops.layer_norm`` / ``rms_norm`` / ``add_rms_norm``) also return
 the per-row statistics (float32; float64 for float64 inputs) that their backward ops
