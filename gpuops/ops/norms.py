@@ -150,6 +150,7 @@ class Plan:
     C: int               # blocks per row
     capacity: int        # blocks of this kernel and block size resident at once on the device
     fallback: object = None   # split rows that do not fit at once: the two-launch Plan
+    kind: object = None       # the Kind it was made for
 
 
 def _threads(units: int, packs: int) -> int:
@@ -207,9 +208,9 @@ def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
         _plans.clear()
         _plans_generation = loader.generation
     kind = TUNING[kind_name]
-    key = (kind, dtype, vec, n, dev)
+    key = (kind_name, dtype, vec, n, dev)
     plan = _plans.get(key)
-    if plan is None:
+    if plan is None or plan.kind is not kind:     # (tests replace TUNING entries)
         threads, ty, packs, C = plan_shape(kind, vec, n)
         plan = _make_plan(kind_name, _EXPRS[kind_name][(dtype, vec, packs)], threads, ty, packs,
                           C, dev)
@@ -219,6 +220,7 @@ def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
                                packs, C, dev)
             split.fallback = plan
             plan = split
+        plan.kind = kind
         _plans[key] = plan
     return plan
 
@@ -252,7 +254,12 @@ def _split_workspace(call, rows: int, C: int, K: int, extra: int):
 
 def normalized_dims(op: str, normalized_shape, input_shape) -> tuple:
     """normalized_shape as a tuple of ints, checked against the trailing dims of the input."""
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    tp = type(normalized_shape)
+    if tp is int:
+        ns = (normalized_shape,)
+    elif tp is tuple and all([type(s) is int for s in normalized_shape]):
+        ns = normalized_shape
+    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         ns = (int(normalized_shape),)
     else:
         try:
