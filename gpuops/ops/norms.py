@@ -697,19 +697,22 @@ def _peers(**factories):
 
 
 def _backward_peer(forward):
-    """Times only the backward of `forward(leaves) -> outputs` (a torch autograd graph): the
-    first, untimed, call with a set of inputs builds the graph; each call runs autograd.grad
-    through it with the op's gradients. The graph is kept for one input set at a time."""
+    """Times only the backward of `forward(*args) -> (outputs, leaves, grads)`, an autograd
+    graph: the first, untimed, call with a set of inputs builds the graph; each call runs
+    autograd.grad through it. One graph is kept at a time. When the runner wraps this in
+    torch.compile (the compile peer), the forward is traced and compiled (a separate graph: the
+    key says so) and the timed autograd.grad runs inductor's backward."""
     cache = {}
 
     def run(*args):
-        key = tuple(id(a) for a in args)
+        torch = _torch()
+        key = tuple(id(a) for a in args) + (torch.compiler.is_compiling(),)
         entry = cache.get(key)
         if entry is None:
             cache.clear()
             entry = cache[key] = forward(*args)
         outputs, leaves, grads = entry
-        return _torch().autograd.grad(outputs, leaves, grads, retain_graph=True)
+        return torch.autograd.grad(outputs, leaves, grads, retain_graph=True)
     return run
 
 
@@ -738,10 +741,6 @@ def _add_rms_graph(fn):
         y, hh = fn(xl, rl, wl)
         return (y, hh), (xl, rl, wl), (gy, gh)
     return forward
-
-
-def _compiled(fn):
-    return _torch().compile(fn, dynamic=False)
 
 
 def _f():
@@ -827,28 +826,21 @@ ADD_RMS_NORM_BENCH = _spec(
     _add_rms_inputs, lambda x, r, w, eps=1e-6: _add_rms(x, r, w),
     _peers(hf=lambda: lambda x, r, w, eps=1e-6: _hf_add_rms(x, r, w),
            liger=lambda: (lambda f: lambda x, r, w, eps=1e-6: f(x, r, w))(_liger_add_rms())))
-# Backward peers time torch's autograd backward of the same forward (eager, torch.compile'd,
-# HF's module, Liger); the generic compile peer (torch.compile of torch_fn) would compile the
-# graph-building closure instead, so the compiled forward is a peer of its own here.
+# Backward peers time torch's autograd backward of the same forward (eager; torch.compile'd, as
+# the compile peer: see _backward_peer; HF's module; Liger).
 LAYER_NORM_BWD_BENCH = _spec(
     _ln_bwd_inputs, _backward_peer(_ln_graph(_LN)),
-    _peers(**{"torch.compile": lambda: _backward_peer(_ln_graph(_compiled(_LN))),
-              "liger": lambda: (lambda f: _backward_peer(_ln_graph(
-                  lambda x, ns, w, b: f(x, w, b, 1e-5))))(_liger_ln())}),
-    compile_peer=False)
+    _peers(liger=lambda: (lambda f: _backward_peer(_ln_graph(
+        lambda x, ns, w, b: f(x, w, b, 1e-5))))(_liger_ln())))
 RMS_NORM_BWD_BENCH = _spec(
     _rms_bwd_inputs, _backward_peer(_rms_graph(_RMS)),
-    _peers(**{"torch.compile": lambda: _backward_peer(_rms_graph(_compiled(_RMS))),
-              "hf": lambda: _backward_peer(_rms_graph(_HF_RMS)),
-              "liger": lambda: (lambda f: _backward_peer(_rms_graph(
-                  lambda x, ns, w: f(x, w))))(_liger_rms())}),
-    compile_peer=False)
+    _peers(hf=lambda: _backward_peer(_rms_graph(_HF_RMS)),
+           liger=lambda: (lambda f: _backward_peer(_rms_graph(
+               lambda x, ns, w: f(x, w))))(_liger_rms())))
 ADD_RMS_NORM_BWD_BENCH = _spec(
     _add_rms_bwd_inputs, _backward_peer(_add_rms_graph(_add_rms)),
-    _peers(**{"torch.compile": lambda: _backward_peer(_add_rms_graph(_compiled(_add_rms))),
-              "hf": lambda: _backward_peer(_add_rms_graph(_hf_add_rms)),
-              "liger": lambda: _backward_peer(_add_rms_graph(_liger_add_rms()))}),
-    compile_peer=False)
+    _peers(hf=lambda: _backward_peer(_add_rms_graph(_hf_add_rms)),
+           liger=lambda: _backward_peer(_add_rms_graph(_liger_add_rms()))))
 
 
 # ---------------------------------------------------------------------------------------------
