@@ -1,0 +1,191 @@
+// Backward of LayerNorm (kLN) and RMSNorm, with the residual gradient of add_rms_norm.
+//
+//   xhat = (x - mean) * rstd        (RMSNorm: x * rstd)
+//   g    = dy * w                   (w = 1 when the forward had no weight)
+//   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dres]   (RMSNorm: no mean(g) term)
+//   dw   = sum over rows of dy * xhat,   db = sum over rows of dy   (kLN)
+//
+// dx needs two row sums (one for RMSNorm), reduced like the forward's statistics (row layout and
+// phases: norms/norm_rows.cuh). dw and db are column sums over all rows, made deterministic
+// without atomics: the grid is persistent (gridDim.x / C "slots", each taking every slots-th
+// row), every thread accumulates its columns over its rows in registers and writes them to row
+// `slot` of a [slots, n] fp32 workspace, and norm_weight_grad sums the slots in a fixed order.
+#include "norms/norm_rows.cuh"
+
+namespace gpuops {
+
+template <int VEC>
+__device__ __forceinline__ void store_f32(float* p, const float (&f)[VEC]) {
+  if constexpr (VEC % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < VEC; j += 4)
+      *reinterpret_cast<float4*>(p + j) = make_float4(f[j], f[j + 1], f[j + 2], f[j + 3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p[j] = f[j];
+  }
+}
+
+// dy, x, dx (and dres, RMSNorm only, or null): rows of n elements with their own row strides;
+// mean (kLN) and rstd: a float per row; w: n elements or null. dw_part, db_part (kLN): [slots, n]
+// fp32, written in kFused and kApply. partials (rows * C * K), counters (rows, zeroed) and
+// row_sums (rows * K: the rows' sums, written by the last block of each row): only for C > 1.
+// n >= 1.
+template <class T, int VEC, int PACKS, bool kLN>
+__global__ void __launch_bounds__(1024, 1)
+norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const T* dres,
+         long long dres_stride, const float* __restrict__ mean, const float* __restrict__ rstd,
+         const T* __restrict__ w, T* dx, long long dx_stride, float* __restrict__ dw_part,
+         float* __restrict__ db_part, float* __restrict__ partials,
+         unsigned* __restrict__ counters, float* row_sums, long long rows, int n, int C,
+         int phase) {
+  constexpr int K = kLN ? 2 : 1;   // s[0] = sum(g * xhat), s[1] = sum(g)
+  __shared__ float scratch[32 * K];
+  __shared__ unsigned flag;
+  const RowMap map(C);
+  const int units = n / VEC;
+  const int u0 = first_unit<PACKS>(map.chunk);
+  const int step = static_cast<int>(blockDim.x);
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const bool accumulate = phase != kPartials;
+
+  float dw[PACKS][VEC], db[PACKS][VEC];
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dw[p][j] = db[p][j] = 0.0f;
+  }
+
+  for (long long row = map.first; row < rows; row += map.step) {
+    float g[PACKS][VEC], xh[PACKS][VEC];
+    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, xh);
+    load_tile<T, VEC, PACKS>(dy + row * dy_stride, u0, units, g);
+    const float r = rstd[row];
+    const float m = kLN ? mean[row] : 0.0f;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      const int u = u0 + p * step;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        xh[p][j] = (xh[p][j] - m) * r;   // past the end: g = 0 there, so no sum sees it
+        if (accumulate) {
+          dw[p][j] = fmaf(g[p][j], xh[p][j], dw[p][j]);
+          if (kLN) db[p][j] += g[p][j];
+        }
+      }
+      if (w != nullptr && u < units) {
+        float wv[VEC];
+        Unit<T, VEC>::load(w + static_cast<long long>(u) * VEC, wv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[p][j] *= wv[j];
+      }
+    }
+
+    float s[K];
+    if (phase == kApply) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) s[k] = row_sums[row * K + k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < K; ++k) s[k] = 0.0f;
+#pragma unroll
+      for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          s[0] = fmaf(g[p][j], xh[p][j], s[0]);
+          if constexpr (kLN) s[1] += g[p][j];
+        }
+      }
+      block_sum_n<K>(s, scratch);
+      if (C > 1) {
+        // The last block of the row sums the partials and publishes the row's sums; in one
+        // launch (kFused) the others wait for them.
+        float* row_partials = partials + row * C * K;
+        float* sums = row_sums + row * K;
+        if (split_arrive<K>(row_partials + K * map.chunk, s, counters + row, &flag) ==
+            static_cast<unsigned>(C - 1)) {
+          sum_partials<K>(row_partials, C, s, scratch);
+          if (threadIdx.x == 0) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) store_cg(sums + k, s[k]);
+          }
+          if (phase == kFused) split_release(counters + row);
+        }
+        if (phase == kPartials) continue;
+        split_wait(counters + row, static_cast<unsigned>(C + 1));
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[k] = load_cg(sums + k);
+      }
+    }
+
+    const float a = s[0] * inv_n;                  // mean(g * xhat)
+    const float c = kLN ? s[K - 1] * inv_n : 0.0f;  // mean(g)
+    T* dx_row = dx + row * dx_stride;
+    const T* dres_row = kLN || dres == nullptr ? nullptr : dres + row * dres_stride;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      const int u = u0 + p * step;
+      if (u < units) {
+        const long long e = static_cast<long long>(u) * VEC;
+        float o[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = r * (g[p][j] - fmaf(xh[p][j], a, c));
+        if (dres_row != nullptr) {
+          float dv[VEC];
+          Unit<T, VEC>::load(dres_row + e, dv);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] += dv[j];
+        }
+        Unit<T, VEC>::store(dx_row + e, o);
+      }
+    }
+  }
+
+  if (accumulate && map.first < rows) {
+    float* dw_row = dw_part + map.first * n;
+    float* db_row = kLN ? db_part + map.first * n : nullptr;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      const int u = u0 + p * step;
+      if (u < units) {
+        const long long e = static_cast<long long>(u) * VEC;
+        store_f32<VEC>(dw_row + e, dw[p]);
+        if (kLN) store_f32<VEC>(db_row + e, db[p]);
+      }
+    }
+  }
+}
+
+// out_a[c] = sum over slots of part_a[slot, c] (and out_b from part_b unless null), in a fixed
+// order. blockDim = (32, 16): 32 columns per block, 16 slot lanes each.
+template <class T>
+__global__ void __launch_bounds__(512)
+norm_weight_grad(const float* __restrict__ part_a, const float* __restrict__ part_b,
+                 T* __restrict__ out_a, T* __restrict__ out_b, int slots, int n) {
+  __shared__ float sa[16][33];
+  __shared__ float sb[16][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const long long col = static_cast<long long>(blockIdx.x) * 32 + tx;
+  float a = 0.0f, b = 0.0f;
+  if (col < n) {
+    for (int s = ty; s < slots; s += 16) {
+      a += part_a[static_cast<long long>(s) * n + col];
+      if (part_b != nullptr) b += part_b[static_cast<long long>(s) * n + col];
+    }
+  }
+  sa[ty][tx] = a;
+  sb[ty][tx] = b;
+  __syncthreads();
+  if (ty == 0 && col < n) {
+    float ta = 0.0f, tb = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      ta += sa[i][tx];
+      tb += sb[i][tx];
+    }
+    out_a[col] = from_float<T>(ta);
+    if (out_b != nullptr) out_b[col] = from_float<T>(tb);
+  }
+}
+
+}  // namespace gpuops

@@ -1,0 +1,182 @@
+// RMSNorm forward, y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) per row (kept in fp32
+// for the backward), and the fused residual add of LLM decoder layers (kAdd):
+//     h = x + r  (rounded to T and stored: the next layer's residual)
+//     y = h * rstd(h) * w
+// The statistics use h as stored (rounded to T), as HF transformers' Llama/Qwen layers and vLLM's
+// fused_add_rms_norm do: y is exactly rms_norm(h) of the h returned. y is computed in fp32 and
+// rounded once (HF rounds h * rstd to T before multiplying by w: within one rounding of this).
+// Row layout and phases: norms/norm_rows.cuh.
+#include "norms/norm_rows.cuh"
+
+namespace gpuops {
+
+// kAdd: v += t, h_row = v rounded to T, and v keeps the rounded values.
+template <class T, int VEC, int PACKS>
+__device__ __forceinline__ void add_store_residual(float (&v)[PACKS][VEC],
+                                                   const float (&t)[PACKS][VEC], T* h_row,
+                                                   int u0, int units) {
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * static_cast<int>(blockDim.x);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[p][j] += t[p][j];
+    if (u < units) Unit<T, VEC>::store_rounded(h_row + static_cast<long long>(u) * VEC, v[p]);
+  }
+}
+
+template <int VEC, int PACKS>
+__device__ __forceinline__ float sum_squares(const float (&v)[PACKS][VEC]) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) ss = fmaf(v[p][j], v[p][j], ss);   // past the end: 0
+  }
+  return ss;
+}
+
+// y = v * rstd * w for this thread's units of the row.
+template <class T, int VEC, int PACKS>
+__device__ __forceinline__ void scale_store(float (&v)[PACKS][VEC], float rstd, const T* w,
+                                            T* y_row, int u0, int units) {
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * static_cast<int>(blockDim.x);
+    if (u < units) {
+      const long long e = static_cast<long long>(u) * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;
+      if (w != nullptr) {
+        float wv[VEC];
+        Unit<T, VEC>::load(w + e, wv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+      }
+      Unit<T, VEC>::store(y_row + e, v[p]);
+    }
+  }
+}
+
+// The last block of a split row: sum the row's partials, store rstd (through L2).
+__device__ __forceinline__ void merge_row_rstd(const float* row_partials, int C, float inv_n,
+                                               float eps, float* rstd_out, float* scratch) {
+  float ss[1];
+  sum_partials<1>(row_partials, C, ss, scratch);
+  if (threadIdx.x == 0) store_cg(rstd_out, rsqrtf(ss[0] * inv_n + eps));
+}
+
+// Whole rows (C == 1, phase kFused) or the two launches of split rows (C > 1: kPartials, then
+// kApply). x (and r for kAdd), y, h: rows of n elements, each with its own row stride (y may be
+// x: in place). w: n elements or null. rstd_out: a float per row, or null when not wanted with
+// C == 1 (for C > 1 it carries the statistics from kPartials to kApply). h is written by kFused
+// and kPartials and read back by kApply. partials (rows * C floats) and counters (rows,
+// zeroed): only for C > 1.
+template <class T, int VEC, int PACKS, bool kAdd>
+__global__ void __launch_bounds__(1024, 1)
+rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+             long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+             float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
+             long long rows, int n, int C, int phase, float eps) {
+  __shared__ float scratch[32];
+  __shared__ unsigned flag;
+  const RowMap map(C);
+  const int units = n / VEC;
+  const int u0 = first_unit<PACKS>(map.chunk);
+  const bool block_rows = blockDim.x > 32;
+  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN
+
+  for (long long row = map.first; row < rows; row += map.step) {
+    float v[PACKS][VEC];
+    if (kAdd && phase != kApply) {
+      float t[PACKS][VEC];
+      load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, v);
+      load_tile<T, VEC, PACKS>(r + row * r_stride, u0, units, t);
+      add_store_residual<T, VEC, PACKS>(v, t, h + row * h_stride, u0, units);
+    } else {
+      load_tile<T, VEC, PACKS>(kAdd ? h + row * h_stride : x + row * x_stride, u0, units, v);
+    }
+
+    float rstd;
+    if (phase == kApply) {
+      rstd = rstd_out[row];
+    } else {
+      float ss[1] = {sum_squares<VEC, PACKS>(v)};
+      if (block_rows) block_sum_n<1>(ss, scratch);
+      else warp_sum_n<1>(ss);
+      if (C > 1) {   // kPartials
+        float* row_partials = partials + row * C;
+        if (split_arrive<1>(row_partials + map.chunk, ss, counters + row, &flag) ==
+            static_cast<unsigned>(C - 1))
+          merge_row_rstd(row_partials, C, inv_n, eps, rstd_out + row, scratch);
+        continue;
+      }
+      rstd = rsqrtf(ss[0] * inv_n + eps);
+      if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
+    }
+    scale_store<T, VEC, PACKS>(v, rstd, w, y + row * y_stride, u0, units);
+  }
+}
+
+// One row of a split launch in one pass (see layer_norm_split_row): `t` holds r of the current
+// row on entry (kAdd) and is refilled with r of the next row.
+template <class T, int VEC, int PACKS, bool kAdd>
+__device__ __forceinline__ void rms_norm_split_row(
+    float (&cur)[PACKS][VEC], float (&next)[PACKS][VEC], float (&t)[PACKS][VEC], long long row,
+    long long next_row, const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+    long long y_stride, T* h, long long h_stride, const T* w, float* rstd_out, float* partials,
+    unsigned* counters, long long rows, int C, int chunk, int u0, int units, float inv_n,
+    float eps, float* scratch, unsigned* flag) {
+  if (kAdd) add_store_residual<T, VEC, PACKS>(cur, t, h + row * h_stride, u0, units);
+  float ss[1] = {sum_squares<VEC, PACKS>(cur)};
+  block_sum_n<1>(ss, scratch);
+  float* row_partials = partials + row * C;
+  const unsigned before = split_arrive<1>(row_partials + chunk, ss, counters + row, flag);
+  if (next_row < rows) {
+    load_tile<T, VEC, PACKS>(x + next_row * x_stride, u0, units, next);
+    if (kAdd) load_tile<T, VEC, PACKS>(r + next_row * r_stride, u0, units, t);
+  }
+  if (before == static_cast<unsigned>(C - 1)) {
+    merge_row_rstd(row_partials, C, inv_n, eps, rstd_out + row, scratch);
+    split_release(counters + row);
+  }
+  split_wait(counters + row, static_cast<unsigned>(C + 1));
+  scale_store<T, VEC, PACKS>(cur, load_cg(rstd_out + row), w, y + row * y_stride, u0, units);
+}
+
+// Split rows in one launch (C > 1, every block of the grid resident; arguments as rms_norm_fwd,
+// with rstd_out required and `phase` ignored). Two register buffers alternate between the row
+// being finished and the next row being loaded (and one for r, kAdd).
+template <class T, int VEC, int PACKS, bool kAdd>
+__global__ void __launch_bounds__(1024, 1)
+rms_norm_split(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+               long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+               float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
+               long long rows, int n, int C, int phase, float eps) {
+  __shared__ float scratch[32];
+  __shared__ unsigned flag;
+  const RowMap map(C);
+  const int units = n / VEC;
+  const int u0 = first_unit<PACKS>(map.chunk);
+  const float inv_n = 1.0f / static_cast<float>(n);
+  float va[PACKS][VEC], vb[PACKS][VEC], t[PACKS][VEC];
+  long long row = map.first;
+  if (row < rows) {
+    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, va);
+    if (kAdd) load_tile<T, VEC, PACKS>(r + row * r_stride, u0, units, t);
+  }
+  while (row < rows) {
+    rms_norm_split_row<T, VEC, PACKS, kAdd>(va, vb, t, row, row + map.step, x, x_stride, r,
+                                            r_stride, y, y_stride, h, h_stride, w, rstd_out,
+                                            partials, counters, rows, C, map.chunk, u0, units,
+                                            inv_n, eps, scratch, &flag);
+    row += map.step;
+    if (row >= rows) break;
+    rms_norm_split_row<T, VEC, PACKS, kAdd>(vb, va, t, row, row + map.step, x, x_stride, r,
+                                            r_stride, y, y_stride, h, h_stride, w, rstd_out,
+                                            partials, counters, rows, C, map.chunk, u0, units,
+                                            inv_n, eps, scratch, &flag);
+    row += map.step;
+  }
+}
+
+}  // namespace gpuops

@@ -1,0 +1,1029 @@
+"""Normalization ops: layer_norm, rms_norm and add_rms_norm (the residual add + RMSNorm of LLM
+decoder layers, fused), forward and backward.
+
+Kernels: cuda_src/norms/*.cu, on the row machinery of cuda_src/norms/norm_rows.cuh. A row
+(``prod(normalized_shape)`` elements) is held in registers by one block (rows up to 8192-32768
+elements: read once, written once), or by several blocks that exchange partial statistics through
+global memory (longer rows: one launch when all their blocks can be resident at once, which keeps
+every element in registers between the read and the write; otherwise two launches, the second
+reading the row again). Statistics and all math are fp32 for fp32/fp16/bf16 storage; the
+variance is merged from (count, mean, M2) triples (Welford/Chan), never E[x^2] - E[x]^2.
+
+The ``*_forward`` ops also return the per-row statistics (fp32) that the ``*_backward`` ops take;
+gpuops.torch builds autograd from them. Backward ops reduce grad_weight/grad_bias over rows
+deterministically: per-block partial sums in a workspace, then a second small kernel (no atomics).
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from gpuops import dispatch
+from gpuops import dtypes as dt
+from gpuops.bench_spec import BenchSpec
+from gpuops.registry import get as _get_op
+from gpuops.registry import register
+from gpuops.runtime import device, loader
+from gpuops.runtime.launch import ArgSpec
+from gpuops.runtime.modules import KernelModule
+from gpuops.tensor import Tensor
+
+# ---------------------------------------------------------------------------------------------
+# Kernel modules
+
+LN_FWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",
+                      "i64", "i32", "i32", "i32", "f32")
+RMS_FWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
+                       "ptr", "ptr", "i64", "i32", "i32", "i32", "f32")
+BWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64",
+                   "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32")
+WGRAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32")
+
+FUSED, PARTIALS, APPLY = 0, 1, 2          # launch phases, as in norm_rows.cuh
+MAX_N = (1 << 31) - (1 << 20)             # units are int32 in the kernels
+WGRAD_BLOCK = (32, 16, 1)                 # norm_weight_grad: 32 columns x 16 slot lanes
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kernel template and how rows are laid onto its blocks (see norm_rows.cuh).
+
+    A row of ``units`` units (16-byte packs or elements) takes ``threads * packs >= units``:
+    the smallest ``packs`` whose block has at most ``target`` threads, else the largest ``packs``
+    with up to ``max_rows_threads`` threads; longer rows are split over blocks of
+    ``split_threads`` threads. ``cap`` bounds packs * VEC (values per thread in registers, per
+    array): the kernels run under __launch_bounds__(1024, 1), i.e. at most 64 registers.
+    Split rows run in one launch when all their blocks fit on the device at once: with the
+    pipelined ``split_template`` kernel (two buffers of ``split_cap`` values per thread) where
+    there is one, else with ``template`` and phase kFused; otherwise in two launches of
+    ``template`` (kPartials, kApply).
+    """
+    name: str
+    template: str          # format fields: t (C++ type), v (VEC), p (PACKS)
+    cap: int
+    target: int
+    max_rows_threads: int
+    split_threads: int
+    warp_rows: bool        # blocks of 8 rows x 32 threads for short rows (forward kernels)
+    persistent: bool       # a grid of at most one resident wave, looping over rows (backward)
+    stats: int             # floats of a block's partial (row_split.cuh)
+    split_template: str | None = None
+    split_cap: int = 8
+
+
+LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
+                  True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>")
+RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
+                True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>")
+ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
+                    256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>")
+LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
+                      512, False, True, 2)
+RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
+                    False, True, 1)
+# What launches use; tests replace entries (e.g. tiny split_threads) to reach every path cheaply.
+TUNING = {k.name: k for k in (LAYER_NORM, RMS_NORM, ADD_RMS_NORM, LAYER_NORM_BWD, RMS_NORM_BWD)}
+# Tests set this to run split rows in two launches even where one would do.
+FORCE_TWO_LAUNCHES = False
+
+
+def _vec_width(d) -> int:
+    return 16 // d.itemsize
+
+
+def packs_options(kind: Kind, vec: int) -> tuple:
+    """The PACKS values instantiated for a kind and unit width."""
+    if vec == 1:       # a unit per element costs its own address and predicate: half the cap
+        return (1, min(8, kind.cap // 2))
+    return tuple(p for p in (1, 2, 4, 8) if p * vec <= kind.cap)
+
+
+def split_packs(kind: Kind, vec: int) -> int:
+    """PACKS of the pipelined split kernel (per buffer)."""
+    return max(1, kind.split_cap // vec) if vec > 1 else kind.split_cap // 2
+
+
+def _exprs(kind: Kind) -> dict:
+    return {(d, v, p): kind.template.format(t=d.ctype, v=v, p=p)
+            for d in dt.FLOATS for v in (_vec_width(d), 1) for p in packs_options(kind, v)}
+
+
+def _split_exprs(kind: Kind) -> dict:
+    if kind.split_template is None:
+        return {}
+    return {(d, v): kind.split_template.format(t=d.ctype, v=v, p=split_packs(kind, v))
+            for d in dt.FLOATS for v in (_vec_width(d), 1)}
+
+
+_EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
+_SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
+_WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
+
+LAYER_NORM_MODULE = KernelModule(
+    "norms.layer_norm", "norms/layer_norm.cu",
+    {e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS) for e in table["layer_norm"].values()})
+RMS_NORM_MODULE = KernelModule(
+    "norms.rms_norm", "norms/rms_norm.cu",
+    {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS) for k in ("rms_norm", "add_rms_norm")
+     for e in table[k].values()})
+BACKWARD_MODULE = KernelModule(
+    "norms.backward", "norms/norm_backward.cu",
+    {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
+     **{e: WGRAD_ARGS for e in _WGRAD_EXPRS.values()}})
+_MODULE_OF = {"layer_norm": LAYER_NORM_MODULE, "rms_norm": RMS_NORM_MODULE,
+              "add_rms_norm": RMS_NORM_MODULE, "layer_norm_bwd": BACKWARD_MODULE,
+              "rms_norm_bwd": BACKWARD_MODULE}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans: block shape, PACKS, blocks per row, resident capacity; cached per row length.
+
+@dataclass
+class Plan:
+    kernel: object
+    block: tuple
+    packs: int
+    C: int               # blocks per row
+    capacity: int        # blocks of this kernel and block size resident at once on the device
+    fallback: object = None   # split rows that do not fit at once: the two-launch Plan
+    kind: object = None       # the Kind it was made for
+
+
+def _threads(units: int, packs: int) -> int:
+    """Threads (a multiple of 32) for `units` units at `packs` per thread."""
+    per_thread = -(-units // packs)
+    return max(32, -(-per_thread // 32) * 32)
+
+
+def plan_shape(kind: Kind, vec: int, n: int):
+    """(threads, rows per block, packs, blocks per row) of `template` for rows of n elements."""
+    units = n // vec
+    options = packs_options(kind, vec)
+    for packs in options:
+        threads = _threads(units, packs)
+        if threads <= kind.target:
+            break
+    else:
+        packs = options[-1]
+        threads = _threads(units, packs)
+    C = 1
+    if threads > kind.max_rows_threads:
+        threads = kind.split_threads
+        C = -(-units // (threads * packs))
+    ty = 8 if kind.warp_rows and threads == 32 and C == 1 else 1
+    return threads, ty, packs, C
+
+
+def split_shape(kind: Kind, vec: int, n: int):
+    """(threads, packs, blocks per row) of the pipelined `split_template` kernel."""
+    packs = split_packs(kind, vec)
+    return kind.split_threads, packs, -(-(n // vec) // (kind.split_threads * packs))
+
+
+_plans: dict = {}
+_plans_generation = -1
+_occupancy = None
+
+
+def _make_plan(kind_name: str, expr: str, threads: int, ty: int, packs: int, C: int, dev: int):
+    global _occupancy
+    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(expr)
+    if _occupancy is None:
+        from cupy.cuda import driver  # noqa: PLC0415
+        _occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
+    per_sm = int(_occupancy(kernel.ptr, threads * ty, 0))
+    if per_sm < 1:
+        raise RuntimeError(f"gpuops: {kernel.name} cannot run blocks of {threads * ty} threads "
+                           "on this device")
+    return Plan(kernel, (threads, ty, 1), packs, C, per_sm * device.device_info(dev).sm_count)
+
+
+def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
+    global _plans_generation
+    if _plans_generation != loader.generation:
+        _plans.clear()
+        _plans_generation = loader.generation
+    kind = TUNING[kind_name]
+    key = (kind_name, dtype, vec, n, dev)
+    plan = _plans.get(key)
+    if plan is None or plan.kind is not kind:     # (tests replace TUNING entries)
+        threads, ty, packs, C = plan_shape(kind, vec, n)
+        plan = _make_plan(kind_name, _EXPRS[kind_name][(dtype, vec, packs)], threads, ty, packs,
+                          C, dev)
+        if C > 1 and kind.split_template is not None:
+            threads, packs, C = split_shape(kind, vec, n)
+            split = _make_plan(kind_name, _SPLIT_EXPRS[kind_name][(dtype, vec)], threads, 1,
+                               packs, C, dev)
+            split.fallback = plan
+            plan = split
+        plan.kind = kind
+        _plans[key] = plan
+    return plan
+
+
+def _grid(plan: Plan, rows: int, persistent: bool):
+    """(plan, grid size, phases) of a launch over `rows` rows (rows >= 1)."""
+    C = plan.C
+    if C == 1:
+        if persistent:
+            return plan, min(rows, plan.capacity), (FUSED,)
+        return plan, min(-(-rows // plan.block[1]), (1 << 31) - 1), (FUSED,)
+    if C <= plan.capacity and not FORCE_TWO_LAUNCHES:
+        return plan, C * min(rows, plan.capacity // C), (FUSED,)   # co-resident: one launch
+    plan = plan.fallback or plan
+    C = plan.C
+    slots = max(1, min(rows, 4 * plan.capacity // C, ((1 << 31) - 1) // C))
+    return plan, C * slots, (PARTIALS, APPLY)
+
+
+def _split_workspace(call, rows: int, C: int, K: int, extra: int):
+    """One fp32 workspace: `rows` counters (zeroed here, on the op's stream), the rows' partials
+    (rows * C * K floats) and `extra` floats; returns it with the three addresses."""
+    ws = call.empty((rows * (1 + C * K) + extra,), dt.float32)
+    device.cupy_or_none().cuda.runtime.memsetAsync(ws.ptr, 0, rows * 4, call.stream)
+    partials = ws.ptr + 4 * rows
+    return ws, ws.ptr, partials, partials + 4 * rows * C * K
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments: normalized shapes, row views of operands, outputs
+
+def normalized_dims(op: str, normalized_shape, input_shape) -> tuple:
+    """normalized_shape as a tuple of ints, checked against the trailing dims of the input."""
+    tp = type(normalized_shape)
+    if tp is int:
+        ns = (normalized_shape,)
+    elif tp is tuple and all([type(s) is int for s in normalized_shape]):
+        ns = normalized_shape
+    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        ns = (int(normalized_shape),)
+    else:
+        try:
+            ns = tuple(normalized_shape)
+        except TypeError:
+            ns = None
+        if ns is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                                 for s in ns):
+            raise TypeError(f"gpuops.{op}: normalized_shape must be an int or a sequence of "
+                            f"ints, got {normalized_shape!r}")
+        ns = tuple(int(s) for s in ns)
+    if not ns:
+        raise ValueError(f"gpuops.{op}: normalized_shape must have at least one dimension")
+    shape = tuple(input_shape)
+    if len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
+        raise ValueError(f"gpuops.{op}: normalized_shape {list(ns)} does not match the last "
+                         f"dimensions of 'input' {list(shape)}")
+    return ns
+
+
+def _check_param(op: str, name: str, t, ns: tuple):
+    if t is not None and tuple(t.shape) != ns:
+        raise ValueError(f"gpuops.{op}: {name!r} has shape {list(t.shape)}, expected the "
+                         f"normalized shape {list(ns)}")
+
+
+def _check_same_shape(op: str, name: str, t, shape, other: str = "input"):
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"gpuops.{op}: {name!r} has shape {list(t.shape)}, expected the shape of "
+                         f"{other!r} {list(shape)}")
+
+
+def _check_rows(op: str, name: str, t, lead: tuple):
+    if t is not None and int(np.prod(t.shape, dtype=np.int64)) != prod(lead):
+        raise ValueError(f"gpuops.{op}: {name!r} has shape {list(t.shape)}: expected one value "
+                         f"per row, {prod(lead)} (shape {list(lead)})")
+
+
+def row_view(shape, strides, k: int):
+    """(rows, row stride) of an array whose last k dims form its rows, when those dims are
+    contiguous and the leading dims merge into one stride; else None."""
+    nd = len(shape)
+    expected = 1
+    for i in range(nd - 1, nd - k - 1, -1):
+        if shape[i] != 1 and strides[i] != expected:
+            return None
+        expected *= shape[i]
+    rows, row_stride, span = 1, None, None
+    for i in range(nd - k - 1, -1, -1):
+        if shape[i] == 1:
+            continue
+        if row_stride is None:
+            row_stride = strides[i]
+        elif strides[i] != span:
+            return None
+        span = strides[i] * shape[i]
+        rows *= shape[i]
+    return rows, (expected if row_stride is None else row_stride)
+
+
+def _contiguous_copy(call, t: Tensor) -> Tensor:
+    if call.kind == dispatch.TORCH:
+        obj = t.obj.contiguous()
+        return Tensor(obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), t.dtype, t.device,
+                      obj, t.numel, True)
+    cp = device.cupy_or_none()
+    obj = cp.ascontiguousarray(t.obj)
+    return Tensor(obj.data.ptr, tuple(obj.shape), tuple(s // obj.itemsize for s in obj.strides),
+                  t.dtype, t.device, obj, t.numel, True)
+
+
+def _rows_of(call, t: Tensor, k: int, n: int):
+    """(tensor, row stride) of an input, copied to contiguous when its layout is not rows."""
+    if t.contiguous:
+        return t, n
+    view = row_view(t.shape, t.strides, k)
+    if view is None:
+        t = _contiguous_copy(call, t)
+        return t, n
+    return t, view[1]
+
+
+def _vector(call, t: Tensor | None):
+    """A weight/bias vector as a contiguous Tensor (or None)."""
+    if t is None or t.contiguous:
+        return t
+    return _contiguous_copy(call, t)
+
+
+def _output(call, op: str, out: Tensor | None, shape, k: int, n: int, inputs: dict):
+    """The output rows (new, or `out` checked) and their row stride."""
+    if out is None:
+        return call.empty(shape, call.result_dtype), n
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"gpuops.{op}: 'out' has shape {list(out.shape)}, the result has "
+                         f"{list(shape)}")
+    view = row_view(out.shape, out.strides, k)
+    rows = prod(shape[:len(shape) - k])
+    if view is None or (rows > 1 and abs(view[1]) < n):
+        raise ValueError(f"gpuops.{op}: 'out' must hold rows of its last {k} dimension(s) "
+                         "contiguously, without overlap (make it contiguous)")
+    lo, hi = out.span()
+    for name, t in inputs.items():
+        if t is None or t.numel == 0:
+            continue
+        a, b = t.span()
+        same = (t.ptr == out.ptr and tuple(t.shape) == tuple(out.shape)
+                and tuple(t.strides) == tuple(out.strides))
+        if a <= hi and lo <= b and not (same and name == "input"):
+            raise ValueError(f"gpuops.{op}: 'out' overlaps {name!r}; in-place use must pass "
+                             "'input' itself")
+    return out, (n if rows <= 1 else view[1])
+
+
+def _vec_ok(dtype, n: int, rows: int, row_operands, vectors) -> bool:
+    """16-byte packs are possible: n divisible, every row start and vector 16-byte aligned."""
+    item = dtype.itemsize
+    if n % (16 // item):
+        return False
+    for ptr, stride in row_operands:
+        if ptr % 16 or (rows > 1 and (stride * item) % 16):
+            return False
+    for t in vectors:
+        if t is not None and t.ptr % 16:
+            return False
+    return True
+
+
+def _stat_tensor(call, op: str, name: str, t: Tensor, lead: tuple) -> Tensor:
+    if t.dtype is not dt.float32:
+        raise TypeError(f"gpuops.{op}: {name!r} has dtype {t.dtype}; the GPU kernels take the "
+                        "float32 statistics of the *_forward op")
+    _check_rows(op, name, t, lead)
+    return t if t.contiguous else _contiguous_copy(call, t)
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.ptr
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
+    k, n = len(ns), prod(ns)
+    if n > MAX_N:
+        raise ValueError(f"gpuops.{op}: rows of {n} elements; at most {MAX_N} are supported")
+    _check_param(op, "weight", weight, ns)
+    _check_param(op, "bias", bias, ns)
+    lead = tuple(input.shape[:len(input.shape) - k])
+    rows = prod(lead)
+    y, ys = _output(call, op, out, input.shape, k, n, {"input": input, "weight": weight,
+                                                        "bias": bias})
+    mean = rstd = None
+    if want_stats:
+        mean, rstd = call.empty(lead, dt.float32), call.empty(lead, dt.float32)
+    if rows == 0 or (n == 0 and not want_stats):
+        return y, mean, rstd
+    x, xs = _rows_of(call, input, k, n)
+    w, b = _vector(call, weight), _vector(call, bias)
+    dtype = call.result_dtype
+    vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, ((x.ptr, xs), (y.ptr, ys)), (w, b)) else 1
+    plan, grid, phases = _grid(_plan("layer_norm", dtype, vec, n, call.device), rows, False)
+    mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0
+    if plan.C > 1:     # split rows carry their statistics in mean/rstd, or in the workspace
+        extra = 2 * rows if mean is None else 0
+        ws, counters, partials, stats = _split_workspace(call, rows, plan.C, 3, extra)
+        if extra:
+            mp, rp = stats, stats + 4 * rows
+    for phase in phases:
+        plan.kernel.launch((grid, 1, 1), plan.block, call.stream, x.ptr, xs, y.ptr, ys, _ptr(w),
+                           _ptr(b), mp, rp, partials, counters, rows, n, plan.C, phase, eps)
+    return y, mean, rstd
+
+
+def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats):
+    k, n = len(ns), prod(ns)
+    if n > MAX_N:
+        raise ValueError(f"gpuops.{op}: rows of {n} elements; at most {MAX_N} are supported")
+    _check_param(op, "weight", weight, ns)
+    _check_same_shape(op, "residual", residual, input.shape)
+    lead = tuple(input.shape[:len(input.shape) - k])
+    rows = prod(lead)
+    dtype = call.result_dtype
+    y, ys = _output(call, op, out, input.shape, k, n, {"input": input, "weight": weight})
+    h, hs = (call.empty(input.shape, dtype), n) if residual is not None else (None, 0)
+    rstd = call.empty(lead, dt.float32) if want_stats else None
+    if rows == 0 or (n == 0 and not want_stats):
+        return y, h, rstd
+    x, xs = _rows_of(call, input, k, n)
+    r, rs = _rows_of(call, residual, k, n) if residual is not None else (None, 0)
+    w = _vector(call, weight)
+    operands = [(x.ptr, xs), (y.ptr, ys)] + ([(r.ptr, rs), (h.ptr, hs)] if r is not None else [])
+    vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, operands, (w,)) else 1
+    kind = "add_rms_norm" if residual is not None else "rms_norm"
+    plan, grid, phases = _grid(_plan(kind, dtype, vec, n, call.device), rows, False)
+    rp, partials, counters = _ptr(rstd), 0, 0
+    if plan.C > 1:
+        extra = rows if rstd is None else 0
+        ws, counters, partials, stats = _split_workspace(call, rows, plan.C, 1, extra)
+        if extra:
+            rp = stats
+    for phase in phases:
+        plan.kernel.launch((grid, 1, 1), plan.block, call.stream, x.ptr, xs, _ptr(r), rs, y.ptr,
+                           ys, _ptr(h), hs, _ptr(w), rp, partials, counters, rows, n, plan.C,
+                           phase, eps)
+    return y, h, rstd
+
+
+def _backward_launch(call, op, layer, grad_output, input, mean, rstd, ns, weight, dres):
+    """dx, dw (and db for LayerNorm) of LayerNorm / RMSNorm (+ dres, the residual's gradient)."""
+    k, n = len(ns), prod(ns)
+    if n > MAX_N:
+        raise ValueError(f"gpuops.{op}: rows of {n} elements; at most {MAX_N} are supported")
+    _check_param(op, "weight", weight, ns)
+    name_x = "input" if layer or dres is None else "residual_out"
+    _check_same_shape(op, "grad_output" if layer or dres is None else "grad_normed",
+                      grad_output, input.shape, name_x)
+    lead = tuple(input.shape[:len(input.shape) - k])
+    rows = prod(lead)
+    dtype = call.result_dtype
+    dx = call.empty(input.shape, dtype)
+    dw = call.empty(ns, dtype)
+    db = call.empty(ns, dtype) if layer else None
+    if n == 0:
+        return dx, dw, db
+    rstd = _stat_tensor(call, op, "rstd", rstd, lead)
+    if layer:
+        mean = _stat_tensor(call, op, "mean", mean, lead)
+    wgrad = loader.load(BACKWARD_MODULE, call.device).kernel(_WGRAD_EXPRS[dtype])
+    wgrid = (-(-n // WGRAD_BLOCK[0]), 1, 1)
+    if rows == 0:     # empty sums: zeros
+        wgrad.launch(wgrid, WGRAD_BLOCK, call.stream, 0, 0, dw.ptr, _ptr(db), 0, n)
+        return dx, dw, db
+    g, gs = _rows_of(call, grad_output, k, n)
+    x, xs = _rows_of(call, input, k, n)
+    d, ds = _rows_of(call, dres, k, n) if dres is not None else (None, 0)
+    w = _vector(call, weight)
+    operands = [(g.ptr, gs), (x.ptr, xs), (dx.ptr, n)] + ([(d.ptr, ds)] if d is not None else [])
+    vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, operands, (w,)) else 1
+    plan, grid, phases = _grid(_plan("layer_norm_bwd" if layer else "rms_norm_bwd", dtype, vec,
+                                     n, call.device), rows, True)
+    slots = grid // plan.C
+    K = 2 if layer else 1
+    part = call.empty(((2 if layer else 1) * slots * n,), dt.float32)
+    dw_part = part.ptr
+    db_part = part.ptr + 4 * slots * n if layer else 0
+    partials = counters = sums = 0
+    if plan.C > 1:
+        ws, counters, partials, sums = _split_workspace(call, rows, plan.C, K, K * rows)
+    for phase in phases:
+        plan.kernel.launch((grid, 1, 1), plan.block, call.stream, g.ptr, gs, x.ptr, xs, _ptr(d),
+                           ds, _ptr(mean) if layer else 0, rstd.ptr, _ptr(w), dx.ptr, n, dw_part,
+                           db_part, partials, counters, sums, rows, n, plan.C, phase)
+    wgrad.launch(wgrid, WGRAD_BLOCK, call.stream, dw_part, db_part, dw.ptr, _ptr(db), slots, n)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy references (float64, textbook formulas)
+
+def _axes(x, k):
+    return tuple(range(x.ndim - k, x.ndim))
+
+
+def _ref_layer_norm(op, input, normalized_shape, weight, bias, eps):
+    ns = normalized_dims(op, normalized_shape, input.shape)
+    _check_param(op, "weight", weight, ns)
+    _check_param(op, "bias", bias, ns)
+    k = len(ns)
+    axes = _axes(input, k)
+    lead = input.shape[:input.ndim - k]
+    with np.errstate(all="ignore"):
+        if prod(ns) == 0:
+            mean = np.zeros(lead + (1,) * k)
+            rstd = np.full(lead + (1,) * k, np.nan)
+        else:
+            mean = input.mean(axis=axes, keepdims=True)
+            var = ((input - mean) ** 2).mean(axis=axes, keepdims=True)
+            rstd = 1.0 / np.sqrt(var + eps)
+        y = (input - mean) * rstd
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+    return y, mean.reshape(lead), rstd.reshape(lead)
+
+
+def _resolve_eps(eps, float_eps):
+    return float_eps if eps is None else eps
+
+
+def _ref_rms_norm(op, input, normalized_shape, weight, eps):
+    ns = normalized_dims(op, normalized_shape, input.shape)
+    _check_param(op, "weight", weight, ns)
+    k = len(ns)
+    lead = input.shape[:input.ndim - k]
+    eps = _resolve_eps(eps, float(np.finfo(np.float64).eps))
+    with np.errstate(all="ignore"):
+        if prod(ns) == 0:
+            rstd = np.full(lead + (1,) * k, np.nan)
+        else:
+            rstd = 1.0 / np.sqrt((input * input).mean(axis=_axes(input, k), keepdims=True) + eps)
+        y = input * rstd
+        if weight is not None:
+            y = y * weight
+    return y, rstd.reshape(lead)
+
+
+def ref_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return _ref_layer_norm("layer_norm", input, normalized_shape, weight, bias, eps)[0]
+
+
+def ref_layer_norm_forward(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return _ref_layer_norm("layer_norm_forward", input, normalized_shape, weight, bias, eps)
+
+
+def ref_rms_norm(input, normalized_shape, weight=None, eps=None):
+    return _ref_rms_norm("rms_norm", input, normalized_shape, weight, eps)[0]
+
+
+def ref_rms_norm_forward(input, normalized_shape, weight=None, eps=None):
+    return _ref_rms_norm("rms_norm_forward", input, normalized_shape, weight, eps)
+
+
+def _ref_add_rms_norm(op, input, residual, weight, eps):
+    _check_same_shape(op, "residual", residual, input.shape)
+    normalized_dims(op, weight.shape, input.shape)
+    h = input + residual
+    y, rstd = _ref_rms_norm(op, h, weight.shape, weight, eps)
+    return y, h, rstd
+
+
+def ref_add_rms_norm(input, residual, weight, eps=1e-6):
+    return _ref_add_rms_norm("add_rms_norm", input, residual, weight, eps)[:2]
+
+
+def ref_add_rms_norm_forward(input, residual, weight, eps=1e-6):
+    return _ref_add_rms_norm("add_rms_norm_forward", input, residual, weight, eps)
+
+
+def _ref_backward(op, layer, grad_output, input, mean, rstd, normalized_shape, weight):
+    ns = normalized_dims(op, normalized_shape, input.shape)
+    _check_param(op, "weight", weight, ns)
+    _check_same_shape(op, "grad_output", grad_output, input.shape)
+    k = len(ns)
+    lead = input.shape[:input.ndim - k]
+    _check_rows(op, "rstd", rstd, lead)
+    axes, lead_axes = _axes(input, k), tuple(range(input.ndim - k))
+    bshape = lead + (1,) * k
+    r = np.asarray(rstd, dtype=np.float64).reshape(bshape)
+    if layer:
+        _check_rows(op, "mean", mean, lead)
+        xhat = (input - np.asarray(mean, dtype=np.float64).reshape(bshape)) * r
+    else:
+        xhat = input * r
+    g = grad_output * weight if weight is not None else grad_output
+    with np.errstate(all="ignore"):
+        proj = xhat * (g * xhat).mean(axis=axes, keepdims=True)
+        centre = g.mean(axis=axes, keepdims=True) if layer else 0.0
+        dx = r * (g - centre - proj)
+    dw = (grad_output * xhat).sum(axis=lead_axes)
+    db = grad_output.sum(axis=lead_axes)
+    return dx, dw, db
+
+
+def ref_layer_norm_backward(grad_output, input, mean, rstd, normalized_shape, weight=None):
+    return _ref_backward("layer_norm_backward", True, grad_output, input, mean, rstd,
+                         normalized_shape, weight)
+
+
+def ref_rms_norm_backward(grad_output, input, rstd, normalized_shape, weight=None):
+    return _ref_backward("rms_norm_backward", False, grad_output, input, None, rstd,
+                         normalized_shape, weight)[:2]
+
+
+def ref_add_rms_norm_backward(grad_normed, grad_residual, residual_out, rstd, weight):
+    op = "add_rms_norm_backward"
+    _check_same_shape(op, "grad_normed", grad_normed, residual_out.shape, "residual_out")
+    _check_same_shape(op, "grad_residual", grad_residual, residual_out.shape, "residual_out")
+    dx, dw, _ = _ref_backward(op, False, grad_normed, residual_out, None, rstd, weight.shape,
+                              weight)
+    if grad_residual is not None:
+        dx = dx + grad_residual
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks: [32768, 4096] (the issue's target shape), plus a long row and a decode size.
+
+def _default_shape(d):
+    return (32768, 4096)
+
+
+EXTRA_SHAPES = ((16, 1048576), (16, 2048))
+_STAT = (dt.float32, dt.float64)
+
+
+def _torch():
+    return sys.modules.get("torch") or __import__("torch")
+
+
+def _hf_rms_norm(x, w, eps):
+    """HF transformers' LlamaRMSNorm / Qwen2RMSNorm forward, as their modules compute it."""
+    torch = _torch()
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return w * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def _row_stats(x, eps, centered):
+    """fp32 (mean, rstd) per row of a 2-D array of any framework (benchmark inputs)."""
+    if type(x).__module__.startswith("torch"):
+        torch = _torch()
+        xf = x.float()
+        m = xf.mean(-1) if centered else torch.zeros_like(xf[:, 0])
+        return m, torch.rsqrt(((xf - m[:, None]) ** 2).mean(-1) + eps)
+    xp = device.cupy_or_none() if type(x).__module__.startswith("cupy") else np
+    xf = x.astype(xp.float32)
+    m = xf.mean(-1) if centered else xp.zeros(xf.shape[:1], xp.float32)
+    return m, (1.0 / xp.sqrt(((xf - m[:, None]) ** 2).mean(-1) + eps)).astype(xp.float32)
+
+
+def _peers(**factories):
+    """extra_peers: each factory imports its library itself; one missing drops only its peer."""
+    def make():
+        out = {}
+        for name, factory in factories.items():
+            try:
+                out[name] = factory()
+            except ImportError:
+                pass
+        return out
+    return make
+
+
+def _backward_peer(forward):
+    """Times only the backward of `forward(*args) -> (outputs, leaves, grads)`, an autograd
+    graph: the first, untimed, call with a set of inputs builds the graph; each call runs
+    autograd.grad through it. One graph is kept at a time. When the runner wraps this in
+    torch.compile (the compile peer), the forward is traced and compiled (a separate graph: the
+    key says so) and the timed autograd.grad runs inductor's backward."""
+    cache = {}
+
+    def run(*args):
+        torch = _torch()
+        key = tuple(id(a) for a in args) + (torch.compiler.is_compiling(),)
+        entry = cache.get(key)
+        if entry is None:
+            cache.clear()
+            entry = cache[key] = forward(*args)
+        outputs, leaves, grads = entry
+        return torch.autograd.grad(outputs, leaves, grads, retain_graph=True)
+    return run
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _ln_graph(fn):
+    def forward(dy, x, mean, rstd, ns, weight):
+        xl, wl = _leaf(x), _leaf(weight)
+        bl = _leaf(_torch().zeros_like(weight))
+        return fn(xl, ns, wl, bl), (xl, wl, bl), dy
+    return forward
+
+
+def _rms_graph(fn):
+    def forward(dy, x, rstd, ns, weight):
+        xl, wl = _leaf(x), _leaf(weight)
+        return fn(xl, ns, wl), (xl, wl), dy
+    return forward
+
+
+def _add_rms_graph(fn):
+    def forward(gy, gh, h, rstd, weight):
+        xl, rl, wl = _leaf(h), _leaf(_torch().zeros_like(h)), _leaf(weight)
+        y, hh = fn(xl, rl, wl)
+        return (y, hh), (xl, rl, wl), (gy, gh)
+    return forward
+
+
+def _f():
+    return _torch().nn.functional
+
+
+_LN = lambda x, ns, w, b: _f().layer_norm(x, ns, w, b, 1e-5)        # noqa: E731
+_RMS = lambda x, ns, w: _f().rms_norm(x, ns, w, 1e-6)                # noqa: E731
+_HF_RMS = lambda x, ns, w: _hf_rms_norm(x, w, 1e-6)                  # noqa: E731
+
+
+def _add_rms(x, r, w):
+    h = x + r
+    return _f().rms_norm(h, h.shape[-1:], w, 1e-6), h
+
+
+def _hf_add_rms(x, r, w):
+    h = x + r
+    return _hf_rms_norm(h, w, 1e-6), h
+
+
+def _liger_ln():
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction  # noqa: PLC0415
+    return LigerLayerNormFunction.apply
+
+
+def _liger_rms():
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: PLC0415
+    # (X, W, eps, offset, casting_mode, in_place): in_place=False keeps dY intact between the
+    # repeated backward calls of the benchmark.
+    return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
+
+
+def _liger_add_rms():
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction  # noqa: PLC0415
+    return lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 0.0, "llama", False)
+
+
+def _ln_inputs(shape, d, randn):
+    return (randn(shape, d), tuple(shape[-1:]), randn(shape[-1:], d), randn(shape[-1:], d)), \
+        {"eps": 1e-5}
+
+
+def _rms_inputs(shape, d, randn):
+    return (randn(shape, d), tuple(shape[-1:]), randn(shape[-1:], d)), {"eps": 1e-6}
+
+
+def _add_rms_inputs(shape, d, randn):
+    return (randn(shape, d), randn(shape, d), randn(shape[-1:], d)), {"eps": 1e-6}
+
+
+def _ln_bwd_inputs(shape, d, randn):
+    x = randn(shape, d)
+    mean, rstd = _row_stats(x, 1e-5, True)
+    return (randn(shape, d), x, mean, rstd, tuple(shape[-1:]), randn(shape[-1:], d)), {}
+
+
+def _rms_bwd_inputs(shape, d, randn):
+    x = randn(shape, d)
+    return (randn(shape, d), x, _row_stats(x, 1e-6, False)[1], tuple(shape[-1:]),
+            randn(shape[-1:], d)), {}
+
+
+def _add_rms_bwd_inputs(shape, d, randn):
+    h = randn(shape, d)
+    return (randn(shape, d), randn(shape, d), h, _row_stats(h, 1e-6, False)[1],
+            randn(shape[-1:], d)), {}
+
+
+def _spec(make, torch_fn, peers, compile_peer=True):
+    return BenchSpec(make_inputs=make, torch_fn=torch_fn, default_shape=_default_shape,
+                     compile_peer=compile_peer, extra_peers=peers, extra_shapes=EXTRA_SHAPES)
+
+
+LAYER_NORM_BENCH = _spec(
+    _ln_inputs, lambda x, ns, w, b, eps=1e-5: _f().layer_norm(x, ns, w, b, eps),
+    _peers(liger=lambda: (lambda f: lambda x, ns, w, b, eps=1e-5: f(x, w, b, eps))(_liger_ln())))
+RMS_NORM_BENCH = _spec(
+    _rms_inputs, lambda x, ns, w, eps=1e-6: _f().rms_norm(x, ns, w, eps),
+    _peers(hf=lambda: lambda x, ns, w, eps=1e-6: _hf_rms_norm(x, w, eps),
+           liger=lambda: (lambda f: lambda x, ns, w, eps=1e-6: f(x, w))(_liger_rms())))
+ADD_RMS_NORM_BENCH = _spec(
+    _add_rms_inputs, lambda x, r, w, eps=1e-6: _add_rms(x, r, w),
+    _peers(hf=lambda: lambda x, r, w, eps=1e-6: _hf_add_rms(x, r, w),
+           liger=lambda: (lambda f: lambda x, r, w, eps=1e-6: f(x, r, w))(_liger_add_rms())))
+# Backward peers time torch's autograd backward of the same forward (eager; torch.compile'd, as
+# the compile peer: see _backward_peer; HF's module; Liger).
+LAYER_NORM_BWD_BENCH = _spec(
+    _ln_bwd_inputs, _backward_peer(_ln_graph(_LN)),
+    _peers(liger=lambda: (lambda f: _backward_peer(_ln_graph(
+        lambda x, ns, w, b: f(x, w, b, 1e-5))))(_liger_ln())))
+RMS_NORM_BWD_BENCH = _spec(
+    _rms_bwd_inputs, _backward_peer(_rms_graph(_RMS)),
+    _peers(hf=lambda: _backward_peer(_rms_graph(_HF_RMS)),
+           liger=lambda: (lambda f: _backward_peer(_rms_graph(
+               lambda x, ns, w: f(x, w))))(_liger_rms())))
+ADD_RMS_NORM_BWD_BENCH = _spec(
+    _add_rms_bwd_inputs, _backward_peer(_add_rms_graph(_add_rms)),
+    _peers(hf=lambda: _backward_peer(_add_rms_graph(_hf_add_rms)),
+           liger=lambda: _backward_peer(_add_rms_graph(_liger_add_rms()))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+
+@register(family="norms", reference=ref_layer_norm, bench=LAYER_NORM_BENCH)
+def layer_norm(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5, *,
+               out: Tensor | None = None) -> Tensor:
+    """Layer normalization over the trailing dims, as ``torch.nn.functional.layer_norm``.
+
+    ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape`` dims.
+    Biased variance, computed stably (per-thread two-pass sums merged with Chan's formula, never
+    E[x^2] - E[x]^2); fp32 math for every storage type, one rounding of the result. ``out`` may
+    be ``input`` itself (in place). Inputs whose rows are not contiguous are copied first.
+    """
+    ns = normalized_dims("layer_norm", normalized_shape, input.shape)
+    return _layer_norm_launch(call, "layer_norm", input, ns, weight, bias, float(eps), out,
+                              False)[0]
+
+
+@register(family="norms", reference=ref_layer_norm_forward)
+def layer_norm_forward(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
+                       bias: Tensor | None = None, eps: float = 1e-5):
+    """``layer_norm`` that also returns the per-row mean and rstd (float32) for the backward.
+
+    Returns ``(y, mean, rstd)``, ``rstd = 1/sqrt(var + eps)``, the statistics of shape
+    ``input.shape[:-len(normalized_shape)]``, for ``layer_norm_backward``.
+
+    On the CPU reference path the statistics come in the input's dtype.
+    """
+    ns = normalized_dims("layer_norm_forward", normalized_shape, input.shape)
+    return _layer_norm_launch(call, "layer_norm_forward", input, ns, weight, bias, float(eps),
+                              None, True)
+
+
+@register(family="norms", reference=ref_layer_norm_backward, param_dtypes={"mean": _STAT,
+          "rstd": _STAT}, bench=LAYER_NORM_BWD_BENCH)
+def layer_norm_backward(call, grad_output: Tensor, input: Tensor, mean: Tensor, rstd: Tensor,
+                        normalized_shape, weight: Tensor | None = None):
+    """Gradients of ``layer_norm``: ``(grad_input, grad_weight, grad_bias)``.
+
+    From the forward's ``input``, ``mean`` and ``rstd`` (float32, from ``layer_norm_forward``).
+
+    ``grad_weight = sum(grad_output * xhat)`` and ``grad_bias = sum(grad_output)`` over all rows
+    are always returned (the gradients a weight/bias would have), reduced deterministically in
+    fp32: per-block partial sums, then a second kernel, no atomics.
+    """
+    op = "layer_norm_backward"
+    ns = normalized_dims(op, normalized_shape, input.shape)
+    return _backward_launch(call, op, True, grad_output, input, mean, rstd, ns, weight, None)
+
+
+def _float_eps(x) -> float | None:
+    """torch.finfo(dtype).eps of an array's dtype (what eps=None means in torch's rms_norm)."""
+    kind = dispatch.kind_of(x)
+    if kind is None:
+        return None
+    try:
+        d = dispatch._dtype_of(kind, x, _get_op("rms_norm"), "input")
+    except TypeError:
+        return None     # the op itself reports the dtype
+    return {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7,
+            "float64": 2.0 ** -52}.get(d.name)
+
+
+@register(family="norms", reference=ref_rms_norm, bench=RMS_NORM_BENCH)
+def rms_norm(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
+             eps: float | None = None, *, out: Tensor | None = None) -> Tensor:
+    """RMS normalization over the trailing dims, as ``torch.nn.functional.rms_norm``.
+
+    ``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape`` dims.
+
+    ``eps=None`` is the machine epsilon of the input's dtype, as torch. fp32 math, one rounding
+    of the result; ``out`` may be ``input`` itself (in place).
+    """
+    ns = normalized_dims("rms_norm", normalized_shape, input.shape)
+    eps = _FLOAT_EPS[call.result_dtype] if eps is None else float(eps)
+    return _rms_norm_launch(call, "rms_norm", input, None, ns, weight, eps, out, False)[0]
+
+
+@register(family="norms", reference=ref_rms_norm_forward)
+def rms_norm_forward(call, input: Tensor, normalized_shape, weight: Tensor | None = None,
+                     eps: float | None = None):
+    """``rms_norm`` that also returns the per-row rstd (float32) for the backward.
+
+    Returns ``(y, rstd)``, ``rstd = 1/sqrt(mean(x^2) + eps)`` of shape
+    ``input.shape[:-len(normalized_shape)]``, for ``rms_norm_backward``.
+
+    On the CPU reference path the statistics come in the input's dtype.
+    """
+    ns = normalized_dims("rms_norm_forward", normalized_shape, input.shape)
+    eps = _FLOAT_EPS[call.result_dtype] if eps is None else float(eps)
+    y, _, rstd = _rms_norm_launch(call, "rms_norm_forward", input, None, ns, weight, eps, None,
+                                  True)
+    return y, rstd
+
+
+@register(family="norms", reference=ref_rms_norm_backward, param_dtypes={"rstd": _STAT},
+          bench=RMS_NORM_BWD_BENCH)
+def rms_norm_backward(call, grad_output: Tensor, input: Tensor, rstd: Tensor, normalized_shape,
+                      weight: Tensor | None = None):
+    """Gradients of ``rms_norm``: ``(grad_input, grad_weight)``.
+
+    From the forward's ``input`` and ``rstd`` (float32, from ``rms_norm_forward``).
+
+    ``grad_weight = sum(grad_output * x * rstd)`` over all rows is always returned, reduced
+    deterministically in fp32 (per-block partial sums, then a second kernel).
+    """
+    op = "rms_norm_backward"
+    ns = normalized_dims(op, normalized_shape, input.shape)
+    dx, dw, _ = _backward_launch(call, op, False, grad_output, input, None, rstd, ns, weight,
+                                 None)
+    return dx, dw
+
+
+@register(family="norms", reference=ref_add_rms_norm, bench=ADD_RMS_NORM_BENCH)
+def add_rms_norm(call, input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6):
+    """Residual add + RMSNorm in one pass: ``(rms_norm(input + residual) * weight, sum)``.
+
+    The pre-norm residual step of LLM decoder layers.
+
+    The sum is rounded to the storage dtype, returned as the new residual, and normalized as
+    rounded: what HF transformers' Llama/Qwen layers (``residual + hidden_states`` in bf16, then
+    their RMSNorm) and vLLM's ``fused_add_rms_norm`` compute. The normalized value is multiplied
+    by ``weight`` in fp32 and rounded once (HF rounds ``x * rstd`` to the dtype before the weight:
+    within one rounding of this). ``weight`` spans the trailing dims it normalizes (usually
+    ``[hidden]``). The CPU reference path normalizes the exact sum.
+    """
+    op = "add_rms_norm"
+    ns = normalized_dims(op, weight.shape, input.shape)
+    y, h, _ = _rms_norm_launch(call, op, input, residual, ns, weight, float(eps), None, False)
+    return y, h
+
+
+@register(family="norms", reference=ref_add_rms_norm_forward)
+def add_rms_norm_forward(call, input: Tensor, residual: Tensor, weight: Tensor,
+                         eps: float = 1e-6):
+    """``add_rms_norm`` that also returns the per-row rstd (float32) of the sum.
+
+    Returns ``(normed, input + residual, rstd)`` for ``add_rms_norm_backward``."""
+    op = "add_rms_norm_forward"
+    ns = normalized_dims(op, weight.shape, input.shape)
+    return _rms_norm_launch(call, op, input, residual, ns, weight, float(eps), None, True)
+
+
+@register(family="norms", reference=ref_add_rms_norm_backward, param_dtypes={"rstd": _STAT},
+          bench=ADD_RMS_NORM_BWD_BENCH)
+def add_rms_norm_backward(call, grad_normed: Tensor, grad_residual: Tensor | None,
+                          residual_out: Tensor, rstd: Tensor, weight: Tensor):
+    """Gradients of ``add_rms_norm``: ``(grad_input, grad_weight)`` (grad_residual = grad_input).
+
+    ``grad_normed`` and ``grad_residual`` (None when the returned residual was not used) are the
+    gradients of the two outputs; ``residual_out`` and ``rstd`` come from
+    ``add_rms_norm_forward``. ``grad_input = rms_norm_backward(...) + grad_residual`` in fp32,
+    rounded once.
+    """
+    op = "add_rms_norm_backward"
+    ns = normalized_dims(op, weight.shape, residual_out.shape)
+    _check_same_shape(op, "grad_residual", grad_residual, residual_out.shape, "residual_out")
+    dx, dw, _ = _backward_launch(call, op, False, grad_normed, residual_out, None, rstd, ns,
+                                 weight, grad_residual)
+    return dx, dw
+
+
+_FLOAT_EPS = {dt.float32: 2.0 ** -23, dt.float16: 2.0 ** -10, dt.bfloat16: 2.0 ** -7}
+
+
+def _eps_from_dtype(generated):
+    """Wraps a generated op whose eps=None means the input dtype's machine epsilon, so that the
+    CPU reference path (which sees float64 arrays) resolves it from the caller's dtype too."""
+    import functools  # noqa: PLC0415
+
+    @functools.wraps(generated)
+    def op(input, normalized_shape, weight=None, eps=None, **kw):
+        if eps is None:
+            eps = _float_eps(input)
+        return generated(input, normalized_shape, weight, eps, **kw)
+    op.op = generated.op
+    op.__signature__ = generated.__signature__
+    generated.op.function = op
+    return op
+
+
+rms_norm = _eps_from_dtype(rms_norm)
+rms_norm_forward = _eps_from_dtype(rms_norm_forward)

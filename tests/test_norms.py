@@ -1,0 +1,977 @@
+"""The normalization family (layer_norm, rms_norm, add_rms_norm; forward, *_forward with
+statistics, and backward) against float64 references.
+
+CPU: the references against torch in float64 (values and autograd gradients), argument errors,
+the CPU path, eps=None, the launch plans and row/chunk/slot mappings of the kernels (simulated),
+every launch's arguments against its kernel's signature with a recording loader (including the
+split-row paths a small GPU takes), an fp32 model of the statistics, autograd and
+torch.compile(fullgraph=True) through gpuops.torch.
+
+GPU: every op and dtype against the references, rows of 1 .. 2^20 elements (one block, one warp
+per row, rows split over blocks in one launch and in two), unaligned and strided inputs,
+expanded gradients, out= (NaN-filled, in place), NaN/Inf rows, HF transformers' RMSNorm for
+add_rms_norm, bitwise determinism of the weight gradients, autograd against torch, a side
+stream and CUDA graph capture at decode size, CuPy and NumPy inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from math import prod
+
+import numpy as np
+import pytest
+
+import gpuops as go
+from gpuops import dtypes as dt
+from gpuops.ops import norms as N
+from gpuops.runtime.launch import ArgSpec
+from gpuops.tensor import Tensor
+from conftest import HAS_TORCH, HAS_TORCH_CUDA, assert_close
+
+torch = pytest.importorskip("torch") if HAS_TORCH else None
+F = torch.nn.functional if HAS_TORCH else None
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+DTYPES = ["float32", "float16", "bfloat16"]
+EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float64": 2.0 ** -52}
+
+
+def _t64(a):
+    return torch.from_numpy(np.asarray(a, dtype=np.float64))
+
+
+# ============================================================================ CPU: references
+
+@needs_torch
+@pytest.mark.parametrize("ns", [(7,), (3, 5)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_reference_matches_torch(ns, affine, rng):
+    x = rng.standard_normal((4, 2) + ns) * 3 + 1.5
+    w = rng.standard_normal(ns) if affine else None
+    b = rng.standard_normal(ns) if affine else None
+    y, mean, rstd = N.ref_layer_norm_forward(x, ns, w, b, 1e-5)
+    ty, tm, tr = torch.native_layer_norm(_t64(x), list(ns), None if w is None else _t64(w),
+                                         None if b is None else _t64(b), 1e-5)
+    np.testing.assert_allclose(y, ty.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mean, tm.numpy().reshape(mean.shape), rtol=1e-12)
+    np.testing.assert_allclose(rstd, tr.numpy().reshape(rstd.shape), rtol=1e-12)
+    assert mean.shape == rstd.shape == (4, 2)
+    np.testing.assert_allclose(N.ref_layer_norm(x, ns, w, b), y)
+
+
+@needs_torch
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_rms_norm_reference_matches_torch(eps, rng):
+    x = rng.standard_normal((3, 4, 16)) * 2
+    w = rng.standard_normal(16)
+    y, rstd = N.ref_rms_norm_forward(x, 16, w, eps)
+    np.testing.assert_allclose(y, F.rms_norm(_t64(x), [16], _t64(w), eps).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt((x * x).mean(-1) + (eps or EPS["float64"])))
+    y2 = N.ref_rms_norm(x, (4, 16), None, eps)
+    np.testing.assert_allclose(y2, F.rms_norm(_t64(x), [4, 16], None, eps).numpy(), rtol=1e-12)
+
+
+@needs_torch
+def test_add_rms_norm_reference(rng):
+    x, r = rng.standard_normal((2, 2, 8, 32))
+    w = rng.standard_normal(32)
+    y, h, rstd = N.ref_add_rms_norm_forward(x, r, w, 1e-6)
+    np.testing.assert_array_equal(h, x + r)
+    np.testing.assert_allclose(y, F.rms_norm(_t64(x + r), [32], _t64(w), 1e-6).numpy(),
+                               rtol=1e-12)
+    assert rstd.shape == (2, 8)
+    y1, h1 = N.ref_add_rms_norm(x, r, w, 1e-6)
+    np.testing.assert_array_equal(y1, y)
+
+
+@needs_torch
+def test_backward_references_match_torch_autograd(rng):
+    shape, ns = (3, 4, 10), (10,)
+    x, dy, dh = (rng.standard_normal(shape) for _ in range(3))
+    w, b = rng.standard_normal(ns), rng.standard_normal(ns)
+    tx, tw, tb = (_t64(a).requires_grad_() for a in (x, w, b))
+    _, mean, rstd = N.ref_layer_norm_forward(x, ns, w, b, 1e-5)
+    gx, gw, gb = torch.autograd.grad(F.layer_norm(tx, ns, tw, tb, 1e-5), (tx, tw, tb), _t64(dy))
+    rx, rw, rb = N.ref_layer_norm_backward(dy, x, mean, rstd, ns, w)
+    for got, want in ((rx, gx), (rw, gw), (rb, gb)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
+    rx0, _, _ = N.ref_layer_norm_backward(dy, x, mean, rstd, ns, None)
+    gx0, = torch.autograd.grad(F.layer_norm(tx, ns, None, None, 1e-5), (tx,), _t64(dy))
+    np.testing.assert_allclose(rx0, gx0.numpy(), rtol=1e-10, atol=1e-12)
+
+    _, rstd = N.ref_rms_norm_forward(x, ns, w, 1e-6)
+    gx, gw = torch.autograd.grad(F.rms_norm(tx, ns, tw, 1e-6), (tx, tw), _t64(dy))
+    rx, rw = N.ref_rms_norm_backward(dy, x, rstd, ns, w)
+    np.testing.assert_allclose(rx, gx.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rw, gw.numpy(), rtol=1e-10, atol=1e-12)
+
+    r = rng.standard_normal(shape)
+    tr = _t64(r).requires_grad_()
+    th = tx + tr
+    gx, gr, gw = torch.autograd.grad((F.rms_norm(th, ns, tw, 1e-6), th), (tx, tr, tw),
+                                     (_t64(dy), _t64(dh)))
+    _, h, rstd = N.ref_add_rms_norm_forward(x, r, w, 1e-6)
+    rx, rw = N.ref_add_rms_norm_backward(dy, dh, h, rstd, w)
+    np.testing.assert_allclose(rx, gx.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rx, gr.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rw, gw.numpy(), rtol=1e-10, atol=1e-12)
+    rx2, _ = N.ref_add_rms_norm_backward(dy, None, h, rstd, w)
+    np.testing.assert_allclose(rx2 + dh, rx, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_rows_reference_matches_torch_convention():
+    y, mean, rstd = N.ref_layer_norm_forward(np.zeros((3, 0)), 0, None, None, 1e-5)
+    assert y.shape == (3, 0) and np.all(mean == 0) and np.all(np.isnan(rstd))
+    dx, dw, db = N.ref_layer_norm_backward(np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0),
+                                           np.zeros(0), 4, None)
+    assert dx.shape == (0, 4) and np.all(dw == 0) and np.all(db == 0) and dw.shape == (4,)
+
+
+# ============================================================================ CPU: arguments
+
+def test_argument_errors(rng):
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    w6 = np.ones(6, np.float32)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        go.layer_norm(x, 5)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        go.rms_norm(x, (4, 6, 1))
+    with pytest.raises(ValueError, match="at least one"):
+        go.layer_norm(x, ())
+    with pytest.raises(TypeError, match="normalized_shape"):
+        go.layer_norm(x, 6.0)
+    with pytest.raises(ValueError, match="'weight'"):
+        go.layer_norm(x, 6, np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="'bias'"):
+        go.layer_norm(x, 6, w6, np.ones((1, 6), np.float32))
+    with pytest.raises(ValueError, match="'residual'"):
+        go.add_rms_norm(x, x[:2], w6)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        go.add_rms_norm(x, x, np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="promote"):
+        go.rms_norm(x, 6, np.ones(6, np.float16))
+    with pytest.raises(ValueError, match="'rstd'"):
+        go.rms_norm_backward(x, x, np.ones(3, np.float32), 6, w6)
+    with pytest.raises(ValueError, match="'grad_output'"):
+        go.layer_norm_backward(x[:2], x, np.zeros(4, np.float32), np.ones(4, np.float32), 6)
+    with pytest.raises(ValueError, match="'grad_residual'"):
+        go.add_rms_norm_backward(x, x[:1], x, np.ones(4, np.float32), w6)
+
+
+def test_row_view():
+    assert N.row_view((4, 6), (6, 1), 1) == (4, 6)
+    assert N.row_view((4, 6), (10, 1), 1) == (4, 10)              # rows of a wider array
+    assert N.row_view((2, 3, 6), (30, 10, 1), 1) == (6, 10)       # leading dims merge
+    assert N.row_view((2, 3, 6), (40, 10, 1), 1) is None          # they do not
+    assert N.row_view((4, 6), (1, 4), 1) is None                  # transposed
+    assert N.row_view((4, 2, 3), (6, 3, 1), 2) == (4, 6)
+    assert N.row_view((4, 2, 3), (12, 3, 1), 2) == (4, 12)
+    assert N.row_view((4, 2, 3), (6, 1, 2), 2) is None
+    assert N.row_view((1, 6), (99, 1), 1) == (1, 6)
+    assert N.row_view((5, 1, 6), (6, 77, 1), 1) == (5, 6)         # size-1 dims ignored
+    assert N.row_view((4, 6), (0, 1), 1) == (4, 0)                # expanded rows (inputs only)
+
+
+# ============================================================================ CPU path
+
+@needs_torch
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_path_torch_tensors_and_eps_none(dtype, rng):
+    td = getattr(torch, dtype)
+    x = torch.from_numpy(rng.standard_normal((5, 12)).astype(np.float32) * 0.1).to(td)
+    w = torch.from_numpy(rng.standard_normal(12).astype(np.float32)).to(td)
+    y = go.rms_norm(x, 12, w)                      # eps=None: the dtype's eps, as torch
+    assert y.dtype == td and y.shape == x.shape
+    ref = N.ref_rms_norm(x.double().numpy(), 12, w.double().numpy(), EPS[dtype])
+    assert_close(y.double().numpy(), ref, dtype, "rms_norm cpu eps=None")
+    y2, rstd = go.rms_norm_forward(x, 12, w)
+    assert_close(rstd.double().numpy(), N.ref_rms_norm_forward(
+        x.double().numpy(), 12, None, EPS[dtype])[1], dtype, "rstd cpu")
+    expected = F.rms_norm(x.float(), [12], w.float(), torch.finfo(td).eps)
+    assert_close(y.double().numpy(), expected.double().numpy(), dtype, "vs torch")
+    yl, mean, rstd = go.layer_norm_forward(x, (12,), w, w)
+    assert yl.shape == x.shape and mean.shape == rstd.shape == (5,)
+
+
+def test_numpy_in_numpy_out(rng):
+    x = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    w = rng.standard_normal((5, 8)).astype(np.float32)
+    y = go.layer_norm(x, (5, 8), w)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+    assert_close(y, N.ref_layer_norm(x.astype(np.float64), (5, 8), w.astype(np.float64)),
+                 "float32", "numpy layer_norm")
+    yr, h = go.add_rms_norm(x, x, w[0])
+    assert_close(h, 2 * x.astype(np.float64), "float32", "numpy add_rms_norm residual")
+
+
+# ============================================================================ planning (no GPU)
+
+def _vecs():
+    return (1, 4, 8)
+
+
+@pytest.mark.parametrize("kind", list(N.TUNING))
+def test_plans_cover_every_unit_exactly_once(kind):
+    k = N.TUNING[kind]
+    for vec in _vecs():
+        for n in (0, 1, 3, 8, 64, 100, 1000, 4096, 4097, 8192, 12288, 16384, 20000, 65536,
+                  262147, 1 << 20):
+            if vec > 1 and n % vec:
+                continue
+            units = n // vec
+            threads, ty, packs, C = N.plan_shape(k, vec, n)
+            assert threads % 32 == 0 and 32 <= threads * ty <= 1024
+            assert packs in N.packs_options(k, vec) and packs * vec <= k.cap
+            assert (ty == 1) or (threads == 32 and k.warp_rows)
+            assert C == 1 or (ty == 1 and threads == k.split_threads)
+            assert threads * packs * C >= units and (C == 1 or threads * packs * (C - 1) < units)
+            if n <= (8192 if k.persistent else 16384) and vec > 1:
+                assert C == 1, (kind, vec, n)   # rows up to 8-16K elements: one block
+            # the kernels' mapping: block chunk c, thread t, pack p -> unit
+            u = (np.arange(C)[:, None, None] * threads * packs
+                 + np.arange(packs)[None, :, None] * threads + np.arange(threads)[None, None, :])
+            u = u.ravel()
+            assert np.array_equal(np.sort(u[u < units]), np.arange(units))
+
+
+def test_target_shape_plans():
+    # [32768, 4096]: one row per block, no split, 256 threads forward, 512 backward
+    assert N.plan_shape(N.LAYER_NORM, 8, 4096) == (256, 1, 2, 1)
+    assert N.plan_shape(N.LAYER_NORM, 4, 4096) == (256, 1, 4, 1)
+    assert N.plan_shape(N.RMS_NORM, 8, 2048) == (256, 1, 1, 1)
+    assert N.plan_shape(N.LAYER_NORM_BWD, 8, 4096) == (512, 1, 1, 1)
+    assert N.plan_shape(N.RMS_NORM_BWD, 4, 4096) == (512, 1, 2, 1)
+    assert N.plan_shape(N.RMS_NORM, 8, 128) == (32, 8, 1, 1)        # warp rows
+    threads, _, packs, C = N.plan_shape(N.LAYER_NORM, 4, 1 << 20)  # the long row: split
+    assert C > 1 and threads * packs * 4 * C == 1 << 20
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_grids_cover_every_row_once_and_fit_when_fused(persistent, monkeypatch):
+    for C in (1, 3, 7, 64, 300):
+        for capacity in (8, 264, 1056):
+            for rows in (1, 2, 5, 16, 1000):
+                for force in (False, True):
+                    monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", force)
+                    fallback = N.Plan("generic", (256, 1, 1), 4, max(1, C // 2), capacity)
+                    plan = N.Plan("split", (256, 1, 1), 1, C, capacity,
+                                  fallback if C > 1 and persistent else None)
+                    used, grid, phases = N._grid(plan, rows, persistent)
+                    C_used = used.C
+                    assert grid % C_used == 0 and grid >= C_used
+                    if C == 1:
+                        assert used is plan and phases == (N.FUSED,)
+                        assert grid <= capacity if persistent else grid * 1 >= rows
+                    elif C <= capacity and not force:
+                        assert used is plan and phases == (N.FUSED,)
+                        assert grid <= capacity      # every block of a row resident at once
+                    else:
+                        assert used is (plan.fallback or plan)
+                        assert phases == (N.PARTIALS, N.APPLY)
+                    slots = grid // C_used
+                    seen = np.concatenate([np.arange(s, rows, slots) for s in range(slots)])
+                    assert np.array_equal(np.sort(seen), np.arange(rows))
+
+
+@pytest.mark.parametrize("kind", [k for k in N.TUNING if N.TUNING[k].split_template])
+def test_split_kernel_plans(kind):
+    k = N.TUNING[kind]
+    for vec in _vecs():
+        for n in (4097, 20000, 262147, 1 << 20, 1 << 24):
+            if vec > 1 and n % vec:
+                continue
+            threads, packs, C = N.split_shape(k, vec, n)
+            assert packs * vec <= k.split_cap and threads == k.split_threads
+            units = n // vec
+            assert threads * packs * C >= units > threads * packs * (C - 1)
+            assert (vec, packs) in {(v, p) for (_, v), e in N._SPLIT_EXPRS[kind].items()
+                                    for p in [int(e.split(",")[2].strip(" >"))]}
+
+
+# ---------------------------------------------------------------- launches with a recording loader
+
+class _Recorder:
+    def __init__(self, name, spec: ArgSpec, log):
+        self.name, self.spec, self.log, self.ptr = name, spec, log, hash(name) & 0xffff
+
+    def launch(self, grid, block, stream, *args, smem=0):
+        self.spec.struct.pack(*args)          # the argument list fits the kernel's signature
+        self.log.append((self.name, grid, block, args))
+
+
+class _FakeLoaded:
+    def __init__(self, module, log):
+        self.module, self.log = module, log
+
+    def kernel(self, expr):
+        return _Recorder(expr, self.module.kernels[expr], self.log)
+
+
+class _FakeCall:
+    kind = "torch"
+    device = 0
+    stream = 0
+
+    def __init__(self, dtype):
+        self.result_dtype = dtype
+        self.next = 1 << 20
+        self.allocs = []
+
+    def empty(self, shape, dtype):
+        t = Tensor(self.next, tuple(shape), _cstrides(shape), dtype, 0, None)
+        self.next += -(-max(t.nbytes, 1) // 256) * 256
+        self.allocs.append(t)
+        return t
+
+
+def _cstrides(shape):
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+@pytest.fixture
+def recording(monkeypatch, request):
+    """Launches go to a log; the device has 4 blocks on each of `param` SMs (2: long rows take
+    two launches; 64: rows of 20000 elements run split in one launch)."""
+    log, memsets = [], []
+
+    class _Runtime:
+        @staticmethod
+        def memsetAsync(ptr, value, nbytes, stream):  # noqa: N802
+            memsets.append((ptr, value, nbytes))
+
+    class _Cupy:
+        class cuda:  # noqa: N801
+            runtime = _Runtime
+
+    class _Info:
+        sm_count = getattr(request, "param", 2)
+
+    monkeypatch.setattr(N.loader, "load", lambda module, dev: _FakeLoaded(module, log))
+    monkeypatch.setattr(N, "_occupancy", lambda ptr, threads, smem: 4)
+    monkeypatch.setattr(N.device, "device_info", lambda dev: _Info)
+    monkeypatch.setattr(N.device, "cupy_or_none", lambda: _Cupy)
+    monkeypatch.setattr(N, "_plans", {})
+    return log, memsets, 4 * _Info.sm_count
+
+
+def _input(call, shape, dtype, strides=None):
+    t = Tensor(call.next, tuple(shape), strides or _cstrides(shape), dtype, 0, None)
+    call.next += -(-max(prod(shape) * dtype.itemsize, 1) // 256) * 256 + 4096
+    return t
+
+
+def _within(call, ptr, nbytes):
+    return any(a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes for a in call.allocs)
+
+
+@pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
+@pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16])
+@pytest.mark.parametrize("n", [1, 4096, 4097, 20000, 1 << 20])
+def test_forward_launch_arguments(recording, dtype, n):
+    log, memsets, capacity = recording
+    rows = 3
+    for op in ("layer_norm", "rms_norm", "add_rms_norm"):
+        log.clear()
+        memsets.clear()
+        call = _FakeCall(dtype)
+        x = _input(call, (rows, n), dtype)
+        w = _input(call, (n,), dtype)
+        if op == "layer_norm":
+            y, mean, rstd = N._layer_norm_launch(call, op, x, (n,), w, w, 1e-5, None, True)
+            K = 3
+        else:
+            r = _input(call, (rows, n), dtype) if op == "add_rms_norm" else None
+            y, h, rstd = N._rms_norm_launch(call, op, x, r, (n,), w, 1e-6, None, True)
+            K = 1
+        expected = {"layer_norm": "layer_norm_", "rms_norm": "rms_norm_",
+                    "add_rms_norm": "rms_norm_"}[op]
+        assert log and all(expected in name for name, *_ in log)
+        if op != "layer_norm":
+            assert all(name.endswith("true>" if op == "add_rms_norm" else "false>")
+                       for name, *_ in log)
+        name, grid, block, args = log[0]
+        C, phase = args[-3], args[-2]
+        vec = int(name.split(",")[1])
+        assert vec == (16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1)
+        assert grid[0] % C == 0
+        if C == 1:
+            assert not memsets and [a[-2] for *_, a in log] == [N.FUSED]
+            assert grid[0] * block[1] >= rows
+        else:
+            assert [a[-2] for *_, a in log] in ([N.FUSED], [N.PARTIALS, N.APPLY])
+            assert len(memsets) == 1 and memsets[0][1] == 0 and memsets[0][2] == rows * 4
+            counters, partials = args[-6], args[-7]
+            assert counters == memsets[0][0] and _within(call, counters, rows * 4)
+            assert _within(call, partials, rows * C * K * 4)
+            assert partials >= counters + rows * 4
+            stat_ptrs = args[6:8] if op == "layer_norm" else args[9:10]
+            assert all(p != 0 and _within(call, p, rows * 4) for p in stat_ptrs)
+            if len(log) == 2:
+                assert "_fwd<" in name and log[1][0] == name
+                assert grid[0] // C >= 1 and log[1][1] == grid and log[1][3][:-2] == args[:-2]
+            else:
+                assert "_split<" in name     # one launch: the pipelined kernel
+                assert grid[0] <= capacity   # every block resident at once
+                assert (capacity, n) == (256, 20000)
+        assert args[-5] == rows and args[-4] == n
+        stats = [a for a in (mean if op == "layer_norm" else None, rstd) if a is not None]
+        assert all(s.shape == (rows,) and s.dtype is dt.float32 for s in stats)
+
+
+@pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
+@pytest.mark.parametrize("layer", [True, False])
+@pytest.mark.parametrize("n", [7, 4096, 9000, 1 << 20])
+def test_backward_launch_arguments(recording, layer, n):
+    log, memsets, capacity = recording
+    dtype = dt.bfloat16
+    rows = 5
+    call = _FakeCall(dtype)
+    dy, x = _input(call, (rows, n), dtype), _input(call, (rows, n), dtype)
+    mean, rstd = _input(call, (rows,), dt.float32), _input(call, (rows,), dt.float32)
+    w = _input(call, (n,), dtype)
+    dres = None if layer else _input(call, (rows, n), dtype)
+    dx, dw, db = N._backward_launch(call, "t", layer, dy, x, mean if layer else None, rstd,
+                                    (n,), w, dres)
+    assert dx.shape == (rows, n) and dw.shape == (n,) and (db is not None) == layer
+    main = [e for e in log if "norm_bwd" in e[0]]
+    final = [e for e in log if "norm_weight_grad" in e[0]]
+    assert len(final) == 1 and log[-1] is final[0]
+    name, grid, block, args = main[0]
+    C = args[-2]
+    slots = grid[0] // C
+    assert grid[0] % C == 0 and slots <= rows
+    part_a, part_b = args[11], args[12]
+    assert _within(call, part_a, slots * n * 4)
+    assert (part_b != 0) == layer and (not layer or _within(call, part_b, slots * n * 4))
+    assert args[0] == dy.ptr and args[2] == x.ptr and args[9] == dx.ptr
+    assert args[4] == (0 if layer else dres.ptr) and args[6] == (mean.ptr if layer else 0)
+    fa = final[0][3]
+    assert fa[:4] == (part_a, part_b, dw.ptr, db.ptr if layer else 0) and fa[4:] == (slots, n)
+    assert final[0][1][0] * 32 >= n
+    if C > 1:
+        assert len(memsets) == 1 and memsets[0][2] == rows * 4
+        K = 2 if layer else 1
+        assert _within(call, args[14], rows * 4) and _within(call, args[13], rows * C * K * 4)
+        assert _within(call, args[15], rows * K * 4)
+        assert [a[-1] for *_, a in main] == ([N.FUSED] if C <= capacity else
+                                             [N.PARTIALS, N.APPLY])
+        assert len(main) == 2 or grid[0] <= capacity
+    else:
+        assert not memsets and len(main) == 1 and grid[0] == min(rows, capacity)
+
+
+def test_strided_and_unaligned_launches(recording):
+    log, _, _ = recording
+    call = _FakeCall(dt.float32)
+    base = _input(call, (6, 40), dt.float32)
+    x = Tensor(base.ptr, (6, 32), (40, 1), dt.float32, 0, None)   # rows 160 B apart: packs
+    y, _, _ = N._layer_norm_launch(call, "layer_norm", x, (32,), None, None, 1e-5, None, False)
+    args = log[-1][3]
+    assert args[0] == x.ptr and args[1] == 40 and args[3] == 32
+    assert ",4," in log[-1][0].replace(" ", "")
+    x = Tensor(base.ptr + 4, (6, 32), (40, 1), dt.float32, 0, None)   # unaligned: elements
+    N._layer_norm_launch(call, "layer_norm", x, (32,), None, None, 1e-5, None, False)
+    assert ",1," in log[-1][0].replace(" ", "")
+    x = Tensor(base.ptr, (6, 32), (34, 1), dt.float32, 0, None)   # 136 B rows: elements
+    N._layer_norm_launch(call, "layer_norm", x, (32,), None, None, 1e-5, None, False)
+    assert ",1," in log[-1][0].replace(" ", "")
+
+
+# ============================================================================ fp32 statistics model
+
+def _model_stats(x, chunk, per_thread):
+    """fp32 model of the forward's statistics: per-thread sums, a block sum, two passes per
+    block chunk, Chan merges of the chunks (the symmetric form of row_stats.cuh)."""
+    f = np.float32
+    parts = []
+    for c0 in range(0, x.size, chunk):
+        v = x[c0:c0 + chunk]
+        s = f(0)
+        for t in range(0, v.size, per_thread):
+            s = f(s + v[t:t + per_thread].sum(dtype=f))
+        mean = f(s / f(v.size))
+        m2 = f(0)
+        for t in range(0, v.size, per_thread):
+            d = v[t:t + per_thread] - mean
+            m2 = f(m2 + (d * d).sum(dtype=f))
+        parts.append((f(v.size), mean, m2))
+    acc = parts[0]
+    for nb, mb, qb in parts[1:]:
+        na, ma, qa = acc
+        n = f(na + nb)
+        inv = f(1) / n
+        d = f(mb - ma)
+        acc = (n, f((f(na * ma) + f(nb * mb)) * inv),
+               f(f(qa + qb) + f(d * d) * f(f(na * nb) * inv)))
+    return acc[1], acc[2] / acc[0]
+
+
+def test_fp32_statistics_are_stable_far_from_zero(rng):
+    x = (1e4 + rng.standard_normal(1 << 16)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mean, var = _model_stats(x, 4096, 16)
+    assert abs(mean - x64.mean()) / x64.mean() < 1e-6
+    assert abs(var / x64.var() - 1) < 1e-4
+    naive = np.float32((x * x).mean(dtype=np.float32) - np.float32(x.mean(dtype=np.float32)) ** 2)
+    assert abs(naive / x64.var() - 1) > 1e-2      # what E[x^2] - E[x]^2 would give
+
+
+# ============================================================================ autograd, compile
+
+@needs_torch
+def test_autograd_cpu_float64_matches_torch():
+    import gpuops.torch as gt
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    r = torch.randn(3, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    dy, dh = torch.randn(2, 3, 5, 6, dtype=torch.float64, generator=g)
+    cases = [
+        (lambda: gt.layer_norm(x, (5, 6), w, b), lambda: F.layer_norm(x, (5, 6), w, b), (x, w, b)),
+        (lambda: gt.layer_norm(x, 6), lambda: F.layer_norm(x, (6,)), (x,)),
+        (lambda: gt.rms_norm(x, [6], w[0]), lambda: F.rms_norm(x, [6], w[0]), (x, w)),
+        (lambda: gt.rms_norm(x, (5, 6), None, 1e-3), lambda: F.rms_norm(x, (5, 6), None, 1e-3),
+         (x,)),
+    ]
+    for ours, theirs, leaves in cases:
+        a, e = ours(), theirs()
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+        for ga, ge in zip(torch.autograd.grad(a, leaves, dy), torch.autograd.grad(e, leaves, dy)):
+            torch.testing.assert_close(ga, ge, rtol=1e-10, atol=1e-12)
+    y, h = gt.add_rms_norm(x, r, w[1], 1e-6)
+    hh = x + r
+    yy = F.rms_norm(hh, [6], w[1], 1e-6)
+    torch.testing.assert_close(h, hh, rtol=0, atol=0)
+    for ga, ge in zip(torch.autograd.grad((y, h), (x, r, w), (dy, dh)),
+                      torch.autograd.grad((yy, hh), (x, r, w), (dy, dh))):
+        torch.testing.assert_close(ga, ge, rtol=1e-10, atol=1e-12)
+    # only the normalized output used: no gradient arrives for the residual output
+    ga = torch.autograd.grad(gt.add_rms_norm(x, r, w[1])[0].sum(), (x, r))
+    ge = torch.autograd.grad(F.rms_norm(x + r, [6], w[1], 1e-6).sum(), (x, r))
+    torch.testing.assert_close(ga, ge, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, w, b: gt.layer_norm(x, 6, w, b),
+                                    (x[0].detach().requires_grad_(), w[0], b[0]))
+
+
+def _compile_case(device, dtype):
+    import gpuops.torch as gt
+
+    def step(x, r, w, b):
+        y = gt.layer_norm(x, x.shape[-1:], w, b)
+        z = gt.rms_norm(y, [x.shape[-1]], w)
+        a, h = gt.add_rms_norm(z, r, w, 1e-6)
+        return (a.float() * h.float()).sum()
+
+    def eager(x, r, w, b):
+        y = F.layer_norm(x, x.shape[-1:], w, b)
+        z = F.rms_norm(y, [x.shape[-1]], w)
+        h = z + r
+        return (F.rms_norm(h, [x.shape[-1]], w, 1e-6).float() * h.float()).sum()
+    g = torch.Generator(device=device).manual_seed(1)
+    def mk(*s):
+        return torch.randn(*s, device=device, dtype=dtype, generator=g).requires_grad_()
+    args = (mk(4, 64), mk(4, 64), mk(64), mk(64))
+    return step, eager, args
+
+
+@needs_torch
+def test_torch_compile_fullgraph_cpu():
+    step, eager, args = _compile_case("cpu", torch.float64)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(*args)
+    torch.testing.assert_close(out, eager(*args), rtol=1e-10, atol=1e-10)
+    for ga, ge in zip(torch.autograd.grad(out, args), torch.autograd.grad(eager(*args), args)):
+        torch.testing.assert_close(ga, ge, rtol=1e-9, atol=1e-10)
+
+
+# ============================================================================ GPU
+
+def _randn(shape, dtype, scale=1.0, offset=0.0):
+    return (torch.randn(shape, device="cuda") * scale + offset).to(getattr(torch, dtype))
+
+
+def _np(t):
+    return t.double().cpu().numpy()
+
+
+# (rows, n): one element; one warp per row (scalar and packs); the 4096 target; odd 4097 (one
+# block of elements); rows split over blocks (20000: 5 blocks of packs; 70001: elements).
+SHAPES = [(5, 1), (7, 3), (33, 128), (9, 1000), (33, 4096), (3, 4097), (4, 20000), (2, 70001)]
+LONG = [(2, 1 << 20), (3, 262147)]
+
+
+def _ln_case(shape, dtype, affine=True):
+    n = shape[-1]
+    x = _randn(shape, dtype, 2.0, 0.5)
+    w = _randn((n,), dtype, 0.5, 1.0) if affine else None
+    b = _randn((n,), dtype) if affine else None
+    return x, w, b
+
+
+def _check_ln(x, w, b, dtype, what, ns=None, out=None):
+    ns = ns or (x.shape[-1],)
+    y, mean, rstd = go.layer_norm_forward(x, ns, w, b, 1e-5)
+    ry, rm, rr = N.ref_layer_norm_forward(_np(x), ns, None if w is None else _np(w),
+                                          None if b is None else _np(b), 1e-5)
+    assert mean.dtype == rstd.dtype == torch.float32 and y.dtype == x.dtype
+    assert_close(_np(y), ry, dtype, f"layer_norm {what}")
+    assert_close(_np(mean), rm, "float32", f"mean {what}")
+    assert_close(_np(rstd), rr, "float32", f"rstd {what}")
+    y2 = go.layer_norm(x, ns, w, b, 1e-5, **({} if out is None else {"out": out}))
+    assert torch.equal(y2, y) or (torch.isnan(y2) == torch.isnan(y)).all()
+    return y, mean, rstd
+
+
+def _check_rms(x, w, dtype, what, ns=None, eps=1e-6):
+    ns = ns or (x.shape[-1],)
+    y, rstd = go.rms_norm_forward(x, ns, w, eps)
+    ry, rr = N.ref_rms_norm_forward(_np(x), ns, None if w is None else _np(w),
+                                    EPS[dtype] if eps is None else eps)
+    assert_close(_np(y), ry, dtype, f"rms_norm {what}")
+    assert_close(_np(rstd), rr, "float32", f"rstd {what}")
+    assert torch.equal(go.rms_norm(x, ns, w, eps), y)
+    return y, rstd
+
+
+def _check_add(x, r, w, dtype, what):
+    y, h, rstd = go.add_rms_norm_forward(x, r, w, 1e-6)
+    assert torch.equal(h, x + r), f"residual {what}: not torch's x + r"
+    ry, rr = N.ref_rms_norm_forward(_np(h), w.shape, _np(w), 1e-6)   # statistics of h as stored
+    assert_close(_np(y), ry, dtype, f"add_rms_norm {what}")
+    assert_close(_np(rstd), rr, "float32", f"rstd {what}")
+    y1, h1 = go.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(y1, y) and torch.equal(h1, h)
+    return y, h, rstd
+
+
+def _grad_like(x, scale=0.3):
+    # correlated with x: weight gradients without cancellation, so that elementwise tolerances
+    # measure the kernels rather than the conditioning of the sums
+    return (0.5 * x.float() + 1.0 + scale * torch.randn_like(x, dtype=torch.float32)).to(x.dtype)
+
+
+def _check_ln_bwd(x, w, mean, rstd, dtype, what, dy=None, ns=None):
+    ns = ns or (x.shape[-1],)
+    dy = _grad_like(x) if dy is None else dy
+    dx, dw, db = go.layer_norm_backward(dy, x, mean, rstd, ns, w)
+    rx, rw, rb = N.ref_layer_norm_backward(_np(dy), _np(x), _np(mean), _np(rstd), ns,
+                                           None if w is None else _np(w))
+    assert dx.dtype == dw.dtype == db.dtype == x.dtype
+    assert_close(_np(dx), rx, dtype, f"layer_norm grad_input {what}")
+    assert_close(_np(dw), rw, dtype, f"layer_norm grad_weight {what}")
+    assert_close(_np(db), rb, dtype, f"layer_norm grad_bias {what}")
+    return dx, dw, db
+
+
+def _check_rms_bwd(x, w, rstd, dtype, what, ns=None):
+    ns = ns or (x.shape[-1],)
+    dy = _grad_like(x)
+    dx, dw = go.rms_norm_backward(dy, x, rstd, ns, w)
+    rx, rw, _ = N._ref_backward("t", False, _np(dy), _np(x), None, _np(rstd), ns,
+                                None if w is None else _np(w))
+    assert_close(_np(dx), rx, dtype, f"rms_norm grad_input {what}")
+    assert_close(_np(dw), rw, dtype, f"rms_norm grad_weight {what}")
+    return dx, dw
+
+
+def _check_add_bwd(h, w, rstd, dtype, what, with_residual_grad=True):
+    dy = _grad_like(h)
+    dh = _randn(h.shape, dtype) if with_residual_grad else None
+    dx, dw = go.add_rms_norm_backward(dy, dh, h, rstd, w)
+    rx, rw = N.ref_add_rms_norm_backward(_np(dy), None if dh is None else _np(dh), _np(h),
+                                         _np(rstd), _np(w))
+    assert_close(_np(dx), rx, dtype, f"add_rms_norm grad_input {what}")
+    assert_close(_np(dw), rw, dtype, f"add_rms_norm grad_weight {what}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + LONG, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_forward_and_backward(shape, dtype):
+    x, w, b = _ln_case(shape, dtype)
+    what = f"{shape} {dtype}"
+    _, mean, rstd = _check_ln(x, w, b, dtype, what)
+    _check_ln_bwd(x, w, mean, rstd, dtype, what)
+    _, rstd = _check_rms(x, w, dtype, what)
+    _check_rms_bwd(x, w, rstd, dtype, what)
+    r = _randn(shape, dtype)
+    _, h, rstd = _check_add(x, r, w, dtype, what)
+    _check_add_bwd(h, w, rstd, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, monkeypatch):
+    """Split rows the way a small GPU runs them (blocks of 64 threads, two launches), at sizes
+    a test can afford: every phase of every kernel."""
+    for name, kind in list(N.TUNING.items()):
+        monkeypatch.setitem(N.TUNING, name, dataclasses.replace(
+            kind, max_rows_threads=64, split_threads=64))
+    for force in (False, True):
+        monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", force)
+        for shape in ((37, 5000), (3, 2 * 4096 + 8), (4, 3001)):
+            what = f"{shape} {dtype} two launches={force}"
+            x, w, b = _ln_case(shape, dtype)
+            _, mean, rstd = _check_ln(x, w, b, dtype, what)
+            _check_ln_bwd(x, w, mean, rstd, dtype, what)
+            _check_ln(x, None, None, dtype, what + " no affine")
+            _, rstd = _check_rms(x, w, dtype, what)
+            _check_rms_bwd(x, w, rstd, dtype, what)
+            _, h, rstd = _check_add(x, _randn(shape, dtype), w, dtype, what)
+            _check_add_bwd(h, w, rstd, dtype, what, with_residual_grad=force)
+            y = go.layer_norm(x, shape[-1:], w, b)     # no statistics wanted: workspace ones
+            assert_close(_np(y), N.ref_layer_norm(_np(x), shape[-1:], _np(w), _np(b)), dtype,
+                         what + " layer_norm")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_multi_dim_no_affine_eps_none_and_offsets(dtype):
+    x = _randn((2, 3, 8, 48), dtype, 1.0, 0.0)
+    _, mean, rstd = _check_ln(x, None, None, dtype, "(8, 48) no affine", ns=(8, 48))
+    _check_ln_bwd(x, None, mean, rstd, dtype, "(8, 48) no weight", ns=(8, 48))
+    w = _randn((8, 48), dtype)
+    _check_ln(x, w, None, dtype, "(8, 48) weight only", ns=(8, 48))
+    _, rstd = _check_rms(x, None, dtype, "eps=None", ns=(8, 48), eps=None)
+    _check_rms_bwd(x, None, rstd, dtype, "(8, 48) no weight", ns=(8, 48))
+    # rows far from zero mean: the statistics must not cancel (y itself is then as exact as
+    # fp32 can hold the mean, ~1e-5 absolute at 100, so it is checked given the statistics)
+    far = _randn((16, 4096), dtype, 1.0, 100.0)
+    y, mean, rstd = go.layer_norm_forward(far, 4096)
+    _, rm, rr = N.ref_layer_norm_forward(_np(far), 4096, None, None, 1e-5)
+    assert_close(_np(mean), rm, "float32", "mean of rows at 100")
+    assert_close(_np(rstd), rr, "float32", "rstd of rows at 100")
+    expected = (_np(far) - _np(mean)[:, None]) * _np(rstd)[:, None]
+    assert_close(_np(y), expected, dtype, "rows at 100, given the statistics")
+    small = _randn((8, 256), dtype, 1e-3)       # mean square ~ eps: eps matters
+    _check_rms(small, None, dtype, "eps=None small", eps=None)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_strided_inputs_and_out(dtype):
+    wide = _randn((40, 4104), dtype)
+    x = wide[:, 8:8 + 4096]                      # row-strided view, 16-byte aligned
+    w, b = _randn((4096,), dtype), _randn((4096,), dtype)
+    _, mean, rstd = _check_ln(x, w, b, dtype, "row-strided")
+    xu = wide[:, 1:1 + 4096]                     # unaligned rows: the element path
+    _check_ln(xu, w, b, dtype, "unaligned")
+    _check_rms(xu, w, dtype, "unaligned")
+    xt = _randn((64, 40), dtype).t()             # transposed: copied
+    _check_ln(xt, None, None, dtype, "transposed")
+    _check_rms(xt, _randn((64,), dtype), dtype, "transposed")
+    _check_add(xt, _randn((40, 64), dtype), _randn((64,), dtype), dtype, "transposed")
+    # strided weight (copied) and a gradient that is an expanded scalar (stride 0)
+    w2 = _randn((4096 * 2,), dtype)[::2]
+    _check_ln(x, w2, None, dtype, "strided weight")
+    dy = torch.ones((), device="cuda", dtype=x.dtype).expand(x.shape)
+    _check_ln_bwd(x, w, mean, rstd, dtype, "expanded grad", dy=dy)
+    # out=: NaN-filled, contiguous and row-strided, then in place
+    out = torch.full((40, 4096), float("nan"), device="cuda", dtype=x.dtype)
+    y = go.layer_norm(x, 4096, w, b, out=out)
+    assert y is out
+    assert_close(_np(out), N.ref_layer_norm(_np(x), 4096, _np(w), _np(b)), dtype, "out=")
+    out_wide = torch.full((40, 4200), float("nan"), device="cuda", dtype=x.dtype)
+    yw = go.rms_norm(x, 4096, w, 1e-6, out=out_wide[:, :4096])
+    assert_close(_np(yw), N.ref_rms_norm(_np(x), 4096, _np(w), 1e-6), dtype, "strided out=")
+    assert torch.isnan(out_wide[:, 4096:]).all()
+    xc = x.contiguous()
+    expected = N.ref_rms_norm(_np(xc), 4096, _np(w), 1e-6)
+    assert go.rms_norm(xc, 4096, w, 1e-6, out=xc) is xc
+    assert_close(_np(xc), expected, dtype, "in place")
+    with pytest.raises(ValueError, match="overlaps"):
+        go.layer_norm(xc[:, :2048], 2048, out=xc[:, 1:2049])
+    with pytest.raises(ValueError, match="'out'"):
+        go.layer_norm(xc, 4096, out=torch.empty((4096, 40), device="cuda",
+                                                dtype=xc.dtype).t())
+    with pytest.raises(TypeError, match="float32"):
+        go.rms_norm_backward(xc, xc, rstd.double(), 4096, w)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_nan_and_inf_rows(dtype):
+    x = _randn((6, 4096), dtype)
+    x[1, 7] = float("nan")
+    x[3, 100] = float("inf")
+    x[4, 5] = float("-inf")
+    w = _randn((4096,), dtype)
+    y = go.layer_norm(x, 4096, w)
+    ref = N.ref_layer_norm(_np(x), 4096, _np(w))
+    assert_close(_np(y), ref, dtype, "layer_norm NaN/Inf rows")
+    assert torch.isnan(y[[1, 3, 4]]).all() and not torch.isnan(y[[0, 2, 5]]).any()
+    y = go.rms_norm(x, 4096, w, 1e-6)
+    assert_close(_np(y), N.ref_rms_norm(_np(x), 4096, _np(w), 1e-6), dtype, "rms NaN/Inf rows")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_gpu_add_rms_norm_matches_hf_transformers(dtype):
+    """HF's decoder layer in bf16: residual = residual + hidden (rounded), then LlamaRMSNorm."""
+    td = getattr(torch, dtype)
+    hidden, residual = _randn((64, 2048), dtype), _randn((64, 2048), dtype, 4.0)
+    w = _randn((2048,), dtype, 0.1, 1.0)
+    new_residual = residual + hidden
+    var = new_residual.float().pow(2).mean(-1, keepdim=True)
+    hf = w * (new_residual.float() * torch.rsqrt(var + 1e-6)).to(td)
+    y, h = go.add_rms_norm(hidden, residual, w, 1e-6)
+    assert torch.equal(h, new_residual)
+    assert_close(_np(y), _np(hf), dtype, "vs HF RMSNorm")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_weight_gradients_are_deterministic():
+    x = _randn((3000, 1024), "float32")
+    w = _randn((1024,), "float32")
+    _, mean, rstd = go.layer_norm_forward(x, 1024, w, w)
+    dy = _grad_like(x)
+    first = go.layer_norm_backward(dy, x, mean, rstd, 1024, w)
+    for _ in range(3):
+        again = go.layer_norm_backward(dy, x, mean, rstd, 1024, w)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_autograd_matches_torch(dtype):
+    """gpuops.torch against torch's own ops run in fp32 on the same (rounded) inputs."""
+    import gpuops.torch as gt
+    td = getattr(torch, dtype)
+    x0 = _randn((64, 1536), dtype)
+    w0, b0 = _randn((1536,), dtype, 0.5, 1.0), _randn((1536,), dtype)
+    r0 = _randn((64, 1536), dtype)
+    dy = _grad_like(x0)
+
+    def grads(fn, leaves, grad):
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        return [o.detach() for o in out] + list(torch.autograd.grad(out, leaves,
+                                                                    [grad] * len(out)))
+
+    def add_then_norm(x, r, w):      # the sum rounded to the storage dtype, as gpuops and HF
+        h = (x + r).to(td).float()
+        return F.rms_norm(h, [1536], w, 1e-6), h
+    pairs = [
+        (lambda x, w, b: gt.layer_norm(x, 1536, w, b),
+         lambda x, w, b: F.layer_norm(x, (1536,), w, b), (x0, w0, b0)),
+        (lambda x, w: gt.rms_norm(x, [1536], w, 1e-6), lambda x, w: F.rms_norm(x, [1536], w, 1e-6),
+         (x0, w0)),
+        (lambda x, r, w: gt.add_rms_norm(x, r, w, 1e-6), add_then_norm, (x0, r0, w0)),
+    ]
+    for ours, theirs, leaves in pairs:
+        got = grads(ours, leaves, dy)
+        want = grads(theirs, [t.float() for t in leaves], dy.float())
+        for a, e in zip(got, want):
+            assert a.dtype == td
+            if dtype == "float32":
+                torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+            else:
+                assert_close(_np(a), _np(e), dtype, "vs torch in fp32")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_torch_compile_fullgraph():
+    step, eager, args = _compile_case("cuda", torch.float32)
+    compiled = torch.compile(step, fullgraph=True)
+    out = compiled(*args)
+    torch.testing.assert_close(out, eager(*args), rtol=1e-4, atol=1e-3)
+    for ga, ge in zip(torch.autograd.grad(out, args), torch.autograd.grad(eager(*args), args)):
+        torch.testing.assert_close(ga, ge, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_side_stream_and_cuda_graph_at_decode_size():
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = _randn((16, 2048), "bfloat16")
+        r = _randn((16, 2048), "bfloat16")
+        w = _randn((2048,), "bfloat16")
+        y, h = go.add_rms_norm(x, r, w)
+    side.synchronize()
+    assert torch.equal(h, x + r)
+    assert_close(_np(y), N.ref_rms_norm(_np(h), 2048, _np(w), 1e-6), "bfloat16", "side stream")
+
+    sx, sr, sw = _randn((16, 2048), "bfloat16"), _randn((16, 2048), "bfloat16"), w
+    long_x = _randn((2, 1 << 18), "float32")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):          # warm-up outside capture (loads the modules)
+        go.add_rms_norm(sx, sr, sw)
+        go.layer_norm_forward(sx, 2048, sw, sw)
+        go.rms_norm(long_x, 1 << 18)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):          # no host sync, every launch on the capture stream
+        gy, gh = go.add_rms_norm(sx, sr, sw)
+        ly, lm, lr = go.layer_norm_forward(gy, 2048, sw, sw)
+        gdx, gdw, gdb = go.layer_norm_backward(gh, gy, lm, lr, 2048, sw)
+        long_y = go.rms_norm(long_x, 1 << 18)     # split rows: memset + kernel in the graph
+    for _ in range(2):
+        sx.copy_(_randn((16, 2048), "bfloat16"))
+        sr.copy_(_randn((16, 2048), "bfloat16"))
+        long_x.copy_(_randn((2, 1 << 18), "float32"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gh, sx + sr)
+        assert_close(_np(gy), N.ref_rms_norm(_np(gh), 2048, _np(sw), 1e-6), "bfloat16", "graph")
+        ry, rm, rr = N.ref_layer_norm_forward(_np(gy), 2048, _np(sw), _np(sw), 1e-5)
+        assert_close(_np(ly), ry, "bfloat16", "graph layer_norm")
+        rx, rw, rb = N.ref_layer_norm_backward(_np(gh), _np(gy), _np(lm), _np(lr), 2048, _np(sw))
+        assert_close(_np(gdx), rx, "bfloat16", "graph backward")
+        assert_close(_np(gdw), rw, "bfloat16", "graph grad_weight")
+        assert_close(_np(gdb), rb, "bfloat16", "graph grad_bias")
+        assert_close(_np(long_y), N.ref_rms_norm(_np(long_x), 1 << 18, None, EPS["float32"]),
+                     "float32", "graph long rows")
+
+
+@gpu
+def test_gpu_cupy_and_numpy_inputs(rng):
+    import cupy as cp
+    x = cp.asarray(rng.standard_normal((33, 640)).astype(np.float32))
+    w = cp.asarray(rng.standard_normal(640).astype(np.float32))
+    y, mean, rstd = go.layer_norm_forward(x, 640, w, w)
+    assert isinstance(y, cp.ndarray) and mean.dtype == np.float32
+    ry, rm, rr = N.ref_layer_norm_forward(cp.asnumpy(x).astype(np.float64), 640,
+                                          cp.asnumpy(w).astype(np.float64),
+                                          cp.asnumpy(w).astype(np.float64), 1e-5)
+    assert_close(cp.asnumpy(y), ry, "float32", "cupy")
+    assert_close(cp.asnumpy(rstd), rr, "float32", "cupy rstd")
+    xt = x.T                                   # non-contiguous CuPy: copied
+    yt = go.rms_norm(xt, 33, None, 1e-6)
+    assert_close(cp.asnumpy(yt), N.ref_rms_norm(cp.asnumpy(xt).astype(np.float64), 33, None,
+                                                1e-6), "float32", "cupy transposed")
+    xh = rng.standard_normal((7, 4096)).astype(np.float32)
+    out = np.full_like(xh, np.nan)
+    assert go.rms_norm(xh, 4096, None, 1e-6, out=out) is out
+    assert_close(out, N.ref_rms_norm(xh.astype(np.float64), 4096, None, 1e-6), "float32",
+                 "numpy on gpu")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_empty_inputs():
+    x = torch.empty((0, 64), device="cuda")
+    assert go.layer_norm(x, 64).shape == (0, 64)
+    y, mean, rstd = go.layer_norm_forward(torch.empty((3, 0), device="cuda"), 0)
+    assert y.shape == (3, 0) and torch.all(mean == 0) and torch.isnan(rstd).all()
+    dx, dw, db = go.layer_norm_backward(x, x, torch.empty(0, device="cuda"),
+                                        torch.empty(0, device="cuda"), 64)
+    assert dx.shape == (0, 64) and torch.all(dw == 0) and torch.all(db == 0)
+    dx, dw = go.rms_norm_backward(x, x, torch.empty(0, device="cuda"), 64)
+    assert torch.all(dw == 0)
