@@ -1,0 +1,221 @@
+"""Scans: cumsum (inclusive or exclusive, forward or reversed) along one dim.
+
+Kernels: cuda_src/scan/scan.cu with the warp/block scan and decoupled look-back primitives of
+cuda_src/common/scan.cuh. The last dim (or any dim whose elements are adjacent in memory) is
+scanned as rows: a warp per short row, a block per tile of a long row, the tiles of a row chained
+by decoupled look-back (one read and one write of the data). Other dims are scanned as columns:
+each thread walks a chunk of rows for a pack of adjacent columns, after the chunks' column sums
+(the reduce family's column kernel) and their prefixes.
+"""
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from gpuops import dtypes as dt
+from gpuops.bench_spec import BenchSpec
+from gpuops.ops import _layout as lay
+from gpuops.ops import reduce as red
+from gpuops.registry import register
+from gpuops.runtime.launch import ArgSpec
+from gpuops.runtime.modules import KernelModule
+from gpuops.tensor import Tensor
+
+THREADS = 256
+WARP_TILE_PACKS = 32 * 4      # a warp's largest tile (K = 4)
+MAX_COL_PARTS = 128
+
+ROW_ARGS = ArgSpec("ptr", "ptr", "i64", "i64", "i64", "i64", "i32", "i64", "ptr", "ptr")
+INIT_ARGS = ArgSpec("ptr", "i64", "ptr")
+CARRY_ARGS = ArgSpec("ptr", "i64", "i64", "i32")
+COL_ARGS = ArgSpec("ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "ptr", "i32")
+
+# row variants: (16-byte packs, K sub-tiles per thread, threads per row)
+ROW_VARIANTS = [(True, k, g) for g in (32, 256) for k in (1, 2, 4)] + [(False, 4, 32), (False, 4, 256)]
+
+
+def _vec(d) -> int:
+    return 16 // d.itemsize
+
+
+def _row_expr(d, vector, k, group, rev):
+    return (f"gpuops::scan::scan_rows<{d.ctype}, {_vec(d) if vector else 1}, {k}, {group}, "
+            f"{'true' if rev else 'false'}>")
+
+
+def _col_expr(d, vector, rev):
+    return f"gpuops::scan::scan_cols<{d.ctype}, {_vec(d) if vector else 1}, {'true' if rev else 'false'}>"
+
+
+_kernels = {"gpuops::scan::scan_init": INIT_ARGS}
+for _rev in (False, True):
+    _kernels[f"gpuops::scan::scan_carries<{'true' if _rev else 'false'}>"] = CARRY_ARGS
+    for _d in dt.FLOATS:
+        for _v in ROW_VARIANTS:
+            _kernels[_row_expr(_d, *_v, _rev)] = ROW_ARGS
+        for _vector in (True, False):
+            _kernels[_col_expr(_d, _vector, _rev)] = COL_ARGS
+MODULE = KernelModule("scan", "scan/scan.cu", _kernels)
+_TABLE = lay.KernelTable(MODULE)
+_ROW_NAMES = {(d, v, rev): _row_expr(d, *v, rev) for d in dt.FLOATS for v in ROW_VARIANTS
+              for rev in (False, True)}
+_COL_NAMES = {(d, vector, rev): _col_expr(d, vector, rev) for d in dt.FLOATS
+              for vector in (True, False) for rev in (False, True)}
+_CARRY_NAMES = {rev: f"gpuops::scan::scan_carries<{'true' if rev else 'false'}>" for rev in (False, True)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning (pure Python: tested on the CPU)
+
+def rows_config(rows: int, R: int, vec: int, sms: int):
+    """(variant, tiles per row). A warp per row when rows are short (up to two warp tiles) or
+    many (a warp each fills the GPU: its tiles in sequence, four packs in flight per lane); else
+    a block per tile of K * 256 packs (the smallest K that holds the row, else 4), the tiles of a
+    row chained by look-back."""
+    vector = vec > 1
+    packs = R // vec
+    if packs <= 2 * WARP_TILE_PACKS or rows >= sms * 32:
+        group = 32
+        k = 4 if not vector else next((k for k in (1, 2) if 32 * k >= packs), 4)
+    else:
+        group = 256
+        k = 4 if not vector else next((k for k in (1, 2) if 256 * k >= packs), 4)
+    tiles = 1 if group == 32 else max(1, -(-packs // (k * 256)))
+    return (vector, k, group), tiles
+
+
+def cols_config(A: int, B: int, R: int, vec: int, sms: int):
+    """(parts, rchunk): chunks of rows per column when the columns alone do not fill the GPU
+    (one wave of 2048 threads per SM, >= 32 rows per chunk, <= MAX_COL_PARTS chunks)."""
+    threads = A * -(-B // vec)
+    parts = 1
+    target = sms * 2048
+    if threads < target:
+        parts = max(1, min(-(-target // threads), R // 32, MAX_COL_PARTS))
+    rchunk = -(-R // parts)
+    return -(-R // rchunk), rchunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+
+_MAX_GRID = (1 << 31) - 1
+
+
+def _cumsum(call, x: Tensor, d: int, exclusive: bool, reverse: bool) -> Tensor:
+    dtype = call.result_dtype
+    shape = tuple(x.shape)
+    y = call.empty(shape, dtype)
+    if y.numel == 0:
+        return y
+    vshape, vstrides = (shape, tuple(x.strides)) if shape else ((1,), (1,))
+    v = lay.view3(vshape, vstrides, d)
+    if v is None:
+        x = lay.contiguous_copy(call, x)
+        v = lay.view3(vshape, tuple(x.strides), d)
+    A, sa, R, sr, B, sb = v
+    dev, stream = call.device, call.stream
+    vec = _vec(dtype)
+    excl = 1 if exclusive else 0
+    if B == 1:
+        vector = (sr == 1 and R > 1 and (x.ptr - y.ptr) % 16 == 0
+                  and (A == 1 or (sa - R) % vec == 0))
+        variant, tiles = rows_config(A, R, vec if vector else 1, lay.sm_count(dev))
+        group = variant[2]
+        if group == 32:
+            grid = -(-A // (THREADS // 32))
+            ws = None
+        else:
+            grid = A * tiles
+            ws = None
+            if tiles > 1:
+                ws = call.empty((grid + 1,), dt.int64)        # status words, then the counter
+                _TABLE.get(dev, "gpuops::scan::scan_init").launch(
+                    (-(-grid // THREADS), 1, 1), (THREADS, 1, 1), stream, ws.ptr, grid,
+                    ws.ptr + 8 * grid)
+        _check_grid(grid)
+        _TABLE.get(dev, _ROW_NAMES[(dtype, variant, reverse)]).launch(
+            (grid, 1, 1), (THREADS, 1, 1), stream, x.ptr, y.ptr, A, R, sa, sr, excl, tiles,
+            ws.ptr if ws else 0, ws.ptr + 8 * grid if ws else 0)
+        return y
+
+    vector = (sb == 1 and B % vec == 0 and (A == 1 or sa % vec == 0) and (R <= 1 or sr % vec == 0)
+              and x.ptr % 16 == 0)
+    v_ = vec if vector else 1
+    parts, rchunk = cols_config(A, B, R, v_, lay.sm_count(dev))
+    carries = None
+    if parts > 1:
+        # the chunks' column sums (reduce_cols<Sum> with the same chunks), then their prefixes
+        carries = call.empty((A * parts * B,), dt.float32)
+        grid = (A * -(-B // (32 * v_)), parts, 1)
+        red._TABLE.get(dev, red._NAMES[("sum", dtype)]["cols"][vector]).launch(
+            grid, (THREADS, 1, 1), stream, x.ptr, 0, carries.ptr, 0,
+            A, B, R, sa, sb, sr, 0, 0, rchunk, 1.0)
+        _TABLE.get(dev, _CARRY_NAMES[reverse]).launch(
+            (-(-(A * B) // THREADS), 1, 1), (THREADS, 1, 1), stream, carries.ptr, A, B, parts)
+    grid = A * -(-B // (THREADS * v_))
+    _check_grid(grid)
+    _TABLE.get(dev, _COL_NAMES[(dtype, vector, reverse)]).launch(
+        (grid, parts, 1), (THREADS, 1, 1), stream, x.ptr, y.ptr, A, B, R, sa, sb, sr, rchunk,
+        carries.ptr if carries else 0, excl)
+    return y
+
+
+def _check_grid(grid):
+    if grid > _MAX_GRID:
+        raise ValueError(f"gpuops.cumsum: the input is too large for one launch ({grid} blocks)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (float64)
+
+def ref_cumsum(input, dim, exclusive=False, reverse=False):
+    x = np.asarray(input)
+    d = lay.normalize_dim("cumsum", dim, x.ndim)
+    if x.ndim == 0:
+        return np.zeros_like(x) if exclusive else x + 0.0
+    if reverse:
+        x = np.flip(x, d)
+    y = np.cumsum(x, axis=d)
+    if exclusive and x.shape[d]:
+        first = list(x.shape)
+        first[d] = 1
+        keep = [slice(None)] * x.ndim
+        keep[d] = slice(0, -1)
+        y = np.concatenate([np.zeros(first, dtype=y.dtype), y[tuple(keep)]], axis=d)
+    if reverse:
+        y = np.flip(y, d)
+    return np.ascontiguousarray(y)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+
+def _bench_make(shape, d, randn):
+    return (randn(shape, d),), {"dim": -1}
+
+
+def _torch_cumsum(x, dim=-1):
+    import torch  # noqa: PLC0415
+    return torch.cumsum(x, dim)
+
+
+@register(family="scan", reference=ref_cumsum,
+          bench=BenchSpec(make_inputs=_bench_make, torch_fn=_torch_cumsum,
+                          default_shape=lambda d: (32768, 4096), compile_peer=True,
+                          extra_shapes=((16, 1048576),)))
+def cumsum(call, input: Tensor, dim: int, *, exclusive: bool = False,
+           reverse: bool = False) -> Tensor:
+    """Cumulative sum along ``dim``, as ``torch.cumsum`` (same dtype out, fp32 accumulation).
+
+    ``exclusive=True`` leaves each element out of its own sum (the first is 0);
+    ``reverse=True`` sums from the end (``flip(cumsum(flip(x)))``). Each element of the result is
+    one rounding of an fp32 sum computed as: a pack of 4-8 elements in order, a warp/block tree,
+    and the sum of the preceding tiles of the row (sequential over tiles): the fp32 error grows
+    with the number of tiles (4096-8192 elements each), about eps * (tiles + 13) * sum(|x|) in
+    the worst case. Non-last dims are scanned in chunks of rows (sequential within a chunk); a
+    layout whose leading (or trailing) dims do not merge is copied contiguously first.
+    """
+    d = lay.normalize_dim("cumsum", dim, len(input.shape))
+    return _cumsum(call, input, d, bool(exclusive), bool(reverse))

@@ -1,0 +1,283 @@
+// A CPU emulator for gpuops kernels, for tests on machines without a GPU (tests/emu.py).
+//
+// The kernel sources compile unchanged as host C++20 with this header force-included: every CUDA
+// thread of a block is a fiber; __syncthreads() is a barrier of the block, warp intrinsics
+// (shuffles, votes, REDUX) exchange values through a barrier of the warp; __shared__ variables are
+// function statics (blocks run one after another, so one copy is enough). Threads that return
+// early drop out of their barriers, as exited threads do on the GPU. Blocks of a grid run in
+// blockIdx order, which decoupled look-back tolerates (a tile only waits on earlier tiles).
+//
+// This checks indexing, tiling, shuffles, barriers and the algorithms; it does not model memory
+// ordering between concurrent blocks, timing, or the real arch's floating-point contractions.
+// dtypes.cuh and vec.cuh are replaced by asm-free host versions (tests/cuda_emu/common/).
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <csetjmp>
+#include <ucontext.h>
+#include <tuple>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+
+namespace emu {
+// Every CUDA thread is a fiber on one OS thread, scheduled round-robin; a fiber runs until it
+// waits at a barrier or returns. A fiber starts on its own stack through makecontext/swapcontext,
+// and later switches are _setjmp/_longjmp (no signal-mask system call per switch).
+// Deterministic, and cheap enough for blocks of 512.
+inline dim3 grid_dim, block_dim;
+inline dim3 thread_idx, block_idx;           // of the running fiber
+inline unsigned char* dynamic_smem = nullptr;
+inline std::atomic<int> failed{0};
+inline char fail_msg[256] = {0};
+inline void fail(const char* msg) {
+  if (failed.exchange(1) == 0) std::strncpy(fail_msg, msg, sizeof(fail_msg) - 1);
+}
+
+inline ucontext_t scheduler;
+inline jmp_buf scheduler_jmp;
+inline void yield();
+inline unsigned long long progress = 0;     // arrivals and exits: a pass without any = deadlock
+
+struct Barrier {
+  int expected = 0, arrived = 0;
+  unsigned generation = 0;
+  void arrive_and_wait() {
+    const unsigned g = generation;
+    ++progress;
+    if (++arrived == expected) {
+      arrived = 0;
+      ++generation;
+      return;
+    }
+    while (generation == g) yield();
+  }
+  void drop() {                        // a thread that returned no longer takes part
+    --expected;
+    if (arrived > 0 && arrived == expected) {
+      arrived = 0;
+      ++generation;
+    }
+  }
+};
+
+struct Warp {
+  Barrier bar;
+  unsigned long long slot[32];
+};
+
+struct Fiber {
+  ucontext_t ctx;
+  jmp_buf jmp;
+  int linear = 0;
+  bool started = false;
+  bool done = false;
+};
+
+inline constexpr size_t kStack = 128 * 1024;
+inline std::vector<std::unique_ptr<char[]>> stacks;
+inline std::vector<Fiber> fibers;
+inline Fiber* current = nullptr;
+inline int linear = 0;
+inline Barrier block_bar;
+inline std::vector<Warp> warps;
+inline std::function<void()> body;
+
+inline void yield() {
+  if (!_setjmp(current->jmp)) _longjmp(scheduler_jmp, 1);
+}
+inline Warp& warp() { return warps[linear / 32]; }
+
+inline void trampoline() {
+  body();
+  current->done = true;
+  warps[current->linear / 32].bar.drop();
+  block_bar.drop();
+  _longjmp(scheduler_jmp, 2);          // never returns: the scheduler's frame is the live one
+}
+
+template <class T>
+inline unsigned long long to_bits(T v) {
+  unsigned long long u = 0;
+  static_assert(sizeof(T) <= 8, "up to 8-byte shuffles");
+  std::memcpy(&u, &v, sizeof(T));
+  return u;
+}
+template <class T>
+inline T from_bits(unsigned long long u) {
+  T v;
+  std::memcpy(&v, &u, sizeof(T));
+  return v;
+}
+
+// Every lane publishes `v`; returns the value published by lane src(lane).
+template <class T, class F>
+inline T exchange(T v, F src) {
+  Warp& w = warp();
+  const int lane = linear & 31;
+  w.slot[lane] = to_bits(v);
+  w.bar.arrive_and_wait();
+  const T r = from_bits<T>(w.slot[src(lane) & 31]);
+  w.bar.arrive_and_wait();
+  return r;
+}
+
+inline unsigned ballot(bool p) {
+  Warp& w = warp();
+  const int lane = linear & 31;
+  w.slot[lane] = p ? 1 : 0;
+  w.bar.arrive_and_wait();
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) m |= static_cast<unsigned>(w.slot[i] & 1) << i;
+  w.bar.arrive_and_wait();
+  return m;
+}
+
+// Runs kernel(args...) over the grid, blocks one after another in blockIdx order.
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 blk, size_t smem, A... args) {
+  grid_dim = grid;
+  block_dim = blk;
+  const int n = static_cast<int>(blk.x * blk.y * blk.z);
+  if (n % 32) {
+    fail("block size must be a multiple of 32");
+    return;
+  }
+  std::vector<unsigned char> smem_buf(smem + 16);
+  dynamic_smem = smem_buf.data();
+  while (static_cast<int>(stacks.size()) < n) stacks.emplace_back(new char[kStack]);
+  body = [&] { kernel(args...); };
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        block_idx = {bx, by, bz};
+        block_bar = Barrier{n, 0, 0};
+        warps.assign(n / 32, Warp{});
+        for (auto& w : warps) w.bar.expected = 32;
+        fibers.assign(n, Fiber{});
+        for (int t = 0; t < n; ++t) {
+          Fiber& f = fibers[t];
+          f.linear = t;
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = stacks[t].get();
+          f.ctx.uc_stack.ss_size = kStack;
+          f.ctx.uc_link = &scheduler;
+          makecontext(&f.ctx, trampoline, 0);
+        }
+        for (int left = n; left > 0;) {
+          const unsigned long long before = progress;
+          left = 0;
+          for (int t = 0; t < n; ++t) {
+            Fiber& f = fibers[t];
+            if (f.done) continue;
+            current = &f;
+            linear = t;
+            thread_idx = {t % blk.x, (t / blk.x) % blk.y, t / (blk.x * blk.y)};
+            if (!_setjmp(scheduler_jmp)) {
+              if (!f.started) {
+                f.started = true;
+                swapcontext(&scheduler, &f.ctx);
+              } else {
+                _longjmp(f.jmp, 1);
+              }
+            }
+            if (!f.done) ++left;
+            else ++progress;
+          }
+          if (left > 0 && progress == before) {
+            fail("deadlock: every live thread waits at a barrier that cannot complete");
+            return;
+          }
+        }
+      }
+}
+
+// Unpacks a CUDA parameter buffer (natural alignment, as gpuops' ArgSpec packs it).
+template <class T>
+inline T take(const unsigned char* buf, size_t& off) {
+  off = (off + alignof(T) - 1) / alignof(T) * alignof(T);
+  T v;
+  std::memcpy(&v, buf + off, sizeof(T));
+  off += sizeof(T);
+  return v;
+}
+
+template <class... P>
+void launch_packed(void (*kernel)(P...), const unsigned* dims, size_t smem, const unsigned char* buf) {
+  size_t off = 0;
+  std::tuple<std::decay_t<P>...> args{take<std::decay_t<P>>(buf, off)...};
+  std::apply([&](auto... a) {
+    launch(kernel, dim3{dims[0], dims[1], dims[2]}, dim3{dims[3], dims[4], dims[5]}, smem, a...);
+  }, args);
+}
+}  // namespace emu
+
+#define threadIdx (emu::thread_idx)
+#define blockIdx (emu::block_idx)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) alignas(n)
+
+inline void __syncthreads() { emu::block_bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
+
+template <class T> inline T __shfl_sync(unsigned, T v, int src) {
+  return emu::exchange(v, [src](int) { return src; });
+}
+template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  return emu::exchange(v, [d](int lane) { return lane >= static_cast<int>(d) ? lane - static_cast<int>(d) : lane; });
+}
+template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned d) {
+  return emu::exchange(v, [d](int lane) { return lane + static_cast<int>(d) < 32 ? lane + static_cast<int>(d) : lane; });
+}
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
+  return emu::exchange(v, [m](int lane) { return lane ^ m; });
+}
+inline unsigned __ballot_sync(unsigned, int p) { return emu::ballot(p != 0); }
+inline int __any_sync(unsigned, int p) { return emu::ballot(p != 0) != 0; }
+inline int __all_sync(unsigned, int p) { return emu::ballot(p != 0) == 0xffffffffu; }
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  unsigned r = v;
+  for (int i = 16; i > 0; i >>= 1) { const unsigned u = __shfl_xor_sync(0xffffffffu, r, i); r = u > r ? u : r; }
+  return r;
+}
+inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+  unsigned r = v;
+  for (int i = 16; i > 0; i >>= 1) { const unsigned u = __shfl_xor_sync(0xffffffffu, r, i); r = u < r ? u : r; }
+  return r;
+}
+
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
+inline int __clzll(unsigned long long v) { return v ? __builtin_clzll(v) : 64; }
+inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
+inline int __ffsll(unsigned long long v) { return __builtin_ffsll(static_cast<long long>(v)); }
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
