@@ -136,14 +136,14 @@ def test_rows_config_covers_every_pack():
         units = R // vec
         assert splits * chunk >= units and (splits - 1) * chunk < max(units, 1)
         assert 1 <= splits <= red.MAX_GRID_Y
-        if rows * tpr >= 132 * 2048:
+        if rows * tpr >= 2 * 132 * 2048:
             assert splits == 1
 
 
 def test_cols_config_chunks_cover_the_rows():
     for A, B, R, vec in [(1, 4096, 32768, 8), (4, 130, 6, 1), (1, 3, 100000, 1), (100, 64, 64, 4)]:
         splits, rchunk = red.cols_config(A, B, R, vec, 132)
-        assert splits * rchunk >= R and (splits - 1) * rchunk < R and splits <= 64
+        assert splits * rchunk >= R and (splits - 1) * rchunk < R and splits <= 128
 
 
 # ----------------------------------------------------------------------------- CPU: kernels, emulated

@@ -6,8 +6,9 @@ CUDA graphs).
 
 Tolerance: conftest.TOLERANCE (fp32 rtol 1e-5) on data with a positive mean, so that every prefix
 sum is about as large as the sum of its absolute values (condition number ~1). The kernels' fp32
-error is then a few eps from each pack and warp/block tree plus one eps per preceding tile of the
-row (tiles of 4096-8192 elements, chained sequentially): ~1e-6 at 2M elements, well inside 1e-5.
+error is then a few eps from each pack and warp tree plus one rounding per preceding tile of the
+row (tiles of 1024 elements, chained sequentially; random-signed roundings grow like the square
+root of their number): ~2e-6 at 2M elements, inside 1e-5.
 For mixed signs the check is the forward error bound eps * (tiles + 64) * cumsum(|x|).
 """
 from __future__ import annotations
@@ -75,18 +76,18 @@ def test_cpu_path_keeps_the_dtype(rng):
 
 
 def test_rows_config():
-    # [32768, 4096]: a warp per row (rows fill the GPU); [16, 1M]: blocks chained by look-back
-    assert scan.rows_config(32768, 4096, 8, 132) == ((True, 4, 32), 1)
-    assert scan.rows_config(16, 1 << 20, 8, 132) == ((True, 4, 256), 128)
-    assert scan.rows_config(16, 1 << 20, 4, 132) == ((True, 4, 256), 256)
-    assert scan.rows_config(4, 2000, 8, 132) == ((True, 4, 32), 1)       # short rows
-    assert scan.rows_config(4, 200, 8, 132) == ((True, 1, 32), 1)
-    assert scan.rows_config(4, 3000, 4, 132) == ((True, 4, 256), 1)
-    assert scan.rows_config(4, 5000, 1, 132)[0] == (False, 4, 256)
-    for rows, R, vec in [(1, 12345, 8), (3, 10 ** 6 + 3, 4), (1, 7, 1)]:
-        (vector, k, group), tiles = scan.rows_config(rows, R, vec, 132)
-        if group == 256:
-            assert tiles * k * 256 * vec >= R - vec + 1
+    # [32768, 4096]: a warp per row (rows fill the GPU); [16, 1M]: warps per tile, look-back
+    assert scan.rows_config(32768, 4096, 8, 132) == ((True, 4), 1)
+    assert scan.rows_config(16, 1 << 20, 8, 132) == ((True, 4), 1024)
+    assert scan.rows_config(16, 1 << 20, 4, 132) == ((True, 8), 1024)
+    assert scan.rows_config(4, 2000, 8, 132) == ((True, 4), 1)          # short rows
+    assert scan.rows_config(4, 200, 8, 132) == ((True, 1), 1)
+    assert scan.rows_config(4, 3000, 4, 132) == ((True, 8), 3)
+    assert scan.rows_config(4, 5000, 1, 132) == ((False, 8), 20)
+    for rows, R, vec in [(1, 12345, 8), (3, 10 ** 6 + 3, 4), (1, 7, 1), (2, 100000, 1)]:
+        (vector, k), tiles = scan.rows_config(rows, R, vec, 132)
+        if tiles > 1:
+            assert tiles * k * 32 * vec >= R - vec + 1
 
 
 # ----------------------------------------------------------------------------- CPU: kernels, emulated
@@ -108,10 +109,10 @@ EMU_CASES = [   # (shape, dim, layout)
     ((3, 37), -1, "offset"),        # misaligned rows: head and tail elements
     ((4, 1), -1, "contig"),         # rows of 1
     ((70, 3000), -1, "offset"),     # a warp per row walking several tiles (many rows)
-    ((2, 9000), -1, "contig"),      # block tiles chained by look-back
+    ((2, 9000), -1, "contig"),      # warp tiles chained by look-back
     ((1, 20001), -1, "offset"),     # one long misaligned row
     ((5, 300), -1, "sliced"),       # strided rows: one element per lane
-    ((2, 1500), -1, "sliced"),      # strided rows, block tiles
+    ((2, 1500), -1, "sliced"),      # strided rows, tiles with look-back
     ((64, 40), 0, "contig"),        # columns, chunks of rows with carries
     ((3, 300, 16), 1, "contig"),    # middle dim
     ((40, 50), 0, "transposed"),    # dim 0 of a transposed view
@@ -156,7 +157,7 @@ def test_emulated_error_bound_with_cancellation(rng):
         for exclusive, reverse in MODES:
             y = _emu_run(dev, x, 1, exclusive, reverse).astype(np.float64)
             ref = scan.ref_cumsum(x64, 1, exclusive, reverse)
-            bound = 2.0 ** -24 * (30000 / 4096 + 64) * scan.ref_cumsum(np.abs(x64), 1, exclusive, reverse)
+            bound = 2.0 ** -24 * (30000 / 1024 + 64) * scan.ref_cumsum(np.abs(x64), 1, exclusive, reverse)
             assert np.all(np.abs(y - ref) <= bound + 1e-30)
 
 
@@ -216,7 +217,7 @@ def test_gpu_long_row_error_bound():
     x = _rand((2, 1 << 22), "float32", positive=False)
     y = _host(go.cumsum(x, 1))
     x64 = _host(x)
-    tiles = (1 << 22) / 4096
+    tiles = (1 << 22) / 1024
     bound = 2.0 ** -24 * (tiles + 64) * np.cumsum(np.abs(x64), 1)
     assert np.all(np.abs(y - np.cumsum(x64, 1)) <= bound)
 

@@ -100,6 +100,8 @@ using Min = Extremum<MinOp>;
 
 // argmax (kMax) / argmin: the value and index of the winner. The order is total: a NaN beats
 // every number, equal values (and two NaNs) go to the smaller index, as torch.argmax.
+// add / add_pack see a thread's elements in increasing index order (the kernels guarantee it), so
+// a later element wins only if strictly better; combine (across threads) compares indices too.
 template <bool kMax>
 struct Arg {
   struct State { float v; long long i; };
@@ -110,22 +112,42 @@ struct Arg {
   static __device__ __forceinline__ State init() {
     return {kMax ? -__int_as_float(0x7f800000) : __int_as_float(0x7f800000), kNoIndex};
   }
-  static __device__ __forceinline__ bool better(const State& s, float v, long long i) {
-    const bool sn = s.v != s.v, vn = v != v;
-    if (sn | vn) return vn && (!sn || i < s.i);
-    return (kMax ? v > s.v : v < s.v) || (v == s.v && i < s.i);
+  // b strictly better than a: b is a NaN and a is not, or b beats a as a number
+  static __device__ __forceinline__ bool strictly_better(float a, float b) {
+    return (b != b && a == a) || (kMax ? b > a : b < a);
   }
   static __device__ __forceinline__ State add(State s, float x, long long i) {
-    return better(s, x, i) ? State{x, i} : s;
+    return (s.i == kNoIndex || strictly_better(s.v, x)) ? State{x, i} : s;
   }
   template <int N>
   static __device__ __forceinline__ State add_pack(State s, const float (&f)[N], long long i0) {
+    // a tree over the pack (left operands have the smaller positions), then one update
+    float v[N];
+    int j[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) s = add(s, f[j], i0 + j);
-    return s;
+    for (int e = 0; e < N; ++e) {
+      v[e] = f[e];
+      j[e] = e;
+    }
+#pragma unroll
+    for (int w = 1; w < N; w <<= 1) {
+#pragma unroll
+      for (int e = 0; e + w < N; e += 2 * w) {
+        if (strictly_better(v[e], v[e + w])) {
+          v[e] = v[e + w];
+          j[e] = j[e + w];
+        }
+      }
+    }
+    return (s.i == kNoIndex || strictly_better(s.v, v[0])) ? State{v[0], i0 + j[0]} : s;
   }
   static __device__ __forceinline__ State combine(State a, State b) {
-    return better(a, b.v, b.i) ? b : a;
+    if (a.i == kNoIndex) return b;
+    if (b.i == kNoIndex) return a;
+    const bool an = a.v != a.v, bn = b.v != b.v;
+    const bool take_b = (an | bn) ? (bn && (!an || b.i < a.i))
+                                  : ((kMax ? b.v > a.v : b.v < a.v) || (b.v == a.v && b.i < a.i));
+    return take_b ? b : a;
   }
   static __device__ __forceinline__ State shfl_xor(State s, int offset) {
     return {__shfl_xor_sync(kFullMask, s.v, offset), __shfl_xor_sync(kFullMask, s.i, offset)};
@@ -210,15 +232,13 @@ reduce_rows(const T* __restrict__ x, void* __restrict__ out, float* __restrict__
     } else {
       static_assert(VEC == Vec16<T>::size, "VEC must be one 16-byte pack of T");
       // Elements before the first 16-byte boundary (head) and after the last whole pack (tail)
-      // are read one by one by part 0 (fewer than VEC <= TPR of each).
+      // are read one by one by the first and the last part (fewer than VEC <= TPR of each), so
+      // that each thread sees its elements in increasing order.
       const int mis = static_cast<int>((reinterpret_cast<unsigned long long>(px) & 15u) / sizeof(T));
       const long long head = mis == 0 ? 0 : (VEC - mis < R ? VEC - mis : R);
       const long long packs = (R - head) / VEC;
       const long long tail = head + packs * VEC;
-      if (part == 0) {
-        if (t < head) st = P::add(st, to_float(px[t]), t);
-        if (tail + t < R) st = P::add(st, to_float(px[tail + t]), tail + t);
-      }
+      if (part == 0 && t < head) st = P::add(st, to_float(px[t]), t);
       const long long begin = part * chunk;   // chunk >= ceil(packs / parts) for every row
       const long long end = begin + chunk < packs ? begin + chunk : packs;
       const T* body = px + head;
@@ -239,6 +259,7 @@ reduce_rows(const T* __restrict__ x, void* __restrict__ out, float* __restrict__
         Vec16<T>::unpack(load16(body + v * VEC), f);
         st = P::add_pack(st, f, head + v * VEC);
       }
+      if (part == gridDim.y - 1 && tail + t < R) st = P::add(st, to_float(px[tail + t]), tail + t);
     }
   }
   if constexpr (TPR == kThreads) {
@@ -259,8 +280,9 @@ reduce_rows(const T* __restrict__ x, void* __restrict__ out, float* __restrict__
 // Columns: block = (a, tile of 32 * VEC columns, chunk of rows). Lane -> pack of VEC adjacent
 // columns, warp -> every 8th row of the chunk.
 
+// argmax/argmin keep VEC (value, int64 index) states per thread: up to ~80 registers.
 template <class P, class T, int VEC>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+__global__ void __launch_bounds__(kThreads, P::kIndexed ? 3 : kMinBlocks)
 reduce_cols(const T* __restrict__ x, void* __restrict__ out, float* __restrict__ ws_v,
             long long* __restrict__ ws_i, long long A, long long B, long long R, long long sa,
             long long sb, long long sr, long long oa, long long ob, long long rchunk, float scale) {
@@ -351,13 +373,16 @@ reduce_cols(const T* __restrict__ x, void* __restrict__ out, float* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------------
-// Finish: output (a, b) combines the partials at a * pa + b * pb + s * ps, s < splits, in order.
+// Finish: output (a, b) combines the partials at a * pa + b * pb + s * ps, s < splits. G threads
+// per output (8 or 32 lanes, or the whole block for G = 256) take every G-th partial, then
+// combine in a fixed tree.
 
 template <class P, class T, int G>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
 reduce_finish(const float* __restrict__ ws_v, const long long* __restrict__ ws_i,
               void* __restrict__ out, long long A, long long B, int splits, long long pa,
               long long pb, long long ps, long long oa, long long ob, float scale) {
+  static_assert(G == kThreads || G <= 32, "a group is a warp or less, or the whole block");
   using State = typename P::State;
   const long long group = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) / G;
   const int t = threadIdx.x % G;
@@ -370,9 +395,14 @@ reduce_finish(const float* __restrict__ ws_v, const long long* __restrict__ ws_i
   State st = P::init();
   if (active) {
     const long long base = a * pa + b * pb;
+#pragma unroll 4
     for (int s = t; s < splits; s += G) st = P::combine(st, P::from_ws(ws_v, ws_i, base + s * ps));
   }
-  st = group_reduce<P, G>(st);
+  if constexpr (G == kThreads) {
+    st = block_combine<P>(st);
+  } else {
+    st = group_reduce<P, G>(st);
+  }
   if (active && t == 0) P::template store<T>(out, a * oa + b * ob, st, scale);
 }
 

@@ -1,15 +1,13 @@
 // Prefix sums (cumsum) along one dimension, inclusive or exclusive, forward or reversed.
 //
 // Rows (the scanned index contiguous, or strided with VEC = 1): row `row` is x[row * sx_row +
-// q * sx] and y[row * R + q] (y is contiguous). A thread owns one 16-byte pack (VEC elements) per
-// sub-tile and K sub-tiles: a tile is K * GROUP packs, scanned as
-//   thread: sequential scan of its pack  ->  warp: shuffle scan of pack totals  ->
-//   block (GROUP = 256): one warp scans the K * 8 warp totals  ->  row: tile prefix.
-//   scan_rows<T, VEC, K, 32, REV>   a warp per row, walking the row's tiles with a running carry
-//                                   (short rows, many of them).
-//   scan_rows<T, VEC, K, 256, REV>  a block per tile; the rows' tiles chain through decoupled
-//                                   look-back (common/scan.cuh) when a row has several tiles,
-//                                   so a long row is read once and written once.
+// q * sx] and y[row * R + q] (y is contiguous). A warp scans a tile of 32 * K packs (VEC elements
+// each): each lane owns one pack per sub-tile k, scanned as
+//   lane: sequential scan of its pack  ->  warp: shuffle scan of pack totals  ->
+//   tile: the sub-tiles in order  ->  row: the tile's prefix,
+// the prefix being a running carry when a warp walks a whole row (many rows), or decoupled
+// look-back between the warps holding a long row's tiles (common/scan.cuh): one read and one
+// write of the data either way.
 // A row start that is not 16-byte aligned (same offset in x and y, checked by the host) has up to
 // VEC - 1 "head" elements, and a row end up to VEC - 1 "tail" elements: one lane handles them
 // (the first tile those first in scan order, the last tile those last). A reversed scan is the
@@ -24,6 +22,7 @@
 #include "common/dtypes.cuh"
 #include "common/vec.cuh"
 #include "common/scan.cuh"
+#include "common/opaque.cuh"
 
 namespace gpuops {
 namespace scan {
@@ -120,8 +119,12 @@ template <class T, int VEC, bool REV>
 __device__ __forceinline__ void store_pack(T* py, const RowGeom<T, VEC, REV>& g, long long lv,
                                            const RawPack<VEC>& raw, float base, int exclusive) {
   if (lv >= g.packs) return;
+  // Opaque: the scan is recomputed here rather than the one of pack_total kept alive across the
+  // look-back (which took up to twice the registers).
+  RawPack<VEC> r = raw;
+  opaque(r.w);
   float v[VEC];
-  unpack_scan<T, VEC, REV>(raw, v);
+  unpack_scan<T, VEC, REV>(r, v);
   const long long p = g.pack(lv);
   float out[VEC];
 #pragma unroll
@@ -136,29 +139,34 @@ __device__ __forceinline__ void store_pack(T* py, const RowGeom<T, VEC, REV>& g,
   }
 }
 
-// A block per tile keeps its packs in registers while it waits for the tile's prefix (up to
-// ~90 registers with the look-back code): 2 blocks per SM.
-template <class T, int VEC, int K, int GROUP, bool REV>
-__global__ void __launch_bounds__(kThreads, GROUP == 32 ? kMinBlocks : 2)
+// A warp scans tiles of 32 * K packs (1024 elements for fp32 with K = 8 and 16-bit types with
+// K = 4). Two modes:
+//   tiles == 1   a warp per row, walking the row's tiles in order with a running carry (rows
+//                many enough to fill the GPU, or short);
+//   tiles > 1    a warp per tile: tiles are handed out in start order by an atomic counter, and
+//                the tiles of a row chain through decoupled look-back (long rows, few of them).
+// No block-wide barrier anywhere: warps are independent.
+// A lane holds K packs while its tile waits for the prefix: 70-120 registers (2-3 blocks per SM,
+// 16-24 warps with 2-4 KiB in flight each).
+template <class T, int VEC, int K, bool REV>
+__global__ void __launch_bounds__(kThreads, 2)
 scan_rows(const T* __restrict__ x, T* __restrict__ y, long long rows, long long R,
           long long sx_row, long long sx, int exclusive, long long tiles,
           unsigned long long* __restrict__ states, unsigned int* __restrict__ counter) {
-  static_assert(GROUP == 32 || GROUP == kThreads, "a row is scanned by a warp or a block");
   static_assert(VEC == 1 || VEC == Vec16<T>::size, "VEC must be 1 or one 16-byte pack of T");
+  constexpr long long kTile = static_cast<long long>(K) * 32;
   const int lane = lane_id();
   const int warp = threadIdx.x >> 5;
 
-  if constexpr (GROUP == 32) {
-    // ------------------------------------------------------------------ a warp per row
+  if (tiles == 1) {
     const long long row = static_cast<long long>(blockIdx.x) * kWarps + warp;
-    if (row >= rows) return;                        // whole warps: no block barrier below
+    if (row >= rows) return;                        // whole warps
     const T* px = x + row * sx_row;
     T* py = y + row * R;
     const RowGeom<T, VEC, REV> g(px, R);
     float carry = 0.0f;
     if (lane == 0) carry = scan_scalars<T, VEC, REV>(px, sx, py, g, true, 0.0f, exclusive);
     carry = __shfl_sync(kFullMask, carry, 0);
-    constexpr long long kTile = static_cast<long long>(K) * 32;
     for (long long t0 = 0; t0 < g.packs; t0 += kTile) {
       RawPack<VEC> raw[K];
 #pragma unroll
@@ -172,73 +180,57 @@ scan_rows(const T* __restrict__ x, T* __restrict__ y, long long rows, long long 
       }
     }
     if (lane == 0) scan_scalars<T, VEC, REV>(px, sx, py, g, false, carry, exclusive);
-  } else {
-    // ------------------------------------------------------------------ a block per tile
-    __shared__ float s_base[K * kWarps];     // warp totals, then each (sub-tile, warp)'s base
-    __shared__ unsigned int s_tile;
-    long long tile_id = blockIdx.x;
-    if (tiles > 1) {                         // tiles in the order blocks start (see scan.cuh)
-      if (threadIdx.x == 0) s_tile = atomicAdd(counter, 1u);
-      __syncthreads();
-      tile_id = s_tile;
-    }
-    // rows * tiles < 2^31 (the host checks the grid): 32-bit division
-    const long long row = static_cast<unsigned>(tile_id) / static_cast<unsigned>(tiles);
-    const long long j = tile_id - row * tiles;
-    const T* px = x + row * sx_row;
-    T* py = y + row * R;
-    const RowGeom<T, VEC, REV> g(px, R);
-    constexpr long long kTile = static_cast<long long>(K) * kThreads;
-    const long long t0 = j * kTile;
-
-    RawPack<VEC> raw[K];
-    float excl[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) raw[k] = load_pack<T, VEC, REV>(px, sx, g, t0 + k * kThreads + threadIdx.x);
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      float total;
-      excl[k] = warp_exclusive_scan<SumOp>(pack_total<T, VEC, REV>(raw[k]), 0.0f, total);
-      if (lane == 0) s_base[k * kWarps + warp] = total;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      float body;
-      const float w = lane < K * kWarps ? s_base[lane] : 0.0f;
-      const float wex = warp_exclusive_scan<SumOp>(w, 0.0f, body);
-      // The row's scalar ends: the first tile's prologue (prefix 0: written now), the last
-      // tile's epilogue (written once the tile's prefix is known).
-      float pro = 0.0f, epi = 0.0f;
-      if (lane == 0 && j == 0) pro = scan_scalars<T, VEC, REV>(px, sx, py, g, true, 0.0f, exclusive);
-      if (lane == 0 && j == tiles - 1) {
-        for (int i = 0; i < g.n_epilogue(); ++i) epi += to_float(px[g.epilogue(i) * sx]);
-      }
-      pro = __shfl_sync(kFullMask, pro, 0);
-      epi = __shfl_sync(kFullMask, epi, 0);
-      const float aggregate = pro + body + epi;
-      float prefix = 0.0f;
-      if (tiles > 1) {
-        unsigned long long* row_states = states + row * tiles;
-        if (j == 0) {
-          if (lane == 0) lookback::publish(row_states, lookback::kPrefix, aggregate);
-        } else {
-          if (lane == 0) lookback::publish(row_states + j, lookback::kAggregate, aggregate);
-          prefix = lookback::exclusive_prefix(row_states, j);
-          if (lane == 0) lookback::publish(row_states + j, lookback::kPrefix, prefix + aggregate);
-        }
-      }
-      if (lane < K * kWarps) s_base[lane] = prefix + pro + wex;
-      if (lane == 0 && j == tiles - 1) {
-        scan_scalars<T, VEC, REV>(px, sx, py, g, false, prefix + pro + body, exclusive);
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      store_pack<T, VEC, REV>(py, g, t0 + k * kThreads + threadIdx.x, raw[k],
-                              s_base[k * kWarps + warp] + excl[k], exclusive);
-    }
+    return;
   }
+
+  // A warp per tile. rows * tiles < 2^32 (the host checks): 32-bit division.
+  unsigned tile_id = 0;
+  if (lane == 0) tile_id = atomicAdd(counter, 1u);
+  tile_id = __shfl_sync(kFullMask, tile_id, 0);
+  if (tile_id >= rows * tiles) return;              // the grid rounds up to whole blocks
+  const long long row = tile_id / static_cast<unsigned>(tiles);
+  const long long j = tile_id - row * tiles;
+  const T* px = x + row * sx_row;
+  T* py = y + row * R;
+  const RowGeom<T, VEC, REV> g(px, R);
+  const long long t0 = j * kTile;
+
+  RawPack<VEC> raw[K];
+  float excl[K];
+  float body = 0.0f;                                // sub-tile k's base within the tile, then the sum
+#pragma unroll
+  for (int k = 0; k < K; ++k) raw[k] = load_pack<T, VEC, REV>(px, sx, g, t0 + k * 32 + lane);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float total;
+    excl[k] = body + warp_exclusive_scan<SumOp>(pack_total<T, VEC, REV>(raw[k]), 0.0f, total);
+    body += total;
+  }
+  // The row's scalar ends: the first tile's prologue (prefix 0: written now), the last tile's
+  // epilogue (written once the tile's prefix is known).
+  float pro = 0.0f, epi = 0.0f;
+  if (lane == 0 && j == 0) pro = scan_scalars<T, VEC, REV>(px, sx, py, g, true, 0.0f, exclusive);
+  if (lane == 0 && j == tiles - 1) {
+    for (int i = 0; i < g.n_epilogue(); ++i) epi += to_float(px[g.epilogue(i) * sx]);
+  }
+  pro = __shfl_sync(kFullMask, pro, 0);
+  epi = __shfl_sync(kFullMask, epi, 0);
+  const float aggregate = pro + body + epi;
+  unsigned long long* row_states = states + row * tiles;
+  float prefix = 0.0f;
+  if (j == 0) {
+    if (lane == 0) lookback::publish(row_states, lookback::kPrefix, aggregate);
+  } else {
+    if (lane == 0) lookback::publish(row_states + j, lookback::kAggregate, aggregate);
+    prefix = lookback::exclusive_prefix(row_states, j);
+    if (lane == 0) lookback::publish(row_states + j, lookback::kPrefix, prefix + aggregate);
+  }
+  const float base = prefix + pro;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    store_pack<T, VEC, REV>(py, g, t0 + k * 32 + lane, raw[k], base + excl[k], exclusive);
+  }
+  if (lane == 0 && j == tiles - 1) scan_scalars<T, VEC, REV>(px, sx, py, g, false, base + body, exclusive);
 }
 
 // Zeroes the look-back status words and the tile counter (the workspace is fresh memory).

@@ -30,6 +30,7 @@ POLICIES = {"sum": "Sum", "mean": "Sum", "amax": "Max", "amin": "Min", "argmax":
 ROW_VARIANTS = {"vec8": (True, 8), "vec32": (True, 32), "vec256": (True, 256),
                 "scalar32": (False, 32)}
 WARPS = THREADS // 32
+FINISH_GROUPS = (8, 32, 256)     # threads per output of the finishing kernel
 
 ROW_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64",
                    "i64", "i64", "f32")
@@ -64,14 +65,14 @@ for _p in _POLICY_SET:
             _kernels[_row_expr(_p, _d, _v)] = ROW_ARGS
         for _vector in (True, False):
             _kernels[_col_expr(_p, _d, _vector)] = COL_ARGS
-        for _g in (1, 32):
+        for _g in FINISH_GROUPS:
             _kernels[_finish_expr(_p, _d, _g)] = FINISH_ARGS
 MODULE = KernelModule("reduce", "reduce/reduce.cu", _kernels)
 _TABLE = lay.KernelTable(MODULE)
 # (op, dtype) -> names, computed once
 _NAMES = {(op, d): {"rows": {v: _row_expr(p, d, v) for v in ROW_VARIANTS},
                     "cols": {True: _col_expr(p, d, True), False: _col_expr(p, d, False)},
-                    "finish": {g: _finish_expr(p, d, g) for g in (1, 32)}}
+                    "finish": {g: _finish_expr(p, d, g) for g in FINISH_GROUPS}}
           for op, p in POLICIES.items() for d in dt.FLOATS}
 
 
@@ -116,8 +117,8 @@ def plan(shape, strides, dims, ordered: bool):
 
 def rows_config(rows: int, R: int, vec: int, sms: int):
     """(variant, splits, chunk): threads per row by row length, and rows split into parts of
-    `chunk` packs (elements when vec == 1) when there are too few rows to fill the GPU (each part
-    keeps >= 8 packs per thread)."""
+    `chunk` packs (elements when vec == 1) when there are too few rows for two waves of the GPU
+    (each part keeps >= 8 packs per thread)."""
     if vec == 1:
         variant, tpr, units = "scalar32", 32, R
     else:
@@ -125,7 +126,7 @@ def rows_config(rows: int, R: int, vec: int, sms: int):
         tpr = 256 if units >= 4096 else 32 if units >= 64 else 8
         variant = f"vec{tpr}"
     splits = 1
-    target = sms * 2048                       # threads of one full wave
+    target = sms * 2048 * 2                   # threads of two full waves
     if rows * tpr < target:
         splits = max(1, min(-(-target // (rows * tpr)), units // (tpr * 8), MAX_GRID_Y))
     chunk = -(-units // splits)        # packs of a row are units or fewer (a misaligned head)
@@ -136,17 +137,26 @@ def rows_config(rows: int, R: int, vec: int, sms: int):
 
 def cols_config(A: int, B: int, R: int, vec: int, sms: int):
     """(splits, rchunk): chunks of rows per column tile when the tiles alone do not fill the GPU
-    (one wave of 8 blocks per SM; >= 16 rows per thread; <= 64 partials per output)."""
+    (two waves of 8 blocks per SM; >= 16 rows per thread; <= 128 partials per output)."""
     tiles = -(-B // (32 * vec))
     base = A * tiles
     splits = 1
-    target = sms * 8
+    target = sms * 8 * 2
     if base < target and R > 0:
-        splits = max(1, min(-(-target // base), R // (WARPS * 16), 64))
+        splits = max(1, min(-(-target // base), R // (WARPS * 16), 128))
     rchunk = -(-R // splits) if R else 0
     if rchunk:
         splits = -(-R // rchunk)
     return splits, rchunk
+
+
+def finish_group(kind: str, splits: int) -> int:
+    """Threads per output of the finishing kernel: 8 adjacent outputs' partials are adjacent in
+    the column layout [A, splits, B]; a row's are contiguous ([rows, splits]): a warp, or a block
+    when there are many."""
+    if kind == "cols":
+        return 8
+    return 32 if splits <= 256 else 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +200,6 @@ def _launch(call, x: Tensor, out: Tensor, op: str, dims: tuple, ordered: bool, s
             ws_v.ptr if ws_v else 0, ws_i.ptr if ws_i else 0,
             A, B, R, sa, sb, sr, oa, ob, chunk, scale)
         partial_strides = (B * splits, splits, 1)         # pa, pb, ps: partials [A, B, splits]
-        g = 32
     else:
         vector = (sb == 1 and B % vec == 0 and (A == 1 or sa % vec == 0)
                   and (R <= 1 or sr % vec == 0) and x.ptr % 16 == 0)
@@ -207,8 +216,8 @@ def _launch(call, x: Tensor, out: Tensor, op: str, dims: tuple, ordered: bool, s
             ws_v.ptr if ws_v else 0, ws_i.ptr if ws_i else 0,
             A, B, R, sa, sb, sr, oa, ob, rchunk, scale)
         partial_strides = (splits * B, 1, B)              # partials [A, splits, B]
-        g = 1
     if splits > 1:      # few outputs (else there would be no parts): A * B < 2^32 as it needs
+        g = finish_group(kind, splits)
         grid = (-(-(A * B * g) // THREADS), 1, 1)
         _check_grid(op, grid)
         _TABLE.get(dev, names["finish"][g]).launch(

@@ -1,9 +1,9 @@
 """Scans: cumsum (inclusive or exclusive, forward or reversed) along one dim.
 
-Kernels: cuda_src/scan/scan.cu with the warp/block scan and decoupled look-back primitives of
+Kernels: cuda_src/scan/scan.cu with the warp scan and decoupled look-back primitives of
 cuda_src/common/scan.cuh. The last dim (or any dim whose elements are adjacent in memory) is
-scanned as rows: a warp per short row, a block per tile of a long row, the tiles of a row chained
-by decoupled look-back (one read and one write of the data). Other dims are scanned as columns:
+scanned as rows: a warp per row when rows are many or short, else a warp per tile of 1024
+elements, the tiles of a row chained by decoupled look-back (one read and one write of the data). Other dims are scanned as columns:
 each thread walks a chunk of rows for a pack of adjacent columns, after the chunks' column sums
 (the reduce family's column kernel) and their prefixes.
 """
@@ -23,7 +23,6 @@ from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
 
 THREADS = 256
-WARP_TILE_PACKS = 32 * 4      # a warp's largest tile (K = 4)
 MAX_COL_PARTS = 128
 
 ROW_ARGS = ArgSpec("ptr", "ptr", "i64", "i64", "i64", "i64", "i32", "i64", "ptr", "ptr")
@@ -31,16 +30,20 @@ INIT_ARGS = ArgSpec("ptr", "i64", "ptr")
 CARRY_ARGS = ArgSpec("ptr", "i64", "i64", "i32")
 COL_ARGS = ArgSpec("ptr", "ptr", "i64", "i64", "i64", "i64", "i64", "i64", "i64", "ptr", "i32")
 
-# row variants: (16-byte packs, K sub-tiles per thread, threads per row)
-ROW_VARIANTS = [(True, k, g) for g in (32, 256) for k in (1, 2, 4)] + [(False, 4, 32), (False, 4, 256)]
+# row variants: (16-byte packs, K packs per lane and tile); K = 8 only for fp32 (tiles of 1024)
+ROW_VARIANTS = [(True, k) for k in (1, 2, 4, 8)] + [(False, 8)]
+
+
+def _row_variants(d):
+    return [v for v in ROW_VARIANTS if not (v[0] and v[1] == 8 and d.itemsize == 2)]
 
 
 def _vec(d) -> int:
     return 16 // d.itemsize
 
 
-def _row_expr(d, vector, k, group, rev):
-    return (f"gpuops::scan::scan_rows<{d.ctype}, {_vec(d) if vector else 1}, {k}, {group}, "
+def _row_expr(d, vector, k, rev):
+    return (f"gpuops::scan::scan_rows<{d.ctype}, {_vec(d) if vector else 1}, {k}, "
             f"{'true' if rev else 'false'}>")
 
 
@@ -52,13 +55,13 @@ _kernels = {"gpuops::scan::scan_init": INIT_ARGS}
 for _rev in (False, True):
     _kernels[f"gpuops::scan::scan_carries<{'true' if _rev else 'false'}>"] = CARRY_ARGS
     for _d in dt.FLOATS:
-        for _v in ROW_VARIANTS:
+        for _v in _row_variants(_d):
             _kernels[_row_expr(_d, *_v, _rev)] = ROW_ARGS
         for _vector in (True, False):
             _kernels[_col_expr(_d, _vector, _rev)] = COL_ARGS
 MODULE = KernelModule("scan", "scan/scan.cu", _kernels)
 _TABLE = lay.KernelTable(MODULE)
-_ROW_NAMES = {(d, v, rev): _row_expr(d, *v, rev) for d in dt.FLOATS for v in ROW_VARIANTS
+_ROW_NAMES = {(d, v, rev): _row_expr(d, *v, rev) for d in dt.FLOATS for v in _row_variants(d)
               for rev in (False, True)}
 _COL_NAMES = {(d, vector, rev): _col_expr(d, vector, rev) for d in dt.FLOATS
               for vector in (True, False) for rev in (False, True)}
@@ -69,20 +72,17 @@ _CARRY_NAMES = {rev: f"gpuops::scan::scan_carries<{'true' if rev else 'false'}>"
 # Planning (pure Python: tested on the CPU)
 
 def rows_config(rows: int, R: int, vec: int, sms: int):
-    """(variant, tiles per row). A warp per row when rows are short (up to two warp tiles) or
-    many (a warp each fills the GPU: its tiles in sequence, four packs in flight per lane); else
-    a block per tile of K * 256 packs (the smallest K that holds the row, else 4), the tiles of a
-    row chained by look-back."""
+    """(variant, tiles per row). A warp per row (tiles = 1) when rows are many enough to fill the
+    GPU (32 warps per SM) or short (two tiles or less); else a warp per tile of a long row, the
+    tiles chained by look-back. Long-row tiles are 32 * K packs of 1024 elements (fp32 K = 8,
+    16-bit K = 4; 256 elements without packs)."""
     vector = vec > 1
     packs = R // vec
-    if packs <= 2 * WARP_TILE_PACKS or rows >= sms * 32:
-        group = 32
-        k = 4 if not vector else next((k for k in (1, 2) if 32 * k >= packs), 4)
-    else:
-        group = 256
-        k = 4 if not vector else next((k for k in (1, 2) if 256 * k >= packs), 4)
-    tiles = 1 if group == 32 else max(1, -(-packs // (k * 256)))
-    return (vector, k, group), tiles
+    k_long = 4 if vec == 8 else 8
+    if rows >= sms * 32 or packs <= 2 * 32 * k_long:
+        k = next((k for k in (1, 2, 4) if k < k_long and 32 * k >= packs), k_long)
+        return (vector, k if vector else 8), 1
+    return (vector, k_long), -(-packs // (32 * k_long))
 
 
 def cols_config(A: int, B: int, R: int, vec: int, sms: int):
@@ -122,22 +122,21 @@ def _cumsum(call, x: Tensor, d: int, exclusive: bool, reverse: bool) -> Tensor:
         vector = (sr == 1 and R > 1 and (x.ptr - y.ptr) % 16 == 0
                   and (A == 1 or (sa - R) % vec == 0))
         variant, tiles = rows_config(A, R, vec if vector else 1, lay.sm_count(dev))
-        group = variant[2]
-        if group == 32:
-            grid = -(-A // (THREADS // 32))
-            ws = None
-        else:
-            grid = A * tiles
-            ws = None
-            if tiles > 1:
-                ws = call.empty((grid + 1,), dt.int64)        # status words, then the counter
-                _TABLE.get(dev, "gpuops::scan::scan_init").launch(
-                    (-(-grid // THREADS), 1, 1), (THREADS, 1, 1), stream, ws.ptr, grid,
-                    ws.ptr + 8 * grid)
+        warps = A * tiles
+        if warps >= 1 << 32:
+            raise ValueError(f"gpuops.cumsum: {A} rows of {R} are more tiles than this kernel "
+                             "counts; split the input")
+        grid = -(-warps // (THREADS // 32))
+        ws = None
+        if tiles > 1:
+            ws = call.empty((warps + 1,), dt.int64)           # status words, then the counter
+            _TABLE.get(dev, "gpuops::scan::scan_init").launch(
+                (-(-warps // THREADS), 1, 1), (THREADS, 1, 1), stream, ws.ptr, warps,
+                ws.ptr + 8 * warps)
         _check_grid(grid)
         _TABLE.get(dev, _ROW_NAMES[(dtype, variant, reverse)]).launch(
             (grid, 1, 1), (THREADS, 1, 1), stream, x.ptr, y.ptr, A, R, sa, sr, excl, tiles,
-            ws.ptr if ws else 0, ws.ptr + 8 * grid if ws else 0)
+            ws.ptr if ws else 0, ws.ptr + 8 * warps if ws else 0)
         return y
 
     vector = (sb == 1 and B % vec == 0 and (A == 1 or sa % vec == 0) and (R <= 1 or sr % vec == 0)
@@ -211,10 +210,9 @@ def cumsum(call, input: Tensor, dim: int, *, exclusive: bool = False,
 
     ``exclusive=True`` leaves each element out of its own sum (the first is 0);
     ``reverse=True`` sums from the end (``flip(cumsum(flip(x)))``). Each element of the result is
-    one rounding of an fp32 sum computed as: a pack of 4-8 elements in order, a warp/block tree,
-    and the sum of the preceding tiles of the row (sequential over tiles): the fp32 error grows
-    with the number of tiles (4096-8192 elements each), about eps * (tiles + 13) * sum(|x|) in
-    the worst case. Non-last dims are scanned in chunks of rows (sequential within a chunk); a
+    one rounding of an fp32 sum computed as: a pack of 4-8 elements in order, a warp tree, and
+    the sum of the preceding tiles of the row (sequential over tiles of 1024 elements): the fp32
+    error grows with the number of tiles, at most about eps * (tiles + 16) * cumsum(|x|). Non-last dims are scanned in chunks of rows (sequential within a chunk); a
     layout whose leading (or trailing) dims do not merge is copied contiguously first.
     """
     d = lay.normalize_dim("cumsum", dim, len(input.shape))
