@@ -143,11 +143,20 @@ class Device:
         if self.topk_chunk:
             topk._chunk = lambda _dev: dev.topk_chunk
         Device.launches = []
+        self._clear_recipes()
         return self
+
+    @staticmethod
+    def _clear_recipes():
+        """Plans cached by the ops captured the patched SM count and chunk capacity."""
+        from gpuops.ops import reduce, scan, topk  # noqa: PLC0415
+        for m in (reduce, scan, topk):
+            m._RECIPES.clear()
 
     def __exit__(self, *exc):
         from gpuops.ops import topk  # noqa: PLC0415
         lay.KernelTable.get, lay.sm_count, lay.contiguous_copy, topk._chunk = self._saved
+        self._clear_recipes()
         return False
 
     def call(self, op_name, result_dtype):

@@ -33,6 +33,7 @@ constexpr int kBlock = 512;
 constexpr int kMaxK = 1024;
 constexpr int kMaxEpt = 64;                 // positions per thread: one 64-bit mask
 constexpr unsigned kSentinelIdx = 0x7fffffffu;
+constexpr int kLoadBatch = 8;               // global loads in flight per thread
 
 // ---------------------------------------------------------------------------------------------
 // Keys
@@ -168,6 +169,18 @@ topk_warp(const T* __restrict__ x, T* __restrict__ vals, long long* __restrict__
 // ---------------------------------------------------------------------------------------------
 // Block per chunk
 
+// Adds 1 to hist[digit] for each lane with `valid`. Called by whole warps. Real keys cluster
+// (logits: a few exponents), so lanes of a warp often share a digit: on sm_70+ the lanes of one
+// digit add their count once (same-address shared atomics serialize).
+__device__ __forceinline__ void hist_add(int* hist, unsigned digit, bool valid) {
+#if __CUDA_ARCH__ >= 700
+  const unsigned peers = __match_any_sync(kFullMask, valid ? digit : 0x100u + lane_id());
+  if (valid && lane_id() == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+#else
+  if (valid) atomicAdd(&hist[digit], 1);
+#endif
+}
+
 template <class T, bool FROM_CAND, bool TO_CAND>
 __global__ void __launch_bounds__(kBlock, 1)
 topk_block(const T* __restrict__ x, const unsigned* __restrict__ cand_key,
@@ -197,19 +210,29 @@ topk_block(const T* __restrict__ x, const unsigned* __restrict__ cand_key,
 
   for (int i = tid; i < 256; i += kBlock) hist[i] = 0;
   __syncthreads();
-  if constexpr (FROM_CAND) {
-    const unsigned* src = cand_key + row * R + start;
-    for (int i = tid; i < len; i += kBlock) {
-      const unsigned kk = src[i];
-      keys[i] = kk;
-      atomicAdd(&hist[kk >> 24], 1);
-    }
-  } else {
-    const T* px = x + a * sa + b * sb + start * sr;
-    for (int i = tid; i < len; i += kBlock) {
-      const unsigned kk = select_key(px[i * sr], largest);
-      keys[i] = kk;
-      atomicAdd(&hist[kk >> 24], 1);
+  // Load the chunk's keys (kLoadBatch loads in flight per thread before any is used) and count
+  // the first digit on the way.
+  {
+    const unsigned* src = FROM_CAND ? cand_key + row * R + start : nullptr;
+    const T* px = FROM_CAND ? nullptr : x + a * sa + b * sb + start * sr;
+    const int lane = lane_id();
+    for (int w0 = tid - lane; w0 < len; w0 += kBlock * kLoadBatch) {   // warp-uniform trip count
+      unsigned kk[kLoadBatch];
+#pragma unroll
+      for (int u = 0; u < kLoadBatch; ++u) {
+        const int i = w0 + u * kBlock + lane;
+        kk[u] = 0u;
+        if (i < len) {
+          if constexpr (FROM_CAND) kk[u] = src[i];
+          else kk[u] = select_key(px[i * sr], largest);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadBatch; ++u) {
+        const int i = w0 + u * kBlock + lane;
+        if (i < len) keys[i] = kk[u];
+        hist_add(hist, kk[u] >> 24, i < len);
+      }
     }
   }
   __syncthreads();
@@ -222,9 +245,10 @@ topk_block(const T* __restrict__ x, const unsigned* __restrict__ cand_key,
     if (shift != 24) {
       for (int i = tid; i < 256; i += kBlock) hist[i] = 0;
       __syncthreads();
-      for (int i = tid; i < len; i += kBlock) {
-        const unsigned kk = keys[i];
-        if ((kk & mask) == prefix) atomicAdd(&hist[(kk >> shift) & 255u], 1);
+      for (int w0 = tid - lane_id(); w0 < len; w0 += kBlock) {            // warp-uniform
+        const int i = w0 + lane_id();
+        const unsigned kk = i < len ? keys[i] : 0u;
+        hist_add(hist, (kk >> shift) & 255u, i < len && (kk & mask) == prefix);
       }
       __syncthreads();
     }

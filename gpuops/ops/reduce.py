@@ -20,6 +20,7 @@ from gpuops.ops import _layout as lay
 from gpuops.registry import register
 from gpuops.runtime.launch import ArgSpec
 from gpuops.runtime.modules import KernelModule
+from gpuops.shapes import contiguous_strides
 from gpuops.tensor import Tensor
 
 THREADS = 256
@@ -160,69 +161,74 @@ def finish_group(kind: str, splits: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch
+# Launch. The plan of a call depends only on (op, shape, strides, dims, keepdim, dtype, the
+# input's 16-byte alignment, device): it is computed once into a runner that only allocates and
+# launches (host time matters at decode sizes).
+
+BLOCK = (THREADS, 1, 1)
+_NONE = object()
 
 
-
-def _launch(call, x: Tensor, out: Tensor, op: str, dims: tuple, ordered: bool, scale: float):
-    d = x.dtype
-    shape, strides = tuple(x.shape), tuple(x.strides)
+def _runner(op, d, shape, strides, dims, aligned, dev, scale):
+    """A function run(call, x, out) that launches the kernels for this layout (x may first be
+    copied contiguously when no 3-index view describes it)."""
+    ordered = op.startswith("arg")
     if not shape:
-        shape, strides = (1,), (1,)
-        dims = (0,)
+        shape, strides, dims = (1,), (1,), (0,)
+    copy_order = None
     p = plan(shape, strides, dims, ordered)
+    if p is not None and p[0] == "rows" and p[2] > 1 and p[1] * p[2] >= 1 << 32:
+        p = None                               # the row kernel splits rows in 32 bits
     if p is None:
         kept = [i for i in range(len(shape)) if i not in dims]
-        x = lay.contiguous_copy(call, x, kept + list(dims))
-        p = plan(shape, tuple(x.strides), dims, ordered)
+        copy_order = kept + list(dims)
+        cs = contiguous_strides(tuple(shape[i] for i in copy_order))
+        strides = [0] * len(shape)
+        for i, k in enumerate(copy_order):
+            strides[k] = cs[i]
+        p = plan(shape, tuple(strides), dims, ordered)
+        aligned = True                          # a fresh allocation
     kind, A, B, R, sa, sb, sr, oa, ob = p
-    if kind == "rows" and B > 1 and A * B >= 1 << 32:     # the kernel splits rows in 32 bits
-        kept = [i for i in range(len(shape)) if i not in dims]
-        x = lay.contiguous_copy(call, x, kept + list(dims))
-        kind, A, B, R, sa, sb, sr, oa, ob = plan(shape, tuple(x.strides), dims, ordered)
     names = _NAMES[(op, d)]
-    dev, stream, sms = call.device, call.stream, lay.sm_count(call.device)
+    sms = lay.sm_count(dev)
     vec = _vec(d)
-    arg = op.startswith("arg")
-    ws_v = ws_i = None
+    arg = ordered
     if kind == "rows":
         vector = R > 1 and sr == 1
         variant, splits, chunk = rows_config(A * B, R, vec if vector else 1, sms)
-        tpr = ROW_VARIANTS[variant][1]
-        grid = (-(-(A * B) // (THREADS // tpr)), splits, 1)
-        if splits > 1:
-            ws_v = call.empty((A * B * splits,), dt.float32)
-            if arg:
-                ws_i = call.empty((A * B * splits,), dt.int64)
-        _check_grid(op, grid)
-        _TABLE.get(dev, names["rows"][variant]).launch(
-            grid, (THREADS, 1, 1), stream, x.ptr, out.ptr,
-            ws_v.ptr if ws_v else 0, ws_i.ptr if ws_i else 0,
-            A, B, R, sa, sb, sr, oa, ob, chunk, scale)
+        grid = (-(-(A * B) // (THREADS // ROW_VARIANTS[variant][1])), splits, 1)
+        main, tail_args = names["rows"][variant], (A, B, R, sa, sb, sr, oa, ob, chunk, scale)
         partial_strides = (B * splits, splits, 1)         # pa, pb, ps: partials [A, B, splits]
     else:
         vector = (sb == 1 and B % vec == 0 and (A == 1 or sa % vec == 0)
-                  and (R <= 1 or sr % vec == 0) and x.ptr % 16 == 0)
+                  and (R <= 1 or sr % vec == 0) and aligned)
         v = vec if vector else 1
         splits, rchunk = cols_config(A, B, R, v, sms)
         grid = (A * -(-B // (32 * v)), splits, 1)
-        if splits > 1:
-            ws_v = call.empty((A * splits * B,), dt.float32)
-            if arg:
-                ws_i = call.empty((A * splits * B,), dt.int64)
-        _check_grid(op, grid)
-        _TABLE.get(dev, names["cols"][vector]).launch(
-            grid, (THREADS, 1, 1), stream, x.ptr, out.ptr,
-            ws_v.ptr if ws_v else 0, ws_i.ptr if ws_i else 0,
-            A, B, R, sa, sb, sr, oa, ob, rchunk, scale)
+        main, tail_args = names["cols"][vector], (A, B, R, sa, sb, sr, oa, ob, rchunk, scale)
         partial_strides = (splits * B, 1, B)              # partials [A, splits, B]
+    _check_grid(op, grid)
+    n_ws = A * B * splits if splits > 1 else 0
     if splits > 1:      # few outputs (else there would be no parts): A * B < 2^32 as it needs
         g = finish_group(kind, splits)
-        grid = (-(-(A * B * g) // THREADS), 1, 1)
-        _check_grid(op, grid)
-        _TABLE.get(dev, names["finish"][g]).launch(
-            grid, (THREADS, 1, 1), stream, ws_v.ptr, ws_i.ptr if ws_i else 0, out.ptr,
-            A, B, splits, *partial_strides, oa, ob, scale)
+        fgrid = (-(-(A * B * g) // THREADS), 1, 1)
+        _check_grid(op, fgrid)
+        finish = names["finish"][g]
+        finish_args = (A, B, splits, *partial_strides, oa, ob, scale)
+
+    def run(call, x, out):
+        if copy_order is not None:
+            x = lay.contiguous_copy(call, x, copy_order)
+        dev_, stream = call.device, call.stream
+        if not n_ws:
+            _TABLE.get(dev_, main).launch(grid, BLOCK, stream, x.ptr, out.ptr, 0, 0, *tail_args)
+            return
+        ws_v = call.empty((n_ws,), dt.float32).ptr
+        ws_i = call.empty((n_ws,), dt.int64).ptr if arg else 0
+        _TABLE.get(dev_, main).launch(grid, BLOCK, stream, x.ptr, out.ptr, ws_v, ws_i, *tail_args)
+        _TABLE.get(dev_, finish).launch(fgrid, BLOCK, stream, ws_v, ws_i, out.ptr, *finish_args)
+
+    return run
 
 
 def _check_grid(op, grid):
@@ -236,7 +242,12 @@ def _out_shape(shape, dims, keepdim):
     return tuple(n for i, n in enumerate(shape) if i not in dims)
 
 
-def _reduce(call, op: str, input: Tensor, dim, keepdim: bool, allow_tuple: bool):
+_RECIPES: dict = {}
+_MAX_RECIPES = 4096
+
+
+def _recipe(op, input: Tensor, dim, keepdim, allow_tuple, dev):
+    """(output shape, output dtype, runner or None when the output is empty)."""
     shape = tuple(input.shape)
     if op.startswith("arg"):
         dims = lay.normalize_dims(op, dim, len(shape), allow_tuple=False)
@@ -252,11 +263,34 @@ def _reduce(call, op: str, input: Tensor, dim, keepdim: bool, allow_tuple: bool)
     if R == 0 and n_out and op in ("amax", "amin", "argmax", "argmin"):
         raise ValueError(f"gpuops.{op}: the reduced dimension(s) {dims} of shape {shape} are "
                          "empty; the reduction has no identity")
-    out = call.empty(out_shape, dt.int64 if op.startswith("arg") else call.result_dtype)
+    out_dtype = dt.int64 if op.startswith("arg") else input.dtype
     if n_out == 0:
-        return out
+        return out_shape, out_dtype, None
     scale = (1.0 / R if R else float("nan")) if op == "mean" else 1.0
-    _launch(call, input, out, op, dims, ordered=op.startswith("arg"), scale=scale)
+    return out_shape, out_dtype, _runner(op, input.dtype, shape, tuple(input.strides), dims,
+                                         input.ptr % 16 == 0, dev, scale)
+
+
+def _reduce(call, op: str, input: Tensor, dim, keepdim: bool, allow_tuple: bool):
+    key = (op, input.shape, input.strides, tuple(dim) if isinstance(dim, list) else dim,
+           keepdim, input.dtype, input.ptr % 16 == 0, call.device)
+    r = _RECIPES.get(key, _NONE)
+    if r is _NONE:
+        try:
+            hash(key)
+        except TypeError:          # an unhashable dim: no caching (the recipe raises or works)
+            return _run(call, input, _recipe(op, input, dim, keepdim, allow_tuple, call.device))
+        if len(_RECIPES) >= _MAX_RECIPES:
+            _RECIPES.clear()
+        r = _RECIPES[key] = _recipe(op, input, dim, keepdim, allow_tuple, call.device)
+    return _run(call, input, r)
+
+
+def _run(call, input, recipe):
+    out_shape, out_dtype, run = recipe
+    out = call.empty(out_shape, out_dtype)
+    if run is not None:
+        run(call, input, out)
     return out
 
 

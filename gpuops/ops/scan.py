@@ -9,7 +9,6 @@ each thread walks a chunk of rows for a pack of adjacent columns, after the chun
 """
 from __future__ import annotations
 
-from math import prod
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from gpuops.ops import reduce as red
 from gpuops.registry import register
 from gpuops.runtime.launch import ArgSpec
 from gpuops.runtime.modules import KernelModule
+from gpuops.shapes import contiguous_strides
 from gpuops.tensor import Tensor
 
 THREADS = 256
@@ -101,63 +101,93 @@ def cols_config(A: int, B: int, R: int, vec: int, sms: int):
 # Launch
 
 _MAX_GRID = (1 << 31) - 1
+BLOCK = (THREADS, 1, 1)
 
 
-def _cumsum(call, x: Tensor, d: int, exclusive: bool, reverse: bool) -> Tensor:
-    dtype = call.result_dtype
-    shape = tuple(x.shape)
-    y = call.empty(shape, dtype)
-    if y.numel == 0:
-        return y
-    vshape, vstrides = (shape, tuple(x.strides)) if shape else ((1,), (1,))
+def _runner(dtype, shape, strides, d, x_mis, exclusive, reverse, dev):
+    """run(call, x, y): the launches of one layout (x's misalignment x_mis = x.ptr % 16; y is a
+    fresh, aligned allocation), planned once."""
+    vshape, vstrides = (shape, strides) if shape else ((1,), (1,))
     v = lay.view3(vshape, vstrides, d)
-    if v is None:
-        x = lay.contiguous_copy(call, x)
-        v = lay.view3(vshape, tuple(x.strides), d)
+    copy = v is None
+    if copy:
+        v = lay.view3(vshape, contiguous_strides(vshape), d)
+        x_mis = 0
     A, sa, R, sr, B, sb = v
-    dev, stream = call.device, call.stream
     vec = _vec(dtype)
     excl = 1 if exclusive else 0
     if B == 1:
-        vector = (sr == 1 and R > 1 and (x.ptr - y.ptr) % 16 == 0
-                  and (A == 1 or (sa - R) % vec == 0))
+        vector = (sr == 1 and R > 1 and x_mis == 0 and (A == 1 or (sa - R) % vec == 0))
         variant, tiles = rows_config(A, R, vec if vector else 1, lay.sm_count(dev))
         warps = A * tiles
         if warps >= 1 << 32:
             raise ValueError(f"gpuops.cumsum: {A} rows of {R} are more tiles than this kernel "
                              "counts; split the input")
-        grid = -(-warps // (THREADS // 32))
-        ws = None
-        if tiles > 1:
-            ws = call.empty((warps + 1,), dt.int64)           # status words, then the counter
-            _TABLE.get(dev, "gpuops::scan::scan_init").launch(
-                (-(-warps // THREADS), 1, 1), (THREADS, 1, 1), stream, ws.ptr, warps,
-                ws.ptr + 8 * warps)
-        _check_grid(grid)
-        _TABLE.get(dev, _ROW_NAMES[(dtype, variant, reverse)]).launch(
-            (grid, 1, 1), (THREADS, 1, 1), stream, x.ptr, y.ptr, A, R, sa, sr, excl, tiles,
-            ws.ptr if ws else 0, ws.ptr + 8 * warps if ws else 0)
-        return y
+        grid = (-(-warps // (THREADS // 32)), 1, 1)
+        _check_grid(grid[0])
+        name = _ROW_NAMES[(dtype, variant, reverse)]
+        init_grid = (-(-warps // THREADS), 1, 1)
+
+        def run(call, x, y):
+            if copy:
+                x = lay.contiguous_copy(call, x)
+            ws = 0
+            if tiles > 1:
+                ws = call.empty((warps + 1,), dt.int64).ptr     # status words, then the counter
+                _TABLE.get(call.device, "gpuops::scan::scan_init").launch(
+                    init_grid, BLOCK, call.stream, ws, warps, ws + 8 * warps)
+            _TABLE.get(call.device, name).launch(
+                grid, BLOCK, call.stream, x.ptr, y.ptr, A, R, sa, sr, excl, tiles,
+                ws, ws + 8 * warps if ws else 0)
+        return run
 
     vector = (sb == 1 and B % vec == 0 and (A == 1 or sa % vec == 0) and (R <= 1 or sr % vec == 0)
-              and x.ptr % 16 == 0)
+              and x_mis == 0)
     v_ = vec if vector else 1
     parts, rchunk = cols_config(A, B, R, v_, lay.sm_count(dev))
-    carries = None
-    if parts > 1:
-        # the chunks' column sums (reduce_cols<Sum> with the same chunks), then their prefixes
-        carries = call.empty((A * parts * B,), dt.float32)
-        grid = (A * -(-B // (32 * v_)), parts, 1)
-        red._TABLE.get(dev, red._NAMES[("sum", dtype)]["cols"][vector]).launch(
-            grid, (THREADS, 1, 1), stream, x.ptr, 0, carries.ptr, 0,
-            A, B, R, sa, sb, sr, 0, 0, rchunk, 1.0)
-        _TABLE.get(dev, _CARRY_NAMES[reverse]).launch(
-            (-(-(A * B) // THREADS), 1, 1), (THREADS, 1, 1), stream, carries.ptr, A, B, parts)
-    grid = A * -(-B // (THREADS * v_))
-    _check_grid(grid)
-    _TABLE.get(dev, _COL_NAMES[(dtype, vector, reverse)]).launch(
-        (grid, parts, 1), (THREADS, 1, 1), stream, x.ptr, y.ptr, A, B, R, sa, sb, sr, rchunk,
-        carries.ptr if carries else 0, excl)
+    sum_name = red._NAMES[("sum", dtype)]["cols"][vector]
+    sum_grid = (A * -(-B // (32 * v_)), parts, 1)
+    carry_grid = (-(-(A * B) // THREADS), 1, 1)
+    grid = (A * -(-B // (THREADS * v_)), parts, 1)
+    _check_grid(grid[0])
+    col_name = _COL_NAMES[(dtype, vector, reverse)]
+
+    def run(call, x, y):
+        if copy:
+            x = lay.contiguous_copy(call, x)
+        carries = 0
+        if parts > 1:
+            # the chunks' column sums (reduce_cols<Sum> with the same chunks), then their prefixes
+            carries = call.empty((A * parts * B,), dt.float32).ptr
+            red._TABLE.get(call.device, sum_name).launch(
+                sum_grid, BLOCK, call.stream, x.ptr, 0, carries, 0,
+                A, B, R, sa, sb, sr, 0, 0, rchunk, 1.0)
+            _TABLE.get(call.device, _CARRY_NAMES[reverse]).launch(
+                carry_grid, BLOCK, call.stream, carries, A, B, parts)
+        _TABLE.get(call.device, col_name).launch(
+            grid, BLOCK, call.stream, x.ptr, y.ptr, A, B, R, sa, sb, sr, rchunk, carries, excl)
+    return run
+
+
+_RECIPES: dict = {}
+_MAX_RECIPES = 4096
+
+
+def _cumsum(call, x: Tensor, d: int, exclusive: bool, reverse: bool) -> Tensor:
+    dtype = x.dtype
+    y = call.empty(x.shape, dtype)
+    if y.numel == 0:
+        return y
+    key = (x.shape, x.strides, d, exclusive, reverse, dtype, x.ptr % 16, call.device)
+    run = _RECIPES.get(key)
+    if run is None:
+        if len(_RECIPES) >= _MAX_RECIPES:
+            _RECIPES.clear()
+        run = _RECIPES[key] = _runner(dtype, tuple(x.shape), tuple(x.strides), d, x.ptr % 16,
+                                      exclusive, reverse, call.device)
+    if y.ptr % 16:                 # never for gpuops' allocations; plan without packs then
+        run = _runner(dtype, tuple(x.shape), tuple(x.strides), d, 1, exclusive, reverse, call.device)
+    run(call, x, y)
     return y
 
 

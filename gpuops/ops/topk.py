@@ -19,6 +19,7 @@ from gpuops.registry import register
 from gpuops.runtime import device
 from gpuops.runtime.launch import ArgSpec
 from gpuops.runtime.modules import KernelModule
+from gpuops.shapes import contiguous_strides
 from gpuops.tensor import Tensor
 
 BLOCK = 512
@@ -90,59 +91,88 @@ def _chunk(dev) -> int:
     return c
 
 
-def _topk(call, x: Tensor, k: int, d: int, largest: bool, sorted_: bool):
-    dtype = call.result_dtype
-    shape = tuple(x.shape)
-    vshape, vstrides = (shape, tuple(x.strides)) if shape else ((1,), (1,))
-    R = vshape[d]
-    out_shape = shape[:d] + (k,) + shape[d + 1:] if shape else ()
-    if not shape:
-        out_shape, k = (), 1                     # as torch: the value itself for k = 0 or 1
-    vals = call.empty(out_shape, dtype)
-    idx = call.empty(out_shape, dt.int64)
-    if vals.numel == 0:
-        return vals, idx
+BLOCK_WARP = (256, 1, 1)
+BLOCK_SEL = (BLOCK, 1, 1)
+
+
+def _runner(dtype, shape, strides, k, d, largest, sorted_, dev):
+    """run(call, x, vals, idx): the launches of one layout, planned once."""
+    vshape, vstrides = (shape, strides) if shape else ((1,), (1,))
     v = lay.view3(vshape, vstrides, d)
-    if v is None:
-        x = lay.contiguous_copy(call, x)
-        v = lay.view3(vshape, tuple(x.strides), d)
+    copy = v is None
+    if copy:
+        v = lay.view3(vshape, contiguous_strides(vshape), d)
     A, sa, R, sr, B, sb = v
     rows = A * B
     if B > 1 and rows >= 1 << 32:
         raise ValueError(f"gpuops.topk: {rows} rows along a non-last dim is more than this "
                          "kernel indexes; move the dim last first")
-    dev, stream = call.device, call.stream
     lg = 1 if largest else 0
     if R <= WARP_MAX_R and k <= WARP_MAX_K:
         e = next(e for e in WARP_E if 32 * e >= R)
-        grid = -(-rows // 8)
-        _check_grid(grid)
-        _TABLE.get(dev, _WARP_NAMES[(dtype, e)]).launch(
-            (grid, 1, 1), (256, 1, 1), stream, x.ptr, vals.ptr, idx.ptr, rows, R, k, B, sa, sb,
-            sr, lg)
-        return vals, idx
+        grid = (-(-rows // 8), 1, 1)
+        _check_grid(grid[0])
+        name = _WARP_NAMES[(dtype, e)]
+
+        def run(call, x, vals, idx):
+            if copy:
+                x = lay.contiguous_copy(call, x)
+            _TABLE.get(call.device, name).launch(grid, BLOCK_WARP, call.stream, x.ptr, vals.ptr,
+                                                 idx.ptr, rows, R, k, B, sa, sb, sr, lg)
+        return run
     C = _chunk(dev)
+    steps = []
     levels = block_levels(R, k, C)
-    ckey = cidx = None
     for n, (length, chunks, kc) in enumerate(levels):
         from_cand = n > 0
         to_cand = n < len(levels) - 1
         grid = rows * chunks
         _check_grid(grid)
         ept = -(-min(C, length) // BLOCK)
-        okey = oidx = None
-        if to_cand:
-            okey = call.empty((rows * chunks * kc,), dt.int32)
-            oidx = call.empty((rows * chunks * kc,), dt.int32)
-        _TABLE.get(dev, _BLOCK_NAMES[(dtype, (from_cand, to_cand))]).launch(
-            (grid, 1, 1), (BLOCK, 1, 1), stream,
-            0 if from_cand else x.ptr, ckey.ptr if from_cand else 0, cidx.ptr if from_cand else 0,
-            okey.ptr if to_cand else 0, oidx.ptr if to_cand else 0,
-            0 if to_cand else vals.ptr, 0 if to_cand else idx.ptr,
-            length, 1 if from_cand else B, 0 if from_cand else sa, 0 if from_cand else sb,
-            1 if from_cand else sr, C, chunks, k, kc, ept, lg, 1 if sorted_ else 0,
-            smem=4 * ept * BLOCK)
-        ckey, cidx = okey, oidx
+        steps.append((_BLOCK_NAMES[(dtype, (from_cand, to_cand))], (grid, 1, 1),
+                      rows * chunks * kc if to_cand else 0,
+                      (length, 1 if from_cand else B, 0 if from_cand else sa,
+                       0 if from_cand else sb, 1 if from_cand else sr, C, chunks, k, kc, ept, lg,
+                       1 if sorted_ else 0), 4 * ept * BLOCK))
+
+    def run(call, x, vals, idx):
+        if copy:
+            x = lay.contiguous_copy(call, x)
+        ckey = cidx = 0
+        for name, grid, n_out, args, smem in steps:
+            okey = oidx = 0
+            if n_out:
+                okey = call.empty((n_out,), dt.int32).ptr
+                oidx = call.empty((n_out,), dt.int32).ptr
+            _TABLE.get(call.device, name).launch(
+                grid, BLOCK_SEL, call.stream, 0 if ckey else x.ptr, ckey, cidx, okey, oidx,
+                0 if n_out else vals.ptr, 0 if n_out else idx.ptr, *args, smem=smem)
+            ckey, cidx = okey, oidx
+    return run
+
+
+_RECIPES: dict = {}
+_MAX_RECIPES = 4096
+
+
+def _topk(call, x: Tensor, k: int, d: int, largest: bool, sorted_: bool):
+    shape = tuple(x.shape)
+    if shape:
+        out_shape = shape[:d] + (k,) + shape[d + 1:]
+    else:
+        out_shape, k = (), 1                     # as torch: the value itself for k = 0 or 1
+    vals = call.empty(out_shape, x.dtype)
+    idx = call.empty(out_shape, dt.int64)
+    if vals.numel == 0:
+        return vals, idx
+    key = (x.shape, x.strides, k, d, largest, sorted_, x.dtype, call.device)
+    run = _RECIPES.get(key)
+    if run is None:
+        if len(_RECIPES) >= _MAX_RECIPES:
+            _RECIPES.clear()
+        run = _RECIPES[key] = _runner(x.dtype, shape, tuple(x.strides), k, d, largest, sorted_,
+                                      call.device)
+    run(call, x, vals, idx)
     return vals, idx
 
 

@@ -255,6 +255,16 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
 inline unsigned __ballot_sync(unsigned, int p) { return emu::ballot(p != 0); }
 inline int __any_sync(unsigned, int p) { return emu::ballot(p != 0) != 0; }
 inline int __all_sync(unsigned, int p) { return emu::ballot(p != 0) == 0xffffffffu; }
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+  emu::Warp& w = emu::warp();
+  const int lane = emu::linear & 31;
+  w.slot[lane] = v;
+  w.bar.arrive_and_wait();
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) m |= static_cast<unsigned>(w.slot[i] == v) << i;
+  w.bar.arrive_and_wait();
+  return m;
+}
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
   unsigned r = v;
   for (int i = 16; i > 0; i >>= 1) { const unsigned u = __shfl_xor_sync(0xffffffffu, r, i); r = u > r ? u : r; }
