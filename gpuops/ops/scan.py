@@ -9,7 +9,6 @@ each thread walks a chunk of rows for a pack of adjacent columns, after the chun
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from gpuops import dtypes as dt
