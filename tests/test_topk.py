@@ -140,6 +140,7 @@ EMU_CASES = [   # (shape, k, dim, layout)
     ((4, 1000), 50, -1, "sliced"),      # block kernel, strided rows
     ((2, 9000), 64, -1, "contig"),      # chunks -> candidates -> final
     ((2, 5000), 1000, -1, "offset"),    # three launches (chunk 2048, k = 1000)
+    ((3, 3000, 2), 100, 1, "contig"),   # a middle dim through candidates
 ]
 
 

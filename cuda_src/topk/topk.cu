@@ -8,7 +8,8 @@
 // lowest indices, and sorted output lists equal values by index.
 //
 // A row is x[a * sa + r * sr + b * sb], r < R; values and indices are written to [A, k, B]
-// (contiguous).
+// (contiguous). Candidates are [rows, n] (contiguous) with rows in the order a * B + b, so a
+// launch reading candidates still takes B (to place its outputs) and ignores sa, sb, sr.
 //
 //   topk_warp<T, E>  rows of up to 32 * E (<= 256) elements and k <= 32 (mixture-of-experts
 //       routing): a warp per row, E keys per lane in registers; k rounds of a warp-wide arg-max

@@ -131,9 +131,8 @@ def _runner(dtype, shape, strides, k, d, largest, sorted_, dev):
         ept = -(-min(C, length) // BLOCK)
         steps.append((_BLOCK_NAMES[(dtype, (from_cand, to_cand))], (grid, 1, 1),
                       rows * chunks * kc if to_cand else 0,
-                      (length, 1 if from_cand else B, 0 if from_cand else sa,
-                       0 if from_cand else sb, 1 if from_cand else sr, C, chunks, k, kc, ept, lg,
-                       1 if sorted_ else 0), 4 * ept * BLOCK))
+                      (length, B, sa, sb, sr, C, chunks, k, kc, ept, lg, 1 if sorted_ else 0),
+                      4 * ept * BLOCK))
 
     def run(call, x, vals, idx):
         if copy:
