@@ -80,8 +80,7 @@ __device__ __forceinline__ float scan_scalars(const T* px, long long sx, T* py, 
 template <int VEC> struct RawPack { uint4 w; };
 template <> struct RawPack<1> { float w; };
 
-// Loads the pack of logical index lv (zeros past the body) and returns its elements' sum in scan
-// order.
+// The pack's elements in scan order, scanned in place.
 template <class T, int VEC, bool REV>
 __device__ __forceinline__ void unpack_scan(const RawPack<VEC>& raw, float (&v)[VEC]) {
   if constexpr (VEC == 1) {
@@ -96,6 +95,7 @@ __device__ __forceinline__ void unpack_scan(const RawPack<VEC>& raw, float (&v)[
   for (int e = 1; e < VEC; ++e) v[e] += v[e - 1];
 }
 
+// The pack of logical index lv (zeros past the body).
 template <class T, int VEC, bool REV>
 __device__ __forceinline__ RawPack<VEC> load_pack(const T* px, long long sx,
                                                   const RowGeom<T, VEC, REV>& g, long long lv) {

@@ -412,27 +412,31 @@ def _mean(call, input: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 
 @register(family="reduce", reference=ref_amax, bench=_bench("amax"), name="amax")
 def _amax(call, input: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    """Maximum over ``dim`` (an int, a tuple of ints, or None), as ``torch.amax``: NaN if any
-    element is NaN. An empty reduction raises ValueError."""
+    """Maximum over ``dim`` (an int, a tuple of ints, or None), as ``torch.amax``.
+
+    NaN if any element is NaN; an empty reduction raises ValueError."""
     return _reduce(call, "amax", input, dim, keepdim, True)
 
 
 @register(family="reduce", reference=ref_amin, bench=_bench("amin"), name="amin")
 def _amin(call, input: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    """Minimum over ``dim`` (an int, a tuple of ints, or None), as ``torch.amin``: NaN if any
-    element is NaN. An empty reduction raises ValueError."""
+    """Minimum over ``dim`` (an int, a tuple of ints, or None), as ``torch.amin``.
+
+    NaN if any element is NaN; an empty reduction raises ValueError."""
     return _reduce(call, "amin", input, dim, keepdim, True)
 
 
 @register(family="reduce", reference=ref_argmax, bench=_bench("argmax"), name="argmax")
 def _argmax(call, input: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    """Index (int64) of the maximum along ``dim`` (an int), or in the flattened input for None,
-    as ``torch.argmax``: the first of equal maxima; the first NaN if there is one."""
+    """Index (int64) of the maximum along ``dim`` (None: of the flattened input), as torch.argmax.
+
+    The first of equal maxima; the first NaN if there is one."""
     return _reduce(call, "argmax", input, dim, keepdim, False)
 
 
 @register(family="reduce", reference=ref_argmin, bench=_bench("argmin"), name="argmin")
 def _argmin(call, input: Tensor, dim=None, keepdim: bool = False) -> Tensor:
-    """Index (int64) of the minimum along ``dim`` (an int), or in the flattened input for None,
-    as ``torch.argmin``: the first of equal minima; the first NaN if there is one."""
+    """Index (int64) of the minimum along ``dim`` (None: of the flattened input), as torch.argmin.
+
+    The first of equal minima; the first NaN if there is one."""
     return _reduce(call, "argmin", input, dim, keepdim, False)

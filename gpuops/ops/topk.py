@@ -243,8 +243,9 @@ def _torch_topk(x, k):
                           extra_shapes=((64, 131072),)))
 def topk(call, input: Tensor, k: int, dim: int = -1, largest: bool = True,
          sorted: bool = True) -> tuple:  # noqa: A002 (torch's name)
-    """The ``k`` largest (``largest=False``: smallest) elements along ``dim`` and their int64
-    indices, as ``torch.topk`` (k <= 1024).
+    """The k largest (or smallest) elements along ``dim`` and their int64 indices, as torch.topk.
+
+    ``largest=False`` selects the smallest; k <= 1024.
 
     Order as torch on CUDA: NaN counts as larger than every number (so it is picked first for
     largest=True and last for largest=False), -0.0 as smaller than +0.0, and equal values go to
