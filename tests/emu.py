@@ -37,12 +37,20 @@ def available() -> bool:
     return shutil.which("g++") is not None
 
 
+class Probe:
+    """A test-only kernel source under tests/cuda_emu/probes (not a gpuops module)."""
+
+    def __init__(self, name: str, source: str, kernels: dict):
+        self.name, self.source, self.kernels = name, source, kernels
+
+
 def _translation_unit(module) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "cuda_src"
         shutil.copytree(cuda_src_root(), root)
         for f in (HERE / "common").iterdir():
             shutil.copy(f, root / "common" / f.name)
+        shutil.copytree(HERE / "probes", root / "probes")
         text = assemble(module.source, root=root).text
     text = _EXTERN_SMEM.sub(r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_smem);", text)
     lines = [text, 'extern "C" const char* emu_fail_msg() { return emu::fail_msg; }']

@@ -161,6 +161,28 @@ def test_emulated_error_bound_with_cancellation(rng):
             assert np.all(np.abs(y - ref) <= bound + 1e-30)
 
 
+@needs_emu
+def test_emulated_lookback_windows(rng):
+    """exclusive_prefix over status words in any mix of aggregates and prefixes (integers: exact
+    sums), including runs of more than 32 tiles with no prefix published."""
+    from gpuops.runtime.launch import ArgSpec
+    probe = emu.Probe("lookback_probe", "probes/lookback.cu",
+                      {"lookback_probe": ArgSpec("ptr", "ptr", "i32")})
+    lib, index = emu.build(probe)
+    n = 300
+    agg = rng.integers(-50, 50, n).astype(np.float32)
+    incl = np.cumsum(agg.astype(np.float64)).astype(np.float32)
+    for prefix_prob in (0.0, 0.02, 0.3, 1.0):
+        status = np.where(rng.random(n) < prefix_prob, 2, 1).astype(np.uint64)
+        status[0] = 2 if prefix_prob > 0 else 1
+        value = np.where(status == 2, incl, agg).astype(np.float32)
+        words = (value.view(np.uint32).astype(np.uint64) << np.uint64(32)) | status
+        out = np.full(n, np.nan, np.float32)
+        k = emu.EmuKernel(lib, index["lookback_probe"], probe.kernels["lookback_probe"], "probe")
+        k.launch((-(-n // 8), 1, 1), (256, 1, 1), 0, words.ctypes.data, out.ctypes.data, n)
+        np.testing.assert_array_equal(out[1:], incl[:-1], err_msg=f"prefix_prob={prefix_prob}")
+
+
 # ----------------------------------------------------------------------------- GPU
 
 def _rand(shape, dtype, positive=True):
