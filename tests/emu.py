@@ -53,7 +53,9 @@ def _translation_unit(module) -> str:
         shutil.copytree(HERE / "probes", root / "probes")
         text = assemble(module.source, root=root).text
     text = _EXTERN_SMEM.sub(r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_smem);", text)
-    lines = [text, 'extern "C" const char* emu_fail_msg() { return emu::fail_msg; }']
+    lines = [text, 'extern "C" const char* emu_fail_msg() { return emu::fail_msg; }',
+             'extern "C" void emu_set_schedule(int concurrent, unsigned long long seed) '
+             '{ emu::concurrent = concurrent; emu::rng_state = seed; }']
     for i, expr in enumerate(module.kernels):
         lines.append(
             f'extern "C" int emu_launch_{i}(const unsigned* dims, unsigned long long smem, '
@@ -96,6 +98,8 @@ class EmuKernel:
         self.spec.struct.pack_into(buf, 0, *args)
         dims = (ctypes.c_uint * 6)(*grid, *block)
         Device.launches.append((self.name, tuple(grid), tuple(block), smem))
+        self.lib.emu_set_schedule(ctypes.c_int(1 if Device.concurrent else 0),
+                                  ctypes.c_ulonglong(Device.seed))
         if self.fn(dims, ctypes.c_ulonglong(smem), buf):
             raise RuntimeError(f"emu: {self.name}: {self.lib.emu_fail_msg().decode()}")
 
@@ -128,9 +132,14 @@ class Device:
 
     launches: list = []
     _libs: dict = {}
+    concurrent = False
+    seed = 1
 
-    def __init__(self, sms=2, topk_chunk=None, arch=900):
+    def __init__(self, sms=2, topk_chunk=None, arch=900, concurrent=False, seed=1):
+        """concurrent: run all blocks of a launch at once in a random interleaving (only for
+        kernels without shared memory: the scan rows and the top-k warp kernels)."""
         self.sms, self.topk_chunk, self.arch = sms, topk_chunk, arch
+        self.concurrent, self.seed = concurrent, seed
         self.keep = []                       # arrays referenced by Tensors (keep them alive)
 
     def __enter__(self):
@@ -151,6 +160,7 @@ class Device:
         if self.topk_chunk:
             topk._chunk = lambda _dev: dev.topk_chunk
         Device.launches = []
+        Device.concurrent, Device.seed = self.concurrent, self.seed
         self._clear_recipes()
         return self
 
@@ -164,6 +174,7 @@ class Device:
     def __exit__(self, *exc):
         from gpuops.ops import topk  # noqa: PLC0415
         lay.KernelTable.get, lay.sm_count, lay.contiguous_copy, topk._chunk = self._saved
+        Device.concurrent = False
         self._clear_recipes()
         return False
 

@@ -162,6 +162,22 @@ def test_emulated_error_bound_with_cancellation(rng):
 
 
 @needs_emu
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_emulated_lookback_with_blocks_interleaved(seed, rng):
+    """All blocks at once, warps resumed in a random order at every warp intrinsic: tiles find
+    predecessors that published nothing yet, or only their aggregate."""
+    with emu.Device(sms=2, concurrent=True, seed=seed) as dev:
+        for dtype, shape in (("float32", (2, 20000)), ("bfloat16", (1, 30001))):
+            x = emu.strided(_data(rng, shape, dtype), "offset")
+            for exclusive, reverse in MODES:
+                y = _emu_run(dev, x, -1, exclusive, reverse)
+                assert_close(y.astype(np.float64),
+                             scan.ref_cumsum(x.astype(np.float64), -1, exclusive, reverse), dtype,
+                             f"interleaved {dtype} excl={exclusive} rev={reverse}")
+        assert any("scan_rows" in name and grid[0] > 1 for name, grid, _, _ in emu.Device.launches)
+
+
+@needs_emu
 def test_emulated_lookback_windows(rng):
     """exclusive_prefix over status words in any mix of aggregates and prefixes (integers: exact
     sums), including runs of more than 32 tiles with no prefix published."""

@@ -3,12 +3,12 @@
 // The kernel sources compile unchanged as host C++20 with this header force-included: every CUDA
 // thread of a block is a fiber; __syncthreads() is a barrier of the block, warp intrinsics
 // (shuffles, votes, REDUX) exchange values through a barrier of the warp; __shared__ variables are
-// function statics (blocks run one after another, so one copy is enough). Threads that return
-// early drop out of their barriers, as exited threads do on the GPU. Blocks of a grid run in
-// blockIdx order, which decoupled look-back tolerates (a tile only waits on earlier tiles).
+// function statics (one copy: blocks run one after another, unless the concurrent schedule is
+// on). Threads that return early drop out of their barriers, as exited threads do on the GPU.
 //
-// This checks indexing, tiling, shuffles, barriers and the algorithms; it does not model memory
-// ordering between concurrent blocks, timing, or the real arch's floating-point contractions.
+// This checks indexing, tiling, shuffles, barriers and the algorithms (and, with the concurrent
+// schedule, interleavings of blocks); it does not model memory ordering beyond sequential
+// consistency, timing, or the real arch's floating-point contractions.
 // dtypes.cuh and vec.cuh are replaced by asm-free host versions (tests/cuda_emu/common/).
 #pragma once
 #include <atomic>
@@ -20,6 +20,7 @@
 #include <memory>
 #include <stdexcept>
 #include <csetjmp>
+#include <sys/mman.h>
 #include <ucontext.h>
 #include <tuple>
 #include <vector>
@@ -33,10 +34,17 @@ struct uint4 {
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 
 namespace emu {
-// Every CUDA thread is a fiber on one OS thread, scheduled round-robin; a fiber runs until it
-// waits at a barrier or returns. A fiber starts on its own stack through makecontext/swapcontext,
-// and later switches are _setjmp/_longjmp (no signal-mask system call per switch).
-// Deterministic, and cheap enough for blocks of 512.
+// Every CUDA thread is a fiber on one OS thread; a fiber runs until it waits at a barrier (warp
+// intrinsics wait at their warp's) or returns. A fiber starts on its own stack through
+// makecontext/swapcontext, and later switches are _setjmp/_longjmp (no signal-mask system call
+// per switch). Stacks are mmap'ed with a guard page (an overflow faults instead of corrupting).
+//
+// Two schedules:
+//   in order (default): the blocks of a grid run one after another, in blockIdx order;
+//   concurrent (emu_set_schedule(1, seed)): all blocks at once, fibers resumed in a random order
+//     each pass, so warps of different blocks interleave at every warp intrinsic: look-back then
+//     meets predecessors that published only their aggregate, or nothing yet. Only for kernels
+//     without __shared__ memory (a function static is one copy for all blocks).
 inline dim3 grid_dim, block_dim;
 inline dim3 thread_idx, block_idx;           // of the running fiber
 inline unsigned char* dynamic_smem = nullptr;
@@ -44,6 +52,14 @@ inline std::atomic<int> failed{0};
 inline char fail_msg[256] = {0};
 inline void fail(const char* msg) {
   if (failed.exchange(1) == 0) std::strncpy(fail_msg, msg, sizeof(fail_msg) - 1);
+}
+inline int concurrent = 0;
+inline unsigned long long rng_state = 1;
+inline unsigned long long next_random() {     // splitmix64
+  unsigned long long z = (rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
 }
 
 inline ucontext_t scheduler;
@@ -78,33 +94,53 @@ struct Warp {
   unsigned long long slot[32];
 };
 
+struct BlockState {
+  dim3 idx;
+  Barrier bar;
+  std::vector<Warp> warps;
+};
+
 struct Fiber {
   ucontext_t ctx;
   jmp_buf jmp;
+  BlockState* block = nullptr;
   int linear = 0;
   bool started = false;
   bool done = false;
 };
 
-inline constexpr size_t kStack = 128 * 1024;
-inline std::vector<std::unique_ptr<char[]>> stacks;
+inline constexpr size_t kStack = 256 * 1024;  // virtual; pages are committed when touched
+inline constexpr size_t kGuard = 4096;
+struct Stack {
+  char* base = nullptr;
+  Stack() {
+    void* p = mmap(nullptr, kStack + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("emu: cannot map a fiber stack");
+    mprotect(p, kGuard, PROT_NONE);          // stacks grow down onto the guard page
+    base = static_cast<char*>(p);
+  }
+  Stack(const Stack&) = delete;
+  ~Stack() { munmap(base, kStack + kGuard); }
+  char* top() const { return base + kGuard; }
+};
+inline std::vector<std::unique_ptr<Stack>> stacks;
 inline std::vector<Fiber> fibers;
+inline std::vector<BlockState> blocks;
 inline Fiber* current = nullptr;
+inline BlockState* current_block = nullptr;
 inline int linear = 0;
-inline Barrier block_bar;
-inline std::vector<Warp> warps;
 inline std::function<void()> body;
 
 inline void yield() {
   if (!_setjmp(current->jmp)) _longjmp(scheduler_jmp, 1);
 }
-inline Warp& warp() { return warps[linear / 32]; }
+inline Warp& warp() { return current_block->warps[linear / 32]; }
 
 inline void trampoline() {
   body();
   current->done = true;
-  warps[current->linear / 32].bar.drop();
-  block_bar.drop();
+  current_block->warps[current->linear / 32].bar.drop();
+  current_block->bar.drop();
   _longjmp(scheduler_jmp, 2);          // never returns: the scheduler's frame is the live one
 }
 
@@ -145,7 +181,63 @@ inline unsigned ballot(bool p) {
   return m;
 }
 
-// Runs kernel(args...) over the grid, blocks one after another in blockIdx order.
+// Runs the fibers of `nblocks` blocks (from `first`) until all return; false on a deadlock.
+inline bool run_blocks(dim3 grid, int first, int nblocks, int n, dim3 blk) {
+  const size_t total = static_cast<size_t>(nblocks) * n;
+  while (stacks.size() < total) stacks.emplace_back(new Stack());
+  blocks.assign(nblocks, BlockState{});
+  fibers.assign(total, Fiber{});
+  for (int bi = 0; bi < nblocks; ++bi) {
+    const int g = first + bi;
+    BlockState& b = blocks[bi];
+    b.idx = {static_cast<unsigned>(g) % grid.x, (static_cast<unsigned>(g) / grid.x) % grid.y,
+             static_cast<unsigned>(g) / (grid.x * grid.y)};
+    b.bar = Barrier{n, 0, 0};
+    b.warps.assign(n / 32, Warp{});
+    for (auto& w : b.warps) w.bar.expected = 32;
+    for (int t = 0; t < n; ++t) {
+      Fiber& f = fibers[static_cast<size_t>(bi) * n + t];
+      f.block = &b;
+      f.linear = t;
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = stacks[static_cast<size_t>(bi) * n + t]->top();
+      f.ctx.uc_stack.ss_size = kStack;
+      f.ctx.uc_link = &scheduler;
+      makecontext(&f.ctx, trampoline, 0);
+    }
+  }
+  std::vector<size_t> order(total);
+  for (size_t i = 0; i < total; ++i) order[i] = i;
+  for (size_t left = total; left > 0;) {
+    const unsigned long long before = progress;
+    if (concurrent) {                  // a fresh random order each pass
+      for (size_t i = total - 1; i > 0; --i) std::swap(order[i], order[next_random() % (i + 1)]);
+    }
+    left = 0;
+    for (size_t oi = 0; oi < total; ++oi) {
+      Fiber& f = fibers[order[oi]];
+      if (f.done) continue;
+      current = &f;
+      current_block = f.block;
+      linear = f.linear;
+      block_idx = f.block->idx;
+      thread_idx = {f.linear % blk.x, (f.linear / blk.x) % blk.y, f.linear / (blk.x * blk.y)};
+      if (!_setjmp(scheduler_jmp)) {
+        if (!f.started) {
+          f.started = true;
+          swapcontext(&scheduler, &f.ctx);
+        } else {
+          _longjmp(f.jmp, 1);
+        }
+      }
+      if (!f.done) ++left;
+      else ++progress;
+    }
+    if (left > 0 && progress == before) return false;
+  }
+  return true;
+}
+
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 blk, size_t smem, A... args) {
   grid_dim = grid;
@@ -157,51 +249,15 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 blk, size_t smem, A... args) {
   }
   std::vector<unsigned char> smem_buf(smem + 16);
   dynamic_smem = smem_buf.data();
-  while (static_cast<int>(stacks.size()) < n) stacks.emplace_back(new char[kStack]);
   body = [&] { kernel(args...); };
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        block_idx = {bx, by, bz};
-        block_bar = Barrier{n, 0, 0};
-        warps.assign(n / 32, Warp{});
-        for (auto& w : warps) w.bar.expected = 32;
-        fibers.assign(n, Fiber{});
-        for (int t = 0; t < n; ++t) {
-          Fiber& f = fibers[t];
-          f.linear = t;
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = stacks[t].get();
-          f.ctx.uc_stack.ss_size = kStack;
-          f.ctx.uc_link = &scheduler;
-          makecontext(&f.ctx, trampoline, 0);
-        }
-        for (int left = n; left > 0;) {
-          const unsigned long long before = progress;
-          left = 0;
-          for (int t = 0; t < n; ++t) {
-            Fiber& f = fibers[t];
-            if (f.done) continue;
-            current = &f;
-            linear = t;
-            thread_idx = {t % blk.x, (t / blk.x) % blk.y, t / (blk.x * blk.y)};
-            if (!_setjmp(scheduler_jmp)) {
-              if (!f.started) {
-                f.started = true;
-                swapcontext(&scheduler, &f.ctx);
-              } else {
-                _longjmp(f.jmp, 1);
-              }
-            }
-            if (!f.done) ++left;
-            else ++progress;
-          }
-          if (left > 0 && progress == before) {
-            fail("deadlock: every live thread waits at a barrier that cannot complete");
-            return;
-          }
-        }
-      }
+  const int nblocks = static_cast<int>(grid.x * grid.y * grid.z);
+  const int batch = concurrent ? nblocks : 1;
+  for (int first = 0; first < nblocks; first += batch) {
+    if (!run_blocks(grid, first, batch < nblocks - first ? batch : nblocks - first, n, blk)) {
+      fail("deadlock: every live thread waits at a barrier that cannot complete");
+      return;
+    }
+  }
 }
 
 // Unpacks a CUDA parameter buffer (natural alignment, as gpuops' ArgSpec packs it).
@@ -237,7 +293,7 @@ void launch_packed(void (*kernel)(P...), const unsigned* dims, size_t smem, cons
 #define __shared__ static
 #define __align__(n) alignas(n)
 
-inline void __syncthreads() { emu::block_bar.arrive_and_wait(); }
+inline void __syncthreads() { emu::current_block->bar.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
 
 template <class T> inline T __shfl_sync(unsigned, T v, int src) {
