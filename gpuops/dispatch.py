@@ -204,7 +204,7 @@ def _wrap_gpu(kind, x, d, dev) -> Tensor:
 
 def _stage(call, x, d) -> Tensor:
     cp = device.cupy_or_none()
-    host = np.ascontiguousarray(x).view(dt.storage_numpy(d))
+    host = np.ascontiguousarray(x).reshape(np.shape(x)).view(dt.storage_numpy(d))  # 0-d stays 0-d
     arr = cp.asarray(host)
     return Tensor(arr.data.ptr, arr.shape, contiguous_strides(arr.shape), d, call.device, arr)
 
@@ -304,9 +304,10 @@ def _to_float64(kind, x):
 def _from_numpy(kind, res: np.ndarray, d):
     if kind == TORCH:
         torch = sys.modules["torch"]
+        res = np.ascontiguousarray(res).reshape(res.shape)   # ascontiguousarray makes 0-d 1-d
         if res.dtype.kind == "f":
-            return torch.from_numpy(np.ascontiguousarray(res)).to(dt.to_torch(d))
-        return torch.from_numpy(np.ascontiguousarray(res))
+            return torch.from_numpy(res).to(dt.to_torch(d))
+        return torch.from_numpy(res)
     if res.dtype.kind == "f":
         return res.astype(dt.to_numpy(d))
     return res
