@@ -5,6 +5,7 @@
 #   3. the benchmarks (`python -m gpuops bench --runtime`), and any experiments named.
 # Logs and JSON go to $OUT. Stages (default: tests tests61 bench):
 #   tests      the whole test suite on the device's arch
+#   gputests   only the GPU tests on the device's arch ($TEST_ARGS appended to pytest)
 #   tests61    the GPU tests again on the compute_61 bundle (.bundle61, carried)
 #   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
@@ -43,14 +44,17 @@ for stage in $stages; do
       # the whole suite: CPU tests also run their NumPy inputs through the GPU path here
       $PY -m pytest tests -q -rfEs --junitxml="$OUT/tests_native.xml" 2>&1 \
         | tee "$OUT/tests_native.log" | tail -25 || status=1 ;;
+    gputests)
+      $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_native.xml" ${TEST_ARGS:-} 2>&1 \
+        | tee "$OUT/tests_native.log" | tail -40 || status=1 ;;
     tests61)
       if [ ! -f .bundle61/manifest.json ]; then
         echo "no .bundle61: build it off-device: python -m gpuops build --arch 61 --kind ptx --out .bundle61"
         status=1; continue
       fi
       GPUOPS_KERNEL_BUNDLE="$PWD/.bundle61" GPUOPS_ARCH=61 \
-        $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_sm61.xml" 2>&1 \
-        | tee "$OUT/tests_sm61.log" | tail -25 || status=1 ;;
+        $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_sm61.xml" ${TEST_ARGS:-} 2>&1 \
+        | tee "$OUT/tests_sm61.log" | tail -40 || status=1 ;;
     bench)
       $PY -m gpuops bench --runtime --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     benchfull)
