@@ -55,25 +55,32 @@ NAIVE = KernelModule("gemm.naive", "gemm/naive.cu",
                      {_kname("gemm_naive", d.ctype): GEMM_ARGS for d in _FLOATS})
 SMEM_TILED = KernelModule("gemm.smem_tiled", "gemm/smem_tiled.cu",
                           {_kname("gemm_smem_tiled", d.ctype): GEMM_ARGS for d in _FLOATS})
-REGISTER_TILED = KernelModule(
-    "gemm.register_tiled_vec4", "gemm/register_tiled_vec4.cu",
-    {_kname("gemm_register_tiled_vec4", d.ctype): GEMM_ARGS for d in _FLOATS})
-WARP_TILED = KernelModule(
-    "gemm.warp_tiled", "gemm/warp_tiled.cu",
-    {_kname("gemm_warp_tiled", d.ctype, _b(dual)): GEMM_ARGS for d in _FLOATS
-     for dual in (False, True)})
+
+# The bigger variants get one module per dtype: a call compiles (first use) only its dtype's
+# kernels (the tensor-core module alone has 9 per 16-bit dtype).
+_SHORT = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16"}
+
+
+def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
+    kw = {"archs": archs} if archs else {}
+    return {d: KernelModule(f"gemm.{variant}_{_SHORT[d]}", source, kernels_of(d), **kw)
+            for d in dtypes}
+
+
+REGISTER_TILED = _per_dtype("register_tiled_vec4", "gemm/register_tiled_vec4.cu", lambda d: {
+    _kname("gemm_register_tiled_vec4", d.ctype): GEMM_ARGS})
+WARP_TILED = _per_dtype("warp_tiled", "gemm/warp_tiled.cu", lambda d: {
+    _kname("gemm_warp_tiled", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)})
 
 GEMV_MT = (1, 4, 16)                 # rows of A a GEMV kernel is compiled for (M <= MT)
-GEMV = KernelModule(
-    "gemm.gemv", "gemm/gemv.cu",
-    {**{_kname("gemv_kcontig", d.ctype, mt, _b(dual)): GEMM_ARGS
-        for d in _FLOATS for mt in GEMV_MT for dual in (False, True)},
-     **{_kname("gemv_ncontig", d.ctype, mt): GEMM_ARGS for d in _FLOATS for mt in GEMV_MT},
-     **{_kname("gemv_splitk_reduce", d.ctype): GEMM_ARGS for d in _FLOATS}})
-GEMV_MMA = KernelModule(
-    "gemm.gemv_mma", "gemm/gemv_mma.cu",
-    {_kname("gemv_mma", d.ctype, _b(dual)): GEMM_ARGS for d in _HALFS for dual in (False, True)},
-    archs=_TC_ARCHS)
+GEMV = _per_dtype("gemv", "gemm/gemv.cu", lambda d: {
+    **{_kname("gemv_kcontig", d.ctype, mt, _b(dual)): GEMM_ARGS
+       for mt in GEMV_MT for dual in (False, True)},
+    **{_kname("gemv_ncontig", d.ctype, mt): GEMM_ARGS for mt in GEMV_MT},
+    _kname("gemv_splitk_reduce", d.ctype): GEMM_ARGS})
+GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
+    _kname("gemv_mma", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)},
+    dtypes=_HALFS, archs=_TC_ARCHS)
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages)
 MMA_LARGE = (128, 256, 2, 4, 4)      # 8 warps of 64x64, 96 KiB of shared memory
@@ -86,14 +93,16 @@ def _mma_expr(d, cfg, ak, bk, dual=False):
     return _kname("gemm_mma", d.ctype, bm, bn, wm, wn, st, _b(ak), _b(bk), _b(dual))
 
 
-MMA = KernelModule(
-    "gemm.mma", "gemm/mma.cu",
-    {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for d in _HALFS for cfg in (MMA_LARGE, MMA_SMALL)
-        for ak in (True, False) for bk in (True, False)},
-     **{_mma_expr(dt.float32, MMA_SMALL, ak, bk): GEMM_ARGS
-        for ak in (True, False) for bk in (True, False)},
-     **{_mma_expr(d, MMA_DUAL, True, True, True): GEMM_ARGS for d in _HALFS}},
-    archs=_TC_ARCHS)
+def _mma_kernels(d):
+    if d is dt.float32:   # TF32: one tile configuration, no dual kernel
+        return {_mma_expr(d, MMA_SMALL, ak, bk): GEMM_ARGS for ak in (True, False)
+                for bk in (True, False)}
+    return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+               for ak in (True, False) for bk in (True, False)},
+            _mma_expr(d, MMA_DUAL, True, True, True): GEMM_ARGS}
+
+
+MMA = _per_dtype("mma", "gemm/mma.cu", _mma_kernels, archs=_TC_ARCHS)
 INT8 = KernelModule("gemm.int8_dp4a", "gemm/int8_dp4a.cu",
                     {_kname("gemm_int8_dp4a", d.ctype): GEMM_ARGS for d in _FLOATS})
 
@@ -391,7 +400,7 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
         rows = 16 if dual else 32
-        module, expr = GEMV_MMA, _kname("gemv_mma", dtype.ctype, _b(dual))
+        module, expr = GEMV_MMA[dtype], _kname("gemv_mma", dtype.ctype, _b(dual))
         min_k = 2048
     else:
         mt = next(m for m in GEMV_MT if p.M <= m)
@@ -407,7 +416,7 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
             L.flags = _gemv_flags(p, L, itemsize, dual, cols, False)
             expr = _kname("gemv_ncontig", dtype.ctype, mt)
             min_k = 256
-        module = GEMV
+        module = GEMV[dtype]
     splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, min_k)
     L.splits, L.k_split = splits, k_split
     if splits > 1:
@@ -417,7 +426,7 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
          call.stream)
     if splits > 1:
         # one launch over every output (batch * M * N <= 16 * batch * N here)
-        kernel = _kernels.get(GEMV, _kname("gemv_splitk_reduce", dtype.ctype), call.device)
+        kernel = _kernels.get(GEMV[dtype], _kname("gemv_splitk_reduce", dtype.ctype), call.device)
         kernel.launch((_cdiv(p.batch * p.M * p.N, 256), 1, 1), (256, 1, 1), call.stream,
                       L.a, L.b, L.b2, L.c, L.bias, L.residual, L.ws, L.sa, L.sb,
                       p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.r_sm, p.r_sn, L.bias_s,
@@ -439,12 +448,12 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
     elif variant == "register_tiled_vec4":
         L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
         tiles = _cdiv(p.M, 128) * _cdiv(p.N, 128)
-        _run(_kernels.get(REGISTER_TILED, _kname("gemm_register_tiled_vec4", dtype.ctype),
+        _run(_kernels.get(REGISTER_TILED[dtype], _kname("gemm_register_tiled_vec4", dtype.ctype),
                           call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
     elif variant == "warp_tiled":
         L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
         tiles = _cdiv(p.M, 128) * _cdiv(p.N, 64 if dual else 128)
-        _run(_kernels.get(WARP_TILED, _kname("gemm_warp_tiled", dtype.ctype, _b(dual)),
+        _run(_kernels.get(WARP_TILED[dtype], _kname("gemm_warp_tiled", dtype.ctype, _b(dual)),
                           call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
     elif variant == "mma":
         width = 16 // itemsize
@@ -464,7 +473,7 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
         bm, bn, wm, wn, stages = cfg
         smem = stages * (bm + (2 if dual else 1) * bn) * 64
         tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn)
-        _run(_kernels.get(MMA, _mma_expr(dtype, cfg, ak, bk, dual), call.device), p, L,
+        _run(_kernels.get(MMA[dtype], _mma_expr(dtype, cfg, ak, bk, dual), call.device), p, L,
              (tiles, 1), (wm * wn * 32, 1, 1), call.stream, smem=smem)
     else:  # pragma: no cover
         raise AssertionError(variant)
@@ -677,11 +686,6 @@ def _flops_linear(args, out):
     return _mnk_flops(x.shape[-2], w.shape[0], x.shape[-1])
 
 
-def _flops_int8(args, out):
-    a, b = args[0], args[1]
-    return _mnk_flops(a.shape[0], b.shape[1], a.shape[1])
-
-
 DECODE_SHAPES = ((1, 6144, 4096), (4, 6144, 4096), (16, 6144, 4096))
 GEMM_SHAPES = ((4096, 6144, 2048), (4096, 2048, 6144))
 
@@ -701,30 +705,9 @@ def _swiglu_inputs(shape, d, randn):
     return (randn((M, K), d), randn((N, K), d), randn((N, K), d)), {}
 
 
-def _int8_inputs(shape, d, randn):
-    M, N, K = shape
-    f32 = dt.float32
-
-    def q(x):
-        x = x * 40
-        if hasattr(x, "clamp"):
-            return x.clamp(-127, 127).round().to(dt.to_torch(dt.int8))
-        return x.clip(-127, 127).round().astype(np.int8)
-    a, bt = q(randn((M, K), f32)), q(randn((N, K), f32))
-    sa = abs(randn((M,), f32)) * 0.01 + 0.001
-    sb = abs(randn((N,), f32)) * 0.01 + 0.001
-    return (a, bt.T, sa, sb), {"out_dtype": d}
-
-
 def _torch():
     import torch  # noqa: PLC0415
     return torch
-
-
-def _torch_int8(a, b, sa, sb, out_dtype=None):
-    torch = _torch()
-    return (torch._int_mm(a, b).float() * sa[:, None] * sb[None, :]).to(
-        dt.to_torch(parse_dtype(out_dtype) or dt.float32))
 
 
 def _swiglu_torch(x, wg, wu):
@@ -804,10 +787,7 @@ def swiglu_linear(call, x: Tensor, w_gate: Tensor, w_up: Tensor, *,
 
 
 @register(family="gemm", reference=ref_int8_matmul, dtypes=(dt.int8,),
-          param_dtypes={"scale_a": (dt.float32,), "scale_b": (dt.float32,)},
-          bench=BenchSpec(make_inputs=_int8_inputs, torch_fn=_torch_int8,
-                          default_shape=lambda d: (4096, 4096, 4096), flops=_flops_int8,
-                          check_shape=_gemm_check_shape))
+          param_dtypes={"scale_a": (dt.float32,), "scale_b": (dt.float32,)})
 def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: Tensor,
                 out_dtype=None) -> Tensor:
     """``(a_int8 @ b_int8) * scale_a[:, None] * scale_b[None, :]`` with exact int32 accumulation
