@@ -2,14 +2,14 @@
 checked before they first ran.
 
 * mma: cp.async chunk placement with the XOR swizzles, ldmatrix (.trans) semantics, the
-  mma.m16n8k16 / m16n8k8 fragment layouts (PTX ISA), the epilogue mapping, for every operand
-  layout, both element sizes and every tile configuration of cuda_src/gemm/mma.cu; counts
+  mma.m16n8k16 / m16n8k8 / m16n8k32 fragment layouts (PTX ISA), the epilogue mapping, for every operand
+  layout, every element size (int8, fp16/bf16, fp32) and every tile configuration of cuda_src/gemm/mma.cu; counts
   shared-memory bank conflicts (ldmatrix phases, cp.async phases, scalar TF32 loads): all zero.
 * gemv_mma: the permuted k order that lets 16-byte loads be mma fragments.
 * SIMT: SimtTile (both run directions, edges) and the warp_tiled thread mapping, single and dual.
 * reduce-scatter: the lane/index mapping of gemv.cu's warp reduce-scatter.
 
-    python scripts/gemm_layout_sim.py [mma|gemv_mma|simt|reduce_scatter ...]
+    python scripts/gemm_layout_sim.py [mma|gemv_mma|simt|reduce_scatter ...] [int8]
 """
 import sys
 
@@ -37,9 +37,9 @@ def sim_mma():
 
     def run(EL, BM, BN, WM, WN, AK, BKM, M, N, K, aligned=True, seed=0):
         rng=np.random.default_rng(seed)
-        dt = np.float16 if EL==2 else np.float32
+        dt = {1: np.int8, 2: np.float16, 4: np.float32}[EL]
         A=rng.integers(-3,4,(M,K)).astype(dt); B=rng.integers(-3,4,(K,N)).astype(dt)
-        NT=WM*WN*32; EPC=16//EL; BK=64//EL; KS=16 if EL==2 else 8
+        NT=WM*WN*32; EPC=16//EL; BK=64//EL; KS={1: 32, 2: 16, 4: 8}[EL]
         def tile_info(ROWS, KMAJOR):
             CPR = 4 if KMAJOR else ROWS*EL//16
             return CPR, ROWS*4, ROWS*64
@@ -131,12 +131,21 @@ def sim_mma():
                         for l in range(32): regs[l][i]=vals[l]
                     return regs
             def unpack(reg):
+                if EL==1:
+                    return np.frombuffer(np.array([reg],dtype=np.uint32).tobytes(),dtype=np.int8).astype(float)
                 if EL==2:
                     return np.frombuffer(np.array([reg],dtype=np.uint32).tobytes(),dtype=np.float16).astype(float)
                 return np.frombuffer(np.array([reg],dtype=np.uint32).tobytes(),dtype=np.float32).astype(float)
             def mma(Dtile, af, b0, b1):
                 # af[lane] 4 regs, b0/b1 per lane
-                if EL==2:
+                if EL==1:
+                    Am=np.zeros((16,32)); Bm=np.zeros((32,8))
+                    for l in range(32):
+                        g,t=l>>2,l&3
+                        Am[g,4*t:4*t+4]=unpack(af[l][0]); Am[g+8,4*t:4*t+4]=unpack(af[l][1])
+                        Am[g,4*t+16:4*t+20]=unpack(af[l][2]); Am[g+8,4*t+16:4*t+20]=unpack(af[l][3])
+                        Bm[4*t:4*t+4,g]=unpack(b0[l]); Bm[4*t+16:4*t+20,g]=unpack(b1[l])
+                elif EL==2:
                     Am=np.zeros((16,16)); Bm=np.zeros((16,8))
                     for l in range(32):
                         g,t=l>>2,l&3
@@ -184,6 +193,9 @@ def sim_mma():
                 for (BM,BN,WM,WN) in cfgs:
                     cases.append((EL,BM,BN,WM,WN,AK,BKM))
     cases.append((2,128,64,2,2,True,True))
+    cases += [(1,128,256,2,4,True,True), (1,128,128,2,2,True,True)]   # int8: K-major only
+    if "int8" in sys.argv:   # `mma int8`: only the int8 cases
+        cases = [c for c in cases if c[0] == 1]
     for c in cases:
         EL,BM,BN,WM,WN,AK,BKM=c
         BK=64//EL
@@ -361,6 +373,6 @@ SIMS = {"mma": sim_mma, "gemv_mma": sim_gemv_mma, "simt": sim_simt,
         "reduce_scatter": sim_reduce_scatter}
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(SIMS):
+    for name in [a for a in sys.argv[1:] if a in SIMS] or list(SIMS):
         print(f"== {name}")
         SIMS[name]()

@@ -81,8 +81,8 @@ def test_every_gemm_module_declares_its_archs():
     for m in (G.NAIVE, G.SMEM_TILED, *G.REGISTER_TILED.values(), *G.WARP_TILED.values(),
               *G.GEMV.values(), G.INT8):
         assert "61" in m.archs, m.name
-    assert set(G.MMA) == set(G.GEMV) == set(dt.FLOATS) and set(G.GEMV_MMA) == {dt.float16,
-                                                                             dt.bfloat16}
+    assert set(G.GEMV) == set(dt.FLOATS) and set(G.MMA) == set(dt.FLOATS) | {dt.int8}
+    assert set(G.GEMV_MMA) == {dt.float16, dt.bfloat16}
     for f in sorted((ROOT / "cuda_src/gemm").glob("*.cu")):
         assert f.read_text().startswith("// "), f"{f.name} must open with what it adds"
 
@@ -159,6 +159,9 @@ def test_linear_swiglu_int8_references_match_torch(rng):
      "variant"),
     (lambda: go.int8_matmul(np.ones((2, 3), np.int8), np.ones((3, 4), np.int8),
                             np.ones(3, np.float32), np.ones(4, np.float32)), "scale_a"),
+    (lambda: go.int8_matmul(np.ones((2, 3), np.int8), np.ones((3, 4), np.int8),
+                            np.ones(2, np.float32), np.ones(4, np.float32), variant="wmma"),
+     "variant"),
 ])
 def test_argument_errors(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -513,18 +516,22 @@ def _q(shape):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("out_dtype", DTYPES)
-def test_gpu_int8_matmul(out_dtype):
-    for M, N, K in ((1, 1, 1), (17, 33, 65), (256, 512, 1024), (130, 70, 4096)):
+@pytest.mark.parametrize("variant", ["dp4a", "mma", None])
+def test_gpu_int8_matmul(variant, out_dtype):
+    _skip_unsupported(variant, "int8")
+    # (2048, 4096, 256): enough tiles for the 128x256 tensor-core configuration
+    for M, N, K in ((1, 1, 1), (17, 33, 65), (256, 512, 1024), (130, 70, 4096), (2048, 4096, 256)):
         a, w = _q((M, K)), _q((N, K))
         sa = torch.rand(M, device="cuda") + 0.1
         sb = torch.rand(N, device="cuda") + 0.1
         for what, b in (("W.t()", w.T), ("row-major b", w.T.contiguous())):
-            out = go.int8_matmul(a, b, sa, sb, out_dtype)
+            out = go.int8_matmul(a, b, sa, sb, out_dtype, variant=variant)
             assert out.dtype == getattr(torch, out_dtype)
             ref = (a.double() @ b.double()) * sa.double()[:, None] * sb.double()[None, :]
             bound = 6 * U_ACC * ref.abs() + 2 * U_OUT[out_dtype] * ref.abs() + TINY[out_dtype]
             err = (out.double() - ref).abs()
-            assert (err <= bound).all(), f"int8 {M}x{N}x{K} {what} {out_dtype}: {err.max().item()}"
+            assert (err <= bound).all(), \
+                f"int8 {variant} {M}x{N}x{K} {what} {out_dtype}: {err.max().item()}"
 
 
 @gpu

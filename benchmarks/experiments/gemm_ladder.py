@@ -9,7 +9,8 @@
    50 MB L2): % of the device-to-device copy bandwidth for the bytes that must move (weight + x +
    out), next to torch F.linear in the same graph setting;
 4. the fused epilogue's cost over the bare GEMM (bias, bias+gelu, bias+gelu+residual, alpha);
-5. swiglu_linear against two cuBLAS GEMMs + silu * mul (eager, and torch.compile of the same).
+5. swiglu_linear against two cuBLAS GEMMs + silu * mul (eager, and torch.compile of the same);
+6. int8_matmul (dp4a and int8 tensor cores) against torch._int_mm + scaling.
 
     python benchmarks/experiments/gemm_ladder.py [--json out.json] [--quick]
 
@@ -192,18 +193,32 @@ def swiglu():
                extra={"torch_compile_ms": comp})
 
 
+def int8():
+    print("\n== int8_matmul vs torch._int_mm (+ scales) ==")
+    M = N = K = 4096
+    a = torch.randint(-128, 128, (M, K), device="cuda", dtype=torch.int8)
+    w = torch.randint(-128, 128, (N, K), device="cuda", dtype=torch.int8)
+    sa = torch.rand(M, device="cuda")
+    sb = torch.rand(N, device="cuda")
+    peer = time_ms(lambda: (torch._int_mm(a, w.T).float() * sa[:, None] * sb[None, :]).to(torch.bfloat16))
+    record("int8", "torch._int_mm + scales", (M, N, K), "int8", peer, 2.0 * M * N * K)
+    for v in ("dp4a", "mma"):
+        ms = time_ms(lambda v=v: go.int8_matmul(a, w.T, sa, sb, "bfloat16", variant=v))
+        record("int8", f"int8_matmul {v}", (M, N, K), "int8", ms, 2.0 * M * N * K, peer)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="ladder,decode,epilogue,swiglu")
+    ap.add_argument("--sections", default="ladder,decode,epilogue,swiglu,int8")
     args = ap.parse_args()
     sections = args.sections.split(",")
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {gbps:.0f} GB/s")
     failures = {}
     for name, fn in (("ladder", lambda: ladder(args.quick)), ("decode", lambda: decode(gbps)),
-                     ("epilogue", epilogues), ("swiglu", swiglu)):
+                     ("epilogue", epilogues), ("swiglu", swiglu), ("int8", int8)):
         if name in sections:
             try:
                 fn()

@@ -16,6 +16,9 @@
 // kernel shares each 128-row A tile between two 64-column B tiles. Blocks walk the output in
 // groups of 8 tile rows (L2 reuse), like every gpuops GEMM.
 //
+// int8 (int8_matmul on sm_80+): the same kernel with mma.m16n8k32.s8 and int32 accumulators (K-major
+// operands; others take the per-element path), the scales applied in the epilogue.
+//
 // Left for the Hopper step (`variant='wgmma'`, not written yet): wgmma.mma_async from shared
 // memory descriptors, TMA loads and a warp-specialized producer/consumer pipeline.
 #include "gemm/gemm_common.cuh"
@@ -41,6 +44,9 @@ __device__ __forceinline__ int mnmajor_off(int r, int c, int cpr) {
 __device__ __forceinline__ unsigned int mma_bits(float v) { return __float_as_uint(v); }
 __device__ __forceinline__ unsigned int mma_bits(float16_t v) { return v.bits; }
 __device__ __forceinline__ unsigned int mma_bits(bfloat16_t v) { return v.bits; }
+__device__ __forceinline__ unsigned int mma_bits(signed char v) {
+  return static_cast<unsigned char>(v);
+}
 
 // One operand's tile of a pipeline stage: ROWS rows (m of A, n of B) x BK (64 bytes of k).
 // KMAJOR: the operand's K dim is its contiguous one (or it has no unit stride at all; then only
@@ -55,6 +61,7 @@ struct MmaTile {
   static constexpr int kPer = kChunks / NT;
   static constexpr int kBytes = ROWS * 64;
   static_assert(kChunks % NT == 0 && NT % kCPR == 0, "chunks must split evenly");
+  static_assert(KMAJOR || kEl > 1, "int8 operands are staged K-major only (no byte ldmatrix.trans)");
 
   // global -> shared for the stage at k0. base: the operand's matrix; (sr, sk): strides of its
   // rows and k; R, K: extents; r0: first row of the tile; dst: the stage's tile in shared memory.
@@ -89,7 +96,7 @@ struct MmaTile {
         unsigned int w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int j = 0; j < kEPC; ++j)
-          if (j < n) w[j * kEl / 4] |= mma_bits(src[j * step]) << (kEl == 2 ? 16 * (j & 1) : 0);
+          if (j < n) w[j * kEl / 4] |= mma_bits(src[j * step]) << (8 * kEl * (j % (4 / kEl)));
         *reinterpret_cast<uint4*>(dst + off) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
@@ -162,8 +169,10 @@ __device__ __forceinline__ void load_b_frag2(unsigned int (&b)[4], const unsigne
 }
 
 // BM x BN block tile (BN per B operand), WM x WN warps, STAGES-deep cp.async pipeline.
+// T: the inputs' storage type; TO: the output's (T, except for int8 inputs).
 // AK / BKM: A / B is K-major (K contiguous); DUAL: silu(A @ B) * (A @ B2).
-template <class T, int BM, int BN, int WM, int WN, int STAGES, bool AK, bool BKM, bool DUAL>
+template <class T, class TO, int BM, int BN, int WM, int WN, int STAGES, bool AK, bool BKM,
+          bool DUAL>
 __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
 #if __CUDA_ARCH__ >= 800
   constexpr int kThreads = WM * WN * 32;
@@ -171,6 +180,8 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
   constexpr int kWTM = BM / WM, kWTN = BN / WN;       // warp tile
   constexpr int kMI = kWTM / 16, kNI = kWTN / 8;      // mma tiles per warp tile
   constexpr int kKS = Mma<T>::kK;                     // k per mma
+  constexpr bool kInt8 = sizeof(T) == 1;
+  using Acc = typename Mma<T>::Acc;                   // int32 for int8, else fp32
   using TileA = MmaTile<T, BM, kThreads, AK>;
   using TileB = MmaTile<T, BN, kThreads, BKM>;
   constexpr int kBK = TileA::kBK;
@@ -200,7 +211,7 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
                   b_al, tid);
   };
 
-  float acc[kNB][kMI][kNI][4];
+  Acc acc[kNB][kMI][kNI][4];
 #pragma unroll
   for (int d = 0; d < kNB; ++d)
 #pragma unroll
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
 #pragma unroll
       for (int j = 0; j < kNI; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[d][i][j][c] = 0.0f;
+        for (int c = 0; c < 4; ++c) acc[d][i][j][c] = Acc(0);
 
   const long long ktiles = (p.K + kBK - 1) / kBK;
 #pragma unroll
@@ -270,7 +281,8 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
             for (int hh = 0; hh < 2; ++hh) {
               const int r = i * 16 + g + hh * 8, c = wn * kWTN + j * 8 + 2 * t;
               *reinterpret_cast<float2*>(cs + (d * kWTM + r) * kLdC + c) =
-                  make_float2(acc[d][i][j][2 * hh], acc[d][i][j][2 * hh + 1]);
+                  make_float2(static_cast<float>(acc[d][i][j][2 * hh]),
+                              static_cast<float>(acc[d][i][j][2 * hh + 1]));
             }
     }
     __syncthreads();
@@ -283,9 +295,17 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
       if constexpr (DUAL) {
         const float4 u4 = *reinterpret_cast<const float4*>(cs + (kWTM + r) * kLdC + c);
         const float u[4] = {u4.x, u4.y, u4.z, u4.w};
-        swiglu_run<T, 4>(p, o, m, n, v, u);
+        swiglu_run<TO, 4>(p, o, m, n, v, u);
+      } else if constexpr (kInt8) {   // (A @ B) * scale_a[m] * scale_b[n]
+        if (m < p.M) {
+          const float sa = p.scale_a[m];
+          float w[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) w[j] = n + j < p.N ? v[j] * sa * p.scale_b[n + j] : 0.0f;
+          store_run<TO, 4>(p, o, m, n, w);
+        }
       } else {
-        epilogue_run<T, 4>(p, o, m, n, v);
+        epilogue_run<TO, 4>(p, o, m, n, v);
       }
     }
   }

@@ -8,6 +8,10 @@
 //     b1 = B[2t+8, 2t+9][g];  C 16x8 fp32: c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1].
 //   m16n8k8 (tf32): a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4];
 //     b0 = B[t][g], b1 = B[t+4][g]; C as above.
+//   m16n8k32 (s8, int32 C): a0 = A[g][4t .. 4t+3], a1 = A[g+8][4t ..], a2 = A[g][4t+16 ..],
+//     a3 = A[g+8][4t+16 ..]; b0 = B[4t .. 4t+3][g], b1 = B[4t+16 ..][g]; C as above.
+//   With operands stored K-major in rows of 16-byte chunks, one ldmatrix.x4 address pattern gives
+//   all three (a 32-bit word of a b16 pair = one fp32 = four int8).
 //   ldmatrix.x4: lanes 8i .. 8i+7 give the row addresses of 8x8 b16 matrix i; lane l receives
 //     in register i the elements (row l / 4, columns 2 (l % 4), +1) of matrix i, or with .trans
 //     the elements (rows 2 (l % 4), +1, column l / 4).
@@ -49,6 +53,7 @@ struct Mma;
 template <>
 struct Mma<bfloat16_t> {
   static constexpr int kK = 16;
+  using Acc = float;
   __device__ __forceinline__ static void run(float (&d)[4], const unsigned int (&a)[4],
                                              unsigned int b0, unsigned int b1) {
     asm volatile(
@@ -62,6 +67,7 @@ struct Mma<bfloat16_t> {
 template <>
 struct Mma<float16_t> {
   static constexpr int kK = 16;
+  using Acc = float;
   __device__ __forceinline__ static void run(float (&d)[4], const unsigned int (&a)[4],
                                              unsigned int b0, unsigned int b1) {
     asm volatile(
@@ -76,12 +82,28 @@ struct Mma<float16_t> {
 template <>
 struct Mma<float> {
   static constexpr int kK = 8;
+  using Acc = float;
   __device__ __forceinline__ static void run(float (&d)[4], const unsigned int (&a)[4],
                                              unsigned int b0, unsigned int b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// int8 x int8 with exact int32 accumulation (int8_matmul on sm_80+).
+template <>
+struct Mma<signed char> {
+  static constexpr int kK = 32;
+  using Acc = int;
+  __device__ __forceinline__ static void run(int (&d)[4], const unsigned int (&a)[4],
+                                             unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };

@@ -58,7 +58,7 @@ SMEM_TILED = KernelModule("gemm.smem_tiled", "gemm/smem_tiled.cu",
 
 # The bigger variants get one module per dtype: a call compiles (first use) only its dtype's
 # kernels (the tensor-core module alone has 9 per 16-bit dtype).
-_SHORT = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16"}
+_SHORT = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.int8: "s8"}
 
 
 def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
@@ -88,21 +88,25 @@ MMA_SMALL = (128, 128, 2, 2, 4)      # 4 warps of 64x64, 64 KiB
 MMA_DUAL = (128, 64, 2, 2, 4)        # SwiGLU: 4 warps of 64x32 per B, 64 KiB
 
 
-def _mma_expr(d, cfg, ak, bk, dual=False):
+def _mma_expr(d, cfg, ak, bk, dual=False, out=None):
     bm, bn, wm, wn, st = cfg
-    return _kname("gemm_mma", d.ctype, bm, bn, wm, wn, st, _b(ak), _b(bk), _b(dual))
+    return _kname("gemm_mma", d.ctype, (out or d).ctype, bm, bn, wm, wn, st, _b(ak), _b(bk),
+                  _b(dual))
 
 
 def _mma_kernels(d):
     if d is dt.float32:   # TF32: one tile configuration, no dual kernel
         return {_mma_expr(d, MMA_SMALL, ak, bk): GEMM_ARGS for ak in (True, False)
                 for bk in (True, False)}
+    if d is dt.int8:      # K-major operands, one kernel per output dtype and tile configuration
+        return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+                for o in _FLOATS}
     return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
                for ak in (True, False) for bk in (True, False)},
             _mma_expr(d, MMA_DUAL, True, True, True): GEMM_ARGS}
 
 
-MMA = _per_dtype("mma", "gemm/mma.cu", _mma_kernels, archs=_TC_ARCHS)
+MMA = _per_dtype("mma", "gemm/mma.cu", _mma_kernels, dtypes=_FLOATS + (dt.int8,), archs=_TC_ARCHS)
 INT8 = KernelModule("gemm.int8_dp4a", "gemm/int8_dp4a.cu",
                     {_kname("gemm_int8_dp4a", d.ctype): GEMM_ARGS for d in _FLOATS})
 
@@ -113,6 +117,7 @@ _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
 _DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
+INT8_VARIANTS = ("dp4a", "mma")
 MAX_GRID_Z = 65535
 
 
@@ -649,7 +654,8 @@ def _check_int8(op, a_shape, b_shape, sa_shape, sb_shape):
     return M, N, K
 
 
-def ref_int8_matmul(a_int8, b_int8, scale_a, scale_b, out_dtype=None):
+def ref_int8_matmul(a_int8, b_int8, scale_a, scale_b, out_dtype=None, variant=None):
+    _check_variant("int8_matmul", variant, INT8_VARIANTS)
     _check_int8("int8_matmul", np.shape(a_int8), np.shape(b_int8), np.shape(scale_a),
                 np.shape(scale_b))
     parse_dtype(out_dtype)
@@ -789,15 +795,18 @@ def swiglu_linear(call, x: Tensor, w_gate: Tensor, w_up: Tensor, *,
 @register(family="gemm", reference=ref_int8_matmul, dtypes=(dt.int8,),
           param_dtypes={"scale_a": (dt.float32,), "scale_b": (dt.float32,)})
 def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: Tensor,
-                out_dtype=None) -> Tensor:
-    """``(a_int8 @ b_int8) * scale_a[:, None] * scale_b[None, :]`` with exact int32 accumulation
-    (``__dp4a``, sm_61+), for per-row (token) and per-column (channel) quantization.
+                out_dtype=None, *, variant: str | None = None) -> Tensor:
+    """``(a_int8 @ b_int8) * scale_a[:, None] * scale_b[None, :]`` with exact int32 accumulation,
+    for per-row (token) and per-column (channel) quantization.
 
     ``a_int8``: ``[M, K]``, ``b_int8``: ``[K, N]`` (fastest as ``W.t()`` of a ``[N, K]`` weight:
     both read along K with 16-byte loads); scales float32 with M and N elements, contiguous.
     ``out_dtype``: float32 (default), float16 or bfloat16. K must stay below 133,000 (int32 sums).
+    ``variant``: 'dp4a' (``__dp4a``, sm_61+), 'mma' (int8 tensor cores, mma.m16n8k32, sm_80+),
+    or None (mma where available).
     """
     M, N, K = _check_int8("int8_matmul", a_int8.shape, b_int8.shape, scale_a.shape, scale_b.shape)
+    _check_variant("int8_matmul", variant, INT8_VARIANTS)
     out_dt = parse_dtype(out_dtype) or dt.float32
     if out_dt not in _FLOATS:
         raise ValueError(f"gpuops.int8_matmul: out_dtype={out_dt}; expected one of "
@@ -808,6 +817,12 @@ def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: 
     if K >= 133_000:
         raise ValueError(f"gpuops.int8_matmul: K = {K} could overflow the int32 sums "
                          "(127 * 127 * K >= 2^31)")
+    cc = effective_arch(call.device)
+    if variant is None:
+        variant = "mma" if cc >= 80 else "dp4a"
+    elif variant == "mma" and cc < 80:
+        raise RuntimeError("gpuops.int8_matmul: variant='mma' uses int8 tensor cores of sm_80+; "
+                           f"kernels here are built for sm_{cc}")
     out = call.empty((M, N), out_dt)
     if M == 0 or N == 0:
         return out
@@ -820,10 +835,18 @@ def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: 
     L = _Launch()
     L.a, L.b, L.c, L.sa, L.sb = a_int8.ptr, b_int8.ptr, out.ptr, scale_a.ptr, scale_b.ptr
     L.out_f32 = 1 if out_dt is dt.float32 else 0
+    # both kernels read runs of 16 bytes along K; other layouts go element by element
     a_vec = (p.a_sk == 1 or K <= 1) and _aligned(a_int8.ptr, 1, 16, (p.a_sm,) if M > 1 else ())
     b_vec = (p.b_sk == 1 or K <= 1) and _aligned(b_int8.ptr, 1, 16, (p.b_sn,) if N > 1 else ())
     L.flags = A_KCONTIG | B_KCONTIG | (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0)
-    tiles = _cdiv(M, 128) * _cdiv(N, 128)
-    _run(_kernels.get(INT8, _kname("gemm_int8_dp4a", out_dt.ctype), call.device), p, L,
-         (tiles, 1), (256, 1, 1), call.stream)
+    if variant == "mma":
+        large = _cdiv(M, 128) * _cdiv(N, 256)
+        cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
+        bm, bn, wm, wn, stages = cfg
+        _run(_kernels.get(MMA[dt.int8], _mma_expr(dt.int8, cfg, True, True, out=out_dt),
+                          call.device), p, L, (_cdiv(M, bm) * _cdiv(N, bn), 1),
+             (wm * wn * 32, 1, 1), call.stream, smem=stages * (bm + bn) * 64)
+    else:
+        _run(_kernels.get(INT8, _kname("gemm_int8_dp4a", out_dt.ctype), call.device), p, L,
+             (_cdiv(M, 128) * _cdiv(N, 128), 1), (256, 1, 1), call.stream)
     return out
