@@ -334,6 +334,11 @@ def run_reference(op, values: tuple):
             continue
         kwargs[name] = _to_float64(k, x) if k is not None else x
     result_dtype = _check_dtypes(op, found, on_gpu=False)
+    # A reference whose output dtype is not the inputs' (out_dtype=, int8 in / float out) says so
+    # with a `result_dtype(values by name, array dtypes by name) -> DType` attribute.
+    hook = getattr(op.reference, "result_dtype", None)
+    if hook is not None:
+        result_dtype = hook(dict(zip(op.param_names, values)), found)
     res = op.reference(**kwargs)
     single = not isinstance(res, tuple)
     outs = tuple(_from_numpy(kind, np.asarray(r), result_dtype) for r in ((res,) if single else res))

@@ -1,0 +1,236 @@
+"""The GEMM ladder on one GPU, everything measured in the same run (issue 4):
+
+1. every variant (naive .. mma) at 4096^3 fp32, against cuBLAS fp32 through torch with TF32 off
+   (and the tf32 mma against cuBLAS with TF32 on);
+2. bf16 at 8192^3, M=4096 N=6144 K=2048 and M=4096 N=2048 K=6144: warp_tiled (SIMT), mma and
+   the default, against cuBLAS bf16;
+3. decode shapes (M = 1, 2, 4, 8, 16 x [6144, 4096] bf16 and fp32 weights) inside a CUDA graph,
+   the weight rotated over enough copies to exceed L2 (a 25-50 MB weight otherwise stays in the
+   50 MB L2): % of the device-to-device copy bandwidth for the bytes that must move (weight + x +
+   out), next to torch F.linear in the same graph setting;
+4. the fused epilogue's cost over the bare GEMM (bias, bias+gelu, bias+gelu+residual, alpha);
+5. swiglu_linear against two cuBLAS GEMMs + silu * mul (eager, and torch.compile of the same);
+6. int8_matmul (dp4a and int8 tensor cores) against torch._int_mm + scaling.
+
+    python benchmarks/experiments/gemm_ladder.py [--json out.json] [--quick]
+
+--quick skips the slowest rungs (naive, smem_tiled on the big bf16 shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402,N812
+
+import gpuops as go  # noqa: E402
+
+ROWS: list = []
+
+
+def time_ms(fn, budget_s=1.5, min_iters=3, max_iters=200):
+    """Median ms per call over batches of CUDA-event-timed calls after warm-up."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    iters = int(max(min_iters, min(max_iters, budget_s * 1e3 / 3 / once)))
+    meds = []
+    for _ in range(3):
+        times = []
+        for _ in range(iters):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        meds.append(statistics.median(times))
+    return statistics.median(meds)
+
+
+def copy_gbps():
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def record(section, name, shape, dtype, ms, flops=None, peer_ms=None, extra=None):
+    row = {"section": section, "name": name, "shape": shape, "dtype": dtype, "ms": ms}
+    if flops:
+        row["tflops"] = flops / (ms * 1e-3) / 1e12
+    if peer_ms:
+        row["peer_ms"] = peer_ms
+        row["pct_of_peer"] = 100.0 * peer_ms / ms
+    row.update(extra or {})
+    ROWS.append(row)
+    tf = f"{row['tflops']:8.1f} TFLOP/s" if "tflops" in row else " " * 16
+    pp = f"{row['pct_of_peer']:6.1f}% of peer" if "pct_of_peer" in row else ""
+    ex = "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                   for k, v in (extra or {}).items())
+    print(f"  {name:<30}{'x'.join(map(str, shape)):<18}{dtype:<10}{ms:10.3f} ms{tf}  {pp}  {ex}",
+          flush=True)
+    return row
+
+
+def ladder(quick):
+    print("\n== ladder: 4096^3 fp32 (cuBLAS fp32, TF32 off) ==")
+    M = N = K = 4096
+    a = torch.randn(M, K, device="cuda")
+    b = torch.randn(K, N, device="cuda")
+    flops = 2.0 * M * N * K
+    torch.backends.cuda.matmul.allow_tf32 = False
+    peer = time_ms(lambda: torch.matmul(a, b))
+    record("ladder_fp32", "cublas fp32", (M, N, K), "float32", peer, flops)
+    for v in ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled"):
+        ms = time_ms(lambda v=v: go.matmul(a, b, variant=v), budget_s=3.0 if v == "naive" else 1.5)
+        record("ladder_fp32", v, (M, N, K), "float32", ms, flops, peer)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peer_tf32 = time_ms(lambda: torch.matmul(a, b))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    record("ladder_fp32", "cublas tf32", (M, N, K), "float32", peer_tf32, flops)
+    ms = time_ms(lambda: go.matmul(a, b, variant="mma", allow_tf32=True))
+    record("ladder_fp32", "mma (tf32)", (M, N, K), "float32", ms, flops, peer_tf32)
+
+    for (M, N, K) in ((8192, 8192, 8192), (4096, 6144, 2048), (4096, 2048, 6144)):
+        print(f"\n== bf16 {M}x{N}x{K} (cuBLAS bf16) ==")
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        wt = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        flops = 2.0 * M * N * K
+        peer = time_ms(lambda: torch.matmul(a, b))
+        record("bf16", "cublas bf16 (a @ b)", (M, N, K), "bfloat16", peer, flops)
+        peer_lin = time_ms(lambda: F.linear(a, wt))
+        record("bf16", "cublas bf16 (F.linear)", (M, N, K), "bfloat16", peer_lin, flops)
+        variants = ["warp_tiled", "mma", None]
+        if not quick and (M, N, K) != (8192, 8192, 8192):
+            variants = ["register_tiled_vec4"] + variants
+        for v in variants:
+            ms = time_ms(lambda v=v: go.matmul(a, b, variant=v))
+            record("bf16", f"{v or 'default'} (a @ b)", (M, N, K), "bfloat16", ms, flops, peer)
+        ms = time_ms(lambda: go.linear(a, wt))
+        record("bf16", "default (linear)", (M, N, K), "bfloat16", ms, flops, peer_lin)
+
+
+def decode(gbps):
+    """Decode GEMMs in a CUDA graph; the weight rotates over copies totalling > 4x L2."""
+    print(f"\n== decode in CUDA graphs (copy bandwidth {gbps:.0f} GB/s) ==")
+    N, K = 6144, 4096
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for dtype in (torch.bfloat16, torch.float32):
+        wbytes = N * K * dtype.itemsize
+        copies = max(2, -(-4 * l2 // wbytes))
+        ws = [torch.randn(N, K, device="cuda", dtype=dtype) for _ in range(copies)]
+        for M in (1, 2, 4, 8, 16):
+            xs = [torch.randn(M, K, device="cuda", dtype=dtype) for _ in range(copies)]
+            moved = wbytes + M * K * dtype.itemsize + M * N * dtype.itemsize
+            res = {}
+            for name, fn in (("gpuops", go.linear), ("torch", F.linear)):
+                res[name] = graph_ms(lambda fn=fn: [fn(x, w) for x, w in zip(xs, ws)]) / copies
+            pct = 100.0 * moved / (res["gpuops"] * 1e-3) / 1e9 / gbps
+            pct_t = 100.0 * moved / (res["torch"] * 1e-3) / 1e9 / gbps
+            record("decode", "linear (graph)", (M, N, K), str(dtype)[6:], res["gpuops"],
+                   peer_ms=res["torch"], extra={"pct_copy": pct, "torch_pct_copy": pct_t})
+        del ws
+
+
+def graph_ms(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_ms(g.replay)
+
+
+def epilogues():
+    print("\n== fused epilogue vs bare GEMM ==")
+    for dtype, (M, N, K) in ((torch.bfloat16, (4096, 6144, 2048)), (torch.float32, (4096, 4096, 4096))):
+        a = torch.randn(M, K, device="cuda", dtype=dtype)
+        b = torch.randn(K, N, device="cuda", dtype=dtype)
+        bias = torch.randn(N, device="cuda", dtype=dtype)
+        res = torch.randn(M, N, device="cuda", dtype=dtype)
+        bare = time_ms(lambda: go.matmul(a, b))
+        record("epilogue", "bare", (M, N, K), str(dtype)[6:], bare, 2.0 * M * N * K)
+        for name, kw in (("alpha", {"alpha": 0.5}), ("bias", {"bias": bias}),
+                         ("bias+gelu", {"bias": bias, "activation": "gelu"}),
+                         ("bias+gelu+residual", {"bias": bias, "activation": "gelu", "residual": res})):
+            ms = time_ms(lambda kw=kw: go.matmul(a, b, **kw))
+            record("epilogue", name, (M, N, K), str(dtype)[6:], ms, 2.0 * M * N * K,
+                   extra={"pct_over_bare": 100.0 * (ms / bare - 1)})
+        if dtype is torch.bfloat16:
+            eager = time_ms(lambda: F.gelu(torch.addmm(bias, a, b)) + res)
+            record("epilogue", "torch eager bias+gelu+residual", (M, N, K), "bfloat16", eager)
+
+
+def swiglu():
+    print("\n== swiglu_linear vs two cuBLAS GEMMs + silu * mul ==")
+    ref = lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)  # noqa: E731
+    compiled = torch.compile(ref)
+    for M, N, K in ((4096, 11008, 4096), (1, 11008, 4096), (16, 11008, 4096)):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        wg = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        wu = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        peer = time_ms(lambda: ref(x, wg, wu))
+        comp = time_ms(lambda: compiled(x, wg, wu))
+        ms = time_ms(lambda: go.swiglu_linear(x, wg, wu))
+        record("swiglu", "swiglu_linear", (M, N, K), "bfloat16", ms, 4.0 * M * N * K, peer,
+               extra={"torch_compile_ms": comp})
+
+
+def int8():
+    print("\n== int8_matmul vs torch._int_mm (+ scales) ==")
+    M = N = K = 4096
+    a = torch.randint(-128, 128, (M, K), device="cuda", dtype=torch.int8)
+    w = torch.randint(-128, 128, (N, K), device="cuda", dtype=torch.int8)
+    sa = torch.rand(M, device="cuda")
+    sb = torch.rand(N, device="cuda")
+    peer = time_ms(lambda: (torch._int_mm(a, w.T).float() * sa[:, None] * sb[None, :]).to(torch.bfloat16))
+    record("int8", "torch._int_mm + scales", (M, N, K), "int8", peer, 2.0 * M * N * K)
+    for v in ("dp4a", "mma"):
+        ms = time_ms(lambda v=v: go.int8_matmul(a, w.T, sa, sb, "bfloat16", variant=v))
+        record("int8", f"int8_matmul {v}", (M, N, K), "int8", ms, 2.0 * M * N * K, peer)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="ladder,decode,epilogue,swiglu,int8")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {gbps:.0f} GB/s")
+    failures = {}
+    for name, fn in (("ladder", lambda: ladder(args.quick)), ("decode", lambda: decode(gbps)),
+                     ("epilogue", epilogues), ("swiglu", swiglu), ("int8", int8)):
+        if name in sections:
+            try:
+                fn()
+            except Exception as exc:  # report and go on with the other sections
+                failures[name] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"  {name} FAILED: {failures[name]}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": gbps, "rows": ROWS,
+                       "failures": failures, "torch": torch.__version__}, fh, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

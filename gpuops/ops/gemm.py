@@ -1,0 +1,852 @@
+"""GEMM family: matmul with fused epilogues, linear, SwiGLU linear, int8 matmul.
+
+Kernels (cuda_src/gemm/*.cu, one file per step of the ladder, each opening with what it adds):
+``naive`` -> ``smem_tiled`` -> ``register_tiled_vec4`` -> ``warp_tiled`` (the best fp32 SIMT kernel,
+default for fp32 and for fp16/bf16 before sm_80) -> ``mma`` (tensor cores via mma.sync, sm_80+,
+default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arch) and ``gemv_mma``
+(tensor cores, sm_80+), which stream the weight once with 16-byte loads; ``int8_dp4a`` for
+int8_matmul. ``variant='wgmma'`` (Hopper) is a later step and raises NotImplementedError.
+
+Conventions: torch.matmul shapes (1-D operands, broadcast batch dims), any strides (transposed
+views are read in place: every kernel takes both the M/N-contiguous and the K-contiguous layout;
+other strides take a per-element path), fp32 accumulation, and the epilogue
+``out = act(alpha * (a @ b) + bias) + residual`` in fp32 before the one rounding to the output
+dtype. No host syncs and no allocations other than outputs/workspaces from ``call.empty``: every
+call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+from math import prod
+
+import numpy as np
+
+from gpuops import dtypes as dt
+from gpuops.bench_spec import BenchSpec
+from gpuops.ops.elementwise import ACTIVATIONS, _act_ref, _check_activation
+from gpuops.registry import register
+from gpuops.runtime import config, device, loader
+from gpuops.runtime.launch import ArgSpec
+from gpuops.runtime.modules import KernelModule
+from gpuops.runtime.nvrtc import Target
+from gpuops.shapes import broadcast_shapes, broadcast_strides, coalesce, contiguous_strides
+from gpuops.tensor import Tensor
+
+# ---------------------------------------------------------------------------------------------
+# Kernel modules. Every kernel takes one GemmArgs struct (cuda_src/gemm/gemm_common.cuh):
+# 9 pointers, 25 int64 (M, N, K, strides, batch layout, k_split, z0), alpha, act, out_f32,
+# splits, flags.
+
+GEMM_ARGS = ArgSpec("9P25qf4i")
+_FLOATS = dt.FLOATS
+_HALFS = (dt.float16, dt.bfloat16)
+_TC_ARCHS = ("80", "86", "89", "90")          # mma.sync, ldmatrix, cp.async
+
+
+def _kname(fn, *targs) -> str:
+    return f"gpuops::gemm::{fn}<{', '.join(str(t) for t in targs)}>"
+
+
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+NAIVE = KernelModule("gemm.naive", "gemm/naive.cu",
+                     {_kname("gemm_naive", d.ctype): GEMM_ARGS for d in _FLOATS})
+SMEM_TILED = KernelModule("gemm.smem_tiled", "gemm/smem_tiled.cu",
+                          {_kname("gemm_smem_tiled", d.ctype): GEMM_ARGS for d in _FLOATS})
+
+# The bigger variants get one module per dtype: a call compiles (first use) only its dtype's
+# kernels (the tensor-core module alone has 9 per 16-bit dtype).
+_SHORT = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.int8: "s8"}
+
+
+def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
+    kw = {"archs": archs} if archs else {}
+    return {d: KernelModule(f"gemm.{variant}_{_SHORT[d]}", source, kernels_of(d), **kw)
+            for d in dtypes}
+
+
+REGISTER_TILED = _per_dtype("register_tiled_vec4", "gemm/register_tiled_vec4.cu", lambda d: {
+    _kname("gemm_register_tiled_vec4", d.ctype): GEMM_ARGS})
+WARP_TILED = _per_dtype("warp_tiled", "gemm/warp_tiled.cu", lambda d: {
+    _kname("gemm_warp_tiled", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)})
+
+GEMV_MT = (1, 4, 16)                 # rows of A a GEMV kernel is compiled for (M <= MT)
+GEMV = _per_dtype("gemv", "gemm/gemv.cu", lambda d: {
+    **{_kname("gemv_kcontig", d.ctype, mt, _b(dual)): GEMM_ARGS
+       for mt in GEMV_MT for dual in (False, True)},
+    **{_kname("gemv_ncontig", d.ctype, mt): GEMM_ARGS for mt in GEMV_MT},
+    _kname("gemv_splitk_reduce", d.ctype): GEMM_ARGS})
+GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
+    _kname("gemv_mma", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)},
+    dtypes=_HALFS, archs=_TC_ARCHS)
+
+# mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages)
+MMA_LARGE = (128, 256, 2, 4, 4)      # 8 warps of 64x64, 96 KiB of shared memory
+MMA_SMALL = (128, 128, 2, 2, 4)      # 4 warps of 64x64, 64 KiB
+MMA_DUAL = (128, 64, 2, 2, 4)        # SwiGLU: 4 warps of 64x32 per B, 64 KiB
+
+
+def _mma_expr(d, cfg, ak, bk, dual=False, out=None):
+    bm, bn, wm, wn, st = cfg
+    return _kname("gemm_mma", d.ctype, (out or d).ctype, bm, bn, wm, wn, st, _b(ak), _b(bk),
+                  _b(dual))
+
+
+def _mma_kernels(d):
+    if d is dt.float32:   # TF32: one tile configuration, no dual kernel
+        return {_mma_expr(d, MMA_SMALL, ak, bk): GEMM_ARGS for ak in (True, False)
+                for bk in (True, False)}
+    if d is dt.int8:      # K-major operands, one kernel per output dtype and tile configuration
+        return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+                for o in _FLOATS}
+    return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+               for ak in (True, False) for bk in (True, False)},
+            _mma_expr(d, MMA_DUAL, True, True, True): GEMM_ARGS}
+
+
+MMA = _per_dtype("mma", "gemm/mma.cu", _mma_kernels, dtypes=_FLOATS + (dt.int8,), archs=_TC_ARCHS)
+INT8 = KernelModule("gemm.int8_dp4a", "gemm/int8_dp4a.cu",
+                    {_kname("gemm_int8_dp4a", d.ctype): GEMM_ARGS for d in _FLOATS})
+
+# flags of GemmArgs (gemm_common.cuh)
+A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
+_ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
+
+VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
+            "wgmma")
+_DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
+INT8_VARIANTS = ("dp4a", "mma")
+MAX_GRID_Z = 65535
+
+
+class _KernelCache:
+    """Kernel objects looked up once per (module, name, device), forgotten with the loader's
+    memory cache (the launch path is host-bound at decode sizes)."""
+
+    def __init__(self):
+        self._k: dict = {}
+        self._generation = -1
+
+    def get(self, module, expr, dev):
+        if self._generation != loader.generation:
+            self._k.clear()
+            self._generation = loader.generation
+        key = (module.name, expr, dev)
+        k = self._k.get(key)
+        if k is None:
+            k = self._k[key] = loader.load(module, dev).kernel(expr)
+        return k
+
+
+_kernels = _KernelCache()
+_arch_cache: dict = {}
+
+
+def effective_arch(dev: int) -> int:
+    """The compute capability kernels are built for: the device's, or GPUOPS_ARCH when it asks
+    for an older one (Pascal PTX on a newer GPU must also take Pascal's paths)."""
+    key = (dev, config.settings.arch)
+    cc = _arch_cache.get(key)
+    if cc is None:
+        cc = device.device_info(dev).cc
+        if config.settings.arch:
+            cc = min(cc, Target.parse(config.settings.arch).arch)
+        _arch_cache[key] = cc
+    return cc
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks shared by the ops and their references.
+
+def parse_dtype(value, name="out_dtype"):
+    """None, a gpuops dtype, a name ('bfloat16'), a NumPy or torch dtype -> gpuops DType."""
+    if value is None or isinstance(value, dt.DType):
+        return value
+    text = value if isinstance(value, str) else str(value)
+    text = text[6:] if text.startswith("torch.") else text
+    d = dt.BY_NAME.get(text)
+    if d is None:
+        try:
+            d = dt.from_numpy(np.dtype(value))
+        except TypeError:
+            d = None
+    if d is None:
+        raise TypeError(f"{name}={value!r} is not a dtype gpuops knows")
+    return d
+
+
+def _check_variant(op, variant, allowed=VARIANTS):
+    if variant is not None and variant not in allowed:
+        raise ValueError(f"gpuops.{op}: variant={variant!r}; expected None or one of "
+                         f"{', '.join(repr(v) for v in allowed)}")
+
+
+def _out_dtype(op, in_dtype, out_dtype):
+    out = parse_dtype(out_dtype) or in_dtype
+    if out is not in_dtype and not (out is dt.float32 and in_dtype in _HALFS):
+        raise ValueError(f"gpuops.{op}: out_dtype={out} with {in_dtype} inputs; expected the "
+                         "inputs' dtype, or float32 for float16/bfloat16 inputs")
+    return out
+
+
+def matmul_shapes(op, a_shape, b_shape):
+    """torch.matmul's shape rules: (batch shape, M, N, K, out shape)."""
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(a_shape) == 0 or len(b_shape) == 0:
+        raise ValueError(f"gpuops.{op}: both operands need at least one dimension, got shapes "
+                         f"{a_shape} and {b_shape}")
+    am = (1,) + a_shape if len(a_shape) == 1 else a_shape
+    bm = b_shape + (1,) if len(b_shape) == 1 else b_shape
+    M, K = am[-2:]
+    K2, N = bm[-2:]
+    if K != K2:
+        raise ValueError(f"gpuops.{op}: shapes {a_shape} and {b_shape} cannot be multiplied "
+                         f"({M}x{K} and {K2}x{N})")
+    batch = broadcast_shapes(a=am[:-2], b=bm[:-2])
+    out = batch + ((M,) if len(a_shape) > 1 else ()) + ((N,) if len(b_shape) > 1 else ())
+    return batch, M, N, K, out
+
+
+def _check_bias(op, bias_shape, N):
+    if tuple(bias_shape) not in ((N,), (1,)):
+        raise ValueError(f"gpuops.{op}: 'bias' has shape {tuple(bias_shape)}; expected ({N},), "
+                         "one value per output column")
+
+
+def _check_residual(op, res_shape, out_shape):
+    shape = broadcast_shapes(out=out_shape, residual=tuple(res_shape))
+    if shape != tuple(out_shape):
+        raise ValueError(f"gpuops.{op}: 'residual' of shape {tuple(res_shape)} does not broadcast "
+                         f"to the output's shape {tuple(out_shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning a call: shapes, strides, batch layout, flags.
+
+class _Plan:
+    """One GEMM as the kernels see it (all strides in elements)."""
+    __slots__ = ("M", "N", "K", "a_sm", "a_sk", "b_sk", "b_sn", "r_sm", "r_sn", "batch",
+                 "bshape", "a_sb", "b_sb", "r_sb", "out_shape")
+
+
+def _merge_batch(op, plan, batch, a_bs, b_bs, r_bs):
+    """Fold the batch into M where A's (batch..., M) dims are one strided run and B is shared
+    (torch does the same for [B, M, K] @ [K, N]); else merge batch dims to at most 3."""
+    M, N = plan.M, plan.N
+    if batch and not any(b_bs):
+        shape = batch + (M,)
+        c = tuple(s * N for s in contiguous_strides(shape))
+        lists = [a_bs + (plan.a_sm,), c] + ([r_bs + (plan.r_sm,)] if r_bs is not None else [])
+        cshape, cstr = coalesce(shape, lists)
+        if len(cshape) == 1:
+            plan.M = cshape[0]
+            plan.a_sm = cstr[0][0]
+            if r_bs is not None:
+                plan.r_sm = cstr[2][0]
+            batch = ()
+    plan.batch = prod(batch) if batch else 1
+    if batch:
+        c = tuple(s * plan.M * N for s in contiguous_strides(batch))
+        lists = [a_bs, b_bs, c] + ([r_bs] if r_bs is not None else [])
+        cshape, cstr = coalesce(batch, lists)
+        if len(cshape) > 3:
+            raise ValueError(f"gpuops.{op}: the operands' batch dimensions need {len(cshape)} "
+                             "strides after merging contiguous ones; the kernels take 3. Make "
+                             "the inputs contiguous first")
+        pad = 3 - len(cshape)
+        plan.bshape = (1,) * pad + tuple(cshape)
+        plan.a_sb = (0,) * pad + tuple(cstr[0])
+        plan.b_sb = (0,) * pad + tuple(cstr[1])
+        plan.r_sb = (0,) * pad + tuple(cstr[3]) if r_bs is not None else (0, 0, 0)
+    else:
+        plan.bshape, plan.a_sb, plan.b_sb, plan.r_sb = (1, 1, 1), (0, 0, 0), (0, 0, 0), (0, 0, 0)
+
+
+def _plan(op, a: Tensor, b: Tensor, residual: Tensor | None) -> _Plan:
+    batch, M, N, K, out_shape = matmul_shapes(op, a.shape, b.shape)
+    if a.ndim == 1:
+        a_str, a_bs = (0, a.strides[0]), ()
+    else:
+        a_str = tuple(a.strides[-2:])
+        a_bs = broadcast_strides(tuple(a.shape[:-2]), tuple(a.strides[:-2]), batch)
+    if b.ndim == 1:
+        b_str, b_bs = (b.strides[0], 0), ()
+    else:
+        b_str = tuple(b.strides[-2:])
+        b_bs = broadcast_strides(tuple(b.shape[:-2]), tuple(b.strides[:-2]), batch)
+    a_bs = a_bs or (0,) * len(batch)
+    b_bs = b_bs or (0,) * len(batch)
+    p = _Plan()
+    p.M, p.N, p.K = M, N, K
+    p.a_sm, p.a_sk = a_str
+    p.b_sk, p.b_sn = b_str
+    p.out_shape = out_shape
+    r_bs = None
+    p.r_sm = p.r_sn = 0
+    if residual is not None:
+        _check_residual(op, residual.shape, out_shape)
+        full = list(broadcast_strides(tuple(residual.shape), tuple(residual.strides), out_shape))
+        if a.ndim == 1:
+            full.insert(len(batch), 0)
+        if b.ndim == 1:
+            full.append(0)
+        r_bs = tuple(full[:len(batch)])
+        p.r_sm, p.r_sn = full[len(batch)], full[len(batch) + 1]
+    _merge_batch(op, p, batch, a_bs, b_bs, r_bs)
+    return p
+
+
+def _aligned(ptr, itemsize, width, strides) -> bool:
+    """Runs of `width` elements along a unit-stride dim start on width * itemsize bytes."""
+    if ptr % (width * itemsize):
+        return False
+    return all(s % width == 0 for s in strides)
+
+
+def _operand_layout(R, K, sr, sk, batch_strides, ptr, itemsize, width):
+    """(kcontig, vec) of an operand X[r][k] (A: r = m; B^T: r = n) for runs of `width` elements:
+    runs go along k when k has unit stride, else along r when r has; vec when those runs are
+    aligned for vector loads. Neither unit stride: element by element along the smaller stride."""
+    if sk == 1 and K > 1:
+        kcontig = True
+    elif sr == 1 and R > 1:
+        kcontig = False
+    elif sk == 1 or K <= 1:
+        kcontig = True
+    else:
+        kcontig = abs(sk) <= abs(sr)
+    if kcontig:
+        ok = (sk == 1 or K <= 1) and _aligned(ptr, itemsize, width,
+                                             ((sr,) if R > 1 else ()) + tuple(batch_strides))
+    else:
+        ok = sr == 1 and _aligned(ptr, itemsize, width, ((sk,) if K > 1 else ()) + tuple(batch_strides))
+    return kcontig, ok
+
+
+def _flags(p: _Plan, a_ptr, b_ptrs, itemsize, a_width, b_width):
+    ak, av = _operand_layout(p.M, p.K, p.a_sm, p.a_sk, p.a_sb, a_ptr, itemsize, a_width)
+    bk, bv = True, True
+    for ptr in b_ptrs:
+        k, v = _operand_layout(p.N, p.K, p.b_sn, p.b_sk, p.b_sb, ptr, itemsize, b_width)
+        bk, bv = k, bv and v
+    return ((A_KCONTIG if ak else 0) | (A_VEC if av else 0) | (B_KCONTIG if bk else 0)
+            | (B_VEC if bv else 0)), ak, bk
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching.
+
+class _Launch:
+    """Pointers and epilogue of one call, packed per launch into GemmArgs."""
+    __slots__ = ("a", "b", "b2", "c", "bias", "residual", "ws", "sa", "sb", "bias_s", "alpha",
+                 "act", "out_f32", "k_split", "splits", "flags")
+
+    def __init__(self):
+        self.b2 = self.bias = self.residual = self.ws = self.sa = self.sb = 0
+        self.bias_s = 0
+        self.alpha = 1.0
+        self.act = 0
+        self.out_f32 = 0
+        self.k_split = 0
+        self.splits = 1
+        self.flags = 0
+
+
+def _run(kernel, p: _Plan, L: _Launch, grid_xy, block, stream, smem=0):
+    """Launch over the batch in chunks of 65535 matrices (grid.z), passing each chunk's z0."""
+    k_split = L.k_split or max(p.K, 1)
+    for z0 in range(0, p.batch, MAX_GRID_Z):
+        gz = min(MAX_GRID_Z, p.batch - z0)
+        kernel.launch((grid_xy[0], grid_xy[1], gz), block, stream,
+                      L.a, L.b, L.b2, L.c, L.bias, L.residual, L.ws, L.sa, L.sb,
+                      p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.r_sm, p.r_sn, L.bias_s,
+                      p.batch, *p.bshape, *p.a_sb, *p.b_sb, *p.r_sb, k_split, z0,
+                      L.alpha, L.act, L.out_f32, L.splits, L.flags, smem=smem)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _split_k(call, blocks, K, min_k):
+    """Splits of K so that `blocks` (per split) fill the GPU about 4 times over, each split at
+    least `min_k` long; returns (splits, k_split)."""
+    sms = device.device_info(call.device).sm_count
+    splits = 1
+    if blocks < 4 * sms:
+        splits = max(1, min(_cdiv(4 * sms, max(blocks, 1)), K // min_k, 64))
+    if splits == 1:
+        return 1, 0
+    k_split = _cdiv(_cdiv(K, splits), 256) * 256       # keeps 16-byte alignment of every split
+    return _cdiv(K, k_split), k_split
+
+
+def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
+    """Flags of the GEMV kernels: A read in 16-byte runs along k; B in runs of `b_width` along
+    k (b_kruns) or along n."""
+    a_vec = p.a_sk == 1 and _aligned(L.a, itemsize, 16 // itemsize,
+                                     ((p.a_sm,) if p.M > 1 else ()) + tuple(p.a_sb))
+    b_vec = True
+    for ptr in ((L.b, L.b2) if dual else (L.b,)):
+        if b_kruns:
+            b_vec = b_vec and p.b_sk == 1 and _aligned(
+                ptr, itemsize, b_width, ((p.b_sn,) if p.N > 1 else ()) + tuple(p.b_sb))
+        else:
+            b_vec = b_vec and p.b_sn == 1 and _aligned(
+                ptr, itemsize, b_width, ((p.b_sk,) if p.K > 1 else ()) + tuple(p.b_sb))
+    return (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0) | (B_KCONTIG if b_kruns else 0)
+
+
+def _launch_gemv(call, p, L, dtype, dual, use_mma):
+    itemsize = dtype.itemsize
+    vec_w = 16 // itemsize
+    if use_mma:
+        L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
+        rows = 16 if dual else 32
+        module, expr = GEMV_MMA[dtype], _kname("gemv_mma", dtype.ctype, _b(dual))
+        min_k = 2048
+    else:
+        mt = next(m for m in GEMV_MT if p.M <= m)
+        if dual or p.b_sn != 1 or p.b_sk == 1:
+            # B read along k (a Linear weight; also any B without a unit stride along n)
+            rows = (2 if (itemsize == 2 and mt > 4) else 4) // (2 if dual else 1)
+            L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
+            expr = _kname("gemv_kcontig", dtype.ctype, mt, _b(dual))
+            min_k = 8 * 32 * vec_w
+        else:
+            cols = 8 if (itemsize == 2 and mt == 1) else 4
+            rows = 32 * cols
+            L.flags = _gemv_flags(p, L, itemsize, dual, cols, False)
+            expr = _kname("gemv_ncontig", dtype.ctype, mt)
+            min_k = 256
+        module = GEMV[dtype]
+    splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, min_k)
+    L.splits, L.k_split = splits, k_split
+    if splits > 1:
+        ws = call.empty((splits * (2 if dual else 1) * p.batch * p.M * p.N,), dt.float32)
+        L.ws = ws.ptr
+    _run(_kernels.get(module, expr, call.device), p, L, (_cdiv(p.N, rows), splits), (256, 1, 1),
+         call.stream)
+    if splits > 1:
+        # one launch over every output (batch * M * N <= 16 * batch * N here)
+        kernel = _kernels.get(GEMV[dtype], _kname("gemv_splitk_reduce", dtype.ctype), call.device)
+        kernel.launch((_cdiv(p.batch * p.M * p.N, 256), 1, 1), (256, 1, 1), call.stream,
+                      L.a, L.b, L.b2, L.c, L.bias, L.residual, L.ws, L.sa, L.sb,
+                      p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.r_sm, p.r_sn, L.bias_s,
+                      p.batch, *p.bshape, *p.a_sb, *p.b_sb, *p.r_sb, k_split, 0,
+                      L.alpha, L.act, L.out_f32, splits, L.flags)
+
+
+def _launch_tiled(call, p, L, dtype, variant, dual):
+    itemsize = dtype.itemsize
+    b_ptrs = (L.b, L.b2) if dual else (L.b,)
+    if variant == "naive":
+        L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
+        _run(_kernels.get(NAIVE, _kname("gemm_naive", dtype.ctype), call.device), p, L,
+             (_cdiv(p.N, 32), _cdiv(p.M, 8)), (32, 8, 1), call.stream)
+    elif variant == "smem_tiled":
+        L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
+        _run(_kernels.get(SMEM_TILED, _kname("gemm_smem_tiled", dtype.ctype), call.device), p, L,
+             (_cdiv(p.N, 32), _cdiv(p.M, 32)), (32, 32, 1), call.stream)
+    elif variant == "register_tiled_vec4":
+        L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
+        tiles = _cdiv(p.M, 128) * _cdiv(p.N, 128)
+        _run(_kernels.get(REGISTER_TILED[dtype], _kname("gemm_register_tiled_vec4", dtype.ctype),
+                          call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
+    elif variant == "warp_tiled":
+        L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
+        tiles = _cdiv(p.M, 128) * _cdiv(p.N, 64 if dual else 128)
+        _run(_kernels.get(WARP_TILED[dtype], _kname("gemm_warp_tiled", dtype.ctype, _b(dual)),
+                          call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
+    elif variant == "mma":
+        width = 16 // itemsize
+        L.flags, ak, bk = _flags(p, L.a, b_ptrs, itemsize, width, width)
+        if dual:
+            cfg = MMA_DUAL
+            ak = bk = True      # instantiated K-major only; other layouts take the element path
+            if not (L.flags & A_KCONTIG):
+                L.flags &= ~A_VEC
+            if not (L.flags & B_KCONTIG):
+                L.flags &= ~B_VEC
+        elif dtype is dt.float32:
+            cfg = MMA_SMALL
+        else:
+            large = _cdiv(p.M, 128) * _cdiv(p.N, 256) * p.batch
+            cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
+        bm, bn, wm, wn, stages = cfg
+        smem = stages * (bm + (2 if dual else 1) * bn) * 64
+        tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn)
+        _run(_kernels.get(MMA[dtype], _mma_expr(dtype, cfg, ak, bk, dual), call.device), p, L,
+             (tiles, 1), (wm * wn * 32, 1, 1), call.stream, smem=smem)
+    else:  # pragma: no cover
+        raise AssertionError(variant)
+
+
+def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig):
+    if variant == "wgmma":
+        raise NotImplementedError(
+            f"gpuops.{op}: variant='wgmma' (Hopper wgmma.mma_async with TMA loads and a "
+            "warp-specialized pipeline) is the next step of the GEMM family (issue 4) and is not "
+            "written yet; variant='mma' (mma.sync tensor cores) is the fastest available on sm_90")
+    if variant is None:
+        if M <= 16:
+            return "gemv_mma" if (dtype in _HALFS and cc >= 80 and M > 4 and b_kcontig) else "gemv"
+        if dtype is dt.float32:
+            return "mma" if (allow_tf32 and cc >= 80) else "warp_tiled"
+        return "mma" if cc >= 80 else "warp_tiled"
+    if variant in ("mma", "gemv_mma") and cc < 80:
+        raise RuntimeError(f"gpuops.{op}: variant={variant!r} uses tensor-core instructions of "
+                           f"sm_80+; kernels here are built for sm_{cc}")
+    if variant == "mma" and dtype is dt.float32 and not allow_tf32:
+        raise ValueError(f"gpuops.{op}: variant='mma' on float32 inputs multiplies in TF32 "
+                         "(10-bit mantissa); pass allow_tf32=True to accept that")
+    if variant == "gemv_mma" and dtype not in _HALFS:
+        raise TypeError(f"gpuops.{op}: variant='gemv_mma' takes float16/bfloat16 inputs, "
+                        f"got {dtype}")
+    if variant in ("gemv", "gemv_mma") and M > 16:
+        raise ValueError(f"gpuops.{op}: variant={variant!r} is for M <= 16 rows (decode); "
+                         f"this product has M = {M}")
+    return variant
+
+
+def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual=None,
+         alpha=1.0, out_dtype=None, variant=None, allow_tf32=False, b2: Tensor | None = None):
+    """The launcher shared by matmul, linear and swiglu_linear (b2: the dual/SwiGLU product)."""
+    dtype = call.result_dtype
+    out_dt = _out_dtype(op, dtype, out_dtype)
+    for name, t in (("bias", bias), ("residual", residual)):
+        if t is not None and t.dtype is not out_dt:
+            raise TypeError(f"gpuops.{op}: {name!r} has dtype {t.dtype}; it must have the "
+                            f"output's dtype ({out_dt})")
+    _check_activation(op, activation)
+    dual = b2 is not None
+    _check_variant(op, variant, _DUAL_VARIANTS if dual else VARIANTS)
+    p = _plan(op, a, b, residual)
+    if bias is not None:
+        _check_bias(op, bias.shape, p.N)
+    out = call.empty(p.out_shape, out_dt)
+    if p.M == 0 or p.N == 0 or p.batch == 0:
+        return out
+    cc = effective_arch(call.device)
+    b_kcontig = p.b_sk == 1 or p.K <= 1
+    v = _choose(op, variant, dtype, cc, p.M, allow_tf32, b_kcontig)
+    L = _Launch()
+    L.a, L.b, L.c = a.ptr, b.ptr, out.ptr
+    if dual:
+        L.b2 = b2.ptr
+    if bias is not None:
+        L.bias = bias.ptr
+        L.bias_s = 0 if bias.shape[0] == 1 else bias.strides[0]
+    if residual is not None:
+        L.residual = residual.ptr
+    L.alpha = float(alpha)
+    L.act = _ACT_IDS[ACTIVATIONS[activation]]
+    L.out_f32 = 1 if out_dt is dt.float32 else 0
+    if v in ("gemv", "gemv_mma"):
+        _launch_gemv(call, p, L, dtype, dual, v == "gemv_mma")
+    else:
+        _launch_tiled(call, p, L, dtype, v, dual)
+    return out
+
+
+def _transposed(t: Tensor) -> Tensor:
+    """The [K, N] view of a [N, K] weight: swapped shape and strides, no copy."""
+    return Tensor(t.ptr, (t.shape[1], t.shape[0]), (t.strides[1], t.strides[0]), t.dtype, t.device,
+                  t.obj, t.numel, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy references (float64), also the CPU path. `result_dtype` tells the CPU path the output
+# dtype when it is not the inputs' (out_dtype).
+
+def _result_dtype_from_out(values, dtypes):
+    names = [n for n in ("a", "b", "x", "a_int8") if n in dtypes]
+    in_dt = dtypes[names[0]]
+    out = parse_dtype(values.get("out_dtype"))
+    if in_dt is dt.int8:
+        out = out or dt.float32
+        if out not in _FLOATS:
+            raise ValueError(f"gpuops.int8_matmul: out_dtype={out}; expected one of "
+                             f"{dt.names(_FLOATS)}")
+        return out
+    if in_dt is dt.float64:          # the CPU path's own dtype: float64 stays float64
+        if out not in (None, dt.float64):
+            raise ValueError(f"gpuops.matmul: out_dtype={out} with float64 inputs")
+        return in_dt
+    out = _out_dtype("matmul", in_dt, out)
+    for name in ("bias", "residual"):
+        if name in dtypes and dtypes[name] is not out:
+            raise TypeError(f"gpuops.matmul: {name!r} has dtype {dtypes[name]}; it must have the "
+                            f"output's dtype ({out})")
+    return out
+
+
+def ref_matmul(a, b, bias=None, activation=None, residual=None, alpha=1.0, out_dtype=None,
+               allow_tf32=False, variant=None):
+    _check_activation("matmul", activation)
+    _check_variant("matmul", variant)
+    parse_dtype(out_dtype)
+    _, _, N, _, out_shape = matmul_shapes("matmul", np.shape(a), np.shape(b))
+    with np.errstate(all="ignore"):
+        y = np.matmul(a, b) * alpha
+        if bias is not None:
+            _check_bias("matmul", np.shape(bias), N)
+            y = y + bias
+        y = _act_ref(activation, y)
+        if residual is not None:
+            _check_residual("matmul", np.shape(residual), out_shape)
+            y = y + residual
+    return y
+
+
+ref_matmul.result_dtype = _result_dtype_from_out
+
+
+def _check_weight(op, x_shape, w_shape, name="weight"):
+    if len(w_shape) != 2:
+        raise ValueError(f"gpuops.{op}: {name!r} must be 2-D [out_features, in_features], got "
+                         f"shape {tuple(w_shape)}")
+    if len(x_shape) == 0 or x_shape[-1] != w_shape[1]:
+        raise ValueError(f"gpuops.{op}: input of shape {tuple(x_shape)} does not match {name!r} "
+                         f"of shape {tuple(w_shape)} (in_features = {w_shape[1]})")
+
+
+def ref_linear(x, weight, bias=None, activation=None, variant=None, allow_tf32=False):
+    _check_activation("linear", activation)
+    _check_variant("linear", variant)
+    _check_weight("linear", np.shape(x), np.shape(weight))
+    with np.errstate(all="ignore"):
+        y = np.matmul(x, weight.T)
+        if bias is not None:
+            _check_bias("linear", np.shape(bias), weight.shape[0])
+            y = y + bias
+        return _act_ref(activation, y)
+
+
+def ref_swiglu_linear(x, w_gate, w_up, variant=None):
+    _check_variant("swiglu_linear", variant, _DUAL_VARIANTS)
+    _check_weight("swiglu_linear", np.shape(x), np.shape(w_gate), "w_gate")
+    _check_weight("swiglu_linear", np.shape(x), np.shape(w_up), "w_up")
+    if np.shape(w_gate) != np.shape(w_up):
+        raise ValueError(f"gpuops.swiglu_linear: 'w_gate' {np.shape(w_gate)} and 'w_up' "
+                         f"{np.shape(w_up)} differ in shape")
+    with np.errstate(all="ignore"):
+        return _act_ref("silu", np.matmul(x, w_gate.T)) * np.matmul(x, w_up.T)
+
+
+def _check_int8(op, a_shape, b_shape, sa_shape, sb_shape):
+    if len(a_shape) != 2 or len(b_shape) != 2:
+        raise ValueError(f"gpuops.{op}: 'a_int8' and 'b_int8' must be 2-D, got {tuple(a_shape)} "
+                         f"and {tuple(b_shape)}")
+    M, K = a_shape
+    K2, N = b_shape
+    if K != K2:
+        raise ValueError(f"gpuops.{op}: shapes {tuple(a_shape)} and {tuple(b_shape)} cannot be "
+                         "multiplied")
+    if prod(sa_shape) != M or len(sa_shape) > 2:
+        raise ValueError(f"gpuops.{op}: 'scale_a' of shape {tuple(sa_shape)} must hold one scale "
+                         f"per row of a ({M})")
+    if prod(sb_shape) != N or len(sb_shape) > 2:
+        raise ValueError(f"gpuops.{op}: 'scale_b' of shape {tuple(sb_shape)} must hold one scale "
+                         f"per column of b ({N})")
+    return M, N, K
+
+
+def ref_int8_matmul(a_int8, b_int8, scale_a, scale_b, out_dtype=None, variant=None):
+    _check_variant("int8_matmul", variant, INT8_VARIANTS)
+    _check_int8("int8_matmul", np.shape(a_int8), np.shape(b_int8), np.shape(scale_a),
+                np.shape(scale_b))
+    parse_dtype(out_dtype)
+    acc = np.asarray(a_int8, np.float64) @ np.asarray(b_int8, np.float64)   # exact below 2^53
+    return acc * np.asarray(scale_a, np.float64).reshape(-1, 1) * \
+        np.asarray(scale_b, np.float64).reshape(1, -1)
+
+
+ref_int8_matmul.result_dtype = _result_dtype_from_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks (the lead's ladder script is benchmarks/experiments/gemm_ladder.py).
+
+def _gemm_shape(d):
+    return (4096, 4096, 4096) if d is dt.float32 else (8192, 8192, 8192)
+
+
+def _gemm_check_shape(shape):
+    return (64, min(shape[1], 1024), shape[2])
+
+
+def _mnk_flops(M, N, K):
+    return 2.0 * M * N * K
+
+
+def _flops_matmul(args, out):
+    a, b = args[0], args[1]
+    return _mnk_flops(a.shape[-2], b.shape[-1], a.shape[-1])
+
+
+def _flops_linear(args, out):
+    x, w = args[0], args[1]
+    return _mnk_flops(x.shape[-2], w.shape[0], x.shape[-1])
+
+
+DECODE_SHAPES = ((1, 6144, 4096), (4, 6144, 4096), (16, 6144, 4096))
+GEMM_SHAPES = ((4096, 6144, 2048), (4096, 2048, 6144))
+
+
+def _matmul_inputs(shape, d, randn):
+    M, N, K = shape
+    return (randn((M, K), d), randn((K, N), d)), {}
+
+
+def _linear_inputs(shape, d, randn):
+    M, N, K = shape
+    return (randn((M, K), d), randn((N, K), d), randn((N,), d)), {}
+
+
+def _swiglu_inputs(shape, d, randn):
+    M, N, K = shape
+    return (randn((M, K), d), randn((N, K), d), randn((N, K), d)), {}
+
+
+def _torch():
+    import torch  # noqa: PLC0415
+    return torch
+
+
+def _swiglu_torch(x, wg, wu):
+    F = _torch().nn.functional  # noqa: N806
+    return F.silu(x @ wg.T) * (x @ wu.T)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops.
+
+@register(family="gemm", reference=ref_matmul,
+          param_dtypes={"bias": _FLOATS + (dt.float64,), "residual": _FLOATS + (dt.float64,)},
+          bench=BenchSpec(make_inputs=_matmul_inputs, torch_fn=lambda a, b: _torch().matmul(a, b),
+                          default_shape=_gemm_shape, flops=_flops_matmul,
+                          check_shape=_gemm_check_shape, extra_shapes=GEMM_SHAPES + DECODE_SHAPES))
+def matmul(call, a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation: str | None = None,
+           residual: Tensor | None = None, alpha: float = 1.0, out_dtype=None,
+           allow_tf32: bool = False, variant: str | None = None) -> Tensor:
+    """Matrix product with a fused epilogue: ``act(alpha * (a @ b) + bias) + residual``.
+
+    Shapes as ``torch.matmul`` (1-D operands, batch dims broadcast); any strides, transposed views
+    (``a.T``, ``b.T``) read in place. ``bias``: shape ``[N]``; ``residual``: broadcastable to the
+    output; both of the output's dtype. ``activation``: None, 'relu', 'gelu', 'gelu_tanh', 'silu'.
+    ``out_dtype``: the inputs' dtype (default) or float32 for float16/bfloat16 inputs.
+    Accumulation and epilogue in fp32, one rounding to the output dtype. ``allow_tf32``: let fp32
+    inputs use TF32 tensor cores (sm_80+; off by default, as torch). ``variant``: 'naive',
+    'smem_tiled', 'register_tiled_vec4', 'warp_tiled', 'mma' (sm_80+), 'gemv' / 'gemv_mma'
+    (M <= 16), or None for the best for the device, dtype and shape.
+    """
+    return gemm(call, "matmul", a, b, bias=bias, activation=activation, residual=residual,
+                alpha=alpha, out_dtype=out_dtype, variant=variant, allow_tf32=allow_tf32)
+
+
+@register(family="gemm", reference=ref_linear,
+          bench=BenchSpec(make_inputs=_linear_inputs,
+                          torch_fn=lambda x, w, b: _torch().nn.functional.linear(x, w, b),
+                          default_shape=_gemm_shape, flops=_flops_linear,
+                          check_shape=_gemm_check_shape, extra_shapes=GEMM_SHAPES + DECODE_SHAPES))
+def linear(call, x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           activation: str | None = None, *, variant: str | None = None,
+           allow_tf32: bool = False) -> Tensor:
+    """``act(x @ weight.T + bias)``, as ``torch.nn.functional.linear`` (+ activation), with
+    torch's weight layout ``[out_features, in_features]`` read in place (no transposed copy).
+
+    ``x``: ``[..., in_features]``; leading dims are folded into one GEMM. Decode-sized inputs
+    (up to 16 rows) take the GEMV kernels, which read the weight once with 16-byte loads.
+    Autograd: ``gpuops.torch.linear``.
+    """
+    _check_weight("linear", x.shape, weight.shape)
+    return gemm(call, "linear", x, _transposed(weight), bias=bias, activation=activation,
+                variant=variant, allow_tf32=allow_tf32)
+
+
+@register(family="gemm", reference=ref_swiglu_linear,
+          bench=BenchSpec(make_inputs=_swiglu_inputs, torch_fn=_swiglu_torch,
+                          default_shape=lambda d: (4096, 4096, 4096),
+                          flops=lambda a, o: 2 * _flops_linear(a, o),
+                          compile_peer=True, check_shape=_gemm_check_shape,
+                          extra_shapes=DECODE_SHAPES))
+def swiglu_linear(call, x: Tensor, w_gate: Tensor, w_up: Tensor, *,
+                  variant: str | None = None) -> Tensor:
+    """SwiGLU's first half: ``silu(x @ w_gate.T) * (x @ w_up.T)`` in one kernel that shares each
+    tile of ``x`` between the two weights and never writes the two products.
+
+    Weights ``[hidden, in_features]`` (torch layout, same shape and strides); fp32 accumulation of
+    both products, silu and product in fp32, one rounding. ``variant``: None, 'warp_tiled', 'mma',
+    'gemv', 'gemv_mma'.
+    """
+    _check_weight("swiglu_linear", x.shape, w_gate.shape, "w_gate")
+    _check_weight("swiglu_linear", x.shape, w_up.shape, "w_up")
+    if tuple(w_gate.shape) != tuple(w_up.shape) or tuple(w_gate.strides) != tuple(w_up.strides):
+        raise ValueError("gpuops.swiglu_linear: 'w_gate' and 'w_up' must have the same shape and "
+                         f"strides, got {tuple(w_gate.shape)}/{tuple(w_gate.strides)} and "
+                         f"{tuple(w_up.shape)}/{tuple(w_up.strides)}")
+    return gemm(call, "swiglu_linear", x, _transposed(w_gate), variant=variant,
+                b2=_transposed(w_up))
+
+
+@register(family="gemm", reference=ref_int8_matmul, dtypes=(dt.int8,),
+          param_dtypes={"scale_a": (dt.float32,), "scale_b": (dt.float32,)})
+def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: Tensor,
+                out_dtype=None, *, variant: str | None = None) -> Tensor:
+    """``(a_int8 @ b_int8) * scale_a[:, None] * scale_b[None, :]`` with exact int32 accumulation,
+    for per-row (token) and per-column (channel) quantization.
+
+    ``a_int8``: ``[M, K]``, ``b_int8``: ``[K, N]`` (fastest as ``W.t()`` of a ``[N, K]`` weight:
+    both read along K with 16-byte loads); scales float32 with M and N elements, contiguous.
+    ``out_dtype``: float32 (default), float16 or bfloat16. K must stay below 133,000 (int32 sums).
+    ``variant``: 'dp4a' (``__dp4a``, sm_61+), 'mma' (int8 tensor cores, mma.m16n8k32, sm_80+),
+    or None (mma where available).
+    """
+    M, N, K = _check_int8("int8_matmul", a_int8.shape, b_int8.shape, scale_a.shape, scale_b.shape)
+    _check_variant("int8_matmul", variant, INT8_VARIANTS)
+    out_dt = parse_dtype(out_dtype) or dt.float32
+    if out_dt not in _FLOATS:
+        raise ValueError(f"gpuops.int8_matmul: out_dtype={out_dt}; expected one of "
+                         f"{dt.names(_FLOATS)}")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not t.contiguous:
+            raise ValueError(f"gpuops.int8_matmul: {name!r} must be contiguous")
+    if K >= 133_000:
+        raise ValueError(f"gpuops.int8_matmul: K = {K} could overflow the int32 sums "
+                         "(127 * 127 * K >= 2^31)")
+    cc = effective_arch(call.device)
+    if variant is None:
+        variant = "mma" if cc >= 80 else "dp4a"
+    elif variant == "mma" and cc < 80:
+        raise RuntimeError("gpuops.int8_matmul: variant='mma' uses int8 tensor cores of sm_80+; "
+                           f"kernels here are built for sm_{cc}")
+    out = call.empty((M, N), out_dt)
+    if M == 0 or N == 0:
+        return out
+    p = _Plan()
+    p.M, p.N, p.K = M, N, K
+    p.a_sm, p.a_sk = a_int8.strides
+    p.b_sk, p.b_sn = b_int8.strides
+    p.r_sm = p.r_sn = 0
+    p.batch, p.bshape, p.a_sb, p.b_sb, p.r_sb = 1, (1, 1, 1), (0, 0, 0), (0, 0, 0), (0, 0, 0)
+    L = _Launch()
+    L.a, L.b, L.c, L.sa, L.sb = a_int8.ptr, b_int8.ptr, out.ptr, scale_a.ptr, scale_b.ptr
+    L.out_f32 = 1 if out_dt is dt.float32 else 0
+    # both kernels read runs of 16 bytes along K; other layouts go element by element
+    a_vec = (p.a_sk == 1 or K <= 1) and _aligned(a_int8.ptr, 1, 16, (p.a_sm,) if M > 1 else ())
+    b_vec = (p.b_sk == 1 or K <= 1) and _aligned(b_int8.ptr, 1, 16, (p.b_sn,) if N > 1 else ())
+    L.flags = A_KCONTIG | B_KCONTIG | (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0)
+    if variant == "mma":
+        large = _cdiv(M, 128) * _cdiv(N, 256)
+        cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
+        bm, bn, wm, wn, stages = cfg
+        _run(_kernels.get(MMA[dt.int8], _mma_expr(dt.int8, cfg, True, True, out=out_dt),
+                          call.device), p, L, (_cdiv(M, bm) * _cdiv(N, bn), 1),
+             (wm * wn * 32, 1, 1), call.stream, smem=stages * (bm + bn) * 64)
+    else:
+        _run(_kernels.get(INT8, _kname("gemm_int8_dp4a", out_dt.ctype), call.device), p, L,
+             (_cdiv(M, 128) * _cdiv(N, 128), 1), (256, 1, 1), call.stream)
+    return out

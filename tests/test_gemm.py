@@ -1,0 +1,626 @@
+"""The GEMM family: matmul (every variant), linear, swiglu_linear, int8_matmul, gpuops.torch.linear.
+
+CPU: the NumPy references against torch in float64, argument errors, the CPU path's dtypes, the
+host-side planning (batch folding/merging, layouts and alignment flags, variant choice), the
+GemmArgs layout against gemm_common.cuh, autograd through the references (gradcheck) and
+torch.compile tracing. GPU: every variant and dtype against float64 products computed on the GPU
+(cuBLAS DGEMM: fast even at 4097 x 4095 x 1000), with odd shapes, K up to 65536, transposed,
+sliced and unaligned operands, batches, fused epilogues, split-K decode shapes in CUDA graphs,
+gradients against torch.
+
+Accuracy model (never loosened to make a test pass). With u_acc = 2^-24 (fp32 accumulation),
+u_in = 2^-11 for TF32 inputs (0 otherwise: fp16/bf16/fp32 inputs are exact in the reference) and
+u_out = 2^-24 / 2^-11 / 2^-8 the output's unit roundoff, every element must satisfy
+
+    |out - ref| <= 1.2 |alpha| (2 sqrt(K) u_acc + 2.1 u_in) (|A| |B|)     accumulation (x1.2: act')
+                   + 2 u_acc (|alpha A B| + |bias|) + 1e-5 |act(pre)|      epilogue in fp32
+                   + 2 u_acc |act(pre) + residual| + 2 u_out |ref| + tiny  adds, output rounding
+
+(sqrt(K) u (|A||B|) bounds rounding errors of a K-term sum that behave like a random walk; the
+activations are accurate to 1e-5 relative), and the error relative to the norm of the output
+must stay below NORM_TOL (fp32 SIMT 1e-5, TF32 1e-3, fp16/bf16 1e-2), scaled by sqrt(K / 4096)
+for K > 4096.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuops as go
+from gpuops import dtypes as dt
+from gpuops.ops import gemm as G
+from gpuops.tensor import Tensor
+from conftest import HAS_TORCH, HAS_TORCH_CUDA
+
+torch = pytest.importorskip("torch") if HAS_TORCH else None
+F = torch.nn.functional if HAS_TORCH else None
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+ROOT = Path(__file__).resolve().parent.parent
+
+U_ACC = 2.0 ** -24
+U_OUT = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+TINY = {"float32": 1e-38, "float16": 2.0 ** -24, "bfloat16": 1e-38}
+NORM_TOL = {"float32": 1e-5, "tf32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}
+ACTS = [None, "relu", "silu", "gelu", "gelu_tanh"]
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+# ----------------------------------------------------------------------------- CPU: layout
+
+def test_gemmargs_struct_matches_the_argspec():
+    """The ArgSpec of every GEMM kernel is derived from the C++ struct's field list."""
+    text = (ROOT / "cuda_src/gemm/gemm_common.cuh").read_text()
+    body = re.search(r"struct GemmArgs \{(.*?)\n\};", text, re.S).group(1)
+    codes = {"void*": "P", "float*": "P", "long long": "q", "float": "f", "int": "i"}
+    fmt = []
+    for line in body.splitlines():
+        line = line.split("//")[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(const )?(void\*|float\*|long long|float|int) (.+);", line)
+        assert m, line
+        code = codes[m.group(2)]
+        for name in m.group(3).split(","):
+            arr = re.search(r"\[(\d+)\]", name)
+            fmt += [code] * (int(arr.group(1)) if arr else 1)
+    compact = re.sub(r"(\w)\1*", lambda m: f"{len(m.group(0))}{m.group(1)}" if len(m.group(0)) > 1
+                     else m.group(1), "".join(fmt))
+    assert compact == G.GEMM_ARGS.params[0] == "9P25qf4i"
+    assert G.GEMM_ARGS.size == 296 and "sizeof(GemmArgs) == 296" in text
+
+
+def test_every_gemm_module_declares_its_archs():
+    for m in (*G.MMA.values(), *G.GEMV_MMA.values()):
+        assert m.archs == ("80", "86", "89", "90"), m.name
+    for m in (G.NAIVE, G.SMEM_TILED, *G.REGISTER_TILED.values(), *G.WARP_TILED.values(),
+              *G.GEMV.values(), G.INT8):
+        assert "61" in m.archs, m.name
+    assert set(G.GEMV) == set(dt.FLOATS) and set(G.MMA) == set(dt.FLOATS) | {dt.int8}
+    assert set(G.GEMV_MMA) == {dt.float16, dt.bfloat16}
+    for f in sorted((ROOT / "cuda_src/gemm").glob("*.cu")):
+        assert f.read_text().startswith("// "), f"{f.name} must open with what it adds"
+
+
+# ----------------------------------------------------------------------------- CPU: references
+
+def _t64(x):
+    return torch.from_numpy(np.asarray(x, np.float64))
+
+
+def _torch_act(act, y):
+    if act is None:
+        return y
+    if act == "relu":
+        return torch.relu(y)
+    if act == "silu":
+        return F.silu(y)
+    if act == "gelu":
+        return F.gelu(y)
+    return F.gelu(y, approximate="tanh")
+
+
+@needs_torch
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shapes", [((5, 7), (7, 3)), ((7,), (7, 3)), ((5, 7), (7,)), ((7,), (7,)),
+                                    ((2, 1, 5, 7), (3, 7, 4)), ((4, 5, 7), (7, 2))])
+def test_matmul_reference_matches_torch(shapes, act, rng):
+    a = rng.standard_normal(shapes[0])
+    b = rng.standard_normal(shapes[1])
+    out_shape = torch.matmul(_t64(a), _t64(b)).shape
+    n = shapes[1][-1] if len(shapes[1]) > 1 else 1
+    bias = rng.standard_normal((n,)) if len(shapes[1]) > 1 else None
+    res = rng.standard_normal(out_shape[-1:] if out_shape else ())
+    got = G.ref_matmul(a, b, bias=bias, activation=act, residual=res, alpha=0.7)
+    exp = 0.7 * torch.matmul(_t64(a), _t64(b))
+    if bias is not None:
+        exp = exp + _t64(bias)
+    exp = _torch_act(act, exp) + _t64(res)
+    np.testing.assert_allclose(got, exp.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@needs_torch
+def test_linear_swiglu_int8_references_match_torch(rng):
+    x, w, w2, bias = (rng.standard_normal(s) for s in ((2, 3, 8), (5, 8), (5, 8), (5,)))
+    np.testing.assert_allclose(G.ref_linear(x, w, bias, "gelu_tanh"),
+                               F.gelu(F.linear(_t64(x), _t64(w), _t64(bias)), approximate="tanh"),
+                               rtol=1e-12, atol=1e-14)   # torch's 1 + tanh cancels for x << 0
+    np.testing.assert_allclose(G.ref_swiglu_linear(x, w, w2),
+                               (F.silu(_t64(x) @ _t64(w).T) * (_t64(x) @ _t64(w2).T)).numpy(),
+                               rtol=1e-12)
+    a = rng.integers(-128, 128, (6, 40)).astype(np.int8)
+    b = rng.integers(-128, 128, (40, 7)).astype(np.int8)
+    sa, sb = rng.random(6), rng.random(7)
+    exp = (torch.from_numpy(a).long() @ torch.from_numpy(b).long()).double()
+    np.testing.assert_allclose(G.ref_int8_matmul(a, b, sa, sb),
+                               (exp * _t64(sa)[:, None] * _t64(sb)[None, :]).numpy(), rtol=1e-13)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: go.matmul(np.ones((2, 3)), np.ones((4, 5))), "cannot be multiplied"),
+    (lambda: go.matmul(np.ones(()), np.ones((4, 5))), "at least one dimension"),
+    (lambda: go.matmul(np.ones((2, 3, 4)), np.ones((5, 4, 2))), "cannot be broadcast"),
+    (lambda: go.matmul(np.ones((2, 3)), np.ones((3, 4)), bias=np.ones(3)), "one value per output"),
+    (lambda: go.matmul(np.ones((2, 3)), np.ones((3, 4)), residual=np.ones((3, 4))), "residual"),
+    (lambda: go.matmul(np.ones((2, 3)), np.ones((3, 4)), activation="tanh"), "activation"),
+    (lambda: go.matmul(np.ones((2, 3)), np.ones((3, 4)), variant="cublas"), "variant"),
+    (lambda: go.matmul(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
+                       out_dtype="float16"), "out_dtype"),
+    (lambda: go.matmul(np.ones((2, 3)), np.ones((3, 4)), out_dtype="float16"), "out_dtype"),
+    (lambda: go.linear(np.ones((2, 3)), np.ones((4, 5))), "in_features"),
+    (lambda: go.linear(np.ones((2, 3)), np.ones((4, 3, 1))), "2-D"),
+    (lambda: go.swiglu_linear(np.ones((2, 3)), np.ones((4, 3)), np.ones((5, 3))), "differ"),
+    (lambda: go.swiglu_linear(np.ones((2, 3)), np.ones((4, 3)), np.ones((4, 3)), variant="naive"),
+     "variant"),
+    (lambda: go.int8_matmul(np.ones((2, 3), np.int8), np.ones((3, 4), np.int8),
+                            np.ones(3, np.float32), np.ones(4, np.float32)), "scale_a"),
+    (lambda: go.int8_matmul(np.ones((2, 3), np.int8), np.ones((3, 4), np.int8),
+                            np.ones(2, np.float32), np.ones(4, np.float32), variant="wmma"),
+     "variant"),
+])
+def test_argument_errors(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+@needs_torch
+def test_cpu_path_dtypes(rng):
+    a = torch.randn(3, 8, dtype=torch.bfloat16)
+    b = torch.randn(8, 5, dtype=torch.bfloat16)
+    assert go.matmul(a, b).dtype == torch.bfloat16
+    y = go.matmul(a, b, out_dtype=torch.float32, bias=torch.ones(5))
+    assert y.dtype == torch.float32
+    np.testing.assert_allclose(y.numpy(), (a.double() @ b.double() + 1).numpy(), rtol=1e-6)
+    with pytest.raises(TypeError, match="output's dtype"):
+        go.matmul(a, b, out_dtype="float32", bias=torch.ones(5, dtype=torch.bfloat16))
+    ai = torch.randint(-128, 128, (3, 16), dtype=torch.int8)
+    bi = torch.randint(-128, 128, (5, 16), dtype=torch.int8)
+    for od in (None, "bfloat16", torch.float16):
+        y = go.int8_matmul(ai, bi.T, torch.rand(3), torch.rand(5), od)
+        assert y.dtype == dt.to_torch(G.parse_dtype(od) or dt.float32)
+    assert go.swiglu_linear(a, b.T, b.T).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- CPU: planning
+
+def _view(shape, strides=None, ptr=1 << 20, dtype=dt.float32):
+    from gpuops.shapes import contiguous_strides
+    strides = tuple(strides) if strides is not None else contiguous_strides(tuple(shape))
+    return Tensor(ptr, tuple(shape), strides, dtype, 0, None)
+
+
+def test_plan_folds_batch_into_m_when_b_is_shared():
+    p = G._plan("t", _view((4, 6, 5, 8)), _view((8, 3)), None)
+    assert (p.M, p.N, p.K, p.batch, p.a_sm, p.a_sk) == (120, 3, 8, 1, 8, 1)
+    assert p.out_shape == (4, 6, 5, 3)
+    # a transposed per batch cannot fold: batch of 4 merged to one dim
+    a = _view((4, 8, 5)).__class__(1 << 20, (4, 5, 8), (40, 1, 5), dt.float32, 0, None)
+    p = G._plan("t", a, _view((8, 3)), None)
+    assert (p.M, p.batch, p.bshape, p.a_sb, p.b_sb, p.a_sm, p.a_sk) == \
+        (5, 4, (1, 1, 4), (0, 0, 40), (0, 0, 0), 1, 5)
+
+
+def test_plan_broadcast_batch_and_residual_strides():
+    a = _view((2, 1, 5, 7))
+    b = _view((3, 7, 4))
+    res = _view((4,))
+    p = G._plan("t", a, b, res)
+    assert p.out_shape == (2, 3, 5, 4) and p.batch == 6
+    assert p.bshape == (1, 2, 3) and p.a_sb == (0, 35, 0) and p.b_sb == (0, 0, 28)
+    assert (p.r_sm, p.r_sn, p.r_sb) == (0, 1, (0, 0, 0))
+    p = G._plan("t", _view((7,)), _view((7, 4)), _view((4,)))      # 1-D a: M = 1, squeezed
+    assert (p.M, p.out_shape, p.r_sn) == (1, (4,), 1)
+    p = G._plan("t", _view((5, 7)), _view((7,)), _view((5,)))      # 1-D b: N = 1
+    assert (p.N, p.out_shape, p.r_sm, p.r_sn, p.b_sk) == (1, (5,), 1, 0, 1)
+
+
+def test_operand_layouts_and_alignment():
+    lay = G._operand_layout
+    assert lay(64, 32, 32, 1, (), 256, 4, 4) == (True, True)        # row-major A
+    assert lay(64, 32, 1, 64, (), 256, 4, 4) == (False, True)       # a.T view
+    assert lay(64, 33, 33, 1, (), 256, 4, 4) == (True, False)       # odd leading dim
+    assert lay(64, 32, 32, 1, (), 260, 4, 4) == (True, False)       # unaligned pointer
+    assert lay(64, 32, 64, 2, (), 256, 4, 4) == (True, False)       # sliced: element path
+    assert lay(1, 32, 7, 1, (), 256, 2, 8) == (True, True)          # one row: its stride is moot
+    assert lay(64, 32, 32, 1, (2048, 6), 256, 4, 4) == (True, False)  # batch stride breaks runs
+
+
+def test_variant_choice():
+    c = G._choose
+    assert c("t", None, dt.float32, 90, 4096, False, True) == "warp_tiled"
+    assert c("t", None, dt.float32, 90, 4096, True, True) == "mma"
+    assert c("t", None, dt.float32, 75, 4096, True, True) == "warp_tiled"
+    assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "mma"
+    assert c("t", None, dt.bfloat16, 61, 4096, False, True) == "warp_tiled"
+    assert c("t", None, dt.bfloat16, 90, 1, False, True) == "gemv"
+    assert c("t", None, dt.bfloat16, 90, 16, False, True) == "gemv_mma"
+    assert c("t", None, dt.bfloat16, 90, 16, False, False) == "gemv"
+    assert c("t", None, dt.bfloat16, 75, 16, False, True) == "gemv"
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        c("t", "wgmma", dt.bfloat16, 90, 4096, False, True)
+    with pytest.raises(RuntimeError, match="sm_80"):
+        c("t", "mma", dt.bfloat16, 61, 4096, False, True)
+    with pytest.raises(ValueError, match="allow_tf32"):
+        c("t", "mma", dt.float32, 90, 4096, False, True)
+    with pytest.raises(ValueError, match="M <= 16"):
+        c("t", "gemv", dt.float32, 90, 17, False, True)
+
+
+# ----------------------------------------------------------------------------- CPU: autograd
+
+@needs_torch
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_autograd_gradcheck_on_the_references(act):
+    import gpuops.torch as gt
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: gt.linear(x, w, b, act), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: gt.linear(x, w, None, act), (x, w))
+
+
+@needs_torch
+def test_linear_traces_in_torch_compile():
+    import gpuops.torch as gt
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    f = torch.compile(lambda x, w, b: gt.linear(x, w, b, "silu"), fullgraph=True,
+                      backend="aot_eager")
+    f(x, w, b).sum().backward()
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    F.silu(F.linear(x2, w2, b2)).sum().backward()
+    for got, exp in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+
+
+# ============================================================================ GPU
+
+def _arch():
+    return G.effective_arch(0)
+
+
+def _randn(shape, dtype, scale=1.0):
+    return (torch.randn(shape, device="cuda") * scale).to(getattr(torch, dtype))
+
+
+def _check(out, a, b, dtype, *, bias=None, act=None, residual=None, alpha=1.0, tf32=False,
+           out_dtype=None, b2=None, what=""):
+    """out against float64 products on the GPU, with the bound of the module docstring."""
+    A, B = a.double(), b.double()
+    K = A.shape[-1]
+    out_name = out_dtype or dtype
+    if b2 is None:
+        ab = torch.matmul(A, B)
+        absab = torch.matmul(A.abs(), B.abs())
+        pre = alpha * ab + (bias.double() if bias is not None else 0.0)
+        post = _torch_act(act, pre)
+        ref = post + (residual.double() if residual is not None else 0.0)
+        u_in = 2.0 ** -11 if tf32 else 0.0
+        acc = 1.2 * abs(alpha) * (2 * math.sqrt(K) * U_ACC + 2.1 * u_in) * absab
+        bound = (acc + 2 * U_ACC * (abs(alpha) * ab.abs() + (bias.double().abs() if bias is not None
+                                                              else 0.0))
+                 + (1e-5 * post.abs() if act else 0.0) + 2 * U_ACC * ref.abs()
+                 + 2 * U_OUT[out_name] * ref.abs() + TINY[out_name])
+    else:   # silu(A @ B) * (A @ B2)
+        B2 = b2.double()
+        g, u = torch.matmul(A, B), torch.matmul(A, B2)
+        eg = 2 * math.sqrt(K) * U_ACC * torch.matmul(A.abs(), B.abs())
+        eu = 2 * math.sqrt(K) * U_ACC * torch.matmul(A.abs(), B2.abs())
+        sg = F.silu(g)
+        ref = sg * u
+        bound = (1.2 * eg * u.abs() + sg.abs() * eu + 1.2 * eg * eu + 1e-5 * ref.abs()
+                 + 2 * U_ACC * ref.abs() + 2 * U_OUT[out_name] * ref.abs() + TINY[out_name])
+    got = out.double()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output (unwritten elements?)"
+    err = (got - ref).abs()
+    bad = err > bound
+    if bad.any():
+        i = int(torch.argmax((err - bound).flatten()))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {err.numel()} elements off; worst out="
+            f"{got.flatten()[i].item()!r} ref={ref.flatten()[i].item()!r} err="
+            f"{err.flatten()[i].item():.3g} > bound {bound.flatten()[i].item():.3g}")
+    norm = ref.norm().item()
+    if norm > 0:
+        tol = NORM_TOL["tf32" if tf32 else out_name] * max(1.0, math.sqrt(K / 4096))
+        rel = (got - ref).norm().item() / norm
+        assert rel <= tol, f"{what}: error {rel:.3g} relative to the output's norm > {tol:.3g}"
+
+
+TILED = ["naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", None]
+SHAPES = [(1, 1, 1), (17, 33, 65), (130, 259, 77), (64, 80, 65536)]
+GEMV_SHAPES = [(1, 1, 1), (1, 4097, 1000), (5, 33, 65), (16, 1000, 4097), (3, 64, 65536)]
+
+
+def _skip_unsupported(variant, dtype):
+    if variant in ("mma", "gemv_mma") and _arch() < 80:
+        pytest.skip(f"{variant} needs sm_80+ (kernels built for sm_{_arch()})")
+    if variant == "gemv_mma" and dtype == "float32":
+        pytest.skip("gemv_mma takes fp16/bf16")
+
+
+def _kw(variant, dtype):
+    return {"variant": variant, "allow_tf32": variant == "mma" and dtype == "float32"}
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", TILED)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_matmul_variants(shape, variant, dtype):
+    _skip_unsupported(variant, dtype)
+    M, N, K = shape
+    if variant == "naive" and K > 10000:
+        M, N = 16, 16
+    a, b = _randn((M, K), dtype), _randn((K, N), dtype)
+    kw = _kw(variant, dtype)
+    out = go.matmul(a, b, **kw)
+    assert out.dtype == a.dtype
+    _check(out, a, b, dtype, tf32=kw["allow_tf32"], what=f"{variant} {dtype} {shape}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["gemv", "gemv_mma"])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_decode_variants(shape, variant, dtype):
+    _skip_unsupported(variant, dtype)
+    M, N, K = shape
+    x, w = _randn((M, K), dtype), _randn((N, K), dtype)
+    out = go.linear(x, w, variant=variant)                   # B = w.T: K contiguous
+    _check(out, x, w.T, dtype, what=f"{variant} {dtype} {shape} linear")
+    if variant == "gemv":                                    # B row-major: N contiguous
+        b = _randn((K, N), dtype)
+        _check(go.matmul(x, b, variant=variant), x, b, dtype, what=f"gemv {dtype} {shape} b[K,N]")
+
+
+def _layouts(M, N, K, dtype):
+    """a and b in every layout: row-major, transposed views, sliced (no unit stride), unaligned."""
+    yield "nn", _randn((M, K), dtype), _randn((K, N), dtype)
+    yield "tn", _randn((K, M), dtype).T, _randn((K, N), dtype)
+    yield "nt", _randn((M, K), dtype), _randn((N, K), dtype).T
+    yield "tt", _randn((K, M), dtype).T, _randn((N, K), dtype).T
+    yield "sliced", _randn((M, 2 * K), dtype)[:, ::2], _randn((3 * K, N), dtype)[::3]
+    yield "unaligned", _randn((M * K + 1,), dtype)[1:].view(M, K), \
+        _randn((K, N + 1), dtype)[:, 1:]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", TILED + ["gemv", "gemv_mma"])
+def test_gpu_layouts(variant, dtype):
+    _skip_unsupported(variant, dtype)
+    M = 7 if variant in ("gemv", "gemv_mma") else 131
+    for name, a, b in _layouts(M, 97, 136, dtype):
+        kw = _kw(variant, dtype)
+        _check(go.matmul(a, b, **kw), a, b, dtype, tf32=kw["allow_tf32"],
+               what=f"{variant} {dtype} {name}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", [None, "warp_tiled", "mma"])
+def test_gpu_large_odd_shape(variant, dtype):
+    _skip_unsupported(variant, dtype)
+    a, b = _randn((4097, 1000), dtype), _randn((1000, 4095), dtype)
+    kw = _kw(variant, dtype)
+    _check(go.matmul(a, b, **kw), a, b, dtype, tf32=kw["allow_tf32"], what=f"{variant} {dtype}")
+    if variant == "mma":       # the 128x256 tile configuration (many tiles)
+        a, b = _randn((2048, 512), dtype), _randn((512, 4096), dtype)
+        _check(go.matmul(a, b, **kw), a, b, dtype, tf32=kw["allow_tf32"], what="mma large tiles")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", [None, "naive", "warp_tiled", "mma", "gemv"])
+def test_gpu_batched_and_vectors(variant, dtype):
+    _skip_unsupported(variant, dtype)
+    kw = _kw(variant, dtype)
+    m = 5 if variant == "gemv" else 37
+    cases = {
+        "fold": (_randn((3, 2, m, 45), dtype), _randn((45, 29), dtype)),
+        "broadcast": (_randn((3, 1, m, 45), dtype), _randn((2, 45, 29), dtype)),
+        "bmm_t": (_randn((4, 45, m), dtype).transpose(1, 2), _randn((4, 29, 45), dtype).transpose(1, 2)),
+        "vec_a": (_randn((45,), dtype), _randn((3, 45, 29), dtype)),
+        "vec_b": (_randn((2, m, 45), dtype), _randn((45,), dtype)),
+        "expanded": (_randn((1, m, 45), dtype).expand(3, m, 45), _randn((3, 45, 29), dtype)),
+    }
+    for what, (a, b) in cases.items():
+        out = go.matmul(a, b, **kw)
+        _check(out, a, b, dtype, tf32=kw["allow_tf32"], what=f"{variant} {dtype} {what}")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_more_than_65535_matrices():
+    a, b = _randn((70001, 3, 5), "float32"), _randn((70001, 5, 2), "float32")
+    _check(go.matmul(a, b, variant="warp_tiled"), a, b, "float32", what="grid.z chunks")
+    _check(go.matmul(a, b), a, b, "float32", what="gemv grid.z chunks")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("variant", TILED + ["gemv", "gemv_mma"])
+def test_gpu_fused_epilogue(variant, act, dtype):
+    _skip_unsupported(variant, dtype)
+    kw = _kw(variant, dtype)
+    M = 9 if variant in ("gemv", "gemv_mma") else 70
+    a, b = _randn((M, 300), dtype), _randn((300, 67), dtype)
+    bias, res = _randn((67,), dtype), _randn((M, 67), dtype)
+    out = go.matmul(a, b, bias=bias, activation=act, residual=res, alpha=0.5, **kw)
+    _check(out, a, b, dtype, bias=bias, act=act, residual=res, alpha=0.5, tf32=kw["allow_tf32"],
+           what=f"{variant} {dtype} {act}")
+    row = _randn((67,), dtype)                    # residual broadcast over rows
+    out = go.matmul(a, b, activation=act, residual=row, **kw)
+    _check(out, a, b, dtype, act=act, residual=row, tf32=kw["allow_tf32"], what="row residual")
+    if dtype != "float32":                        # 16-bit inputs, fp32 output
+        bias32, res32 = bias.float(), res.float()
+        out = go.matmul(a, b, bias=bias32, activation=act, residual=res32, out_dtype=torch.float32,
+                        **kw)
+        assert out.dtype == torch.float32
+        _check(out, a, b, dtype, bias=bias32, act=act, residual=res32, out_dtype="float32",
+               tf32=kw["allow_tf32"], what="out_dtype=float32")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_linear(dtype):
+    for M, N, K in ((1, 1, 1), (1, 4096, 4096), (16, 333, 1000), (300, 257, 129)):
+        x, w, bias = _randn((M, K), dtype), _randn((N, K), dtype), _randn((N,), dtype)
+        for act in ACTS:
+            _check(go.linear(x, w, bias, act), x, w.T, dtype, bias=bias, act=act,
+                   what=f"linear {dtype} {M}x{N}x{K} {act}")
+    x = _randn((2, 3, 64), dtype)
+    w_t = _randn((64, 48), dtype).T                   # weight stored transposed: [N, K] view
+    out = go.linear(x, w_t)
+    assert out.shape == (2, 3, 48)
+    _check(out, x, w_t.T, dtype, what="3-D input, transposed weight")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", [None, "warp_tiled", "mma", "gemv", "gemv_mma"])
+def test_gpu_swiglu_linear(variant, dtype):
+    _skip_unsupported(variant, dtype)
+    if variant == "mma" and dtype == "float32":
+        pytest.skip("the dual tensor-core kernel is fp16/bf16")
+    shapes = ((1, 1, 1), (1, 2048, 1024), (7, 300, 700), (16, 64, 8192)) if variant in (
+        "gemv", "gemv_mma") else ((1, 1, 1), (17, 33, 65), (300, 200, 1024), (1000, 1000, 512))
+    for M, N, K in shapes:
+        x, wg, wu = _randn((M, K), dtype), _randn((N, K), dtype), _randn((N, K), dtype)
+        out = go.swiglu_linear(x, wg, wu, variant=variant)
+        _check(out, x, wg.T, dtype, b2=wu.T, what=f"swiglu {variant} {dtype} {M}x{N}x{K}")
+
+
+def _q(shape):
+    return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["dp4a", "mma", None])
+def test_gpu_int8_matmul(variant, out_dtype):
+    _skip_unsupported(variant, "int8")
+    # (2048, 4096, 256): enough tiles for the 128x256 tensor-core configuration
+    for M, N, K in ((1, 1, 1), (17, 33, 65), (256, 512, 1024), (130, 70, 4096), (2048, 4096, 256)):
+        a, w = _q((M, K)), _q((N, K))
+        sa = torch.rand(M, device="cuda") + 0.1
+        sb = torch.rand(N, device="cuda") + 0.1
+        for what, b in (("W.t()", w.T), ("row-major b", w.T.contiguous())):
+            out = go.int8_matmul(a, b, sa, sb, out_dtype, variant=variant)
+            assert out.dtype == getattr(torch, out_dtype)
+            ref = (a.double() @ b.double()) * sa.double()[:, None] * sb.double()[None, :]
+            bound = 6 * U_ACC * ref.abs() + 2 * U_OUT[out_dtype] * ref.abs() + TINY[out_dtype]
+            err = (out.double() - ref).abs()
+            assert (err <= bound).all(), \
+                f"int8 {variant} {M}x{N}x{K} {what} {out_dtype}: {err.max().item()}"
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_decode_in_cuda_graph(dtype):
+    """Decode shapes (incl. split-K with its workspace) captured and replayed with new data."""
+    side = torch.cuda.Stream()
+    cases = [(1, 4096, 4096), (4, 256, 16384), (16, 1024, 2048)]
+    statics = [(_randn((M, K), dtype), _randn((N, K), dtype), _randn((N, K), dtype))
+               for M, N, K in cases]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, w, w2 in statics:                     # warm-up: loads the modules
+            go.linear(x, w)
+            go.swiglu_linear(x, w, w2)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [(go.linear(x, w), go.swiglu_linear(x, w, w2)) for x, w, w2 in statics]
+    for _ in range(2):
+        for (x, w, w2), (M, N, K) in zip(statics, cases):
+            x.copy_(_randn((M, K), dtype))
+            w.copy_(_randn((N, K), dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (x, w, w2), (y, s) in zip(statics, outs):
+            _check(y, x, w.T, dtype, what="graph linear")
+            _check(s, x, w.T, dtype, b2=w2.T, what="graph swiglu")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_side_stream_numpy_and_cupy():
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        a, b = _randn((300, 200), "bfloat16"), _randn((200, 100), "bfloat16")
+        y = go.matmul(a, b)
+    side.synchronize()
+    _check(y, a, b, "bfloat16", what="side stream")
+    an = np.random.default_rng(0).standard_normal((33, 65)).astype(np.float32)
+    bn = np.random.default_rng(1).standard_normal((65, 17)).astype(np.float32)
+    yn = go.matmul(an, bn)
+    assert isinstance(yn, np.ndarray)
+    _check(torch.from_numpy(yn).cuda(), torch.from_numpy(an).cuda(), torch.from_numpy(bn).cuda(),
+           "float32", what="numpy on the gpu")
+    import cupy as cp
+    yc = go.matmul(cp.asarray(an), cp.asarray(bn).T.copy().T)
+    assert isinstance(yc, cp.ndarray)
+    _check(torch.as_tensor(yc, device="cuda"), torch.from_numpy(an).cuda(),
+           torch.from_numpy(bn).cuda(), "float32", what="cupy")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_variant_errors():
+    a, b = _randn((64, 64), "bfloat16"), _randn((64, 64), "bfloat16")
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        go.matmul(a, b, variant="wgmma")
+    with pytest.raises(ValueError, match="M <= 16"):
+        go.matmul(a, b, variant="gemv")
+    if _arch() >= 80:
+        with pytest.raises(ValueError, match="allow_tf32"):
+            go.matmul(a.float(), b.float(), variant="mma")
+    else:
+        with pytest.raises(RuntimeError, match="sm_80"):
+            go.matmul(a, b, variant="mma")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("act", [None, "gelu", "silu"])
+def test_gpu_linear_gradients_match_torch(act, dtype):
+    import gpuops.torch as gt
+    td = getattr(torch, dtype)
+    x = torch.randn(4, 33, 96, device="cuda", dtype=td, requires_grad=True)
+    w = torch.randn(80, 96, device="cuda", dtype=td, requires_grad=True)
+    b = torch.randn(80, device="cuda", dtype=td, requires_grad=True)
+    gy = torch.randn(4, 33, 80, device="cuda", dtype=td)
+    gt.linear(x, w, b, act).backward(gy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    _torch_act(act, F.linear(x64, w64, b64)).backward(gy.double())
+    tol = 1e-4 if dtype == "float32" else 3e-2           # relative to the gradient's norm
+    for name, got, exp in (("x", x.grad, x64.grad), ("w", w.grad, w64.grad), ("b", b.grad, b64.grad)):
+        rel = (got.double() - exp).norm() / exp.norm()
+        assert rel < tol, f"grad {name} {dtype} {act}: {rel.item():.3g}"
+    f = torch.compile(lambda x, w, b: gt.linear(x, w, b, act), fullgraph=True)
+    x.grad = None
+    f(x, w, b).backward(gy)
+    rel = (x.grad.double() - x64.grad).norm() / x64.grad.norm()
+    assert rel < tol
