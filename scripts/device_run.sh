@@ -18,6 +18,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpuops-out}
 mkdir -p "$OUT"
+# per-file logs and XML go to $DETAIL and come back as one tarball (the device returns at most 8 files)
+DETAIL=$OUT/detail
+mkdir -p "$DETAIL"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
 PY=${PY:-python3}
@@ -42,37 +45,55 @@ for stage in $stages; do
   case $stage in
     tests)
       # the whole suite: CPU tests also run their NumPy inputs through the GPU path here
-      $PY -m pytest tests -q -rfEs --junitxml="$OUT/tests_native.xml" 2>&1 \
-        | tee "$OUT/tests_native.log" | tail -25 || status=1 ;;
-    gputests)
-      $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_native.xml" ${TEST_ARGS:-} 2>&1 \
-        | tee "$OUT/tests_native.log" | tail -40 || status=1 ;;
-    tests61)
-      if [ ! -f .bundle61/manifest.json ]; then
-        echo "no .bundle61: build it off-device: python -m gpuops build --arch 61 --kind ptx --out .bundle61"
-        status=1; continue
+      $PY -m pytest tests -q -rfEs --junitxml="$DETAIL/tests_native.xml" 2>&1 \
+        | tee "$DETAIL/tests_native.log" | tail -25 || status=1 ;;
+    gputests|tests61)
+      # one pytest per test file, $JOBS files at once (NVRTC compiles are CPU-bound), each under
+      # $FILE_TIMEOUT seconds: a kernel that hangs costs its own file (named in the log), not the run
+      tag=native; envs=()
+      if [ "$stage" = tests61 ]; then
+        if [ ! -f .bundle61/manifest.json ]; then
+          echo "no .bundle61: build it off-device: bash scripts/prepare_device_run.sh"; status=1; continue
+        fi
+        tag=sm61; envs=(GPUOPS_KERNEL_BUNDLE="$PWD/.bundle61" GPUOPS_ARCH=61)
       fi
-      GPUOPS_KERNEL_BUNDLE="$PWD/.bundle61" GPUOPS_ARCH=61 \
-        $PY -m pytest -m gpu tests -q -rfEs --junitxml="$OUT/tests_sm61.xml" ${TEST_ARGS:-} 2>&1 \
-        | tee "$OUT/tests_sm61.log" | tail -40 || status=1 ;;
+      for f in ${TEST_FILES:-tests/test_*.py}; do
+        while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-6}" ]; do sleep 0.5; done
+        (
+          name=$(basename "$f" .py); start=$(date +%s)
+          env "${envs[@]}" timeout -k 5 "${FILE_TIMEOUT:-240}" $PY -m pytest -m gpu "$f" -q -rfE --tb=short \
+            -p no:cacheprovider --junitxml="$DETAIL/${tag}_${name}.xml" ${TEST_ARGS:-} > "$DETAIL/${tag}_${name}.log" 2>&1
+          rc=$?; [ $rc -eq 5 ] && rc=0   # 5: no GPU tests in the file
+          echo "$tag $name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$DETAIL/${tag}_${name}.log")"
+        ) &
+      done
+      wait
+      sleep 0.2
+      # the summary lines, then every failure's short traceback in one file
+      grep -h "^FAILED\|^ERROR" "$DETAIL"/${tag}_*.log > "$OUT/failures_${tag}.txt" 2>/dev/null
+      for l in "$DETAIL"/${tag}_*.log; do
+        grep -q "^FAILED\|^ERROR\|rc=1[23]" "$l" && { echo "##### $l"; sed -n '/= FAILURES =/,$p;/= ERRORS =/,$p' "$l" | head -c 60000; }
+      done >> "$OUT/failures_${tag}.txt"
+      grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1 ;;
     bench)
-      $PY -m gpuops bench --runtime --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+      $PY -m gpuops bench --runtime --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;
     benchfull)
       $PY -m gpuops bench --compile --all-shapes --json "$OUT/benchfull.json" ${BENCH_ARGS:-} 2>&1 \
-        | tee "$OUT/benchfull.log" || status=1 ;;
+        | tee "$DETAIL/benchfull.log" || status=1 ;;
     xent)
       $PY benchmarks/experiments/cross_entropy_memory.py --json "$OUT/xent.json" 2>&1 \
-        | tee "$OUT/xent.log" || status=1 ;;
+        | tee "$DETAIL/xent.log" || status=1 ;;
     decode)
       $PY benchmarks/experiments/decode_graphs.py --json "$OUT/decode.json" 2>&1 \
-        | tee "$OUT/decode.log" || status=1 ;;
+        | tee "$DETAIL/decode.log" || status=1 ;;
     sweep)
       $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
-        | tee "$OUT/sweep.log" || status=1 ;;
+        | tee "$DETAIL/sweep.log" || status=1 ;;
     dispatch)
       $PY benchmarks/experiments/dispatch_costs.py --json "$OUT/dispatch.json" 2>&1 \
-        | tee "$OUT/dispatch.log" || status=1 ;;
+        | tee "$DETAIL/dispatch.log" || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+tar czf "$OUT/detail.tgz" -C "$OUT" detail && rm -rf "$DETAIL"
 exit $status
