@@ -439,6 +439,9 @@ def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=T
             for s in shapes:
                 rows.append(bench_op(op, d, s, fw, copy_gbps, peer=peer, compile_peer=compile_peer))
             bar.step(f"{op.name} {d.name}")
+            if json_path:  # rows so far, so that a run cut off at its time limit keeps them
+                _write_json(json_path, {"partial": True, "context": context(fw, copy_gbps),
+                                        "rows": [asdict(r) for r in rows]})
         result["context"] = context(fw, copy_gbps)
         if runtime:
             result["dispatch"] = dispatch_overhead(fw)
@@ -460,6 +463,12 @@ def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=T
         print(f"\n{len(bad)} result(s) outside tolerance: "
               + ", ".join(f"{r.op}/{r.dtype}" for r in bad), file=out)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _write_json(json_path, result)
     return result
+
+
+def _write_json(path, result):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, path)

@@ -11,6 +11,7 @@
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
 #   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
 #   decode     benchmarks/experiments/decode_graphs.py (per call back to back and in a CUDA graph)
+#   gemm       benchmarks/experiments/gemm_ladder.py (every GEMM variant against cuBLAS)
 #   sweep, dispatch   experiments of the elementwise family
 # Wheels in .whl (carried; e.g. liger-kernel) are installed into /tmp/site first.
 #   bash scripts/device_run.sh                 # all default stages
@@ -39,6 +40,19 @@ fi
   $PY -m gpuops info
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+
+# benchmarks load kernels from a native bundle compiled in parallel first (one process per module),
+# instead of compiling ~40 modules one after another in the benchmark's process
+prebuilt=""
+prebuild() {
+  [ -n "$prebuilt" ] || [ -n "${GPUOPS_KERNEL_BUNDLE:-}" ] && return
+  arch=$($PY -c "import cupy; d=cupy.cuda.Device(); print(d.compute_capability)")
+  start=$(date +%s)
+  $PY -m gpuops build --arch "$arch" --kind cubin --out /tmp/gpuops-native-bundle -j "$(nproc)" \
+    > "$DETAIL/prebuild.log" 2>&1 && export GPUOPS_KERNEL_BUNDLE=/tmp/gpuops-native-bundle
+  prebuilt=1
+  echo "prebuilt sm_$arch bundle in $(( $(date +%s) - start ))s: $(tail -1 "$DETAIL/prebuild.log")"
+}
 
 for stage in $stages; do
   echo "=== $stage ==="
@@ -76,16 +90,24 @@ for stage in $stages; do
       done >> "$OUT/failures_${tag}.txt"
       grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1 ;;
     bench)
-      $PY -m gpuops bench --runtime --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;
+      prebuild
+      $PY -m gpuops bench ${BENCH_ARGS:---runtime} --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;
     benchfull)
+      prebuild
       $PY -m gpuops bench --compile --all-shapes --json "$OUT/benchfull.json" ${BENCH_ARGS:-} 2>&1 \
         | tee "$DETAIL/benchfull.log" || status=1 ;;
     xent)
+      prebuild
       $PY benchmarks/experiments/cross_entropy_memory.py --json "$OUT/xent.json" 2>&1 \
         | tee "$DETAIL/xent.log" || status=1 ;;
     decode)
+      prebuild
       $PY benchmarks/experiments/decode_graphs.py --json "$OUT/decode.json" 2>&1 \
         | tee "$DETAIL/decode.log" || status=1 ;;
+    gemm)
+      prebuild
+      $PY benchmarks/experiments/gemm_ladder.py --json "$OUT/gemm_ladder.json" ${GEMM_ARGS:-} 2>&1 \
+        | tee "$DETAIL/gemm_ladder.log" || status=1 ;;
     sweep)
       $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
         | tee "$DETAIL/sweep.log" || status=1 ;;
