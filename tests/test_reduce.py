@@ -14,6 +14,7 @@ from gpuops.ops import reduce as red
 from conftest import HAS_TORCH, HAS_TORCH_CUDA, assert_close
 
 import emu
+import emu_pool
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 gpu = pytest.mark.gpu
@@ -216,6 +217,21 @@ def test_emulated_nan_ties_signed_zero_and_broadcast(rng):
             for op in OPS:
                 y = _emu_run(dev, op, b, dim)
                 _check(op, y, _ref(op, b.astype(np.float64), dim), "float32", f"broadcast {op} {dim}")
+
+
+@needs_emu
+def test_emulated_workspaces_outlive_the_launches(rng):
+    # Freed memory is handed out again at once, as by torch's caching allocator and CuPy's pool:
+    # a workspace the host stops referencing before its kernels run shares memory with the next
+    # one (the value and index partials of argmax overwrote each other on the GPU).
+    with emu_pool.CachingDevice(sms=2) as dev:
+        for shape, dim in (((2, 9000), -1), ((64, 40), 0), ((2, 3, 700), None)):
+            x = _data(rng, shape, "float32")
+            for op in OPS:
+                y = np.asarray(_emu_run(dev, op, x, dim))
+                _check(op, y, _ref(op, x.astype(np.float64), dim), "float32",
+                       f"{op} {shape} dim={dim} (caching allocator)")
+        assert dev.reused
 
 
 @needs_emu

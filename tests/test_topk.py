@@ -21,6 +21,7 @@ from gpuops.ops import topk as tk
 from conftest import HAS_TORCH, HAS_TORCH_CUDA
 
 import emu
+import emu_pool
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 gpu = pytest.mark.gpu
@@ -168,6 +169,20 @@ def test_emulated_warp_kernel_before_sm80(rng):
             for largest in (True, False):
                 v, i = _emu_run(dev, x, 8, -1, largest)
                 _compare(x, v, i, 8, -1, largest, True, f"sm61 {dtype} largest={largest}")
+
+
+@needs_emu
+def test_emulated_candidates_outlive_the_launches(rng):
+    # Freed memory is handed out again at once, as by torch's caching allocator and CuPy's pool:
+    # candidate keys and indices the host stops referencing before the next launch reads them
+    # share memory (every index came back INT_MAX on the GPU).
+    with emu_pool.CachingDevice(sms=2, topk_chunk=2048) as dev:
+        for shape, k in (((2, 9000), 64), ((2, 5000), 1000), ((3, 4100), 7)):
+            x = _data(rng, shape, "float32", True)
+            v, i = _emu_run(dev, x, k)
+            _compare(x, np.asarray(v), np.asarray(i), k, -1, True, True,
+                     f"{shape} k={k} (caching allocator)")
+        assert dev.reused
 
 
 @needs_emu

@@ -223,10 +223,14 @@ def _runner(op, d, shape, strides, dims, aligned, dev, scale):
         if not n_ws:
             _TABLE.get(dev_, main).launch(grid, BLOCK, stream, x.ptr, out.ptr, 0, 0, *tail_args)
             return
-        ws_v = call.empty((n_ws,), dt.float32).ptr
-        ws_i = call.empty((n_ws,), dt.int64).ptr if arg else 0
-        _TABLE.get(dev_, main).launch(grid, BLOCK, stream, x.ptr, out.ptr, ws_v, ws_i, *tail_args)
-        _TABLE.get(dev_, finish).launch(fgrid, BLOCK, stream, ws_v, ws_i, out.ptr, *finish_args)
+        # The workspaces stay referenced until both launches are queued: a freed one goes back
+        # to the caching allocator (torch, CuPy) at once, and the next call.empty of the stream
+        # gets the same memory (the index partials then overwrote the value partials).
+        ws_v = call.empty((n_ws,), dt.float32)
+        ws_i = call.empty((n_ws,), dt.int64) if arg else None
+        pv, pi = ws_v.ptr, ws_i.ptr if arg else 0
+        _TABLE.get(dev_, main).launch(grid, BLOCK, stream, x.ptr, out.ptr, pv, pi, *tail_args)
+        _TABLE.get(dev_, finish).launch(fgrid, BLOCK, stream, pv, pi, out.ptr, *finish_args)
 
     return run
 

@@ -137,12 +137,18 @@ def _runner(dtype, shape, strides, k, d, largest, sorted_, dev):
     def run(call, x, vals, idx):
         if copy:
             x = lay.contiguous_copy(call, x)
+        # Candidate buffers stay referenced until every launch is queued: a freed one goes back
+        # to the caching allocator (torch, CuPy) at once, and the next call.empty of the stream
+        # gets the same memory (keys and indices of one level, or the next level's output over
+        # the input it reads).
+        held = []
         ckey = cidx = 0
         for name, grid, n_out, args, smem in steps:
             okey = oidx = 0
             if n_out:
-                okey = call.empty((n_out,), dt.int32).ptr
-                oidx = call.empty((n_out,), dt.int32).ptr
+                bufs = call.empty((n_out,), dt.int32), call.empty((n_out,), dt.int32)
+                held.append(bufs)
+                okey, oidx = bufs[0].ptr, bufs[1].ptr
             _TABLE.get(call.device, name).launch(
                 grid, BLOCK_SEL, call.stream, 0 if ckey else x.ptr, ckey, cidx, okey, oidx,
                 0 if n_out else vals.ptr, 0 if n_out else idx.ptr, *args, smem=smem)
