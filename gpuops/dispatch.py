@@ -137,7 +137,7 @@ class Call:
     """One GPU invocation of an op: framework, device, stream, output allocation."""
 
     __slots__ = ("op", "kind", "device", "stream", "restore_device", "user_out", "staged_out",
-                 "result_dtype")
+                 "result_dtype", "held")
 
     def __init__(self, op, kind, dev):
         self.op = op
@@ -146,6 +146,10 @@ class Call:
         self.restore_device = device.make_current(dev)
         self.user_out = None
         self.staged_out = None
+        # every allocation of the call stays referenced until the call ends: an array dropped
+        # after taking its pointer (a workspace) would go back to the caching allocator (torch,
+        # CuPy) at once and be handed to the next allocation of the same call
+        self.held = []
         if kind == TORCH:
             self.stream = _torch_stream(dev)
             if dev not in _torch_devices:
@@ -169,6 +173,7 @@ class Call:
                        obj, obj.size, True)
         if config.settings.poison and t.numel:
             device.cupy_or_none().cuda.runtime.memsetAsync(t.ptr, 0xFF, t.nbytes, self.stream)
+        self.held.append(obj)
         return t
 
     def finish(self, result):
@@ -190,6 +195,7 @@ class Call:
         return host
 
     def close(self):
+        self.held = None
         if self.restore_device is not None:
             device.cupy_or_none().cuda.runtime.setDevice(self.restore_device)
 
