@@ -53,6 +53,11 @@ class Row:
     best_peer: str | None = None
     best_peer_us: float | None = None
     speedup_vs_best: float | None = None
+    # with --graph: time_us and the peers' times are GPU time per call from CUDA-graph replay (no
+    # host overhead); eager_us / peers_eager keep the per-call times from Python
+    eager_us: float | None = None
+    peers_eager: dict | None = None
+    timing: str = "eager"
 
 
 def _check_shape(shape):
@@ -134,6 +139,42 @@ class _Framework:
         self.last_spread = (min(medians), max(medians))
         return statistics.median(medians)
 
+    def graph_time_us(self, fn, budget_s=1.0):
+        """GPU microseconds per call: ``k`` calls captured in one CUDA graph (torch), the graph
+        replayed, CUDA events around each replay; the median of the replays over ``k``. The host
+        cost of a call is not in it, which is what a model captured in a graph sees. Raises if
+        the call cannot be captured (a host sync, an allocation outside the graph pool, ...)."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):       # warm-up on a side stream, as torch's docs require
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        once = time.perf_counter() - t0
+        k = int(max(1, min(100, 2e-3 / max(once, 1e-6))))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for _ in range(k):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        ev = torch.cuda.Event
+        reps = int(max(5, min(50, budget_s / max(once * k, 1e-6))))
+        pairs = [(ev(enable_timing=True), ev(enable_timing=True)) for _ in range(reps)]
+        for start, end in pairs:
+            start.record()
+            g.replay()
+            end.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) * 1e3 / k for s, e in pairs)
+        del g
+        return statistics.median(times)
+
     def copy_bandwidth_gbps(self, nbytes=1 << 30):
         """Device-to-device copy, bytes read + written per second."""
         if self.torch is not None:
@@ -182,7 +223,7 @@ def _peers(spec, fw, compile_peer: bool) -> dict:
     return peers
 
 
-def bench_op(op, d, shape, fw, copy_gbps, peer=True, compile_peer=False) -> Row:
+def bench_op(op, d, shape, fw, copy_gbps, peer=True, compile_peer=False, graph=False) -> Row:
     spec = op.bench
     shape = tuple(shape) if shape else tuple(spec.default_shape(d))
     cshape = spec.check_shape(shape) if spec.check_shape else _check_shape(shape)
@@ -200,19 +241,38 @@ def bench_op(op, d, shape, fw, copy_gbps, peer=True, compile_peer=False) -> Row:
     flops = spec.flops(args, out) if spec.flops else None
     del out, outs
     row.bytes = moved
-    row.time_us = fw.time_us(lambda: op.function(*args, **kwargs))
+    ours = lambda: op.function(*args, **kwargs)  # noqa: E731
+    row.time_us = fw.time_us(ours)
     row.time_spread_us = fw.last_spread
+    if graph and fw.torch is not None:
+        row.eager_us = row.time_us
+        try:
+            row.time_us = fw.graph_time_us(ours)
+            row.timing = "graph"
+        except Exception as exc:  # reported; the eager time stays the result
+            row.timing = f"eager (graph capture failed: {type(exc).__name__}: {str(exc)[:160]})"
     row.gbps = moved / (row.time_us * 1e-6) / 1e9
     row.pct_copy = 100.0 * row.gbps / copy_gbps if copy_gbps else None
     if flops:
         row.tflops = flops / (row.time_us * 1e-6) / 1e12
     if peer:
         row.peers = {}
+        graphed = row.timing == "graph"
+        if graphed:
+            row.peers_eager = {}
         for name, fn in _peers(spec, fw, compile_peer).items():
+            call = lambda fn=fn: fn(*args, **kwargs)  # noqa: E731
             try:
-                row.peers[name] = fw.time_us(lambda fn=fn: fn(*args, **kwargs))
+                row.peers[name] = fw.time_us(call)
             except Exception as exc:  # a peer that fails is reported, not fatal
                 row.peers[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            if graphed:   # compared like with like: the peer's GPU time from a graph too
+                row.peers_eager[name] = row.peers[name]
+                try:
+                    row.peers[name] = fw.graph_time_us(call)
+                except Exception as exc:
+                    row.peers[name] = f"graph capture failed: {type(exc).__name__}: {str(exc)[:160]}"
         timed = {k: v for k, v in row.peers.items() if isinstance(v, float)}
         if "torch" in timed:
             row.torch_us = timed["torch"]
@@ -381,7 +441,7 @@ def context(fw, copy_gbps) -> dict:
 
 def fmt_table(rows) -> str:
     head = (f"{'op':<18}{'dtype':<10}{'shape':<18}{'rel err':>9} {'ok':<3}{'time us':>10}"
-            f"{'GB/s':>8}{'%copy':>7}{'torch':>7}{'best peer':>24}{'x best':>8}")
+            f"{'GB/s':>8}{'%copy':>7}{'torch':>7}{'best peer':>24}{'x best':>8}{'eager us':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(v, spec):
@@ -390,7 +450,7 @@ def fmt_table(rows) -> str:
         lines.append(f"{r.op:<18}{r.dtype:<10}{'x'.join(map(str, r.shape)):<18}{r.rel_err:9.1e} "
                      f"{'y' if r.ok else 'NO':<3}{f(r.time_us, '10.1f')}{f(r.gbps, '8.0f')}"
                      f"{f(r.pct_copy, '7.1f')}{f(r.speedup_vs_torch, '7.2f')}{best:>24}"
-                     f"{f(r.speedup_vs_best, '8.2f')}")
+                     f"{f(r.speedup_vs_best, '8.2f')}{f(r.eager_us, '10.1f')}")
     return "\n".join(lines)
 
 
@@ -407,7 +467,7 @@ def _load_all_modules():
 
 
 def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=True,
-        out=sys.stdout, compile_peer=False, all_shapes=False, families=None) -> dict:
+        out=sys.stdout, compile_peer=False, all_shapes=False, families=None, graph=False) -> dict:
     from gpuops.runtime import progress  # noqa: PLC0415
     selected = [o for o in registry.ops() if o.bench is not None and (not ops or o.name in ops)
                 and (not families or o.family in families)]
@@ -437,7 +497,8 @@ def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=T
         for op, d in jobs:
             shapes = [shape] + (list(op.bench.extra_shapes) if all_shapes and not shape else [])
             for s in shapes:
-                rows.append(bench_op(op, d, s, fw, copy_gbps, peer=peer, compile_peer=compile_peer))
+                rows.append(bench_op(op, d, s, fw, copy_gbps, peer=peer, compile_peer=compile_peer,
+                                     graph=graph))
             bar.step(f"{op.name} {d.name}")
             if json_path:  # rows so far, so that a run cut off at its time limit keeps them
                 _write_json(json_path, {"partial": True, "context": context(fw, copy_gbps),

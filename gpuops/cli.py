@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     b.add_argument("--all-shapes", action="store_true",
                    help="also each op's extra shapes (long rows, decode sizes, ...)")
     b.add_argument("--family", type=_csv, help="only these op families, e.g. elementwise")
+    b.add_argument("--graph", action="store_true",
+                   help="time GPU work per call from CUDA-graph replay (gpuops and peers), the "
+                        "per-call eager time beside it: what a captured model sees")
 
     bl = sub.add_parser("build", help="compile every kernel module without a GPU into a bundle")
     bl.add_argument("--arch", type=_csv, default=["61", "70", "75", "80", "86", "89", "90"],
@@ -63,7 +66,8 @@ def main(argv=None) -> int:
         from gpuops import bench  # noqa: PLC0415
         result = bench.run(ops=args.ops, shape=args.shape, dtypes=args.dtype, json_path=args.json,
                            runtime=args.runtime, peer=not args.no_peer, compile_peer=args.compile,
-                           all_shapes=args.all_shapes, families=args.family)
+                           all_shapes=args.all_shapes, families=args.family,
+                           graph=args.graph)
         return 0 if all(r["ok"] for r in result["rows"]) else 1
     elif args.command == "build":
         return _build(args)

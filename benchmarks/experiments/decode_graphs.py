@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from math import prod
@@ -78,40 +79,79 @@ def graph_us(fn):
     return best
 
 
+def measure(op, d):
+    shape = decode_shape(op.bench, d)
+    if shape is None:
+        return None
+    try:
+        a, kw = op.bench.make_inputs(shape, d, randn)
+        ours = lambda: op.function(*a, **kw)  # noqa: E731
+        row = {"op": op.name, "shape": shape, "eager_us": eager_us(ours), "graph_us": graph_us(ours)}
+        if op.bench.torch_fn is not None:
+            peer = lambda: op.bench.torch_fn(*a, **kw)  # noqa: E731
+            row["torch_eager_us"] = eager_us(peer)
+            try:
+                row["torch_graph_us"] = graph_us(peer)
+            except Exception as exc:  # noqa: BLE001
+                row["torch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row["broken"] = True
+    except Exception as exc:  # noqa: BLE001  report and go on
+        row = {"op": op.name, "shape": shape, "error": f"{type(exc).__name__}: {exc}"[:300],
+               "broken": True}
+    return row
+
+
+def child(names):
+    """Measure ops in this process; stop after a failed capture (torch's capture state is not
+    reliable afterwards), the parent starts a fresh process for the rest."""
+    d = dt.bfloat16
+    for name in names:
+        row = measure(registry.get(name), d)
+        print("ROW " + json.dumps(row), flush=True)
+        if row and row.get("broken"):
+            return
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops")
     ap.add_argument("--json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        child(args.child.split(","))
+        return
     wanted = set(args.ops.split(",")) if args.ops else None
-    rows = []
     d = dt.bfloat16
-    print(f"{'op':<22}{'shape':<22}{'gpuops us':>10}{'in graph':>10}{'torch us':>10}{'in graph':>10}")
-    for op in registry.ops():
-        if op.bench is None or (wanted and op.name not in wanted) or d not in op.dtypes:
-            continue
-        shape = decode_shape(op.bench, d)
-        if shape is None:
-            continue
-        try:
-            a, kw = op.bench.make_inputs(shape, d, randn)
-            ours = lambda: op.function(*a, **kw)  # noqa: E731
-            row = {"op": op.name, "shape": shape, "eager_us": eager_us(ours),
-                   "graph_us": graph_us(ours)}
-            if op.bench.torch_fn is not None:
-                peer = lambda: op.bench.torch_fn(*a, **kw)  # noqa: E731
-                row["torch_eager_us"] = eager_us(peer)
-                row["torch_graph_us"] = graph_us(peer)
-        except Exception as exc:  # report and go on
-            row = {"op": op.name, "shape": shape, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        rows.append(row)
+    todo = [op.name for op in registry.ops() if op.bench is not None and d in op.dtypes
+            and (not wanted or op.name in wanted)]
+    rows = []
+    print(f"{'op':<24}{'shape':<22}{'gpuops us':>10}{'in graph':>10}{'torch us':>10}{'in graph':>10}")
+    while todo:
+        proc = subprocess.run([sys.executable, __file__, "--child", ",".join(todo)],
+                              capture_output=True, text=True)
+        done = []
+        for line in proc.stdout.splitlines():
+            if not line.startswith("ROW "):
+                continue
+            row = json.loads(line[4:])
+            done.append(todo[len(done)])
+            if row is None:
+                continue
+            rows.append(row)
 
-        def f(key):
-            v = row.get(key)
-            return f"{v:10.2f}" if isinstance(v, float) else f"{'-':>10}"
-        print(f"{op.name:<22}{'x'.join(map(str, shape)):<22}{f('eager_us')}{f('graph_us')}"
-              f"{f('torch_eager_us')}{f('torch_graph_us')}" + (f"  {row['error']}" if "error" in row else ""),
-              flush=True)
+            def f(key, row=row):
+                v = row.get(key)
+                return f"{v:10.2f}" if isinstance(v, float) else f"{'-':>10}"
+            err = row.get("error") or row.get("torch_error")
+            print(f"{row['op']:<24}{'x'.join(map(str, row['shape'])):<22}{f('eager_us')}"
+                  f"{f('graph_us')}{f('torch_eager_us')}{f('torch_graph_us')}"
+                  + (f"  {err}" if err else ""), flush=True)
+        if not done:   # the child died before its first row
+            rows.append({"op": todo[0], "error": (proc.stderr or "child failed")[-300:]})
+            print(f"{todo[0]:<24} child failed: {(proc.stderr or '')[-300:]}", flush=True)
+            done = [todo[0]]
+        todo = todo[len(done):]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gpu": torch.cuda.get_device_name(), "dtype": d.name, "rows": rows}, fh, indent=1)
