@@ -489,6 +489,24 @@ def test_gpu_each_nchw_design(dtype, path, force):
 
 @gpu
 @needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_apply_orders_agree(dtype, force, monkeypatch):
+    """The two-pass apply kernels give bit-identical results in either block order."""
+    for shape, groups, nhwc in [((2, 64, 64, 64), 32, False), ((2, 320, 32, 32), 32, True)]:
+        x = _randn(shape, dtype)
+        if nhwc:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
+        force(None if nhwc else "twopass")
+        ys = []
+        for order in ("forward", "reverse"):
+            monkeypatch.setattr(GN, "apply_order", order)
+            ys.append(_check(x, groups, dtype, w, b, "silu", f"{order} {shape} nhwc={nhwc}"))
+        assert torch.equal(ys[0], ys[1])
+
+
+@gpu
+@needs_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_channels_last(dtype, force):
     for shape, groups in [((2, 320, 32, 32), 32), ((2, 640, 16, 16), 32), ((3, 12, 5, 7), 3),
