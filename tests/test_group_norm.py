@@ -206,9 +206,10 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nchw_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act = args
+        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act, rev = args
         assert vec == 1 or (x % 16 == 0 and y % 16 == 0 and hw % vec == 0)
-        for blk in range(grid[0]):
+        assert rev in (0, 1)
+        for blk in _apply_blocks(grid[0], rev):
             g, chunk = divmod(blk, chunks)
             st = (0.0, 0.0, 0.0)
             for i in range(chunks):
@@ -266,10 +267,10 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nhwc_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act = args
+        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act, rev = args
         bd, p, kg = block[0], sc // vec, sc // cg
-        assert smem >= 8 * kg
-        for blk in range(grid[0]):
+        assert smem >= 8 * kg and rev in (0, 1)
+        for blk in _apply_blocks(grid[0], rev):
             n, slab, tile, rows, rs, _, offs, v = self._nhwc_block(
                 x, d, blk, slabs, tiles, tile_rows, hw, c, sc, bd, p)
             mean, rstd = np.zeros(kg), np.zeros(kg)
@@ -283,6 +284,13 @@ class GroupNormEmulator(Emulator):
             ch = slab * sc + np.arange(sc)
             gl = np.arange(sc) // cg
             self.arena.store(y, d, offs, self._affine(v, mean[gl], rstd[gl], w, b, d, ch, act))
+
+
+def _apply_blocks(grid, reverse):
+    """The data blocks of an apply kernel in launch order (apply_block in the kernel)."""
+    blocks = [grid - 1 - i if reverse else i for i in range(grid)]
+    assert sorted(blocks) == list(range(grid))
+    return blocks
 
 
 GN_DTYPES = {"float": dt.float32, "gpuops::float16_t": dt.float16,
@@ -371,6 +379,29 @@ def test_emulated_designs(monkeypatch, rng):
         assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
 
 
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_emulated_apply_orders(monkeypatch, rng, order):
+    """Both block orders of the two-pass apply kernels cover every block once (A/B knob)."""
+    impl = registry.get("group_norm").impl
+    monkeypatch.setattr(GN, "apply_order", order)
+    with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
+        for shape, groups, layout, force in [((1, 8, 64, 64), 2, "nchw", "twopass"),
+                                             ((2, 8, 8, 320), 32, "nhwc", None)]:
+            monkeypatch.setattr(GN, "force_path", force)
+            emu.arena.top = 0
+            host, x = _emulated_input(emu.arena, rng, shape, dt.float16, layout, 0)
+            emu.launches.clear()
+            y = impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
+                     layout == "nhwc")
+            assert len(emu.launches) == 2 and emu.launches[1][2][0] > 1   # several apply blocks
+            ref = GN.ref_group_norm(host.astype(np.float64), groups, activation="silu",
+                                    channels_last=layout == "nhwc")
+            np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref,
+                                       **TOL64["float16"])
+
+
 def test_refused_cluster_launch_falls_back(monkeypatch, rng):
     impl = registry.get("group_norm").impl
     with emulated(monkeypatch, GroupNormEmulator) as emu:
@@ -454,6 +485,24 @@ def test_gpu_each_nchw_design(dtype, path, force):
         x = _randn(shape, dtype)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
         _check(x, groups, dtype, w, b, "silu", f"{path} {shape}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_apply_orders_agree(dtype, force, monkeypatch):
+    """The two-pass apply kernels give bit-identical results in either block order."""
+    for shape, groups, nhwc in [((2, 64, 64, 64), 32, False), ((2, 320, 32, 32), 32, True)]:
+        x = _randn(shape, dtype)
+        if nhwc:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
+        force(None if nhwc else "twopass")
+        ys = []
+        for order in ("forward", "reverse"):
+            monkeypatch.setattr(GN, "apply_order", order)
+            ys.append(_check(x, groups, dtype, w, b, "silu", f"{order} {shape} nhwc={nhwc}"))
+        assert torch.equal(ys[0], ys[1])
 
 
 @gpu

@@ -269,6 +269,15 @@ __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_stats(
   if (threadIdx.x == 0) part[blockIdx.x] = make_float4(st.n, st.mean, st.m2, 0.0f);
 }
 
+// The data block of an apply kernel (the same numbering as its stats kernel's blocks). reverse:
+// the last block's data first. Blocks start roughly in index order, so the stats kernel leaves the
+// highest-numbered blocks' data in L2, least recently used first evicted: a forward apply pass
+// over data larger than L2 evicts each line just before it is needed (no hits at all), a reverse
+// pass reads the most recently cached lines first.
+__device__ __forceinline__ int apply_block(int reverse) {
+  return reverse ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+}
+
 // The lanes of one full warp merge `count` partials (float4 (n, mean, M2, -)) at p[0..count).
 __device__ __forceinline__ MeanM2 warp_merge_partials(const float4* __restrict__ p, int count) {
   MeanM2 st = {0.0f, 0.0f, 0.0f};
@@ -283,10 +292,11 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int hw, int cg, int groups, int group_units,
-    int chunk_units, int chunks, float eps, int act) {
+    int chunk_units, int chunks, float eps, int act, int reverse) {
   using U = Unit<T, VEC>;
   __shared__ float stats[2];
-  const int group = blockIdx.x / chunks, chunk = blockIdx.x - group * chunks;
+  const int blk = apply_block(reverse);
+  const int group = blk / chunks, chunk = blk - group * chunks;
   if (threadIdx.x < 32) {
     const MeanM2 st = warp_merge_partials(part + static_cast<long long>(group) * chunks, chunks);
     if (threadIdx.x == 0) {
@@ -418,15 +428,16 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int hw, int c, int cg, int sc, int slabs, int tiles,
-    int tile_rows, float eps, int act) {
+    int tile_rows, float eps, int act, int reverse) {
   using U = Unit<T, VEC>;
   extern __shared__ float4 smem4[];
   float* s_mean = reinterpret_cast<float*>(smem4);   // [kg]
   const int kg = sc / cg;
   float* s_rstd = s_mean + kg;
   const int P = sc / VEC, rs = blockDim.x / P;
-  const int slab = blockIdx.x % slabs;
-  const int rest = blockIdx.x / slabs;
+  const int blk = apply_block(reverse);
+  const int slab = blk % slabs;
+  const int rest = blk / slabs;
   const int tile = rest % tiles, n = rest / tiles;
   const int groups = c / cg;
 

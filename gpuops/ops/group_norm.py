@@ -70,16 +70,20 @@ MIN_SLAB_BYTES = 128                # channels-last slab rows of at least one 12
 # Forcing a design (tests): None, "onchip" (no clusters), "cluster2" / "cluster4" / "cluster8",
 # "twopass" (NCHW), "nhwc_copy" (channels-last through NCHW copies).
 force_path: str | None = None
+# Order of the two-pass apply kernels' blocks: "reverse" (the data the stats kernel read last, so
+# still in L2, first) or "forward" (the stats kernel's order: over data larger than L2, LRU
+# evicts each line just before the apply pass needs it). Part of the plans' key (A/B timing).
+apply_order: str = "reverse"
 
 ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
 
 _ONCHIP_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "f32", "i32")
 _NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32")
 _NCHW_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "f32", "i32")
+                           "i32", "f32", "i32", "i32")
 _NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
 _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "i32", "f32", "i32")
+                           "i32", "i32", "f32", "i32", "i32")
 
 
 def _onchip_expr(d, packs, cluster):
@@ -240,13 +244,14 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     grid, block = (groups * chunks, 1, 1), (TWO_PASS_THREADS, 1, 1)
     part_len = groups * chunks * 4
     apply_tail = (hw, cg, g, group_units, chunk_units, chunks)
+    reverse = int(apply_order == "reverse")
 
     def run_two_pass(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr,
                                             group_units, chunk_units, chunks)
         KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *apply_tail, eps, act)
+                                            y.ptr, part.ptr, *apply_tail, eps, act, reverse)
     return run_two_pass
 
 
@@ -266,13 +271,15 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act):
     stats_expr, apply_expr = _expr("nhwc_stats", d, vec), _expr("nhwc_apply", d, vec)
     tail = (hw, c, cg, sc, slabs, tiles, tile_rows)
     stats_smem, apply_smem = 2 * threads * vec * 4, 2 * (sc // cg) * 4
+    reverse = int(apply_order == "reverse")
 
     def run_nhwc(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr, *tail,
                                             smem=stats_smem)
         KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *tail, eps, act, smem=apply_smem)
+                                            y.ptr, part.ptr, *tail, eps, act, reverse,
+                                            smem=apply_smem)
     return run_nhwc
 
 
@@ -455,7 +462,7 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, input.dtype, tuple(input.shape),
+    key = (call.device, loader.generation, force_path, apply_order, input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
            None if bias is None else (tuple(bias.shape), bias.contiguous),
