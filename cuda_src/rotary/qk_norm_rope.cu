@@ -155,6 +155,170 @@ qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
   }
 }
 
+// V elements of a table-dtype array (weights, cos, sin) kept as raw 16-byte words until used:
+// loaded with the row, before the row's reduction, in few registers (16-bit values stay packed).
+template <class TC, int V>
+struct RawPack {
+  static constexpr int kPer = Vec16<TC>::size;
+  static constexpr int N = V / kPer;                 // V * sizeof(TC) / 16 words
+  static_assert(N >= 1 && N * kPer == V, "whole 16-byte words");
+  uint4 r[N];
+  __device__ __forceinline__ void load(const TC* p) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = load16(p + i * kPer);
+  }
+  // The same words from elements `st` apart (any alignment, st may be 0).
+  static __device__ __forceinline__ unsigned word(const TC* p, long long st, int k) {
+    if constexpr (sizeof(TC) == 4) {
+      return __float_as_uint(to_float(p[k * st]));
+    } else {
+      return static_cast<unsigned>(p[(2 * k) * st].bits) |
+             (static_cast<unsigned>(p[(2 * k + 1) * st].bits) << 16);
+    }
+  }
+  __device__ __forceinline__ void load_strided(const TC* p, long long st) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      r[i] = make_uint4(word(p, st, 4 * i), word(p, st, 4 * i + 1), word(p, st, 4 * i + 2),
+                        word(p, st, 4 * i + 3));
+  }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void unpack(float (&f)[V], float scale = 1.0f) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float t[kPer];
+      Vec16<TC>::unpack(r[i], t);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) f[i * kPer + e] = scale * t[e];
+    }
+  }
+};
+
+template <class T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<float16_t> { static constexpr bool value = true; };
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Where the cos/sin values of frequencies f0 .. f0 + V - 1 of a token start, when they lie in one
+// stream at unit column stride and 16-byte aligned (the common case: one table row, no M-RoPE):
+// then they are read as 16-byte words. false: use fetch_cos_sin.
+template <class TC, int V>
+__device__ __forceinline__ bool table_words(const RopeTables& tb, long long b, long long r0,
+                                            bool ok, int f0, const TC*& ct, const TC*& st) {
+  if (!ok || tb.mrope_mode != 0 || tb.c_sc != 1 || tb.s_sc != 1) return false;
+  ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + f0;
+  st = static_cast<const TC*>(tb.sin) + b * tb.s_sb + r0 * tb.s_sr + f0;
+  return aligned16(ct) && aligned16(st);
+}
+
+// Forward, 16-byte packs only (V > 1), variant 2: the same math as qk_norm_rope_fwd, but every
+// load of a row (x, its weights, its cos/sin) is issued before the row's sum of squares, as
+// 16-byte words where aligned (weights at unit stride, tables as above), so a lane's reads are
+// all in flight at once and nothing but shuffles and arithmetic separates the read from the
+// store (qk_norm_rope_fwd reads the weights and tables after the reduction, one element at a
+// time). Anything not aligned falls back, per lane, to the element reads after the reduction.
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, 4)
+qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
+  static_assert(V > 1, "16-byte packs only");
+  const int G = n.group;
+  const int lane = threadIdx.x & (G - 1);
+  const int slots = kRopeThreads / G;
+  const long long row = static_cast<long long>(blockIdx.x) * slots + threadIdx.x / G;
+  const bool valid = row < a.total;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  const bool inter = a.interleaved != 0;
+  const bool active = valid && lane < per_head;
+
+  long long b = 0, s = 0;
+  unsigned h = 0;
+  if (valid) split_index(row, a.total, static_cast<unsigned>(a.hq + a.hk), a.seq, b, s, h);
+  const bool is_q = static_cast<int>(h) < a.hq;
+  const long long hh = is_q ? h : h - a.hq;
+  const T* x = row_ptr<const T>(is_q ? a.q : a.k, is_q ? a.q_s : a.k_s, b, s, hh);
+  const TC* w = static_cast<const TC*>(is_q ? n.wq : n.wk);
+  const long long ws = is_q ? n.wq_s : n.wk_s;
+  int off0 = 0, off1 = -1;
+  item_offsets<V>(lane, units, a.r, inter, off0, off1);
+  const bool rotary = lane < units;
+  long long r0 = 0, r1 = 0, r2 = 0;
+  bool ok = true;
+  if (valid) token_rows(tb, b, s, r0, r1, r2, ok);
+
+  uint4 xr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  RawPack<TC, V> w0, w1, cw, sw;
+  // Early weight/table words fit the register budget when they are as wide as the data (a
+  // float32 table with 16-bit data would need 32 more registers; fp16's cvt unpacking spilled
+  // 20 bytes on sm_90): else the late element reads.
+  constexpr bool kEarly = sizeof(TC) == sizeof(T) && !IsHalf<T>::value;
+  const bool wvec = kEarly && ws == 1 && aligned16(w + off0) && (off1 < 0 || aligned16(w + off1));
+  const TC* ct = nullptr;
+  const TC* st = nullptr;
+  bool tvec = false;
+  if (active) {
+    xr[0] = load16(x + off0);
+    if (off1 >= 0) xr[1] = load16(x + off1);
+    if (wvec) {
+      w0.load(w + off0);
+      if (off1 >= 0) w1.load(w + off1);
+    }
+    if (kEarly && rotary) {
+      tvec = table_words<TC, V>(tb, b, r0, ok, lane * V, ct, st);
+      if (tvec) {
+        cw.load(ct);
+        sw.load(st);
+      }
+    }
+  }
+  float v[2][V];
+  Vec16<T>::unpack(xr[0], v[0]);
+  Vec16<T>::unpack(xr[1], v[1]);                  // pass-through pack: xr[1] = 0
+  float ss = 0.0f;
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < V; ++e) ss = fmaf(v[p][e], v[p][e], ss);
+  ss = group_sum(ss, G);
+  if (!active) return;                            // after the last shuffle
+  const float rstd = rsqrtf(ss / static_cast<float>(a.d) + n.eps);
+
+  float wv[2][V];
+  if (wvec) {
+    w0.unpack(wv[0]);
+    if (off1 >= 0) w1.unpack(wv[1]);
+    else
+#pragma unroll
+      for (int e = 0; e < V; ++e) wv[1][e] = 0.0f;
+  } else {
+    load_item_weights<TC, V>(w, ws, lane, units, a.r, inter, wv);
+  }
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+  if (rotary) {
+    float c[V], sn[V], lo[V], hi[V];
+    if (tvec) {
+      cw.unpack(c);
+      sw.unpack(sn, a.sign);
+    } else {
+      fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, lane * V, a.sign, c, sn);
+    }
+    unit_pairs<V>(v, inter, lo, hi);
+    rotate_pairs<V>(lo, hi, c, sn);
+    unit_scatter<V>(lo, hi, inter, v);
+  }
+  T* o = row_ptr<T>(is_q ? a.oq : a.ok, is_q ? a.oq_s : a.ok_s, b, s, hh);
+  store16(o + off0, Vec16<T>::pack(v[0]));
+  if (off1 >= 0) store16(o + off1, Vec16<T>::pack(v[1]));
+}
+
 // red[off + e] += x[e] over a pack (red: this slot's row of column sums in shared memory).
 template <int V>
 __device__ __forceinline__ void smem_add(float* red, int off, const float (&x)[V]) {
@@ -292,6 +456,182 @@ qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
   }
 
   // Block sum of the slots' column sums, in slot order: one partial row per block.
+  __syncthreads();
+  float* part = n.partial + static_cast<long long>(blockIdx.x) * a.d;
+  for (int c = threadIdx.x; c < a.d; c += kRopeThreads) {
+    float sum = 0.0f;
+    for (int sl = 0; sl < slots; ++sl) sum += red[sl * a.d + c];
+    part[c] = sum;
+  }
+}
+
+// Backward, 16-byte packs only (V > 1), variant 2: the math, grid and weight-gradient tables of
+// qk_norm_rope_bwd, with (1) the lane's weights read once per block (a block walks only q rows
+// or only k rows and a lane always holds the same item), kept as raw words; (2) the gradient and
+// x of the block's next row read into raw words while the current row is reduced and finished
+// (two rows in flight per lane); (3) cos/sin as 16-byte words where aligned.
+// Two rows in flight per lane need more registers than 3 blocks per SM allow without spills:
+// 2 blocks per SM (<= 128 registers) on every arch; the host's grid follows (BWD2_MIN_BLOCKS).
+constexpr int kNormBwd2MinBlocks = 2;
+
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, kNormBwd2MinBlocks)
+qk_norm_rope_bwd2(RopeQK a, RopeTables tb, NormArgs n) {
+  static_assert(V > 1, "16-byte packs only");
+  __shared__ __align__(16) float red[4096];
+  const int G = n.group;
+  const int lane = threadIdx.x & (G - 1);
+  const int slots = kRopeThreads / G;
+  const int slot = threadIdx.x / G;
+  const bool is_q = static_cast<int>(blockIdx.x) < n.nbq;
+  const long long lb = is_q ? blockIdx.x : blockIdx.x - n.nbq;
+  const long long nb = is_q ? n.nbq : gridDim.x - n.nbq;
+  const int heads = is_q ? a.hq : a.hk;
+  const long long rows = a.total * heads;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  const bool inter = a.interleaved != 0;
+  const float inv_d = 1.0f / static_cast<float>(a.d);
+  for (int i = threadIdx.x; i < slots * a.d; i += kRopeThreads) red[i] = 0.0f;
+  __syncthreads();
+  float* my_red = red + slot * a.d;
+
+  const void* g0 = is_q ? a.q : a.k;
+  const void* x0 = is_q ? n.xq : n.xk;
+  void* o0 = is_q ? a.oq : a.ok;
+  const long long (&gst)[4] = is_q ? a.q_s : a.k_s;
+  const long long (&xst)[4] = is_q ? n.xq_s : n.xk_s;
+  const long long (&ost)[4] = is_q ? a.oq_s : a.ok_s;
+  const TC* w = static_cast<const TC*>(is_q ? n.wq : n.wk);
+  const long long ws = is_q ? n.wq_s : n.wk_s;
+  const bool lane_on = lane < per_head;
+  int off0 = 0, off1 = -1;
+  item_offsets<V>(lane, units, a.r, inter, off0, off1);
+  const bool rotary = lane < units;
+
+  RawPack<TC, V> w0, w1;                          // this lane's weights, once
+  w0.clear();
+  w1.clear();
+  if (lane_on) {
+    if (ws == 1 && aligned16(w + off0) && (off1 < 0 || aligned16(w + off1))) {
+      w0.load(w + off0);
+      if (off1 >= 0) w1.load(w + off1);
+    } else {
+      w0.load_strided(w + off0 * ws, ws);
+      if (off1 >= 0) w1.load_strided(w + off1 * ws, ws);
+    }
+  }
+
+  const long long step = nb * slots;
+  long long row = lb * slots + slot;
+  long long b = 0, s = 0;
+  unsigned hh = 0;
+  uint4 gr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  uint4 xr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  if (row < rows) {
+    split_index(row, rows, static_cast<unsigned>(heads), a.seq, b, s, hh);
+    if (lane_on) {
+      const T* g = row_ptr<const T>(g0, gst, b, s, hh);
+      const T* x = row_ptr<const T>(x0, xst, b, s, hh);
+      gr[0] = load16(g + off0);
+      xr[0] = load16(x + off0);
+      if (off1 >= 0) {
+        gr[1] = load16(g + off1);
+        xr[1] = load16(x + off1);
+      }
+    }
+  }
+
+  for (long long base = lb * slots; base < rows; base += step) {
+    const bool valid = row < rows;
+    // the next row's reads go out first
+    const long long nrow = row + step;
+    long long nbb = 0, ns = 0;
+    unsigned nhh = 0;
+    uint4 ngr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    uint4 nxr[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    if (nrow < rows) {
+      split_index(nrow, rows, static_cast<unsigned>(heads), a.seq, nbb, ns, nhh);
+      if (lane_on) {
+        const T* g = row_ptr<const T>(g0, gst, nbb, ns, nhh);
+        const T* x = row_ptr<const T>(x0, xst, nbb, ns, nhh);
+        ngr[0] = load16(g + off0);
+        nxr[0] = load16(x + off0);
+        if (off1 >= 0) {
+          ngr[1] = load16(g + off1);
+          nxr[1] = load16(x + off1);
+        }
+      }
+    }
+
+    float gy[2][V];
+    Vec16<T>::unpack(gr[0], gy[0]);
+    Vec16<T>::unpack(gr[1], gy[1]);
+    if (valid && lane_on && rotary) {
+      long long r0 = 0, r1 = 0, r2 = 0;
+      bool ok = true;
+      token_rows(tb, b, s, r0, r1, r2, ok);
+      float c[V], sn[V], lo[V], hi[V];
+      const TC* ct = nullptr;
+      const TC* st = nullptr;
+      if (table_words<TC, V>(tb, b, r0, ok, lane * V, ct, st)) {
+        RawPack<TC, V> cw, sw;
+        cw.load(ct);
+        sw.load(st);
+        cw.unpack(c);
+        sw.unpack(sn, a.sign);
+      } else {
+        fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, lane * V, a.sign, c, sn);
+      }
+      unit_pairs<V>(gy, inter, lo, hi);
+      rotate_pairs<V>(lo, hi, c, sn);
+      unit_scatter<V>(lo, hi, inter, gy);
+    }
+    float sxx = 0.0f, sgwx = 0.0f;
+    {
+      float xv[2][V], wv[2][V];
+      Vec16<T>::unpack(xr[0], xv[0]);
+      Vec16<T>::unpack(xr[1], xv[1]);
+      w0.unpack(wv[0]);
+      w1.unpack(wv[1]);
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          sxx = fmaf(xv[p][e], xv[p][e], sxx);
+          sgwx = fmaf(gy[p][e] * wv[p][e], xv[p][e], sgwx);   // zeros where no item
+        }
+    }
+    sxx = group_sum(sxx, G);
+    sgwx = group_sum(sgwx, G);
+    if (valid && lane_on) {
+      const float rstd = rsqrtf(sxx * inv_d + n.eps);
+      const float mean_dn_n = rstd * sgwx * inv_d;
+      T* o = row_ptr<T>(o0, ost, b, s, hh);
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        if (p == 1 && off1 < 0) break;
+        float xv[V], wv[V], prod[V];
+        Vec16<T>::unpack(xr[p], xv);
+        (p ? w1 : w0).unpack(wv);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float nv = xv[e] * rstd;
+          prod[e] = gy[p][e] * nv;                                  // dw terms
+          gy[p][e] = rstd * fmaf(-nv, mean_dn_n, gy[p][e] * wv[e]);  // dx
+        }
+        smem_add<V>(my_red, p ? off1 : off0, prod);
+        store16(o + (p ? off1 : off0), Vec16<T>::pack(gy[p]));
+      }
+    }
+    row = nrow;
+    b = nbb;
+    s = ns;
+    hh = nhh;
+    gr[0] = ngr[0]; gr[1] = ngr[1];
+    xr[0] = nxr[0]; xr[1] = nxr[1];
+  }
+
   __syncthreads();
   float* part = n.partial + static_cast<long long>(blockIdx.x) * a.d;
   for (int c = threadIdx.x; c < a.d; c += kRopeThreads) {

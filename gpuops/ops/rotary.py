@@ -54,6 +54,7 @@ from gpuops.tensor import Tensor
 
 THREADS = 256                      # kRopeThreads
 BWD_MIN_BLOCKS_OLD, BWD_MIN_BLOCKS = 2, 3   # kNormBwdMinBlocks of qk_norm_rope_bwd (< sm_75, later)
+BWD2_MIN_BLOCKS = 2                # kNormBwd2MinBlocks of qk_norm_rope_bwd2 (every arch)
 BWD_SMEM_FLOATS = 4096             # red[] of qk_norm_rope_bwd: (256 / group) * D must fit
 TABLE_DTYPES = (dt.float32, dt.float16, dt.bfloat16, dt.float64)   # float64: CPU path only
 POSITION_DTYPES = (dt.int64, dt.int32)
@@ -89,11 +90,18 @@ ROPE_MODULE = KernelModule("rotary.rope", "rotary/rope.cu", {
 NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
     **{_norm_expr(kind, d, c, v): NORM_KERNEL_ARGS for kind in ("fwd", "bwd")
        for d, c in _PAIRS for v in (_vec(d), 1)},
+    **{_norm_expr(kind, d, c, _vec(d)): NORM_KERNEL_ARGS for kind in ("fwd2", "bwd2")
+       for d, c in _PAIRS},
     **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}})
 
 _kernel_cache: dict = {}
 _cache_generation = [-1]
 _bwd_grids: dict = {}
+# Kernel variants of the fused norm kernels with 16-byte packs: 2 = loads issued before the row's
+# reduction, 16-byte weight/table words (qk_norm_rope_fwd2 / _bwd2), 1 = the first version
+# (qk_norm_rope_fwd / _bwd). Benchmarks switch them (benchmarks/experiments/qk_norm_variants.py);
+# part of the plan cache key.
+NORM_VARIANT = {"fwd": 2, "bwd": 2}
 
 
 def _kernel(module, dev, expr):
@@ -381,6 +389,19 @@ def _rope_launch(call, op, q_in, k_in, q_out, k_out, cos, sin, positions, interl
         _kernel(ROPE_MODULE, call.device, expr).launch(
             grid, (THREADS, 1, 1), call.stream, q_in.ptr, k_in.ptr, q_out.ptr, k_out.ptr, *mid,
             cos.ptr, sin.ptr, 0 if positions is None else positions.ptr, *tab)
+
+
+def _bwd2_grid(dev):
+    """Persistent blocks of qk_norm_rope_bwd2: 2 per SM, at most _bwd_grid's (tests set
+    _bwd_grids to vary the grid without a device)."""
+    n = _bwd_grid(dev)
+    key = ("bwd2", dev)
+    if key not in _bwd_grids:
+        try:
+            _bwd_grids[key] = device.device_info(dev).sm_count * BWD2_MIN_BLOCKS
+        except Exception:           # no device (emulated kernels): the test's grid
+            return n
+    return min(n, _bwd_grids[key])
 
 
 def _norm_group(p, v):
@@ -773,7 +794,8 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
     aligned = _aligned(q, k, q_out, k_out)
     key = (op, call.result_dtype, _key(q), _key(k), _key(q_weight), _key(k_weight), _key(cos),
            _key(sin), _key(positions), float(eps),
-           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned,
+           NORM_VARIANT["fwd"])
 
     def build():
         p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
@@ -785,7 +807,8 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
         rows = p.batch * p.seq * (p.hq + p.hk)
         if rows == 0:
             return None
-        return (_norm_expr("fwd", dtype, tdtype, v), (-(-rows // (THREADS // group)), 1, 1),
+        kind = "fwd2" if v > 1 and NORM_VARIANT["fwd"] == 2 else "fwd"
+        return (_norm_expr(kind, dtype, tdtype, v), (-(-rows // (THREADS // group)), 1, 1),
                 (*st[0], *st[1], *st[2], *st[3], p.seq, rows, p.hq, p.hk, p.d, p.r,
                  int(bool(interleaved)), 1.0),
                 _table_static(p, cos, sin, positions),
@@ -828,7 +851,8 @@ def qk_norm_rotary_backward(call, grad_q: Tensor, grad_k: Tensor, q: Tensor, k: 
     aligned = _aligned(grad_q, grad_k, dq, dk, q, k)
     key = (op, call.device, call.result_dtype, _key(grad_q), _key(grad_k), _key(q), _key(k),
            _key(q_weight), _key(k_weight), _key(cos), _key(sin), _key(positions), float(eps),
-           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned,
+           NORM_VARIANT["bwd"])
 
     def build():
         p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
@@ -840,13 +864,15 @@ def qk_norm_rotary_backward(call, grad_q: Tensor, grad_k: Tensor, q: Tensor, k: 
         tokens = p.batch * p.seq
         slots = THREADS // group
         rows_q, rows_k = tokens * p.hq, tokens * p.hk
-        budget = _bwd_grid(call.device)
+        v2 = v > 1 and NORM_VARIANT["bwd"] == 2
+        budget = _bwd2_grid(call.device) if v2 else _bwd_grid(call.device)
         share_q = round(budget * rows_q / max(1, rows_q + rows_k))
         nbq = min(-(-rows_q // slots), max(1, share_q)) if rows_q else 0
         nbk = min(-(-rows_k // slots), max(1, budget - nbq)) if rows_k else 0
         main = None
         if nbq + nbk:
-            main = (_norm_expr("bwd", dtype, tdtype, v), (nbq + nbk, 1, 1),
+            kind = "bwd2" if v2 else "bwd"
+            main = (_norm_expr(kind, dtype, tdtype, v), (nbq + nbk, 1, 1),
                     (*st[0], *st[1], *st[2], *st[3], p.seq, tokens, p.hq, p.hk, p.d, p.r,
                      int(bool(interleaved)), -1.0),
                     _table_static(p, cos, sin, positions),
