@@ -289,12 +289,17 @@ def split_config(rows: int, n: int, vec: int, dev: int):
 # Rows at least this many bytes in total, but fewer than one per SM, go to the split kernels even
 # when they fit in registers: one block per row would leave most SMs idle.
 SPLIT_MIN_BYTES = 8 << 20
+# ... and so do rows of at least this many bytes each, whatever the total: one SM streams a
+# 768 KB row (8 x 393216 bf16, 6 MB in all) at a few tens of GB/s, 8 blocks took ~70 us on the
+# H100 where the two split kernels move the bytes at full bandwidth in a few us
+SPLIT_MIN_ROW_BYTES = 256 << 10
 
 
 def _use_split(rows, n, itemsize, dev, packs_ok) -> bool:
     if not packs_ok:
         return True
-    return rows < sm_count(dev) and rows * n * itemsize >= SPLIT_MIN_BYTES
+    return rows < sm_count(dev) and (rows * n * itemsize >= SPLIT_MIN_BYTES
+                                     or n * itemsize >= SPLIT_MIN_ROW_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------
