@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import weakref
 from math import prod
 
 import numpy as np
@@ -24,10 +25,13 @@ _ITEM = {"float": 4, "gpuops::float16_t": 2, "gpuops::bfloat16_t": 2, "long long
 
 
 class Memory:
-    """Flat simulated device memory: buffers at 256-byte aligned addresses."""
+    """Flat simulated device memory: buffers at 256-byte aligned addresses. A buffer lives as long
+    as some Python object holds its array (as a framework tensor holds its memory): an access
+    after every holder is gone is an error (on a GPU the caching allocator may already have
+    handed the address to the next allocation)."""
 
     def __init__(self):
-        self.buffers = []          # (base address, item size, float64/int64 numpy array)
+        self.buffers = []          # (base address, item size, weak reference to the array, size)
         self.bases = []
         self.next = 1 << 20
 
@@ -35,15 +39,18 @@ class Memory:
         base = self.next
         self.next += (max(nelem, 1) * item + 2 * _ALIGN) // _ALIGN * _ALIGN
         arr = np.zeros(max(nelem, 1), np.int64) if integer else np.full(max(nelem, 1), fill)
-        self.buffers.append((base, item, arr))
+        self.buffers.append((base, item, weakref.ref(arr), arr.size))
         self.bases.append(base)
         return base, arr
 
     def _find(self, addr, item):
         k = bisect.bisect_right(self.bases, addr) - 1
         if k >= 0:
-            base, bitem, arr = self.buffers[k]
-            if addr < base + arr.size * bitem:
+            base, bitem, ref, size = self.buffers[k]
+            if addr < base + size * bitem:
+                arr = ref()
+                assert arr is not None, (f"access to 0x{addr:x} in a buffer already freed (its "
+                                         "tensor was dropped before the kernel ran)")
                 assert bitem == item, f"access of {item}-byte elements to a {bitem}-byte buffer"
                 off = addr - base
                 assert off % item == 0, "misaligned element access"

@@ -290,6 +290,23 @@ def test_inplace_forward_semantics_cpu(rng, reduction):
 
 
 @needs_torch
+@pytest.mark.parametrize("mode", [True, "forward"])
+def test_inplace_modes_gradient_is_detached_cpu(rng, mode):
+    # the gradient handed on lives in the logits' memory, but is not the logits' graph node
+    import gpuops.torch as gt
+    t = torch.from_numpy(_targets(rng, 5, 9))
+    z = torch.from_numpy(rng.standard_normal((5, 9))).requires_grad_()
+    logits = z * 2.0
+    loss = gt.cross_entropy(logits, t, inplace_backward=mode)
+    (g,) = torch.autograd.grad(loss * 0.5, logits)
+    assert g.data_ptr() == logits.data_ptr()
+    assert not g.requires_grad and g.grad_fn is None
+    ref = (z * 2.0).detach().requires_grad_()   # z is intact: only logits was overwritten
+    (rg,) = torch.autograd.grad(F.cross_entropy(ref, t) * 0.5, ref)
+    np.testing.assert_allclose(g.numpy(), rg.numpy(), rtol=1e-12, atol=1e-16)
+
+
+@needs_torch
 def test_torch_compile_fullgraph_cpu(rng):
     import gpuops.torch as gt
     x = torch.from_numpy(rng.standard_normal((6, 10))).requires_grad_()

@@ -129,7 +129,7 @@ softmax_backward_cols(const T* g, const T* y, T* dx, int R, long long I, int nib
     py.unpack(fy);
 #pragma unroll
     for (int k = 0; k < N; ++k)
-      fg[k] = LOG ? fmaf(-exp_fast(fy[k]), acc[k], fg[k]) : fy[k] * (fg[k] - acc[k]);
+      fg[k] = LOG ? fmaf(-exp_accurate(fy[k]), acc[k], fg[k]) : fy[k] * (fg[k] - acc[k]);
     PK::store(dc + r * dsr, fg);
   }
 }

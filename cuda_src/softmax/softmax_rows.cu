@@ -130,7 +130,7 @@ softmax_backward_rows(const T* g, const T* y, T* dx, long long rows, int n, long
       py[p].unpack(fy);
 #pragma unroll
       for (int k = 0; k < N; ++k)
-        fg[k] = LOG ? fmaf(-exp_fast(fy[k]), acc, fg[k]) : fy[k] * (fg[k] - acc);
+        fg[k] = LOG ? fmaf(-exp_accurate(fy[k]), acc, fg[k]) : fy[k] * (fg[k] - acc);
       PK::store(dr + static_cast<long long>(i) * N, fg);
     }
   }

@@ -181,7 +181,7 @@ softmax_backward_split_apply(const T* g, const T* y, T* dx, long long gs, long l
         py[u].unpack(fy);
 #pragma unroll
         for (int k = 0; k < N; ++k)
-          fg[k] = LOG ? fmaf(-exp_fast(fy[k]), acc, fg[k]) : fy[k] * (fg[k] - acc);
+          fg[k] = LOG ? fmaf(-exp_accurate(fy[k]), acc, fg[k]) : fy[k] * (fg[k] - acc);
         PK::store(dr + base + u * step, fg);
       }
     }

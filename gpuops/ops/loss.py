@@ -337,7 +337,7 @@ def _with_grad(call, input: Tensor, target: Tensor, ignore_index, reduction, lab
                              label_smoothing, mode)
     else:
         loss = call.empty(_loss_shape(input.shape, reduction), dtype)
-        count = _launch_count(call, target, rows, ignore_index) if mode == 2 else 0
+        count = _launch_count(call, target, rows, ignore_index) if mode == 2 else None
         vec = 16 // dtype.itemsize
         v = _vec_ok(vec, c, (x.ptr, d.ptr), (xs, ds))
         N = vec if v else 1
@@ -349,7 +349,7 @@ def _with_grad(call, input: Tensor, target: Tensor, ignore_index, reduction, lab
         KERNELS.get(dev, CE_MODULE, f"gpuops::ce_fused<{dtype.ctype}, {ti}, {_B[v]}>").launch(
             (rows, 1, 1), (threads, 1, 1), call.stream, x.ptr, xs, target.ptr,
             _target_stride(target), c, cache_packs, int(ignore_index), float(label_smoothing),
-            mode, count, d.ptr, ds, loss.ptr if mode == 0 else 0,
+            mode, count.ptr if count is not None else 0, d.ptr, ds, loss.ptr if mode == 0 else 0,
             loss.strides[0] if mode == 0 and loss.shape else 0,
             part.ptr if part is not None else 0, smem=cache_packs * raw)
         if mode != 0:
@@ -360,18 +360,23 @@ def _with_grad(call, input: Tensor, target: Tensor, ignore_index, reduction, lab
     return out, loss
 
 
-def _launch_count(call, target, rows, ignore_index) -> int:
+def _launch_count(call, target, rows, ignore_index) -> Tensor:
+    """The number of non-ignored rows, on the device. The caller must hold the returned Tensor
+    until the kernels that read it are enqueued: dropping it frees the memory to the framework's
+    caching allocator, and the next ``call.empty`` (e.g. ce_fused's partials) may get the same
+    address, which those kernels then overwrite (with GPUOPS_DEBUG_POISON, NaN) before reading
+    the count."""
     cnt = call.empty((1,), dt.float32)
     KERNELS.get(call.device, CE_MODULE, f"gpuops::ce_count<{_TI[target.dtype]}>").launch(
         (1, 1, 1), (REDUCE_THREADS, 1, 1), call.stream, target.ptr, _target_stride(target), rows,
         int(ignore_index), cnt.ptr)
-    return cnt.ptr
+    return cnt
 
 
 def _launch_backward(call, grad_ptr, gs, x, rows, c, xs, target, lse, glse_ptr, glse_stride, d,
                      ds, ignore_index, label_smoothing, mode):
     dtype, dev = call.result_dtype, call.device
-    count = _launch_count(call, target, rows, ignore_index) if mode == 2 else 0
+    count = _launch_count(call, target, rows, ignore_index) if mode == 2 else None
     vec = 16 // dtype.itemsize
     v = _vec_ok(vec, c, (x.ptr, d.ptr), (xs, ds))
     cpb = cdiv(c, SPLIT_THREADS * (vec if v else 1))
@@ -379,7 +384,7 @@ def _launch_backward(call, grad_ptr, gs, x, rows, c, xs, target, lse, glse_ptr, 
                 f"gpuops::ce_backward<{dtype.ctype}, {_TI[target.dtype]}, {_B[v]}>").launch(
         (rows * cpb, 1, 1), (SPLIT_THREADS, 1, 1), call.stream, grad_ptr, gs, x.ptr, xs,
         target.ptr, _target_stride(target), lse.ptr, glse_ptr, glse_stride, d.ptr, ds, c, cpb,
-        int(ignore_index), float(label_smoothing), mode, count)
+        int(ignore_index), float(label_smoothing), mode, count.ptr if count is not None else 0)
 
 
 def _grad_scale(call, grad_output: Tensor, grad: Tensor, reduction, out):

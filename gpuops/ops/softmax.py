@@ -326,8 +326,11 @@ class Plan:
         self.ws = ws                # fp32 workspace elements
 
     def run(self, call, ptrs: tuple):
-        if self.ws:
-            ptrs = ptrs + (call.empty((self.ws,), dt.float32).ptr,)
+        # the workspace Tensor is held until every launch is enqueued: dropped earlier, its
+        # memory could go to another allocation that these kernels then race with
+        ws = call.empty((self.ws,), dt.float32) if self.ws else None
+        if ws is not None:
+            ptrs = ptrs + (ws.ptr,)
         dev, stream = call.device, call.stream
         for module, expr, grid, block, args in self.steps:
             KERNELS.get(dev, module, expr).launch(

@@ -127,16 +127,27 @@ class Kernel:
         self.ptr = raw_kernel.kernel.ptr
         self.spec = spec
         self._launch = driver.launchKernel
-        self._smem_limit = 48 * 1024
+        self._smem_limit = 0             # queried at the first launch with dynamic smem
+
+    def _raise_smem_limit(self, smem: int) -> None:
+        # The kernel's own limit, not 48 KiB: by default it is 48 KiB *minus its static shared
+        # memory*, so a request just under 48 KiB can already need the attribute raised.
+        if self._smem_limit == 0:
+            self._smem_limit = int(self.raw.max_dynamic_shared_size_bytes)
+            if smem <= self._smem_limit:
+                return
+        self.raw.max_dynamic_shared_size_bytes = smem
+        self._smem_limit = smem
 
     def launch(self, grid, block, stream: int, *args, smem: int = 0) -> None:
         """Enqueue on the raw CUDA stream handle ``stream`` (an int). ``grid``/``block`` are
         3-tuples; args are flat, as described by the kernel's ArgSpec. ``smem`` is dynamic
-        shared memory in bytes; above 48 KiB the kernel's limit is raised once (up to the
-        device's opt-in maximum: 227 KiB on sm_90, 96 KiB on sm_61...)."""
+        shared memory in bytes; above the kernel's current limit (48 KiB less its static shared
+        memory by default) the limit is raised once. ``smem`` plus the static part must stay
+        within the device's opt-in maximum (227 KiB per block on sm_90; 48 KiB on sm_61, which
+        has no opt-in): callers size it from ``DeviceInfo.max_smem_per_block_optin``."""
         if smem > self._smem_limit:
-            self.raw.max_dynamic_shared_size_bytes = smem
-            self._smem_limit = smem
+            self._raise_smem_limit(smem)
         buf, size, extra, _ = _scratch()
         spec = self.spec
         spec.struct.pack_into(buf, 0, *args)

@@ -187,7 +187,10 @@ class _InplaceBackward(torch.autograd.Function):
         input, target, lse = ctx.saved_tensors
         _cross_entropy_backward_(grad_loss, input, target, lse, *ctx.args)
         ctx.spent = True
-        return input, None, None, None, None
+        # the gradient is the logits' memory, but not the logits' graph node: handed on as is,
+        # it would carry requires_grad and a grad_fn (autograd.grad would return a tensor that
+        # requires grad, and differentiating it would reach back through the model)
+        return input.detach(), None, None, None, None
 
 
 class _InplaceForward(torch.autograd.Function):
@@ -211,7 +214,7 @@ class _InplaceForward(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         _cross_entropy_grad_scale_(grad_loss, grad, ctx.reduction)
         ctx.spent = True
-        return grad, None, None, None, None
+        return grad.detach(), None, None, None, None     # (see _InplaceBackward.backward)
 
 
 _MODES = {False: None, True: _InplaceBackward, "backward": _InplaceBackward,
