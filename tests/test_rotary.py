@@ -86,7 +86,7 @@ def qwen3vl_tables(position_ids, dim, mrope_section, base=10000.0):
     """Qwen3VLTextRotaryEmbedding.forward with apply_interleaved_mrope: position_ids [3, B, S]
     -> cos, sin [B, S, dim]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64,
-                                            device=positions.device) / dim))
+                                            device=position_ids.device) / dim))
     freqs = position_ids.to(torch.float64)[..., None] * inv_freq            # [3, B, S, dim/2]
     freqs_t = freqs[0].clone()
     for d, offset in enumerate((1, 2), start=1):
