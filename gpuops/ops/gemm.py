@@ -745,7 +745,8 @@ def matmul(call, a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation
     Accumulation and epilogue in fp32, one rounding to the output dtype. ``allow_tf32``: let fp32
     inputs use TF32 tensor cores (sm_80+; off by default, as torch). ``variant``: 'naive',
     'smem_tiled', 'register_tiled_vec4', 'warp_tiled', 'mma' (sm_80+), 'gemv' / 'gemv_mma'
-    (M <= 16), or None for the best for the device, dtype and shape.
+    (M <= 16 rows per matrix; a batch sharing b folds into one GEMV while it stays within 16
+    rows, else runs as a batch of GEMVs), or None for the best for the device, dtype and shape.
     """
     return gemm(call, "matmul", a, b, bias=bias, activation=activation, residual=residual,
                 alpha=alpha, out_dtype=out_dtype, variant=variant, allow_tf32=allow_tf32)
