@@ -50,7 +50,8 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 def hf_rope_tables(positions, dim, base=10000.0):
     """LlamaRotaryEmbedding: cos, sin of shape positions.shape + [dim] (duplicated halves)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64,
+                                            device=positions.device) / dim))
     freqs = positions.to(torch.float64)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -84,7 +85,8 @@ def hf_qwen2vl_mrope(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
 def qwen3vl_tables(position_ids, dim, mrope_section, base=10000.0):
     """Qwen3VLTextRotaryEmbedding.forward with apply_interleaved_mrope: position_ids [3, B, S]
     -> cos, sin [B, S, dim]."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64,
+                                            device=position_ids.device) / dim))
     freqs = position_ids.to(torch.float64)[..., None] * inv_freq            # [3, B, S, dim/2]
     freqs_t = freqs[0].clone()
     for d, offset in enumerate((1, 2), start=1):

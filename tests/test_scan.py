@@ -19,7 +19,7 @@ import pytest
 import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import scan
-from conftest import HAS_TORCH, HAS_TORCH_CUDA, assert_close
+from conftest import HAS_TORCH, HAS_TORCH_CUDA, TOLERANCE, assert_close
 
 import emu
 
@@ -277,12 +277,34 @@ def test_gpu_nan_inf_empty_0d():
 @gpu
 @needs_torch_cuda
 def test_gpu_matches_torch_cumsum():
+    """Both against the float64 reference. torch's CUDA cumsum accumulates in the storage type
+    (aten/src/ATen/native/cuda/CumsumKernel.cu: scan_dim<scalar_t> with std::plus<scalar_t>;
+    ScanUtils.cuh tensor_kernel_scan_innermost_dim keeps its Sklansky tree in a shared scalar_t
+    buffer and carries block_total in scalar_t): for fp16/bf16 every partial sum is rounded to
+    16 bits, some tens of roundings deep for 5000 elements, and it lands several ulps off (its
+    algorithm, replayed on the CPU: up to ~4 ulps, 0.3% in fp16, 2.3% in bf16). gpuops
+    accumulates in fp32 and rounds once (within half an ulp). So conftest's 16-bit tolerances,
+    which bound one final rounding, hold for gpuops against float64 but not against torch. The
+    comparison with torch is bounded by the triangle inequality with torch's own error:
+    |ours - torch| <= |ours - ref| + |torch - ref| <= tol(ref) + |torch - ref|."""
     for dtype in DTYPES:
         x = _rand((64, 5000), dtype)
         y = go.cumsum(x, -1)
         t = torch.cumsum(x, -1)
         assert y.dtype == t.dtype
-        assert_close(_host(y), _host(t), dtype, f"vs torch {dtype}")
+        ref = scan.ref_cumsum(_host(x), -1)
+        assert_close(_host(y), ref, dtype, f"vs float64 {dtype}")
+        tol = TOLERANCE[dtype]
+        err_torch = np.abs(_host(t) - ref)
+        diff = np.abs(_host(y) - _host(t))
+        bound = tol["atol"] + tol["rtol"] * np.abs(ref) + err_torch
+        assert np.all(diff <= bound), (
+            f"vs torch {dtype}: {int(np.sum(diff > bound))} elements differ by more than "
+            f"torch's own error + ours; worst {float(np.max(diff - bound)):.3g} over")
+        if dtype != "float32":     # one rounding is never less accurate than many
+            err = np.abs(_host(y) - ref)
+            assert err.max() <= err_torch.max() + 2.0 ** -20 * np.abs(ref).max(), (
+                f"{dtype}: gpuops max error {err.max():.3g} > torch's {err_torch.max():.3g}")
 
 
 @gpu

@@ -1,5 +1,6 @@
 // int8 GEMM with per-row / per-column scales (`int8_matmul`, sm_61+): C = (A_int8 @ B_int8) *
-// scale_a[m] * scale_b[n], exact int32 accumulation (|sum| < 2^31 for K < 133,000), then fp32.
+// scale_a[m] * scale_b[n], exact int32 accumulation (|sum| <= 2^14 K < 2^31 for K <= 131,071),
+// then fp32.
 // What it adds: __dp4a (sm_61's 4-way int8 dot product with int32 accumulation: 4 multiply-adds
 // per instruction) inside the structure of `warp_tiled` — 128x128 block tiles, 8 warps of 64x32,
 // 8x8 outputs per thread, double-buffered shared memory — with 32-bit words of 4 consecutive k

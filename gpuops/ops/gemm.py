@@ -73,6 +73,7 @@ WARP_TILED = _per_dtype("warp_tiled", "gemm/warp_tiled.cu", lambda d: {
     _kname("gemm_warp_tiled", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)})
 
 GEMV_MT = (1, 4, 16)                 # rows of A a GEMV kernel is compiled for (M <= MT)
+GEMV_MAX_M = GEMV_MT[-1]             # gemv and gemv_mma (one m16 tile) take M <= 16
 GEMV = _per_dtype("gemv", "gemm/gemv.cu", lambda d: {
     **{_kname("gemv_kcontig", d.ctype, mt, _b(dual)): GEMM_ARGS
        for mt in GEMV_MT for dual in (False, True)},
@@ -231,11 +232,13 @@ class _Plan:
                  "bshape", "a_sb", "b_sb", "r_sb", "out_shape")
 
 
-def _merge_batch(op, plan, batch, a_bs, b_bs, r_bs):
+def _merge_batch(op, plan, batch, a_bs, b_bs, r_bs, max_fold_m=None):
     """Fold the batch into M where A's (batch..., M) dims are one strided run and B is shared
-    (torch does the same for [B, M, K] @ [K, N]); else merge batch dims to at most 3."""
+    (torch does the same for [B, M, K] @ [K, N]); else merge batch dims to at most 3.
+    max_fold_m: fold only while the folded M stays within it (the GEMV kernels take M <= 16: an
+    explicit gemv of small matrices with a shared B runs as a batch of GEMVs instead)."""
     M, N = plan.M, plan.N
-    if batch and not any(b_bs):
+    if batch and not any(b_bs) and (max_fold_m is None or prod(batch) * M <= max_fold_m):
         shape = batch + (M,)
         c = tuple(s * N for s in contiguous_strides(shape))
         lists = [a_bs + (plan.a_sm,), c] + ([r_bs + (plan.r_sm,)] if r_bs is not None else [])
@@ -264,7 +267,7 @@ def _merge_batch(op, plan, batch, a_bs, b_bs, r_bs):
         plan.bshape, plan.a_sb, plan.b_sb, plan.r_sb = (1, 1, 1), (0, 0, 0), (0, 0, 0), (0, 0, 0)
 
 
-def _plan(op, a: Tensor, b: Tensor, residual: Tensor | None) -> _Plan:
+def _plan(op, a: Tensor, b: Tensor, residual: Tensor | None, max_fold_m=None) -> _Plan:
     batch, M, N, K, out_shape = matmul_shapes(op, a.shape, b.shape)
     if a.ndim == 1:
         a_str, a_bs = (0, a.strides[0]), ()
@@ -294,7 +297,7 @@ def _plan(op, a: Tensor, b: Tensor, residual: Tensor | None) -> _Plan:
             full.append(0)
         r_bs = tuple(full[:len(batch)])
         p.r_sm, p.r_sn = full[len(batch)], full[len(batch) + 1]
-    _merge_batch(op, p, batch, a_bs, b_bs, r_bs)
+    _merge_batch(op, p, batch, a_bs, b_bs, r_bs, max_fold_m)
     return p
 
 
@@ -491,7 +494,7 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig):
             "warp-specialized pipeline) is the next step of the GEMM family (issue 4) and is not "
             "written yet; variant='mma' (mma.sync tensor cores) is the fastest available on sm_90")
     if variant is None:
-        if M <= 16:
+        if M <= GEMV_MAX_M:
             return "gemv_mma" if (dtype in _HALFS and cc >= 80 and M > 4 and b_kcontig) else "gemv"
         if dtype is dt.float32:
             return "mma" if (allow_tf32 and cc >= 80) else "warp_tiled"
@@ -505,9 +508,9 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig):
     if variant == "gemv_mma" and dtype not in _HALFS:
         raise TypeError(f"gpuops.{op}: variant='gemv_mma' takes float16/bfloat16 inputs, "
                         f"got {dtype}")
-    if variant in ("gemv", "gemv_mma") and M > 16:
-        raise ValueError(f"gpuops.{op}: variant={variant!r} is for M <= 16 rows (decode); "
-                         f"this product has M = {M}")
+    if variant in ("gemv", "gemv_mma") and M > GEMV_MAX_M:
+        raise ValueError(f"gpuops.{op}: variant={variant!r} is for M <= {GEMV_MAX_M} rows per "
+                         f"matrix (decode); this product has M = {M}")
     return variant
 
 
@@ -523,7 +526,8 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
     _check_activation(op, activation)
     dual = b2 is not None
     _check_variant(op, variant, _DUAL_VARIANTS if dual else VARIANTS)
-    p = _plan(op, a, b, residual)
+    # an explicit GEMV variant is per matrix: fold a shared-B batch into M only up to its M limit
+    p = _plan(op, a, b, residual, GEMV_MAX_M if variant in ("gemv", "gemv_mma") else None)
     if bias is not None:
         _check_bias(op, bias.shape, p.N)
     out = call.empty(p.out_shape, out_dt)
@@ -741,7 +745,8 @@ def matmul(call, a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation
     Accumulation and epilogue in fp32, one rounding to the output dtype. ``allow_tf32``: let fp32
     inputs use TF32 tensor cores (sm_80+; off by default, as torch). ``variant``: 'naive',
     'smem_tiled', 'register_tiled_vec4', 'warp_tiled', 'mma' (sm_80+), 'gemv' / 'gemv_mma'
-    (M <= 16), or None for the best for the device, dtype and shape.
+    (M <= 16 rows per matrix; a batch sharing b folds into one GEMV while it stays within 16
+    rows, else runs as a batch of GEMVs), or None for the best for the device, dtype and shape.
     """
     return gemm(call, "matmul", a, b, bias=bias, activation=activation, residual=residual,
                 alpha=alpha, out_dtype=out_dtype, variant=variant, allow_tf32=allow_tf32)
@@ -801,7 +806,7 @@ def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: 
 
     ``a_int8``: ``[M, K]``, ``b_int8``: ``[K, N]`` (fastest as ``W.t()`` of a ``[N, K]`` weight:
     both read along K with 16-byte loads); scales float32 with M and N elements, contiguous.
-    ``out_dtype``: float32 (default), float16 or bfloat16. K must stay below 133,000 (int32 sums).
+    ``out_dtype``: float32 (default), float16 or bfloat16. K must be at most 131,071 (int32 sums).
     ``variant``: 'dp4a' (``__dp4a``, sm_61+), 'mma' (int8 tensor cores, mma.m16n8k32, sm_80+),
     or None (mma where available).
     """
@@ -814,9 +819,9 @@ def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: 
     for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not t.contiguous:
             raise ValueError(f"gpuops.int8_matmul: {name!r} must be contiguous")
-    if K >= 133_000:
+    if K > 131_071:     # int8 products reach (-128) * (-128) = 2^14: K * 2^14 must stay < 2^31
         raise ValueError(f"gpuops.int8_matmul: K = {K} could overflow the int32 sums "
-                         "(127 * 127 * K >= 2^31)")
+                         "(128 * 128 * K >= 2^31)")
     cc = effective_arch(call.device)
     if variant is None:
         variant = "mma" if cc >= 80 else "dp4a"
