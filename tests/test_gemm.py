@@ -256,6 +256,27 @@ def test_variant_choice():
         c("t", "gemv", dt.float32, 90, 17, False, True)
 
 
+def test_decode_plans():
+    """gemv_mma's block size and split fill whole waves; the SIMT gemv splits K so that a split's
+    slice of A fits in L1 (the plan functions, no GPU)."""
+    assert G._gemv_mma_plan(132, 6144, 4096, 1, False) == (2, 1, 0)     # 384 blocks, 396 slots
+    assert G._gemv_mma_plan(132, 11008, 4096, 1, True) == (1, 2, 2048)
+    for sms in (28, 46, 82, 108, 132):
+        for N, K, dual in ((4096, 4096, False), (14336, 4096, False), (4096, 14336, False),
+                           (11008, 4096, True), (33, 65, False), (1, 1, True)):
+            nt, splits, k_split = G._gemv_mma_plan(sms, N, K, 1, dual)
+            assert nt in G.GEMV_MMA_NT[dual]
+            if splits > 1:
+                assert k_split % 256 == 0 and k_split >= 1024 and G._cdiv(K, k_split) == splits
+            else:
+                assert k_split == 0
+    assert G._l1_split(16, 4096, 4, 1, 0) == (4, 1024)
+    assert G._l1_split(8, 4096, 4, 1, 0) == (2, 2048)
+    assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
+    assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
+    assert set(G.PLAN) == {"decode", "mma_epilogue"}
+
+
 # ----------------------------------------------------------------------------- CPU: autograd
 
 @needs_torch
@@ -541,6 +562,53 @@ def test_gpu_int8_matmul(variant, out_dtype):
             err = (out.double() - ref).abs()
             assert (err <= bound).all(), \
                 f"int8 {variant} {M}x{N}x{K} {what} {out_dtype}: {err.max().item()}"
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("plan", ["balanced", "legacy"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_decode_plans(plan, dtype, monkeypatch):
+    """Both decode plans (PLAN['decode']) on the default path, M = 2..16, with splits."""
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    for M, N, K in ((2, 6144, 4096), (4, 1000, 4097), (8, 264, 8192), (16, 4096, 4096),
+                    (13, 77, 3000), (16, 40, 65)):
+        x, w = _randn((M, K), dtype), _randn((N, K), dtype)
+        bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+        out = go.matmul(x, w.T, bias=bias, activation="gelu", residual=res)
+        _check(out, x, w.T, dtype, bias=bias, act="gelu", residual=res,
+               what=f"{plan} {dtype} {(M, N, K)}")
+        if dtype != "float32":
+            w2 = _randn((N, K), dtype)
+            _check(go.swiglu_linear(x, w, w2), x, w.T, dtype, b2=w2.T,
+                   what=f"{plan} swiglu {dtype} {(M, N, K)}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("plan", ["prefetch", "legacy"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_mma_epilogue_plans(plan, dtype, monkeypatch):
+    """Both mma epilogues (PLAN['mma_epilogue']): large and small tiles, ragged edges, residual
+    with unit and non-unit column strides, fp32 output of 16-bit inputs."""
+    monkeypatch.setitem(G.PLAN, "mma_epilogue", plan)
+    kw = _kw("mma", dtype)
+    for M, N, K in ((1037, 8200, 600), (70, 67, 300), (4096, 4096, 64)):
+        a, b = _randn((M, K), dtype), _randn((K, N), dtype)
+        bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+        for act in (None, "gelu"):
+            out = go.matmul(a, b, bias=bias, activation=act, residual=res, **kw)
+            _check(out, a, b, dtype, bias=bias, act=act, residual=res, tf32=kw["allow_tf32"],
+                   what=f"{plan} {dtype} {(M, N, K)} {act}")
+        res_t = _randn((N, M), dtype).T                 # column stride M: no prefetch
+        out = go.matmul(a, b, residual=res_t, alpha=0.5, **kw)
+        _check(out, a, b, dtype, residual=res_t, alpha=0.5, tf32=kw["allow_tf32"],
+               what=f"{plan} {dtype} transposed residual")
+        if dtype != "float32":
+            out = go.matmul(a, b, bias=bias.float(), residual=res.float(),
+                            out_dtype=torch.float32, **kw)
+            _check(out, a, b, dtype, bias=bias.float(), residual=res.float(),
+                   out_dtype="float32", what=f"{plan} out_dtype=float32")
 
 
 @gpu

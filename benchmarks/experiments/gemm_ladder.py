@@ -14,11 +14,14 @@
 
     python benchmarks/experiments/gemm_ladder.py [--json out.json] [--quick]
 
---quick skips the slowest rungs (naive, smem_tiled on the big bf16 shapes).
+--quick skips the slowest rungs (naive, smem_tiled on the big bf16 shapes). Rows marked legacy
+time run 1's paths (gpuops.ops.gemm.PLAN) next to the new ones. --sections decode (~60 s) and
+--sections epilogue (~35 s) each stay under 90 s on an H100.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402,N812
 
 import gpuops as go  # noqa: E402
+from gpuops.ops import gemm as G  # noqa: E402
 
 ROWS: list = []
 
@@ -136,13 +140,27 @@ def decode(gbps):
             xs = [torch.randn(M, K, device="cuda", dtype=dtype) for _ in range(copies)]
             moved = wbytes + M * K * dtype.itemsize + M * N * dtype.itemsize
             res = {}
-            for name, fn in (("gpuops", go.linear), ("torch", F.linear)):
-                res[name] = graph_ms(lambda fn=fn: [fn(x, w) for x, w in zip(xs, ws)]) / copies
-            pct = 100.0 * moved / (res["gpuops"] * 1e-3) / 1e9 / gbps
+            res["torch"] = graph_ms(lambda: [F.linear(x, w) for x, w in zip(xs, ws)]) / copies
             pct_t = 100.0 * moved / (res["torch"] * 1e-3) / 1e9 / gbps
-            record("decode", "linear (graph)", (M, N, K), str(dtype)[6:], res["gpuops"],
-                   peer_ms=res["torch"], extra={"pct_copy": pct, "torch_pct_copy": pct_t})
+            for plan in ("balanced", "legacy"):      # the plan is read when the graph is captured
+                with decode_plan(plan):
+                    ms = graph_ms(lambda: [go.linear(x, w) for x, w in zip(xs, ws)]) / copies
+                pct = 100.0 * moved / (ms * 1e-3) / 1e9 / gbps
+                name = "linear (graph)" if plan == "balanced" else "linear legacy (graph)"
+                record("decode", name, (M, N, K), str(dtype)[6:], ms, peer_ms=res["torch"],
+                       extra={"pct_copy": pct, "torch_pct_copy": pct_t, "plan": plan})
         del ws
+
+
+@contextlib.contextmanager
+def decode_plan(plan, key="decode"):
+    """gpuops.ops.gemm.PLAN[key] set for the block (run 1's paths stay selectable)."""
+    old = G.PLAN[key]
+    G.PLAN[key] = plan
+    try:
+        yield
+    finally:
+        G.PLAN[key] = old
 
 
 def graph_ms(fn):
@@ -165,14 +183,21 @@ def epilogues():
         b = torch.randn(K, N, device="cuda", dtype=dtype)
         bias = torch.randn(N, device="cuda", dtype=dtype)
         res = torch.randn(M, N, device="cuda", dtype=dtype)
-        bare = time_ms(lambda: go.matmul(a, b))
-        record("epilogue", "bare", (M, N, K), str(dtype)[6:], bare, 2.0 * M * N * K)
-        for name, kw in (("alpha", {"alpha": 0.5}), ("bias", {"bias": bias}),
-                         ("bias+gelu", {"bias": bias, "activation": "gelu"}),
-                         ("bias+gelu+residual", {"bias": bias, "activation": "gelu", "residual": res})):
-            ms = time_ms(lambda kw=kw: go.matmul(a, b, **kw))
-            record("epilogue", name, (M, N, K), str(dtype)[6:], ms, 2.0 * M * N * K,
-                   extra={"pct_over_bare": 100.0 * (ms / bare - 1)})
+        # the mma epilogue (bf16) in both plans; fp32 takes warp_tiled (one plan)
+        for plan in (("prefetch", "legacy") if dtype is torch.bfloat16 else ("prefetch",)):
+            tag = "" if plan == "prefetch" else " [legacy epi]"
+            with decode_plan(plan, "mma_epilogue"):
+                bare = time_ms(lambda: go.matmul(a, b))
+                record("epilogue", "bare" + tag, (M, N, K), str(dtype)[6:], bare, 2.0 * M * N * K)
+                for name, kw in (("alpha", {"alpha": 0.5}), ("bias", {"bias": bias}),
+                                 ("bias+gelu", {"bias": bias, "activation": "gelu"}),
+                                 ("bias+gelu+residual",
+                                  {"bias": bias, "activation": "gelu", "residual": res})):
+                    if plan == "legacy" and name == "alpha":
+                        continue
+                    ms = time_ms(lambda kw=kw: go.matmul(a, b, **kw))
+                    record("epilogue", name + tag, (M, N, K), str(dtype)[6:], ms,
+                           2.0 * M * N * K, extra={"pct_over_bare": 100.0 * (ms / bare - 1)})
         if dtype is torch.bfloat16:
             eager = time_ms(lambda: F.gelu(torch.addmm(bias, a, b)) + res)
             record("epilogue", "torch eager bias+gelu+residual", (M, N, K), "bfloat16", eager)
@@ -191,6 +216,11 @@ def swiglu():
         ms = time_ms(lambda: go.swiglu_linear(x, wg, wu))
         record("swiglu", "swiglu_linear", (M, N, K), "bfloat16", ms, 4.0 * M * N * K, peer,
                extra={"torch_compile_ms": comp})
+        if M == 16:
+            with decode_plan("legacy"):
+                ms = time_ms(lambda: go.swiglu_linear(x, wg, wu))
+            record("swiglu", "swiglu_linear legacy", (M, N, K), "bfloat16", ms, 4.0 * M * N * K,
+                   peer)
 
 
 def int8():

@@ -49,6 +49,7 @@ constexpr int kAKContig = 1;   // A's K dim has stride 1 (else its M dim has, or
 constexpr int kAVec = 2;       // A may be read in aligned vectors along its contiguous dim
 constexpr int kBKContig = 4;   // B's K dim has stride 1 (B^T row-major: a torch Linear weight)
 constexpr int kBVec = 8;
+constexpr int kEpiLegacy = 16;  // mma: run 1's rolled epilogue loop (kept to time old vs new)
 
 struct BatchOffsets {
   long long a, b, r, c;

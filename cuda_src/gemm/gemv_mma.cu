@@ -9,9 +9,11 @@
 // row g and of A rows g and g + 8, and the k order inside the two mma steps of those 32 k is
 // permuted consistently in A and B (the sum does not care): logical k {2t, 2t+1} of step s is
 // physical k 8t + 4s + {0, 1}, logical {2t+8, 2t+9} is 8t + 4s + {2, 3}, so fragments are just
-// the words of the 16-byte loads. A block of 8 warps owns 32 weight rows (16 of each weight for
-// the dual kernel) and splits K between its warps; sums meet in shared memory. Split-K over
-// grid.y and the fp32 workspace as in gemv.cu.
+// the words of the 16-byte loads. A block of 8 warps owns NT n8 tiles (8 * NT weight rows) of each
+// weight and splits K between its warps; sums meet in shared memory. Split-K over grid.y and the
+// fp32 workspace as in gemv.cu. NT is a template parameter so that the host can pick the block
+// size whose block count fills whole waves (blocks are long: a partly empty last wave idles
+// SMs for a whole block's time): blocks of <= 16 weight rows in all fit 3 per SM, bigger ones 2.
 #include "gemm/gemm_common.cuh"
 #include "gemm/mma_common.cuh"
 
@@ -45,11 +47,11 @@ __device__ __forceinline__ long long gm_ws_index(const GemmArgs& p, int split, i
   return ((split * (long long)nb + d) * p.batch + z) * p.M * p.N + m * p.N + n;
 }
 
-template <class T, bool DUAL>
-__global__ void __launch_bounds__(kGmThreads, 2) gemv_mma(GemmArgs p) {
+template <class T, int NT, bool DUAL>
+__global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) gemv_mma(GemmArgs p) {
 #if __CUDA_ARCH__ >= 800
   constexpr int kNB = DUAL ? 2 : 1;
-  constexpr int kNT = DUAL ? 2 : 4;                 // n8 tiles of each weight per block
+  constexpr int kNT = NT;                           // n8 tiles of each weight per block
   constexpr int kRows = kNT * 8;                    // weight rows of each weight per block
   constexpr int kVals = kNB * kNT * 4;              // accumulators per lane
   __shared__ float red[kGmWarps][kVals][32];

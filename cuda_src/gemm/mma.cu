@@ -168,6 +168,65 @@ __device__ __forceinline__ void load_b_frag2(unsigned int (&b)[4], const unsigne
   }
 }
 
+// prefetch.global.L2 of the block's residual tile (rows m0.., columns n0.., unit column stride):
+// one 128-byte line per thread and step.
+template <class TO, int BM, int BN, int kThreads>
+__device__ __forceinline__ void prefetch_residual_l2(const GemmArgs& p, const BatchOffsets& o,
+                                                     long long m0, long long n0, int tid) {
+  const int es = p.out_f32 ? 4 : (int)sizeof(TO);
+  const int lines = (BN * es + 127) / 128;                // lines per row (the tile's start may
+  const char* base = static_cast<const char*>(p.residual);  // straddle one more: harmless)
+  for (int q = tid; q < BM * lines; q += kThreads) {
+    const long long m = m0 + q / lines, n = n0 + (long long)(q % lines) * (128 / es);
+    if (m >= p.M || n >= p.N) continue;
+    const char* a = base + (o.r + m * p.r_sm + n) * es;
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
+  }
+}
+
+// The epilogue of ROWS staged rows (shared memory, ld LDC floats) of BN columns: thread tid owns
+// the 4 columns my_c.. of rows tid / (BN / 4) + i * (kThreads / (BN / 4)). Runs go in groups of
+// 4 whose residual loads are all issued before the group's math and stores (the loads of a
+// rolled loop cannot pass the previous iteration's store, which might alias: one full memory
+// latency per run otherwise).
+template <class TO, int ROWS, int BN, int kThreads, int LDC>
+__device__ __forceinline__ void staged_epilogue(const GemmArgs& p, const BatchOffsets& o,
+                                                const float* cs, long long m_base, long long n0,
+                                                int my_c, int tid, const float (&bz)[4]) {
+  constexpr int kRunsPerRow = BN / 4, kRowStep = kThreads / kRunsPerRow;
+  constexpr int kIters = ROWS / kRowStep, kU = 4;
+  static_assert(ROWS % kRowStep == 0 && kIters % kU == 0, "epilogue groups");
+  const int r0 = tid / kRunsPerRow;
+  const long long n = n0 + my_c;
+  const bool has_res = p.residual != nullptr, has_bias = p.bias != nullptr;
+#pragma unroll 1
+  for (int it = 0; it < kIters; it += kU) {
+    float res[kU][4];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const long long m = m_base + r0 + (it + u) * kRowStep;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        res[u][j] = (has_res && m < p.M && n + j < p.N)
+                        ? load_out<TO>(p.residual, o.r + m * p.r_sm + (n + j) * p.r_sn, p.out_f32)
+                        : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int r = r0 + (it + u) * kRowStep;
+      const long long m = m_base + r;
+      const float4 v4 = *reinterpret_cast<const float4*>(cs + r * LDC + my_c);
+      float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float x = has_bias ? p.alpha * v[j] + bz[j] : p.alpha * v[j];
+        v[j] = apply_act(p.act, x) + res[u][j];
+      }
+      if (m < p.M) store_run<TO, 4>(p, o, m, n, v);
+    }
+  }
+}
+
 // BM x BN block tile (BN per B operand), WM x WN warps, STAGES-deep cp.async pipeline.
 // T: the inputs' storage type; TO: the output's (T, except for int8 inputs).
 // AK / BKM: A / B is K-major (K contiguous); DUAL: silu(A @ B) * (A @ B2).
@@ -222,6 +281,12 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
         for (int c = 0; c < 4; ++c) acc[d][i][j][c] = Acc(0);
 
   const long long ktiles = (p.K + kBK - 1) / kBK;
+  // The residual tile is read once, by the epilogue; prefetched to L2 a few k-tiles before the
+  // main loop ends, its DRAM latency hides behind the last tiles' mma work.
+  constexpr bool kStdEpi = !DUAL && !kInt8;
+  const bool prefetch_res = kStdEpi && p.residual != nullptr && p.r_sn == 1 &&
+                            !(p.flags & kEpiLegacy);
+  const long long pf_kt = ktiles > 8 ? ktiles - 8 : 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ktiles) load_stage(s, s * (long long)kBK);
@@ -235,6 +300,7 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
       if (nk < ktiles) load_stage((int)(nk % STAGES), nk * kBK);
       cp_async_commit();
     }
+    if (prefetch_res && kt == pf_kt) prefetch_residual_l2<TO, BM, BN, kThreads>(p, o, m0, n0, tid);
     const unsigned char* s = smem + (int)(kt % STAGES) * kStageBytes;
 #pragma unroll 1
     for (int kk = 0; kk < kBK / kKS; ++kk) {
@@ -267,6 +333,18 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
   static_assert(kNB * kWTM * kLdC * 4 <= STAGES * kStageBytes, "C staging must fit");
   float* cs = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, t = lane & 3;
+  // Standard epilogue (not legacy): a thread's 4 columns are the same in every iteration
+  // (kThreads is a multiple of the BN / 4 runs of a row), so its bias values are loaded once.
+  constexpr int kRunsPerRow = BN / 4;
+  constexpr bool kHoisted = kStdEpi && kThreads % kRunsPerRow == 0;
+  const bool fast_epi = kHoisted && !(p.flags & kEpiLegacy);
+  const int my_c = (tid % kRunsPerRow) * 4;
+  float bz[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (fast_epi && p.bias != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (n0 + my_c + j < p.N) bz[j] = load_out<TO>(p.bias, (n0 + my_c + j) * p.bias_s, p.out_f32);
+  }
 #pragma unroll 1
   for (int h = 0; h < WM; ++h) {
     __syncthreads();   // the pipeline's (or the previous pass's) shared memory is free
@@ -286,6 +364,12 @@ __global__ void __launch_bounds__(WM * WN * 32, 1) gemm_mma(GemmArgs p) {
             }
     }
     __syncthreads();
+    if constexpr (kHoisted) {
+      if (fast_epi) {
+        staged_epilogue<TO, kWTM, BN, kThreads, kLdC>(p, o, cs, m0 + h * kWTM, n0, my_c, tid, bz);
+        continue;
+      }
+    }
 #pragma unroll 1
     for (int q = tid; q < kWTM * BN / 4; q += kThreads) {
       const int r = q / (BN / 4), c = (q % (BN / 4)) * 4;

@@ -79,9 +79,22 @@ GEMV = _per_dtype("gemv", "gemm/gemv.cu", lambda d: {
        for mt in GEMV_MT for dual in (False, True)},
     **{_kname("gemv_ncontig", d.ctype, mt): GEMM_ARGS for mt in GEMV_MT},
     _kname("gemv_splitk_reduce", d.ctype): GEMM_ARGS})
+# gemv_mma: n8 tiles of each weight per block (template NT) -> blocks per SM its launch bounds
+# guarantee (registers; shared memory and threads allow more).
+GEMV_MMA_NT = {False: {2: 3, 4: 2}, True: {1: 3, 2: 2}}
 GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
-    _kname("gemv_mma", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)},
+    _kname("gemv_mma", d.ctype, nt, _b(dual)): GEMM_ARGS
+    for dual in (False, True) for nt in GEMV_MMA_NT[dual]},
     dtypes=_HALFS, archs=_TC_ARCHS)
+
+# Plan switches, kept so that one run can time the old paths next to the new ones:
+#   "decode": "balanced" (gemv_mma for fp16/bf16 M = 2..16 with the block size and split that
+#             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1) or
+#             "legacy" (run 1: gemv_mma for M = 5..16 with 32-row blocks, splits only to fill
+#             the GPU 4 times over);
+#   "mma_epilogue": "prefetch" (bias in registers, residual prefetched to L2 during the last
+#             k-tiles, runs in groups of 4) or "legacy" (run 1's rolled per-element loop).
+PLAN = {"decode": "balanced", "mma_epilogue": "prefetch"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages)
 MMA_LARGE = (128, 256, 2, 4, 4)      # 8 warps of 64x64, 96 KiB of shared memory
@@ -113,6 +126,7 @@ INT8 = KernelModule("gemm.int8_dp4a", "gemm/int8_dp4a.cu",
 
 # flags of GemmArgs (gemm_common.cuh)
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
+EPI_LEGACY = 16                      # mma: run 1's epilogue loop (PLAN['mma_epilogue'])
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
@@ -386,6 +400,39 @@ def _split_k(call, blocks, K, min_k):
     return _cdiv(K, k_split), k_split
 
 
+def _gemv_mma_plan(sms, N, K, batch, dual):
+    """(NT, splits, k_split) of gemv_mma: the block size and split-K whose blocks fill whole
+    waves of the resident slots (a block streams up to 32 rows x K of the weight, so a partly
+    empty last wave idles SMs for a whole block's time); a split costs a reduce launch and a
+    workspace round trip, counted as 5% of fill. Each split keeps >= 1024 k (4 steps per warp)."""
+    best = None
+    for nt, occ in GEMV_MMA_NT[dual].items():
+        slots = occ * sms
+        for s in range(1, 9):
+            k_split = _cdiv(_cdiv(K, s), 256) * 256
+            splits = _cdiv(K, k_split)
+            if splits != s or (s > 1 and k_split < 1024):
+                continue
+            blocks = _cdiv(N, 8 * nt) * batch * splits
+            fill = blocks / (_cdiv(blocks, slots) * slots)
+            score = fill - (0.05 if splits > 1 else 0.0)
+            if best is None or score > best[0] + 1e-9:
+                best = (score, nt, splits, k_split if splits > 1 else 0)
+    return best[1:]
+
+
+def _l1_split(M, K, itemsize, splits, k_split, budget=64 * 1024):
+    """Split K further so that one split's slice of A (M rows) fits in L1 (`budget` bytes): every
+    block of the SIMT gemv reads its split's slice of A, which without the split comes from L2
+    once per block (M=16 fp32, K=4096: 256 KB per block, 400 MB of L2 reads for a 100 MB weight).
+    Resident blocks share a split (grid.x varies fastest), so the slice stays in L1."""
+    cur = k_split or K
+    if M * cur * itemsize <= budget:
+        return splits, k_split
+    k_split = max(256, budget // (M * itemsize) // 256 * 256)
+    return _cdiv(K, k_split), k_split
+
+
 def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
     """Flags of the GEMV kernels: A read in 16-byte runs along k; B in runs of `b_width` along
     k (b_kruns) or along n."""
@@ -405,14 +452,22 @@ def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
 def _launch_gemv(call, p, L, dtype, dual, use_mma):
     itemsize = dtype.itemsize
     vec_w = 16 // itemsize
+    balanced = PLAN["decode"] == "balanced"
+    splits = None
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
-        rows = 16 if dual else 32
-        module, expr = GEMV_MMA[dtype], _kname("gemv_mma", dtype.ctype, _b(dual))
+        if balanced:
+            nt, splits, k_split = _gemv_mma_plan(
+                device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual)
+        else:
+            nt = 2 if dual else 4
+        rows = 8 * nt
+        module, expr = GEMV_MMA[dtype], _kname("gemv_mma", dtype.ctype, nt, _b(dual))
         min_k = 2048
     else:
         mt = next(m for m in GEMV_MT if p.M <= m)
-        if dual or p.b_sn != 1 or p.b_sk == 1:
+        kpath = dual or p.b_sn != 1 or p.b_sk == 1
+        if kpath:
             # B read along k (a Linear weight; also any B without a unit stride along n)
             rows = (2 if (itemsize == 2 and mt > 4) else 4) // (2 if dual else 1)
             L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
@@ -425,7 +480,10 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
             expr = _kname("gemv_ncontig", dtype.ctype, mt)
             min_k = 256
         module = GEMV[dtype]
-    splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, min_k)
+    if splits is None:
+        splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, min_k)
+        if balanced and not use_mma and kpath and mt > 4:
+            splits, k_split = _l1_split(p.M, p.K, itemsize, splits, k_split)
     L.splits, L.k_split = splits, k_split
     if splits > 1:
         ws = call.empty((splits * (2 if dual else 1) * p.batch * p.M * p.N,), dt.float32)
@@ -478,6 +536,8 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
         else:
             large = _cdiv(p.M, 128) * _cdiv(p.N, 256) * p.batch
             cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
+        if PLAN["mma_epilogue"] == "legacy":
+            L.flags |= EPI_LEGACY
         bm, bn, wm, wn, stages = cfg
         smem = stages * (bm + (2 if dual else 1) * bn) * 64
         tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn)
@@ -495,7 +555,9 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig):
             "written yet; variant='mma' (mma.sync tensor cores) is the fastest available on sm_90")
     if variant is None:
         if M <= GEMV_MAX_M:
-            return "gemv_mma" if (dtype in _HALFS and cc >= 80 and M > 4 and b_kcontig) else "gemv"
+            m_min = 1 if PLAN["decode"] == "balanced" else 4
+            return ("gemv_mma" if (dtype in _HALFS and cc >= 80 and M > m_min and b_kcontig)
+                    else "gemv")
         if dtype is dt.float32:
             return "mma" if (allow_tf32 and cc >= 80) else "warp_tiled"
         return "mma" if cc >= 80 else "warp_tiled"
