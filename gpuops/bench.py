@@ -157,6 +157,7 @@ class _Framework:
         torch.cuda.synchronize()
         once = time.perf_counter() - t0
         k = int(max(1, min(100, 2e-3 / max(once, 1e-6))))
+        torch.cuda.empty_cache()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
             for _ in range(k):
@@ -172,7 +173,11 @@ class _Framework:
             end.record()
         torch.cuda.synchronize()
         times = sorted(s.elapsed_time(e) * 1e3 / k for s, e in pairs)
+        # the graph's private pool holds k outputs; give it back, or later captures run out of
+        # memory (run 9: every row after a few large ones fell back to eager timing)
         del g
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return statistics.median(times)
 
     def copy_bandwidth_gbps(self, nbytes=1 << 30):
