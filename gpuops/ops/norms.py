@@ -302,7 +302,7 @@ def _check_same_shape(op: str, name: str, t, shape, other: str = "input"):
 
 
 def _check_rows(op: str, name: str, t, lead: tuple):
-    if t is not None and int(np.prod(t.shape, dtype=np.int64)) != prod(lead):
+    if t is not None and prod(t.shape) != prod(lead):     # (math.prod: np.prod cost ~4 us/call)
         raise ValueError(f"gpuops.{op}: {name!r} has shape {list(t.shape)}: expected one value "
                          f"per row, {prod(lead)} (shape {list(lead)})")
 
