@@ -252,8 +252,9 @@ def test_grids_cover_every_row_once_and_fit_when_fused(persistent, monkeypatch):
     for C in (1, 3, 7, 64, 300):
         for capacity in (8, 264, 1056):
             for rows in (1, 2, 5, 16, 1000):
-                for force in (False, True):
+                for force, waves in ((False, None), (True, None), (False, 1), (False, 3)):
                     monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", force)
+                    monkeypatch.setattr(N, "ONE_LAUNCH_MAX_WAVES", waves)
                     fallback = N.Plan("generic", (256, 1, 1), 4, max(1, C // 2), capacity)
                     plan = N.Plan("split", (256, 1, 1), 1, C, capacity,
                                   fallback if C > 1 and persistent else None)
@@ -263,7 +264,8 @@ def test_grids_cover_every_row_once_and_fit_when_fused(persistent, monkeypatch):
                     if C == 1:
                         assert used is plan and phases == (N.FUSED,)
                         assert grid <= capacity if persistent else grid * 1 >= rows
-                    elif C <= capacity and not force:
+                    elif C <= capacity and not force and (
+                            waves is None or rows <= waves * (capacity // C)):
                         assert used is plan and phases == (N.FUSED,)
                         assert grid <= capacity      # every block of a row resident at once
                     else:
@@ -458,8 +460,8 @@ def test_backward_launch_arguments(recording, layer, n):
         K = 2 if layer else 1
         assert _within(call, args[14], rows * 4) and _within(call, args[13], rows * C * K * 4)
         assert _within(call, args[15], rows * K * 4)
-        assert [a[-1] for *_, a in main] == ([N.FUSED] if C <= capacity else
-                                             [N.PARTIALS, N.APPLY])
+        one = C <= capacity and rows <= N.ONE_LAUNCH_MAX_WAVES * (capacity // C)
+        assert [a[-1] for *_, a in main] == ([N.FUSED] if one else [N.PARTIALS, N.APPLY])
         assert len(main) == 2 or grid[0] <= capacity
     else:
         assert not memsets and len(main) == 1 and grid[0] == min(rows, capacity)

@@ -96,7 +96,7 @@ layer_norm_fwd(const T* x, long long x_stride, T* y, long long y_stride, const T
                int n, int C, int phase, float eps) {
   __shared__ float scratch[96];   // block_sum_n<1>: 32, merge_welford_partials: 96
   __shared__ unsigned flag;
-  const RowMap map(C);
+  const RowMap map(C, phase == kApply);
   const int units = n / VEC;
   const int u0 = first_unit<PACKS>(map.chunk);
   const bool block_rows = blockDim.x > 32;

@@ -42,7 +42,7 @@ norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const
   constexpr int K = kLN ? 2 : 1;   // s[0] = sum(g * xhat), s[1] = sum(g)
   __shared__ float scratch[32 * K];
   __shared__ unsigned flag;
-  const RowMap map(C);
+  const RowMap map(C, phase == kApply);
   const int units = n / VEC;
   const int u0 = first_unit<PACKS>(map.chunk);
   const int step = static_cast<int>(blockDim.x);

@@ -66,10 +66,14 @@ struct Unit<T, 1> {
 struct RowMap {
   int chunk;
   long long first, step;
-  __device__ __forceinline__ explicit RowMap(int C) {
+  // reverse (C > 1): blocks take their (row, chunk) from the end of the grid, so that the kApply
+  // launch, whose blocks start roughly in blockIdx order, first re-reads what kPartials read
+  // last (still in L2). Any bijection of blocks covers every (row, chunk) once.
+  __device__ __forceinline__ explicit RowMap(int C, bool reverse = false) {
     if (C > 1) {
-      chunk = static_cast<int>(blockIdx.x % C);
-      first = blockIdx.x / C;
+      const unsigned b = reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+      chunk = static_cast<int>(b % C);
+      first = b / C;
       step = gridDim.x / C;
     } else {
       chunk = 0;

@@ -79,7 +79,7 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
              long long rows, int n, int C, int phase, float eps) {
   __shared__ float scratch[32];
   __shared__ unsigned flag;
-  const RowMap map(C);
+  const RowMap map(C, phase == kApply);
   const int units = n / VEC;
   const int u0 = first_unit<PACKS>(map.chunk);
   const bool block_rows = blockDim.x > 32;

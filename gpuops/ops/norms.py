@@ -89,6 +89,13 @@ RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8,
 TUNING = {k.name: k for k in (LAYER_NORM, RMS_NORM, ADD_RMS_NORM, LAYER_NORM_BWD, RMS_NORM_BWD)}
 # Tests set this to run split rows in two launches even where one would do.
 FORCE_TWO_LAUNCHES = False
+# Split rows run in one launch only when all their rows fit in at most this many resident waves
+# of the grid (rows <= waves * capacity // C). Past that the one-launch grid walks the rows a few
+# at a time, each step a device-wide arrive/merge/release/wait chain over C blocks with little
+# data in flight (run 6, [16, 1048576] bf16: C = 512, one row per step, ~5.7 us a row, 25% of
+# copy); two launches (partials, then apply re-reading the rows, last-read first, from L2) keep
+# the whole device streaming. None: the old rule (one launch whenever C <= capacity).
+ONE_LAUNCH_MAX_WAVES = 1
 
 
 def _vec_width(d) -> int:
@@ -232,7 +239,9 @@ def _grid(plan: Plan, rows: int, persistent: bool):
         if persistent:
             return plan, min(rows, plan.capacity), (FUSED,)
         return plan, min(-(-rows // plan.block[1]), (1 << 31) - 1), (FUSED,)
-    if C <= plan.capacity and not FORCE_TWO_LAUNCHES:
+    if C <= plan.capacity and not FORCE_TWO_LAUNCHES and (
+            ONE_LAUNCH_MAX_WAVES is None
+            or rows <= ONE_LAUNCH_MAX_WAVES * (plan.capacity // C)):
         return plan, C * min(rows, plan.capacity // C), (FUSED,)   # co-resident: one launch
     plan = plan.fallback or plan
     C = plan.C
@@ -293,7 +302,7 @@ def _check_same_shape(op: str, name: str, t, shape, other: str = "input"):
 
 
 def _check_rows(op: str, name: str, t, lead: tuple):
-    if t is not None and int(np.prod(t.shape, dtype=np.int64)) != prod(lead):
+    if t is not None and prod(t.shape) != prod(lead):     # (math.prod: np.prod cost ~4 us/call)
         raise ValueError(f"gpuops.{op}: {name!r} has shape {list(t.shape)}: expected one value "
                          f"per row, {prod(lead)} (shape {list(lead)})")
 
