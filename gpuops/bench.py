@@ -145,40 +145,15 @@ class _Framework:
         cost of a call is not in it, which is what a model captured in a graph sees. Raises if
         the call cannot be captured (a host sync, an allocation outside the graph pool, ...)."""
         torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):       # warm-up on a side stream, as torch's docs require
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        once = time.perf_counter() - t0
+        once = _host_seconds(torch, fn)
         k = int(max(1, min(100, 2e-3 / max(once, 1e-6))))
-        torch.cuda.empty_cache()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            for _ in range(k):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ev = torch.cuda.Event
         reps = int(max(5, min(50, budget_s / max(once * k, 1e-6))))
-        pairs = [(ev(enable_timing=True), ev(enable_timing=True)) for _ in range(reps)]
-        for start, end in pairs:
-            start.record()
-            g.replay()
-            end.record()
-        torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) * 1e3 / k for s, e in pairs)
-        # the graph's private pool holds k outputs; give it back, or later captures run out of
-        # memory (run 9: every row after a few large ones fell back to eager timing)
-        del g
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return statistics.median(times)
+        try:
+            return graph_replay_us(fn, calls=k, replays=reps)
+        finally:
+            # the graph's private pool holds k outputs; give it back before the next capture
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def copy_bandwidth_gbps(self, nbytes=1 << 30):
         """Device-to-device copy, bytes read + written per second."""
@@ -191,6 +166,54 @@ class _Framework:
             dst = self.cp.empty_like(src)
             us = self.time_us(lambda: dst.data.copy_from_device_async(src.data, nbytes), iters=30)
         return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def _host_seconds(torch, fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def capture_graph(fn, calls=1, warmup=3):
+    """A torch CUDA graph of ``calls`` calls of fn, after ``warmup`` calls on a side stream (as
+    torch's docs require: lazy initialization, module loads and allocator warm-up happen there).
+    thread_local capture: a failed capture raises here without breaking other threads' work."""
+    import torch  # noqa: PLC0415
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
+    """GPU microseconds per call of fn: ``calls`` calls captured in one graph, replayed
+    ``replays`` times with CUDA events around each replay; ``stat`` (median by default) of the
+    replay times over ``calls``. Shared by the bench and the experiments."""
+    import torch  # noqa: PLC0415
+    graph = capture_graph(fn, calls)
+    graph.replay()
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(replays)]
+    for start, end in pairs:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 / calls for s, e in pairs]
+    del graph
+    return stat(times)
 
 
 def _errors(out, ref):

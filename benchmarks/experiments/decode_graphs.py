@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from gpuops import dtypes as dt  # noqa: E402
 from gpuops import registry  # noqa: E402
+from gpuops.bench import graph_replay_us  # noqa: E402
 
 CALLS = 200
 
@@ -56,27 +57,8 @@ def eager_us(fn):
 
 
 def graph_us(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / CALLS)
-    return best
+    """Per-call GPU time: CALLS calls in one graph, the best of 5 replays."""
+    return graph_replay_us(fn, calls=CALLS, replays=5, stat=min)
 
 
 def measure(op, d):

@@ -33,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402,N812
 
 import gpuops as go  # noqa: E402
 from gpuops.ops import gemm as G  # noqa: E402
+from gpuops.bench import capture_graph  # noqa: E402
 
 ROWS: list = []
 
@@ -164,16 +165,7 @@ def decode_plan(plan, key="decode"):
 
 
 def graph_ms(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return time_ms(g.replay)
+    return time_ms(capture_graph(fn, calls=1, warmup=2).replay)
 
 
 def epilogues():

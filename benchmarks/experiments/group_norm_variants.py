@@ -25,33 +25,13 @@ import torch.nn.functional as F  # noqa: N812
 
 import gpuops as go
 from gpuops.ops import group_norm as GN
+from gpuops.bench import graph_replay_us
 
 REPS = 20
 
 
 def graph_us(fn, reps=REPS, replays=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+    return graph_replay_us(fn, calls=reps, replays=replays)
 
 
 def eager_us(fn, iters=30):

@@ -457,8 +457,9 @@ def liger_cross_entropy_fn():
     params = list(inspect.signature(LigerCrossEntropyFunction.forward).parameters.values())[1:]
 
     def fn(x, target, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+        # weight: per-class rescaling, a required positional (no default) in Liger 0.8.x
         known = {"ignore_index": ignore_index, "reduction": reduction,
-                 "label_smoothing": label_smoothing}
+                 "label_smoothing": label_smoothing, "weight": None}
         args = [x, target]
         for p in params[2:]:
             if p.name in known:
