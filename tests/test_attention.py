@@ -296,8 +296,8 @@ def test_flash_args_struct_matches_the_argspec():
             merged[-1] = (code, merged[-1][1] + n)
         else:
             merged.append((code, n))
-    assert "".join(f"{n}{c}" for c, n in merged) == "6P20q8i1f"
-    assert at.FLASH_ARGS.params == ("6P20q8if",) and at.FLASH_ARGS.size == 248
+    assert "".join(f"{n}{c}" for c, n in merged) == "6P20q9i1f"
+    assert at.FLASH_ARGS.params == ("6P20q9if",) and at.FLASH_ARGS.size == 248
 
 
 # ----------------------------------------------------------------------------- CPU: the kernel
@@ -495,3 +495,29 @@ def test_gpu_empty_and_fully_masked():
     mask = torch.zeros(3, 5, dtype=torch.bool, device="cuda")
     out, lse = go.scaled_dot_product_attention(q, kv, kv, mask, return_lse=True)
     assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_vec_flag_follows_layout_and_alignment():
+    from gpuops.tensor import Tensor  # noqa: PLC0415
+
+    def t(shape, strides, ptr=0x1000, d=dt.bfloat16):
+        return Tensor(ptr, shape, strides, d, 0, None)
+    shape = (2, 4, 10, 64)
+    assert at._vec_ok(t(shape, (2560, 640, 64, 1)), "bhsd", shape)
+    assert not at._vec_ok(t(shape, (2560, 640, 64, 1), ptr=0x1002), "bhsd", shape)
+    assert not at._vec_ok(t(shape, (5120, 1280, 128, 2)), "bhsd", shape)
+    assert not at._vec_ok(t(shape, (2600, 650, 65, 1)), "bhsd", shape)
+    assert at._vec_ok(t((2, 10, 4, 64), (2560, 256, 64, 1)), "bshd", shape)   # [B, S, H, D]
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_emulated_kernel_unaligned_rows(dtype, rng, monkeypatch):
+    """Rows that start off a 16-byte boundary take the element-wise tile loads."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    q, k, v = (emu.strided(_rand(rng, (1, 2, 37, 64), dtype), "offset") for _ in range(3))
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_run(dev, q, k, v, dtype=dtype, window_size=(5, 7))
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, dtype=dtype, window_size=(5, 7))
+    check(out, exp, bound, "offset")
+    check(lse, exp_lse, lbound, "offset lse")

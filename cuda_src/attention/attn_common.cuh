@@ -32,10 +32,11 @@ struct FlashFwdArgs {
   int hd;                 // head dim
   int left, right;        // key j is visible from row i iff i - left <= j <= i + right; -1 = unbounded
   int mask_kind;          // 0 none, 1 bool (keep where true), 2 additive (T)
+  int vec;                // 1: q, k, v rows are 16-byte aligned with unit d stride (16-byte loads)
   float scale_log2;       // softmax scale * log2(e)
 };
 
-static_assert(sizeof(FlashFwdArgs) == 6 * 8 + 20 * 8 + 8 * 4 + 4 + 4, "FlashFwdArgs layout");
+static_assert(sizeof(FlashFwdArgs) == 6 * 8 + 20 * 8 + 9 * 4 + 4, "FlashFwdArgs layout");
 
 __device__ __forceinline__ int attn_imin(int x, int y) { return x < y ? x : y; }
 __device__ __forceinline__ int attn_imax(int x, int y) { return x > y ? x : y; }

@@ -26,18 +26,39 @@
 // Tensor-core variants (mma.sync for sm_80+, wgmma for sm_90a) are separate kernels selected by
 // `variant=` in gpuops/ops/attention.py; this one is the SIMT variant.
 #include "attention/attn_common.cuh"
+#include "common/vec.cuh"
 
 namespace gpuops {
 
 constexpr int kFlashThreads = 128;
 
 // rows [r0, r0 + ROWS) x columns [c0, c0 + D) of a [rows_total, cols_total] operand (strides rs,
-// cs) -> shared [ROWS][D + 4] in fp32, zeros outside the operand.
+// cs) -> shared [ROWS][D + 4] in fp32, zeros outside the operand. vec: 16-byte loads (the host
+// guarantees c0 = 0, cols_total = D, cs = 1 and 16-byte aligned rows).
 template <class T, int ROWS, int D>
 __device__ __forceinline__ void flash_load_tile(float* dst, const T* src, int r0, int rows_total,
                                                 long long rs, int c0, int cols_total,
-                                                long long cs) {
+                                                long long cs, bool vec) {
   constexpr int kLd = D + 4;
+  if (vec) {
+    constexpr int N = Vec16<T>::size, kPer = D / N;   // values per 16 bytes, packs per row
+    static_assert(D % N == 0, "packs per row");
+    for (int idx = threadIdx.x; idx < ROWS * kPer; idx += kFlashThreads) {
+      const int r = idx / kPer, c = (idx - (idx / kPer) * kPer) * N;
+      const int gr = r0 + r;
+      float f[N];
+      if (gr < rows_total) {
+        Vec16<T>::unpack(load16(src + gr * rs + c), f);
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) f[e] = 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < N; e += 4)
+        *reinterpret_cast<AttnF4*>(dst + r * kLd + c + e) = AttnF4{f[e], f[e + 1], f[e + 2], f[e + 3]};
+    }
+    return;
+  }
   for (int idx = threadIdx.x; idx < ROWS * D; idx += kFlashThreads) {
     const int r = idx / D, c = idx - (idx / D) * D;
     const int gr = r0 + r, gc = c0 + c;
@@ -85,7 +106,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
   }
 
   if (!GENERAL) {
-    flash_load_tile<T, BR, D>(Qs, q, q0, a.sq, a.qs[2], 0, a.hd, a.qs[3]);
+    flash_load_tile<T, BR, D>(Qs, q, q0, a.sq, a.qs[2], 0, a.hd, a.qs[3], a.vec != 0);
   }
 
   for (int k0 = jlo; k0 < jhi; k0 += BC) {
@@ -100,8 +121,9 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
     for (int dc = 0; dc < nchunks; ++dc) {
       __syncthreads();   // the previous P V (or chunk) is done with KVs / Qs
       if (GENERAL)
-        flash_load_tile<T, BR, D>(Qs, q, q0, a.sq, a.qs[2], dc * D, a.hd, a.qs[3]);
-      flash_load_tile<T, BC, D>(KVs, k, k0, a.sk, a.ks[2], dc * D, a.hd, a.ks[3]);
+        flash_load_tile<T, BR, D>(Qs, q, q0, a.sq, a.qs[2], dc * D, a.hd, a.qs[3], false);
+      flash_load_tile<T, BC, D>(KVs, k, k0, a.sk, a.ks[2], dc * D, a.hd, a.ks[3],
+                                !GENERAL && a.vec != 0);
       __syncthreads();
 #pragma unroll 4
       for (int d = 0; d < D; d += 4) {
@@ -173,7 +195,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
     }
 
     __syncthreads();   // everyone is done with K; P is complete
-    flash_load_tile<T, BC, D>(KVs, v, k0, a.sk, a.vs[2], dv0, a.hd, a.vs[3]);
+    flash_load_tile<T, BC, D>(KVs, v, k0, a.sk, a.vs[2], dv0, a.hd, a.vs[3],
+                             !GENERAL && a.vec != 0);
     __syncthreads();
 
     // O += P V

@@ -37,7 +37,7 @@ VARIANTS = ("auto", "simt")          # 'mma', 'wgmma': the tensor-core forms, ne
 # ---------------------------------------------------------------------------------------------
 # Kernel module. One FlashFwdArgs struct per launch (cuda_src/attention/attn_common.cuh).
 
-FLASH_ARGS = ArgSpec("6P20q8if")
+FLASH_ARGS = ArgSpec("6P20q9if")
 FLASH_THREADS = 128                  # kFlashThreads
 GENERAL_D, GENERAL_TILE = 32, (64, 64)
 # head dim -> ((BR, BC) within 48 KB, (BR, BC) for devices that opt in to more shared memory)
@@ -248,6 +248,14 @@ def _mask_strides(m: Tensor) -> tuple:
 _NULL_STRIDES = (0, 0, 0, 0)
 
 
+def _vec_ok(t: Tensor, layout: str, shape: tuple) -> bool:
+    """16-byte loads of whole rows: unit d stride, 16-byte aligned base and row starts."""
+    n = 16 // t.dtype.itemsize
+    st = _bhsd_strides(t, layout)
+    return (t.ptr % 16 == 0 and (st[3] == 1 or shape[3] == 1) and shape[3] % n == 0
+            and all(s % n == 0 or size == 1 for s, size in zip(st[:3], shape[:3])))
+
+
 def _forward(call, query, key, value, attn_mask, is_causal, scale, enable_gqa, window_size,
              return_lse, layout, variant):
     p = check_args(query.shape, key.shape, value.shape,
@@ -279,13 +287,17 @@ def _launch_simt(call, p, query, key, value, attn_mask, mask_kind, out, lse, lay
         raise ValueError(f"gpuops.{OP}: too large for one launch (batch x heads = {grid[0]}, "
                          f"query tiles = {grid[1]}, head-dim chunks = {grid[2]})")
     kernel = _KERNELS.get(dev, flash_expr(call.result_dtype, d, br, bc, general))
+    q_shape = (p.B, p.Hq, p.Sq, p.D)
+    kv_shape = (p.B, p.Hkv, p.Sk, p.D)
+    vec = not general and _vec_ok(query, layout, q_shape) and _vec_ok(key, layout, kv_shape) \
+        and _vec_ok(value, layout, kv_shape)
     kernel.launch(grid, (FLASH_THREADS, 1, 1), call.stream,
                   query.ptr, key.ptr, value.ptr, attn_mask.ptr if attn_mask is not None else 0,
                   out.ptr, lse.ptr if lse is not None else 0,
                   *_bhsd_strides(query, layout), *_bhsd_strides(key, layout),
                   *_bhsd_strides(value, layout), *_bhsd_strides(out, layout),
                   *(_mask_strides(attn_mask) if attn_mask is not None else _NULL_STRIDES),
-                  p.Hq, p.group, p.Sq, p.Sk, p.D, p.left, p.right, mask_kind,
+                  p.Hq, p.group, p.Sq, p.Sk, p.D, p.left, p.right, mask_kind, int(vec),
                   p.scale * math.log2(math.e),
                   smem=flash_smem(d, br, bc))
 
