@@ -125,7 +125,8 @@ def _torch_sdpa(q, k, v, mask=None, is_causal=False, scale=None, enable_gqa=Fals
         *t, attn_mask=tm, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     # lse from the same scores, by hand (torch's math SDPA does not return it)
     kk = t[1].repeat_interleave(t[0].shape[1] // t[1].shape[1], dim=1)
-    s = t[0] @ kk.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(t[0].shape[-1]))
+    sc = scale if scale is not None else 1 / math.sqrt(t[0].shape[-1])
+    s = t[0] @ kk.transpose(-1, -2) * sc
     if is_causal:
         s = s.masked_fill(~torch.ones(Sq, Sk, dtype=torch.bool).tril(), -math.inf)
     if tm is not None:
@@ -408,6 +409,7 @@ GPU_CASES = [
 def test_gpu_against_reference(case, dtype, rng):
     B, Hq, Hkv, Sq, Sk, D, opt = case
     opt = dict(opt)
+    opt.setdefault("enable_gqa", Hq != Hkv)
     layout = opt.get("layout", "bhsd")
     shp = (lambda b, h, s: (b, h, s, D)) if layout == "bhsd" else (lambda b, h, s: (b, s, h, D))
     q, k, v = _rand(rng, shp(B, Hq, Sq), dtype), _rand(rng, shp(B, Hkv, Sk), dtype), \

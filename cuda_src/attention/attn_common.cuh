@@ -25,12 +25,13 @@ struct FlashFwdArgs {
   const void* mask;       // broadcast to [B, Hq, Sq, Sk]: bool (1 byte) or T (additive); or null
   void* o;                // [B, Hq, Sq, hd]
   float* lse;             // [B * Hq, Sq] contiguous, natural log; or null (not wanted)
-  long long qs[4], ks[4], vs[4], os[4], ms[4];   // strides (b, h, s, d); ms: (b, h, i, j), 0 = broadcast
+  // strides (b, h, s, d); ms: (b, h, i, j) with 0 where the mask broadcasts
+  long long qs[4], ks[4], vs[4], os[4], ms[4];
   int hq;                 // query heads
   int group;              // query heads per key/value head (GQA); 1 = MHA
   int sq, sk;             // query and key lengths
   int hd;                 // head dim
-  int left, right;        // key j is visible from row i iff i - left <= j <= i + right; -1 = unbounded
+  int left, right;        // row i sees key j iff i - left <= j <= i + right; -1 = unbounded
   int mask_kind;          // 0 none, 1 bool (keep where true), 2 additive (T)
   int vec;                // 1: q, k, v rows are 16-byte aligned with unit d stride (16-byte loads)
   float scale_log2;       // softmax scale * log2(e)

@@ -55,7 +55,8 @@ __device__ __forceinline__ void flash_load_tile(float* dst, const T* src, int r0
       }
 #pragma unroll
       for (int e = 0; e < N; e += 4)
-        *reinterpret_cast<AttnF4*>(dst + r * kLd + c + e) = AttnF4{f[e], f[e + 1], f[e + 2], f[e + 3]};
+        *reinterpret_cast<AttnF4*>(dst + r * kLd + c + e) =
+            AttnF4{f[e], f[e + 1], f[e + 2], f[e + 3]};
     }
     return;
   }
