@@ -327,6 +327,9 @@ EMU_CASES = [
     (1, 1, 1, 1, 70, 128, 227, {"mask": "bool"}),
     (1, 2, 2, 19, 23, 17, 48, {"mask": "float"}),             # general path, one chunk
     (2, 2, 1, 21, 30, 40, 48, {"enable_gqa": True, "is_causal": True}),   # two chunks
+    (1, 8, 1, 20, 36, 32, 227, {"enable_gqa": True, "mask": "bool", "window_size": (3, 2)}),
+    (2, 4, 2, 70, 70, 64, 48, {"enable_gqa": True, "mask": "float", "is_causal": True,
+                               "window_size": (20, -1), "layout": "bshd"}),
 ]
 
 
