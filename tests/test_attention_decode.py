@@ -320,7 +320,7 @@ def test_emulated_window_short_lengths_and_strided(emu_ops, rng, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_emulated_paged_and_append(emu_ops, rng, dtype, page_size):
-    b, s_max, hq, hkv, d, sq = 2, 60, 4, 2, 64, 1
+    b, s_max, hq, hkv, d, sq = 2, 80, 4, 2, 64, 1      # S_max a whole number of pages
     q = _arr(rng, (b, sq, hq, d), dtype)
     k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
     kp, vp, table = _paged_from(rng, k, v, page_size)
@@ -328,7 +328,7 @@ def test_emulated_paged_and_append(emu_ops, rng, dtype, page_size):
     out = emu_ops("paged_attention", dtype, q, kp, vp, table, lens)[0]
     ref = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens)
     assert_close(out, ref, dtype, "paged")
-    # contiguous and paged run the same arithmetic
+    # contiguous and paged run the same arithmetic (same S_max: same splits)
     out_c = emu_ops("decode_attention", dtype, q, k, v, lens)[0]
     np.testing.assert_array_equal(out, out_c)
     # append two tokens at the end, then attend over lens + 2
@@ -386,8 +386,10 @@ def test_gpu_paged(rng, dtype, page_size, hq, hkv, sq):
                              window_size=(300, 0))
     ref = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, window_size=(300, 0))
     assert_close(_host(out), ref, dtype, "paged")
-    out_c = go.decode_attention(_cuda(q), _cuda(k), _cuda(v), _cuda(lens), window_size=(300, 0))
-    assert torch.equal(out, out_c)     # same splits, same arithmetic
+    pad = -s_max % page_size             # same S_max as the pages: same splits, same arithmetic
+    kz, vz = (np.concatenate([x, np.zeros((b, pad, hkv, d), x.dtype)], 1) for x in (k, v))
+    out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens), window_size=(300, 0))
+    assert torch.equal(out, out_c)
 
 
 @gpu

@@ -196,7 +196,7 @@ def _check_paged(q, k, v, table, seqlens):
                          f"[{q[0]}, max_pages]")
     if k[1] < 1:
         raise ValueError(f"gpuops.{op}: 'k_pages' has page size {k[1]}; expected >= 1")
-    return table[1] * k[1]                        # S_max
+    return table[1] * k[1] if k[0] else 0         # S_max (an empty pool holds no key)
 
 
 # ---------------------------------------------------------------------------------------------
