@@ -38,7 +38,9 @@ template <class T, int VEC> struct KvLoad {          // 16-byte packs
 
 template <class T> struct KvLoad<T, 1> {              // one element (any stride, any head dim)
   using Raw = float;
-  static __device__ __forceinline__ Raw load(const T* p, bool ok) { return ok ? to_float(*p) : 0.f; }
+  static __device__ __forceinline__ Raw load(const T* p, bool ok) {
+    return ok ? to_float(*p) : 0.f;
+  }
   static __device__ __forceinline__ Raw zero() { return 0.f; }
   static __device__ __forceinline__ void unpack(const Raw& r, float* f) { f[0] = r; }
 };

@@ -155,13 +155,13 @@ def _scale(op, scale, dim):
     return float(scale)
 
 
-def _check_q(op, q, names):
+def _check_q(op, q):
     if len(q) != 4:
         raise ValueError(f"gpuops.{op}: 'q' has shape {_shape_str(q)}; expected [B, Sq, Hq, D]")
 
 
 def _check_common(op, q, k, v, seqlens, kname, vname):
-    _check_q(op, q, None)
+    _check_q(op, q)
     if len(k) != 4:
         raise ValueError(f"gpuops.{op}: {kname!r} has shape {_shape_str(k)}; expected 4 dims")
     if tuple(v) != tuple(k):
@@ -591,7 +591,8 @@ def append_paged_kv(call, k: Tensor, v: Tensor, k_pages: Tensor, v_pages: Tensor
             k.ptr, v.ptr, k_pages.ptr, v_pages.ptr, block_table.ptr, positions.ptr,
             *(_st(k, i) for i in range(4)), *(_st(v, i) for i in range(4)),
             *(k_pages.strides[i] for i in range(4)), *(v_pages.strides[i] for i in range(4)),
-            _st(block_table, 0), _st(block_table, 1), _st(positions, 0), _st(positions, 1) if per_token else 0,
+            _st(block_table, 0), _st(block_table, 1), _st(positions, 0),
+            _st(positions, 1) if per_token else 0,
             int(per_token), k_pages.shape[1], k_pages.shape[0], block_table.shape[1], sn, hkv,
             dim, total)
     return k_pages, v_pages
