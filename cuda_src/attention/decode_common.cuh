@@ -1,0 +1,48 @@
+// Shared pieces of the decode / paged attention kernels (decode_split.cu, decode_combine.cu).
+#pragma once
+#include "common/dtypes.cuh"
+#include "common/vec.cuh"
+
+namespace gpuops {
+
+constexpr int kDecodeThreads = 128;   // DECODE_THREADS in gpuops/ops/attention_decode.py
+
+// Work layout of decode_split for storage T, head dim D (the template: the real head dim for the
+// 16-byte path, the next of 64/256/1024 for the one-element path, which masks d >= d_rt),
+// VEC elements per load (16 / sizeof(T), or 1) and RT query rows per block.
+template <class T, int D, int VEC, int RT>
+struct DecodeCfg {
+  static constexpr int L = (D / VEC) < 32 ? (D / VEC) : 32;   // lanes per key row
+  static constexpr int NV = D / (VEC * L);                    // loads per lane per row
+  static constexpr int E = NV * VEC;                          // elements per lane
+  // keys in flight per group: the q and o registers (2 * RT * E) and the K/V buffers
+  // (2 * U * E, in 32-bit registers for packs) share ~ 160 registers
+  static constexpr int U_RAW = 64 / (E * (RT + 1));
+  static constexpr int U = U_RAW < 1 ? 1 : (U_RAW > 8 ? 8 : U_RAW);
+  static_assert(L * NV * VEC == D, "head dim template must split into lanes and packs");
+};
+
+template <class T, int VEC> struct KvLoad {          // 16-byte packs
+  using Raw = uint4;
+  static __device__ __forceinline__ Raw load(const T* p, bool ok) {
+    return ok ? load16(p) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  static __device__ __forceinline__ Raw zero() { return make_uint4(0u, 0u, 0u, 0u); }
+  static __device__ __forceinline__ void unpack(const Raw& r, float* f) {
+    float t[VEC];
+    Vec16<T>::unpack(r, t);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) f[e] = t[e];
+  }
+};
+
+template <class T> struct KvLoad<T, 1> {              // one element (any stride, any head dim)
+  using Raw = float;
+  static __device__ __forceinline__ Raw load(const T* p, bool ok) {
+    return ok ? to_float(*p) : 0.f;
+  }
+  static __device__ __forceinline__ Raw zero() { return 0.f; }
+  static __device__ __forceinline__ void unpack(const Raw& r, float* f) { f[0] = r; }
+};
+
+}  // namespace gpuops

@@ -1,0 +1,233 @@
+// Split-KV decode attention (flash-decoding): a few query tokens against a long KV cache.
+//
+// Grid (B * Hkv * row_chunks, nsplit). A block owns one kv head, one chunk of keys
+// [split * chunk, (split + 1) * chunk) of its sequence, and RT of the rows (q head of the GQA
+// group, query token) that share the kv head, so each K/V byte is read once per row chunk (the
+// host picks RT >= G * Sq when registers allow: one chunk). The split writes its normalised
+// partial output and log-sum-exp to an fp32 workspace; decode_combine.cu merges the splits.
+//
+// Threads: L lanes hold one key row (16-byte packs of VEC elements, NV packs per lane), so a warp
+// walks 32 / L keys at a time and the block 4 * 32 / L; each group keeps U keys' loads in flight,
+// its own online-softmax state (m, l, o) per row, in registers; groups merge by shuffles, warps
+// through shared memory at the end. Lengths are read on the device (cache_seqlens), never the
+// host, so the launch is capturable in a CUDA graph with lengths that change between replays.
+//
+// Masking: query token i of Sq sits at position pos = len - Sq + i and sees keys
+// max(0, pos - left) <= j <= pos (causal among the new tokens; left < 0: no window). A row with
+// no visible key in the split writes lse = -inf and o = 0.
+#include "attention/decode_common.cuh"
+
+namespace gpuops {
+
+template <class T, int D, int VEC, int RT, bool PAGED>
+__global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const int* __restrict__ seqlens, const int* __restrict__ block_table,
+    float* __restrict__ ws_o, float* __restrict__ ws_lse,
+    long long q_sb, long long q_ss, long long q_sh, long long q_sd,
+    long long k_s0, long long k_s1, long long k_sh, long long k_sd,
+    long long v_s0, long long v_s1, long long v_sh, long long v_sd,
+    long long seq_stride, long long table_s0, long long table_s1, int page_size, int num_pages,
+    int s_max, int sq, int hq, int hkv, int d_rt, int rows, int row_chunks,
+    int chunk, int nsplit, int win_left, float scale_log2) {
+  using Cfg = DecodeCfg<T, D, VEC, RT>;
+  constexpr int L = Cfg::L, NV = Cfg::NV, E = Cfg::E, U = Cfg::U, KPW = 32 / L;
+  constexpr int NG = (kDecodeThreads / 32) * KPW;   // key groups per block
+  using Ld = KvLoad<T, VEC>;
+  using Raw = typename Ld::Raw;
+
+  const int split = blockIdx.y;
+  const int rchunk = static_cast<int>(blockIdx.x % row_chunks);
+  const int kvh = static_cast<int>((blockIdx.x / row_chunks) % hkv);
+  const int b = static_cast<int>(blockIdx.x / (static_cast<unsigned>(row_chunks) * hkv));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lig = lane % L;                       // lane in the key group (L divides 32)
+  const int group = hq / hkv;
+
+  int len = seqlens[b * seq_stride];
+  len = len < 0 ? 0 : (len > s_max ? s_max : len);
+
+  // rows of this block: row rr = g * sq + i -> q head kvh * group + g, query token i
+  float qf[RT][E];
+  int row_pos[RT], row_lo[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const int rr = rchunk * RT + r;
+    const bool valid = rr < rows;
+    const int g = valid ? rr / sq : 0, i = valid ? rr - (rr / sq) * sq : 0;
+    const int h = kvh * group + g;
+    row_pos[r] = valid ? len - sq + i : -1;       // invalid rows see no key
+    row_lo[r] = win_left >= 0 ? row_pos[r] - win_left : 0;
+    if (row_lo[r] < 0) row_lo[r] = 0;
+    const T* qrow = q + b * q_sb + i * q_ss + h * q_sh;
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int d = (n * L + lig) * VEC + e;
+        qf[r][n * VEC + e] = (valid && d < d_rt) ? to_float(qrow[d * q_sd]) * scale_log2 : 0.f;
+      }
+  }
+
+  // keys of this split that some row of the sequence can see
+  int kmin = win_left >= 0 ? len - sq - win_left : 0;
+  if (kmin < 0) kmin = 0;
+  int start = split * chunk, end = start + chunk;
+  if (start < kmin) start = kmin;
+  if (end > len) end = len;
+
+  float m[RT], l[RT], o[RT][E];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    m[r] = -__int_as_float(0x7f800000);
+    l[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[r][e] = 0.f;
+  }
+
+  // warp-uniform trip count: the shuffles below need every lane of the warp
+  for (int jw = start + warp * KPW * U; jw < end; jw += NG * U) {
+    const int j0 = jw + (lane / L) * U;
+    Raw kr[U][NV], vr[U][NV];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u;
+      if (j < end) {
+        long long kb, vb;
+        if (PAGED) {
+          const int pi = j / page_size;
+          int page = block_table[b * table_s0 + pi * table_s1];
+          page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);  // never out of bounds
+          const int row = j - pi * page_size;
+          kb = page * k_s0 + row * k_s1 + kvh * k_sh;
+          vb = page * v_s0 + row * v_s1 + kvh * v_sh;
+        } else {
+          kb = b * k_s0 + j * k_s1 + kvh * k_sh;
+          vb = b * v_s0 + j * v_s1 + kvh * v_sh;
+        }
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          const int d = (n * L + lig) * VEC;
+          kr[u][n] = Ld::load(k + kb + d * k_sd, d < d_rt);
+          vr[u][n] = Ld::load(v + vb + d * v_sd, d < d_rt);
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < NV; ++n) { kr[u][n] = Ld::zero(); vr[u][n] = Ld::zero(); }
+      }
+    }
+    // scores (log2 domain: q carries scale * log2(e))
+    float s[RT][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[E];
+#pragma unroll
+      for (int n = 0; n < NV; ++n) Ld::unpack(kr[u][n], kf + n * VEC);
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc = fmaf(qf[r][e], kf[e], acc);
+        s[r][u] = acc;
+      }
+    }
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1)
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[r][u] += __shfl_xor_sync(0xffffffffu, s[r][u], off);
+
+    float p[RT][U];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = j0 + u;
+        if (j >= end || j < row_lo[r] || j > row_pos[r]) s[r][u] = -__int_as_float(0x7f800000);
+        mx = fmaxf(mx, s[r][u]);
+      }
+      // mx = -inf: nothing visible yet; keep the state (p = 0, corr = 1)
+      const float base = mx == -__int_as_float(0x7f800000) ? 0.f : mx;
+      const float corr = exp2f(m[r] - base);
+      float psum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) { p[r][u] = exp2f(s[r][u] - base); psum += p[r][u]; }
+      l[r] = l[r] * corr + psum;
+      m[r] = mx;
+#pragma unroll
+      for (int e = 0; e < E; ++e) o[r][e] *= corr;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[E];
+#pragma unroll
+      for (int n = 0; n < NV; ++n) Ld::unpack(vr[u][n], vf + n * VEC);
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int e = 0; e < E; ++e) o[r][e] = fmaf(p[r][u], vf[e], o[r][e]);
+    }
+  }
+
+  // merge the key groups of the warp (lanes lig, lig + L, ...)
+#pragma unroll
+  for (int off = L; off < 32; off <<= 1)
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[r], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[r], off);
+      const float mx = fmaxf(m[r], mo);
+      const float base = mx == -__int_as_float(0x7f800000) ? 0.f : mx;
+      const float a = exp2f(m[r] - base), c = exp2f(mo - base);
+      l[r] = l[r] * a + lo * c;
+      m[r] = mx;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float oo = __shfl_xor_sync(0xffffffffu, o[r][e], off);
+        o[r][e] = o[r][e] * a + oo * c;
+      }
+    }
+
+  // merge the warps through shared memory, normalise, write the partials
+  constexpr int W = kDecodeThreads / 32;
+  __shared__ float sm_m[W][RT], sm_l[W][RT];
+  __shared__ float sm_o[W][RT][D];
+  if (lane < L) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      if (lane == 0) { sm_m[warp][r] = m[r]; sm_l[warp][r] = l[r]; }
+#pragma unroll
+      for (int n = 0; n < NV; ++n)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) sm_o[warp][r][(n * L + lig) * VEC + e] = o[r][n * VEC + e];
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RT * d_rt; t += kDecodeThreads) {
+    const int r = t / d_rt, d = t - r * d_rt;
+    const int rr = rchunk * RT + r;
+    if (rr >= rows) continue;
+    float mx = sm_m[0][r];
+#pragma unroll
+    for (int w = 1; w < W; ++w) mx = fmaxf(mx, sm_m[w][r]);
+    const float base = mx == -__int_as_float(0x7f800000) ? 0.f : mx;
+    float lsum = 0.f, osum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float a = exp2f(sm_m[w][r] - base);
+      lsum += sm_l[w][r] * a;
+      osum += sm_o[w][r][d] * a;
+    }
+    const int g = rr / sq, i = rr - g * sq;
+    const long long row = (static_cast<long long>(b) * hq + kvh * group + g) * sq + i;
+    const long long slot = row * nsplit + split;
+    ws_o[slot * d_rt + d] = lsum > 0.f ? osum / lsum : 0.f;
+    if (d == 0)   // natural-log LSE of the split: (m + log2 l) * ln 2
+      ws_lse[slot] = lsum > 0.f ? (mx + log2f(lsum)) * 0.6931471805599453f
+                                : -__int_as_float(0x7f800000);
+  }
+}
+
+}  // namespace gpuops

@@ -1,0 +1,456 @@
+"""Decode attention (contiguous and paged KV caches) and append_paged_kv against float64 references.
+
+CPU: the references against torch's SDPA in float64 (bottom-right causal mask, GQA by repeated kv
+heads, windows as explicit masks), the log-sum-exp against torch.logsumexp; argument errors; the
+CPU fallback for NumPy and CPU torch inputs (append_paged_kv updates them in place); and the CUDA
+kernels themselves compiled for the host by tests/cuda_host_emulation.py and launched through the
+ops' real host code (16-byte and one-element paths, every dtype, GQA 1/2/8, Sq 1 and 4, several
+splits, empty splits, windows, paged with random block tables, poisoned workspaces).
+GPU: every dtype against the references for lengths 1, 17, 1000, 4097, GQA 1/2/8, Sq 1 and 4,
+head dims 64/128/256 and a general one, windows, strided caches, paged with random block tables
+(paged == contiguous bit for bit), append then attend, and a CUDA graph replayed with other
+lengths.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gpuops as go
+from gpuops import dtypes as dt
+from gpuops import registry
+from gpuops.ops import attention_decode as A
+from conftest import HAS_TORCH, HAS_TORCH_CUDA, assert_close
+
+import cuda_host_emulation as emu
+
+torch = pytest.importorskip("torch") if HAS_TORCH else None
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _np(dtype):
+    return dt.to_numpy(dt.BY_NAME[dtype])
+
+
+def _arr(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(_np(dtype))
+
+
+def _paged_from(rng, k, v, page_size, extra_pages=3):
+    """Scatter contiguous caches [B, S, H, D] into a shuffled page pool + block table."""
+    b, s, h, d = k.shape
+    per = -(-s // page_size)
+    n = b * per + extra_pages
+    perm = rng.permutation(n)[: b * per].reshape(b, per).astype(np.int32)
+    kp = rng.standard_normal((n, page_size, h, d)).astype(k.dtype)   # garbage elsewhere
+    vp = rng.standard_normal((n, page_size, h, d)).astype(v.dtype)
+    pad = per * page_size - s
+    kk = np.concatenate([k, np.zeros((b, pad, h, d), k.dtype)], 1).reshape(b, per, page_size, h, d)
+    vv = np.concatenate([v, np.zeros((b, pad, h, d), v.dtype)], 1).reshape(b, per, page_size, h, d)
+    kp[perm] = kk
+    vp[perm] = vv
+    return kp, vp, perm
+
+
+# ------------------------------------------------------------------ the references vs torch
+
+def _torch_decode(q, k, v, lens, scale=None, left=-1):
+    """torch SDPA (math, float64) per sequence on its first len keys, bottom-right causal."""
+    q, k, v = (torch.from_numpy(np.asarray(x, np.float64)) for x in (q, k, v))
+    b, sq, hq, d = q.shape
+    out = torch.zeros(b, sq, hq, d, dtype=torch.float64)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float64)
+    sc = scale if scale is not None else 1 / math.sqrt(d)
+    for i in range(b):
+        n = int(lens[i])
+        if n == 0:
+            continue
+        kk, vv = k[i, :n].transpose(0, 1), v[i, :n].transpose(0, 1)     # [Hkv, n, D]
+        g = hq // kk.shape[0]
+        kk, vv = kk.repeat_interleave(g, 0), vv.repeat_interleave(g, 0)
+        qq = q[i].transpose(0, 1)                                        # [Hq, Sq, D]
+        pos = n - sq + torch.arange(sq)
+        j = torch.arange(n)
+        mask = j[None, :] <= pos[:, None]
+        if left >= 0:
+            mask &= j[None, :] >= pos[:, None] - left
+        rows = mask.any(-1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qq[:, rows], kk, vv, attn_mask=mask[rows], scale=sc)
+        out[i, rows] = o.transpose(0, 1)
+        s = (qq @ kk.transpose(1, 2)) * sc
+        s = s.masked_fill(~mask, -math.inf)
+        lse[i] = torch.logsumexp(s, -1)
+    return out.numpy(), lse.numpy()
+
+
+@needs_torch
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("left", [-1, 5])
+def test_reference_matches_torch_sdpa(rng, hq, hkv, sq, left):
+    b, s_max, d = 3, 40, 16
+    q, k, v = (rng.standard_normal(sh) for sh in
+               ((b, sq, hq, d), (b, s_max, hkv, d), (b, s_max, hkv, d)))
+    lens = np.array([1, 17, 40], np.int32)
+    out, lse = A.ref_decode_attention(q, k, v, lens, window_size=(left, 0), return_lse=True)
+    ref, ref_lse = _torch_decode(q, k, v, lens, left=left)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-13)
+    # paged: the same keys behind a random block table
+    kp, vp, table = _paged_from(rng, k, v, page_size=8)
+    pout, plse = A.ref_paged_attention(q, kp, vp, table, lens, window_size=(left, 0),
+                                       return_lse=True)
+    np.testing.assert_allclose(pout, ref, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(plse, ref_lse, rtol=1e-12, atol=1e-13)
+
+
+def test_reference_rows_without_keys_and_scale(rng):
+    q, k, v = (rng.standard_normal(sh) for sh in ((2, 4, 2, 8), (2, 10, 2, 8), (2, 10, 2, 8)))
+    lens = np.array([0, 2], np.int32)                 # len < Sq: the first query tokens see nothing
+    out, lse = A.ref_decode_attention(q, k, v, lens, scale=0.5, return_lse=True)
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    assert np.all(out[1, :2] == 0) and np.all(np.isneginf(lse[1, :, :2]))
+    # token 3 (pos 1) sees keys 0..1
+    s = np.einsum("hd,jhd->hj", q[1, 3], k[1, :2]) * 0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out[1, 3], np.einsum("hj,jhd->hd", p, v[1, :2]), rtol=1e-12)
+
+
+def test_reference_append(rng):
+    b, sn, h, d, ps = 2, 3, 2, 4, 4
+    kp = rng.standard_normal((6, ps, h, d))
+    vp = rng.standard_normal((6, ps, h, d))
+    table = np.array([[5, 1], [2, 0]], np.int32)
+    k, v = rng.standard_normal((b, sn, h, d)), rng.standard_normal((b, sn, h, d))
+    nk, nv = A.ref_append_paged_kv(k, v, kp, vp, table, np.array([3, -1], np.int32))
+    assert np.array_equal(nk[5, 3], k[0, 0]) and np.array_equal(nk[1, 0], k[0, 1])
+    assert np.array_equal(nv[1, 1], v[0, 2])
+    # sequence 1 starts at -1: its token 0 is padding, tokens 1, 2 go to positions 0, 1
+    assert np.array_equal(nk[2, 0], k[1, 1]) and np.array_equal(nk[2, 1], k[1, 2])
+    untouched = np.ones(6 * ps, bool).reshape(6, ps)
+    for pg, r in ((5, 3), (1, 0), (1, 1), (2, 0), (2, 1)):
+        untouched[pg, r] = False
+    assert np.array_equal(nk[untouched], kp[untouched])
+    # per-token positions
+    pos = np.array([[0, 1, 7], [4, -1, 5]], np.int32)
+    nk, _ = A.ref_append_paged_kv(k, v, kp, vp, table, pos)
+    assert np.array_equal(nk[1, 3], k[0, 2]) and np.array_equal(nk[0, 1], k[1, 2])
+    with pytest.raises(ValueError, match="positions"):
+        A.ref_append_paged_kv(k, v, kp, vp, table, np.array([7, 0], np.int32))
+
+
+# ------------------------------------------------------------------ argument errors, CPU path
+
+def test_argument_errors(rng):
+    q = _arr(rng, (2, 1, 4, 8), "float32")
+    k = _arr(rng, (2, 10, 2, 8), "float32")
+    lens = np.array([3, 4], np.int32)
+    with pytest.raises(ValueError, match="'q'"):
+        go.decode_attention(q[0], k, k, lens)
+    with pytest.raises(ValueError, match="'v_cache'"):
+        go.decode_attention(q, k, k[:, :5], lens)
+    with pytest.raises(ValueError, match="multiple"):
+        go.decode_attention(_arr(rng, (2, 1, 3, 8), "float32"), k, k, lens)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        go.decode_attention(q, k, k, np.array([3], np.int32))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        go.decode_attention(q, k, k, np.array([3, 11], np.int32))
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        go.decode_attention(q, k, k, lens.astype(np.int64))
+    with pytest.raises(TypeError, match="'k_cache'"):
+        go.decode_attention(q, k.astype(np.float16), k, lens)
+    with pytest.raises(ValueError, match="window_size"):
+        go.decode_attention(q, k, k, lens, window_size=(2, 1))
+    kp = _arr(rng, (6, 4, 2, 8), "float32")
+    with pytest.raises(ValueError, match="block_table"):
+        go.paged_attention(q, kp, kp, np.zeros((2,), np.int32), lens)
+    with pytest.raises(ValueError, match="block_table"):
+        go.paged_attention(q, kp, kp, np.full((2, 2), 9, np.int32), lens)
+    with pytest.raises(ValueError, match="positions"):
+        go.append_paged_kv(k[:, :2], k[:, :2], kp, kp, np.zeros((2, 3), np.int32),
+                           np.zeros((3,), np.int32))
+
+
+@needs_torch
+def test_cpu_fallback_numpy_and_torch(rng):
+    q = _arr(rng, (2, 4, 4, 16), "float32")
+    k, v = _arr(rng, (2, 20, 2, 16), "float32"), _arr(rng, (2, 20, 2, 16), "float32")
+    lens = np.array([5, 20], np.int32)
+    ref, ref_lse = _torch_decode(q, k, v, lens)
+    out = go.decode_attention(q, k, v, lens)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    tq, tk, tv, tl = (torch.from_numpy(x) for x in (q, k, v, lens))
+    o, lse = go.decode_attention(tq, tk, tv, tl, return_lse=True)
+    assert isinstance(o, torch.Tensor)
+    np.testing.assert_allclose(o.numpy(), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-5, atol=1e-6)
+    kp, vp, table = _paged_from(rng, k, v, page_size=8)
+    po = go.paged_attention(q, kp, vp, table, lens)
+    np.testing.assert_allclose(po, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_torch
+def test_cpu_append_is_in_place(rng):
+    kp = np.zeros((4, 4, 2, 8), np.float32)
+    vp = np.zeros((4, 4, 2, 8), np.float32)
+    k, v = _arr(rng, (1, 2, 2, 8), "float32"), _arr(rng, (1, 2, 2, 8), "float32")
+    table = np.array([[2, 3]], np.int32)
+    r = go.append_paged_kv(k, v, kp, vp, table, np.array([3], np.int32))
+    assert r[0] is kp and r[1] is vp
+    assert np.array_equal(kp[2, 3], k[0, 0]) and np.array_equal(vp[3, 0], v[0, 1])
+    tkp, tvp = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    go.append_paged_kv(torch.from_numpy(k), torch.from_numpy(v), tkp, tvp,
+                       torch.from_numpy(table), torch.tensor([3], dtype=torch.int32))
+    assert torch.equal(tkp[2, 3], torch.from_numpy(k[0, 0]))
+
+
+def test_num_splits_rule():
+    # B=1, S=8192, Hkv=8 on 132 SMs: 64 splits of 128 keys (4 blocks per SM, chunks >= 128)
+    assert A.num_splits(1, 8, 1, 8192, 132) == (64, 128)
+    assert A.num_splits(16, 8, 1, 4096, 132) == (5, 820)
+    assert A.num_splits(1, 1, 1, 0, 132) == (1, 1)
+    n, c = A.num_splits(1, 1, 1, 10 ** 6, 132)
+    assert n <= A.MAX_SPLITS and n * c >= 10 ** 6
+
+
+# ------------------------------------------------------------------ CPU: the kernels, emulated
+
+def _emu_param_types(orig):
+    def types_(expr):
+        import re
+        m = re.search(r"decode_split<([^,]+), ", expr)
+        if m:
+            t = m.group(1)
+            return ([f"const {t}*"] * 3 + ["const int*"] * 2 + ["float*"] * 2 + ["long long"] * 15
+                    + ["int"] * 12 + ["float"]), True
+        m = re.search(r"decode_combine<(.+)>$", expr)
+        if m:
+            t = m.group(1)
+            return ["const float*", "const float*", f"{t}*", "float*"] + ["int"] * 4, True
+        m = re.search(r"append_paged_kv<(.+)>$", expr)
+        if m:
+            t = m.group(1)
+            return ([f"const {t}*"] * 2 + [f"{t}*"] * 2 + ["const int*"] * 2 + ["long long"] * 20
+                    + ["int"] * 7 + ["long long"]), False
+        return orig(expr)
+    return types_
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    if not emu.available():
+        pytest.skip("g++ not installed")
+    from gpuops.runtime import config
+    work = config.settings.cache_dir / "host-emulation"
+    work.mkdir(parents=True, exist_ok=True)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(emu, "_param_types", _emu_param_types(emu._param_types))
+    try:
+        return emu.build([A.SPLIT_MODULE, A.COMBINE_MODULE, A.APPEND_MODULE], str(work))
+    finally:
+        mp.undo()
+
+
+@pytest.fixture
+def emu_ops(emulated, monkeypatch):
+    monkeypatch.setattr(A, "_kernel", lambda module, dev, expr: emulated[module.name].kernel(expr))
+    monkeypatch.setitem(A._sm_counts, 0, 3)
+    monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
+    A._plans.clear()
+
+    def run(op_name, dtype, *args, **kwargs):
+        op = registry.get(op_name)
+        call = emu.Call(op_name, dt.BY_NAME[dtype])
+        conv = lambda a: emu.view(a) if isinstance(a, np.ndarray) else a  # noqa: E731
+        out = op.impl(call, *[conv(a) for a in args], **kwargs)
+        out = out if isinstance(out, tuple) else (out,)
+        return tuple(np.asarray(o.obj).astype(np.float64) for o in out)
+    yield run
+    A._plans.clear()
+
+
+def _f64(a):
+    return a.astype(np.float64) if a.dtype.kind == "f" else a
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 40])               # 16-byte path, one-element path
+@pytest.mark.parametrize("hq,hkv,sq", [(2, 2, 1), (4, 2, 4), (8, 1, 1)])
+def test_emulated_decode(emu_ops, rng, dtype, d, hq, hkv, sq):
+    b, s_max = 3, 70
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    lens = np.array([1, 17, 70], np.int32)
+    out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(out, ref, dtype, "out")
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_emulated_window_short_lengths_and_strided(emu_ops, rng, dtype):
+    b, s_max, hq, hkv, d, sq = 3, 50, 4, 2, 64, 4
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    big = _arr(rng, (b, s_max, hkv + 1, d), dtype)
+    k, v = big[:, :, 1:], _arr(rng, (b, s_max, hkv, d), dtype)      # strided k: head stride
+    lens = np.array([0, 2, 50], np.int32)                           # len < Sq: rows without keys
+    out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, window_size=(7, 0),
+                       return_lse=True, scale=0.3)
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, window_size=(7, 0),
+                                          return_lse=True, scale=0.3)
+    assert_close(out, ref, dtype, "out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    # misaligned k (offset by one element): the one-element path
+    flat = _arr(rng, (b * s_max * hkv * d + 1,), dtype)
+    k2 = flat[1:].reshape(b, s_max, hkv, d)
+    out2 = emu_ops("decode_attention", dtype, q, k2, v, lens)[0]
+    assert_close(out2, A.ref_decode_attention(_f64(q), _f64(k2), _f64(v), lens), dtype, "mis")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_emulated_paged_and_append(emu_ops, rng, dtype, page_size):
+    b, s_max, hq, hkv, d, sq = 2, 80, 4, 2, 64, 1      # S_max a whole number of pages
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    kp, vp, table = _paged_from(rng, k, v, page_size)
+    lens = np.array([33, 58], np.int32)
+    out = emu_ops("paged_attention", dtype, q, kp, vp, table, lens)[0]
+    ref = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens)
+    assert_close(out, ref, dtype, "paged")
+    # contiguous and paged run the same arithmetic (same S_max: same splits)
+    out_c = emu_ops("decode_attention", dtype, q, k, v, lens)[0]
+    np.testing.assert_array_equal(out, out_c)
+    # append two tokens at the end, then attend over lens + 2
+    nk, nv = _arr(rng, (b, 2, hkv, d), dtype), _arr(rng, (b, 2, hkv, d), dtype)
+    emu_ops("append_paged_kv", dtype, nk, nv, kp, vp, table, lens)
+    k[np.arange(b)[:, None], lens[:, None] + np.arange(2)] = nk
+    v[np.arange(b)[:, None], lens[:, None] + np.arange(2)] = nv
+    out2 = emu_ops("paged_attention", dtype, q, kp, vp, table, lens + 2)[0]
+    assert_close(out2, A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens + 2), dtype, "app")
+
+
+# ------------------------------------------------------------------ GPU
+
+def _cuda(x):
+    return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16) \
+        if x.dtype == _np("bfloat16") else torch.from_numpy(np.ascontiguousarray(x)).cuda()
+
+
+def _host(t):
+    return t.float().cpu().numpy().astype(np.float64) if t.is_floating_point() else t.cpu().numpy()
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 8), (16, 2)])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("d", [128, 64, 256, 80])
+def test_gpu_decode(rng, dtype, hq, hkv, sq, d):
+    lens = np.array([1, 17, 1000, 4097], np.int32)
+    b, s_max = 4, 4097 + 3
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    out, lse = go.decode_attention(_cuda(q), _cuda(k), _cuda(v), _cuda(lens), return_lse=True)
+    assert lse.dtype == torch.float32
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(_host(out), ref, dtype, "out")
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(_host(lse)[fin], ref_lse[fin], rtol=1e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.isneginf(_host(lse)), np.isneginf(ref_lse))
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 256, 7])
+@pytest.mark.parametrize("hq,hkv,sq", [(16, 8, 1), (8, 1, 4)])
+def test_gpu_paged(rng, dtype, page_size, hq, hkv, sq):
+    lens = np.array([1, 17, 1000, 4097], np.int32)
+    b, s_max, d = 4, 4097, 128
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    kp, vp, table = _paged_from(rng, k, v, page_size)
+    out = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
+                             window_size=(300, 0))
+    ref = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, window_size=(300, 0))
+    assert_close(_host(out), ref, dtype, "paged")
+    pad = -s_max % page_size             # same S_max as the pages: same splits, same arithmetic
+    kz, vz = (np.concatenate([x, np.zeros((b, pad, hkv, d), x.dtype)], 1) for x in (k, v))
+    out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens), window_size=(300, 0))
+    assert torch.equal(out, out_c)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_strided_and_misaligned(rng, dtype):
+    b, s_max, hq, hkv, d = 2, 600, 8, 2, 128
+    lens = np.array([599, 33], np.int32)
+    q = _arr(rng, (b, 1, hq, d), dtype)
+    big = _arr(rng, (b, s_max, 2 * hkv, d), dtype)
+    k, v = big[:, :, :hkv], big[:, :, hkv:]                    # one fused KV buffer
+    tb = _cuda(big)
+    out = go.decode_attention(_cuda(q), tb[:, :, :hkv], tb[:, :, hkv:], _cuda(lens))
+    assert_close(_host(out), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens), dtype, "s")
+    flat = _cuda(_arr(rng, (b * s_max * hkv * d + 1,), dtype))
+    k2 = flat[1:].view(b, s_max, hkv, d)                       # 2/4-byte offset: one-element path
+    out2 = go.decode_attention(_cuda(q), k2, k2, _cuda(lens))
+    kk = _host(k2)
+    assert_close(_host(out2), A.ref_decode_attention(_f64(q), kk, kk, lens), dtype, "mis")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_append_then_attend_in_a_cuda_graph(rng):
+    """Append one token and attend, captured once, replayed with other lengths and tokens."""
+    dtype, b, hq, hkv, d, ps, pages = "bfloat16", 3, 16, 8, 128, 16, 80
+    per = pages // b
+    table = _cuda(rng.permutation(pages)[: b * per].reshape(b, per).astype(np.int32))
+    kp = torch.zeros(pages, ps, hkv, d, dtype=torch.bfloat16, device="cuda")
+    vp = torch.zeros_like(kp)
+    kp.normal_()
+    vp.normal_()
+    lens = torch.tensor([5, 100, 300], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
+    nk = torch.randn(b, 1, hkv, d, device="cuda").bfloat16()
+    nv = torch.randn(b, 1, hkv, d, device="cuda").bfloat16()
+    pos = lens - 1                               # the new token's position
+
+    def step():
+        go.append_paged_kv(nk, nv, kp, vp, table, pos)
+        return go.paged_attention(q, kp, vp, table, lens)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for new_lens in ([6, 101, 301], [1, 17, per * ps]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        pos.copy_(lens - 1)
+        q.normal_()
+        nk.normal_()
+        nv.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        ref = A.ref_paged_attention(_host(q), _host(kp), _host(vp), _host(table), _host(lens))
+        assert_close(_host(out), ref, "bfloat16", f"graph {new_lens}")
+        tab = _host(table)
+        for i, n in enumerate(new_lens):
+            p = n - 1
+            assert torch.equal(kp[tab[i, p // ps], p % ps], nk[i, 0])
