@@ -341,13 +341,25 @@ def run_reference(op, values: tuple):
         kwargs[name] = _to_float64(k, x) if k is not None else x
     result_dtype = _check_dtypes(op, found, on_gpu=False)
     # A reference whose output dtype is not the inputs' (out_dtype=, int8 in / float out) says so
-    # with a `result_dtype(values by name, array dtypes by name) -> DType` attribute.
+    # with a `result_dtype(values by name, array dtypes by name)` attribute: a DType for every
+    # output, or a tuple with one per output (None: the inputs' dtype), e.g. (None, float32) for
+    # an op that returns float32 statistics (lse, rstd) beside its result, as its kernels do.
     hook = getattr(op.reference, "result_dtype", None)
+    per_output = None
     if hook is not None:
-        result_dtype = hook(dict(zip(op.param_names, values)), found)
+        chosen = hook(dict(zip(op.param_names, values)), found)
+        if isinstance(chosen, tuple):
+            per_output = tuple(result_dtype if d is None else d for d in chosen)
+        elif chosen is not None:
+            result_dtype = chosen
     res = op.reference(**kwargs)
     single = not isinstance(res, tuple)
-    outs = tuple(_from_numpy(kind, np.asarray(r), result_dtype) for r in ((res,) if single else res))
+    results = (res,) if single else res
+    dtypes = per_output if per_output is not None else (result_dtype,) * len(results)
+    if len(dtypes) != len(results):
+        raise AssertionError(f"gpuops.{op.name}: result_dtype names {len(dtypes)} outputs, the "
+                             f"reference returned {len(results)}")
+    outs = tuple(_from_numpy(kind, np.asarray(r), d) for r, d in zip(results, dtypes))
     if out is not None:
         if tuple(out.shape) != tuple(outs[0].shape):
             raise ValueError(f"gpuops.{op.name}: 'out' has shape {tuple(out.shape)}, the result "

@@ -221,3 +221,28 @@ def test_import_and_cpu_fallback_without_cupy():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+@cpu_only
+@pytest.mark.parametrize("storage", [np.float16, np.float32, np.float64])
+def test_cpu_path_returns_statistics_in_float32(storage):
+    """Ops that return float32 statistics beside their result (lse, rstd, mean) return them in
+    float32 on the CPU path too, as their kernels do (float64 for float64 input): the registry's
+    per-output result dtypes, not one cast of every output to the input's dtype."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64)).astype(storage)
+    stat = np.float64 if storage is np.float64 else np.float32
+    y, rstd = registry.get("rms_norm_forward").function(x, (64,))
+    assert y.dtype == storage and rstd.dtype == stat
+    w = np.ones(64, storage)
+    y, mean, rstd = registry.get("layer_norm_forward").function(x, (64,), w, None)
+    assert y.dtype == storage and mean.dtype == stat and rstd.dtype == stat
+    target = rng.integers(0, 64, 4).astype(np.int64)
+    loss, lse = registry.get("cross_entropy_forward").function(x, target)
+    assert loss.dtype == storage and lse.dtype == stat
+    np.testing.assert_allclose(lse, np.log(np.exp(x.astype(np.float64)).sum(-1)),
+                               rtol=1e-3 if storage is np.float16 else 1e-6)
+    q = rng.standard_normal((1, 2, 5, 32)).astype(storage)
+    out, lse = registry.get("scaled_dot_product_attention").function(q, q, q, return_lse=True)
+    assert out.dtype == storage and lse.dtype == stat
+    assert registry.get("scaled_dot_product_attention").function(q, q, q).dtype == storage

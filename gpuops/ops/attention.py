@@ -360,6 +360,16 @@ BENCH = BenchSpec(
 # ---------------------------------------------------------------------------------------------
 # The op.
 
+def _sdpa_result_dtype(values, found):
+    # with return_lse: lse in float32 (as the kernel writes it), float64 for float64 input
+    if not values.get("return_lse"):
+        return None
+    return (None, dt.float64 if found.get("query") is dt.float64 else dt.float32)
+
+
+ref_scaled_dot_product_attention.result_dtype = _sdpa_result_dtype
+
+
 @register(family="attention", reference=ref_scaled_dot_product_attention,
           param_dtypes={"attn_mask": (dt.bool_, dt.float32, dt.float16, dt.bfloat16, dt.float64)},
           bench=BENCH)

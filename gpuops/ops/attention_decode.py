@@ -289,7 +289,9 @@ def ref_paged_attention(q, k_pages, v_pages, block_table, cache_seqlens, scale=N
 
 
 def _ref_result_dtype(values, found):
-    return found["q"]
+    # lse in float32, as the kernels write it
+    lse = dt.float64 if found["q"] is dt.float64 else dt.float32
+    return (found["q"], lse) if values.get("return_lse") else found["q"]
 
 
 ref_decode_attention.result_dtype = _ref_result_dtype

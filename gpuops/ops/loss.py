@@ -131,6 +131,11 @@ def ref_cross_entropy_forward(input, target, ignore_index=-100, reduction="mean"
     return np.asarray(_reduce(loss, valid, reduction, shape)), lse.reshape(shape[:-1])
 
 
+# the loss in the input's dtype, lse in float32 (as the kernels write it)
+ref_cross_entropy_forward.result_dtype = lambda values, found: (
+    None, dt.float64 if found.get("input") is dt.float64 else dt.float32)
+
+
 def ref_cross_entropy_backward(grad_output, input, target, lse, ignore_index=-100,
                                reduction="mean", label_smoothing=0.0, grad_lse=None):
     x = np.asarray(input, dtype=np.float64)

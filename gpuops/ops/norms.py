@@ -594,6 +594,17 @@ def ref_rms_norm_forward(input, normalized_shape, weight=None, eps=None):
     return _ref_rms_norm("rms_norm_forward", input, normalized_shape, weight, eps)
 
 
+def _stat_dtype(found, name="input"):
+    """Statistics come back in float32 (as the kernels write them), float64 for float64 input."""
+    return dt.float64 if found.get(name) is dt.float64 else dt.float32
+
+
+# the statistics in float32, the normalized output in the input's dtype
+ref_layer_norm_forward.result_dtype = lambda values, found: (None, _stat_dtype(found),
+                                                            _stat_dtype(found))
+ref_rms_norm_forward.result_dtype = lambda values, found: (None, _stat_dtype(found))
+
+
 def _ref_add_rms_norm(op, input, residual, weight, eps):
     _check_same_shape(op, "residual", residual, input.shape)
     normalized_dims(op, weight.shape, input.shape)
@@ -608,6 +619,9 @@ def ref_add_rms_norm(input, residual, weight, eps=1e-6):
 
 def ref_add_rms_norm_forward(input, residual, weight, eps=1e-6):
     return _ref_add_rms_norm("add_rms_norm_forward", input, residual, weight, eps)
+
+
+ref_add_rms_norm_forward.result_dtype = lambda values, found: (None, None, _stat_dtype(found))
 
 
 def _ref_backward(op, layer, grad_output, input, mean, rstd, normalized_shape, weight):
