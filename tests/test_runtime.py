@@ -426,3 +426,28 @@ def test_loaded_modules_report_their_origin_and_target():
         from gpuops.runtime import device
         assert m.target.arch == device.device_info(0).cc
     assert m.load_seconds >= 0
+
+
+def test_kernel_handles_cached_until_modules_are_forgotten(monkeypatch):
+    """loader.kernel looks a kernel up once per (module, device, name) and looks it up again after
+    clear_memory_cache (the one kernel-handle cache every launcher uses)."""
+    from gpuops.runtime import loader
+    calls = []
+
+    class Loaded:
+        def kernel(self, expr):
+            calls.append(expr)
+            return object()
+
+    monkeypatch.setattr(loader, "load", lambda module, dev: Loaded())
+    loader.clear_memory_cache()
+
+    class Mod:
+        name = "test.fake"
+
+    first = loader.kernel(Mod, 0, "k<float>")
+    assert loader.kernel(Mod, 0, "k<float>") is first and calls == ["k<float>"]
+    assert loader.kernel(Mod, 1, "k<float>") is not first          # per device
+    loader.clear_memory_cache()
+    assert loader.kernel(Mod, 0, "k<float>") is not first and len(calls) == 3
+    loader.clear_memory_cache()

@@ -109,18 +109,9 @@ class KernelTable:
 
     def __init__(self, module):
         self.module = module
-        self._kernels: dict = {}
-        self._generation = -1
 
     def get(self, dev: int, expr: str):
-        if self._generation != loader.generation:
-            self._kernels.clear()
-            self._generation = loader.generation
-        key = (dev, expr)
-        k = self._kernels.get(key)
-        if k is None:
-            k = self._kernels[key] = loader.load(self.module, dev).kernel(expr)
-        return k
+        return loader.kernel(self.module, dev, expr)
 
 
 _sm_counts: dict = {}

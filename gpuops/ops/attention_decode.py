@@ -89,20 +89,11 @@ COMBINE_MODULE = KernelModule("attention.decode_combine", "attention/decode_comb
 APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append.cu", {
     f"gpuops::append_paged_kv<{d.ctype}>": APPEND_ARGS for d in dt.FLOATS})
 
-_kernel_cache: dict = {}
-_cache_generation = [-1]
 _sm_counts: dict = {}
 
 
 def _kernel(module, dev, expr):
-    if _cache_generation[0] != loader.generation:
-        _kernel_cache.clear()
-        _cache_generation[0] = loader.generation
-    key = (dev, expr)
-    k = _kernel_cache.get(key)
-    if k is None:
-        k = _kernel_cache[key] = loader.load(module, dev).kernel(expr)
-    return k
+    return loader.kernel(module, dev, expr)
 
 
 def _sm_count(dev):

@@ -88,30 +88,13 @@ class KernelCache:
 
     def __init__(self, module: KernelModule):
         self.module = module
-        self._kernels: dict = {}
-        self._arch: dict = {}
-        self._generation = -1
-
-    def _check_generation(self):
-        if self._generation != loader.generation:
-            self._kernels.clear()
-            self._arch.clear()
-            self._generation = loader.generation
 
     def get(self, dev: int, expr: str):
-        self._check_generation()
-        k = self._kernels.get((dev, expr))
-        if k is None:
-            k = self._kernels[(dev, expr)] = loader.load(self.module, dev).kernel(expr)
-        return k
+        return loader.kernel(self.module, dev, expr)
 
     def target_arch(self, dev: int) -> int:
         """The arch the module was built for on this device (GPUOPS_ARCH=61 gives 61 on an H100)."""
-        self._check_generation()
-        a = self._arch.get(dev)
-        if a is None:
-            a = self._arch[dev] = loader.load(self.module, dev).target.arch
-        return a
+        return loader.load(self.module, dev).target.arch
 
 
 KERNELS = KernelCache(MODULE)

@@ -42,21 +42,14 @@ MODULE = KernelModule(
     {**{_flat_expr(a, d): FLAT_ARGS for a in _ACTS for d in dt.FLOATS},
      **{_strided_expr(a, d): STRIDED_ARGS for a in _ACTS for d in dt.FLOATS}})
 
-_kernels: dict = {}
-_generation = [-1]
+# kernel names built once, not per call
+_EXPRS = {(a, d, flat): (_flat_expr(a, d) if flat else _strided_expr(a, d))
+          for a in _ACTS for d in dt.FLOATS for flat in (True, False)}
 _blocks: dict = {}
 
 
 def _kernel(dev, act, dtype, flat):
-    if _generation[0] != loader.generation:
-        _kernels.clear()
-        _generation[0] = loader.generation
-    key = (dev, act, dtype, flat)
-    k = _kernels.get(key)
-    if k is None:
-        expr = _flat_expr(act, dtype) if flat else _strided_expr(act, dtype)
-        k = _kernels[key] = loader.load(MODULE, dev).kernel(expr)
-    return k
+    return loader.kernel(MODULE, dev, _EXPRS[(act, dtype, flat)])
 
 
 def _gated_backward(call, act, grad_output: Tensor, gate: Tensor, up: Tensor):

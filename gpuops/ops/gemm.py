@@ -140,19 +140,9 @@ class _KernelCache:
     """Kernel objects looked up once per (module, name, device), forgotten with the loader's
     memory cache (the launch path is host-bound at decode sizes)."""
 
-    def __init__(self):
-        self._k: dict = {}
-        self._generation = -1
-
-    def get(self, module, expr, dev):
-        if self._generation != loader.generation:
-            self._k.clear()
-            self._generation = loader.generation
-        key = (module.name, expr, dev)
-        k = self._k.get(key)
-        if k is None:
-            k = self._k[key] = loader.load(module, dev).kernel(expr)
-        return k
+    @staticmethod
+    def get(module, expr, dev):
+        return loader.kernel(module, dev, expr)
 
 
 _kernels = _KernelCache()

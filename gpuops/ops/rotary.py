@@ -94,8 +94,6 @@ NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
        for d, c in _PAIRS},
     **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}})
 
-_kernel_cache: dict = {}
-_cache_generation = [-1]
 _bwd_grids: dict = {}
 # Kernel variants of the fused norm kernels with 16-byte packs: 2 = loads issued before the row's
 # reduction, 16-byte weight/table words (qk_norm_rope_fwd2 / _bwd2), 1 = the first version
@@ -105,14 +103,7 @@ NORM_VARIANT = {"fwd": 2, "bwd": 2}
 
 
 def _kernel(module, dev, expr):
-    if _cache_generation[0] != loader.generation:
-        _kernel_cache.clear()
-        _cache_generation[0] = loader.generation
-    key = (dev, expr)
-    k = _kernel_cache.get(key)
-    if k is None:
-        k = _kernel_cache[key] = loader.load(module, dev).kernel(expr)
-    return k
+    return loader.kernel(module, dev, expr)
 
 
 def _bwd_grid(dev):

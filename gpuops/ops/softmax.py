@@ -87,19 +87,9 @@ class KernelCache:
     """Kernel objects by (device, module, name), looked up once (the host path is hot); forgotten
     when the loader forgets its modules."""
 
-    def __init__(self):
-        self._kernels: dict = {}
-        self._generation = -1
-
-    def get(self, dev: int, module, expr: str):
-        if self._generation != loader.generation:
-            self._kernels.clear()
-            self._generation = loader.generation
-        key = (dev, expr)
-        k = self._kernels.get(key)
-        if k is None:
-            k = self._kernels[key] = loader.load(module, dev).kernel(expr)
-        return k
+    @staticmethod
+    def get(dev: int, module, expr: str):
+        return loader.kernel(module, dev, expr)
 
 
 KERNELS = KernelCache()

@@ -19,6 +19,7 @@ from gpuops.runtime.launch import Kernel
 from gpuops.runtime.nvrtc import Target
 
 _memory: dict = {}
+_kernels: dict = {}      # (module name, device, name expression) -> Kernel: see kernel()
 _lock = threading.RLock()
 # Bumped whenever loaded modules are forgotten, so that launchers caching Kernel objects (for
 # speed) know to look them up again.
@@ -29,6 +30,7 @@ def clear_memory_cache() -> None:
     global generation
     with _lock:
         _memory.clear()
+        _kernels.clear()
         generation += 1
 
 
@@ -152,6 +154,17 @@ def load(module, device_index: int) -> LoadedModule:
                               load_seconds=time.perf_counter() - start)
         _memory[key] = loaded
         return loaded
+
+
+def kernel(module, device_index: int, expr: str):
+    """The kernel ``expr`` of ``module`` on a device, looked up once and remembered until the
+    loaded modules are forgotten: the one kernel-handle cache every launcher uses (the launch
+    path is host-bound at decode sizes, so it is a single dict lookup)."""
+    key = (module.name, device_index, expr)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = load(module, device_index).kernel(expr)
+    return k
 
 
 def loaded_modules() -> list:
