@@ -561,7 +561,8 @@ def run_op(monkeypatch, op_name, dtype, build, smem_budget=SMEM_OPTIN - 1024, sm
     monkeypatch.setattr(sm, "_PLANS", {})
     import gpuops.ops.loss as loss_mod  # noqa: PLC0415
     monkeypatch.setattr(loss_mod, "KERNELS", kernels)
-    monkeypatch.setitem(sm._sm_counts, 0, sms)
+    monkeypatch.setattr(sm, "sm_count", lambda dev: sms)
+    monkeypatch.setattr(loss_mod, "sm_count", lambda dev: sms)
     monkeypatch.setitem(loss_mod._smem_budget, 0, smem_budget)
     args, kwargs = build(mem)
     call = FakeCall(mem, op_name, dtype)

@@ -262,7 +262,7 @@ def emulated():
 @pytest.fixture
 def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_kernel", lambda module, dev, expr: emulated[module.name].kernel(expr))
-    monkeypatch.setitem(A._sm_counts, 0, 3)
+    monkeypatch.setattr(A, "_sm_count", lambda dev: 3)
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
     A._plans.clear()
 

@@ -115,7 +115,7 @@ def test_layouts():
 
 
 def test_row_and_split_configs(monkeypatch):
-    monkeypatch.setitem(sm._sm_counts, 0, 132)
+    monkeypatch.setattr(sm, "sm_count", lambda dev: 132)
     for packs in list(range(1, 300)) + [512, 1000, 1024, 4095, 4096, 8191, 8192, 16384]:
         for choices in (sm.ROW_P[True], sm.ROW_P[False], sm.ROW_BWD_P[True], sm.ROW_BWD_P[False]):
             cfg = sm.row_config(packs, choices)

@@ -114,11 +114,6 @@ class KernelTable:
         return loader.kernel(self.module, dev, expr)
 
 
-_sm_counts: dict = {}
 
 
-def sm_count(dev: int) -> int:
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = device.device_info(dev).sm_count
-    return n
+sm_count = device.sm_count

@@ -89,18 +89,13 @@ COMBINE_MODULE = KernelModule("attention.decode_combine", "attention/decode_comb
 APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append.cu", {
     f"gpuops::append_paged_kv<{d.ctype}>": APPEND_ARGS for d in dt.FLOATS})
 
-_sm_counts: dict = {}
 
 
 def _kernel(module, dev, expr):
     return loader.kernel(module, dev, expr)
 
 
-def _sm_count(dev):
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = device.device_info(dev).sm_count
-    return n
+_sm_count = device.sm_count
 
 
 def num_splits(batch, hkv, row_chunks, s_max, sm_count, blocks_per_sm=None, min_chunk=None):

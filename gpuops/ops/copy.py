@@ -98,14 +98,9 @@ class KernelCache:
 
 
 KERNELS = KernelCache(MODULE)
-_sm_counts: dict = {}
 
 
-def sm_count(dev: int) -> int:
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = device.device_info(dev).sm_count
-    return n
+sm_count = device.sm_count
 
 
 def fast_divider(d: int) -> tuple:

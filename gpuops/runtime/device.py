@@ -60,6 +60,11 @@ def device_info(index: int) -> DeviceInfo:
         max_smem_per_block_optin=int(props.get("sharedMemPerBlockOptin", 0)))
 
 
+def sm_count(index: int) -> int:
+    """Multiprocessors of a device (cached with device_info): what launch plans size grids by."""
+    return device_info(index).sm_count
+
+
 _runtime = None
 
 
