@@ -49,6 +49,12 @@ def _ml_bfloat16():
 NUMPY_BFLOAT16 = _ml_bfloat16()
 
 
+def stat_dtype(d: DType | None) -> DType:
+    """The dtype of statistics kernels write beside a result (lse, mean, rstd): float32, or
+    float64 when the CPU path runs float64 input."""
+    return float64 if d is float64 else float32
+
+
 def from_numpy(dt) -> DType | None:
     """gpuops dtype of a NumPy/CuPy dtype (bfloat16 via ml_dtypes), or None if unsupported."""
     dt = np.dtype(dt)

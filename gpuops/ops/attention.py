@@ -364,7 +364,7 @@ def _sdpa_result_dtype(values, found):
     # with return_lse: lse in float32 (as the kernel writes it), float64 for float64 input
     if not values.get("return_lse"):
         return None
-    return (None, dt.float64 if found.get("query") is dt.float64 else dt.float32)
+    return (None, dt.stat_dtype(found.get("query")))
 
 
 ref_scaled_dot_product_attention.result_dtype = _sdpa_result_dtype

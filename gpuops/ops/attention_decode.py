@@ -276,8 +276,7 @@ def ref_paged_attention(q, k_pages, v_pages, block_table, cache_seqlens, scale=N
 
 def _ref_result_dtype(values, found):
     # lse in float32, as the kernels write it
-    lse = dt.float64 if found["q"] is dt.float64 else dt.float32
-    return (found["q"], lse) if values.get("return_lse") else found["q"]
+    return (found["q"], dt.stat_dtype(found["q"])) if values.get("return_lse") else found["q"]
 
 
 ref_decode_attention.result_dtype = _ref_result_dtype

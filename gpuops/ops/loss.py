@@ -133,7 +133,7 @@ def ref_cross_entropy_forward(input, target, ignore_index=-100, reduction="mean"
 
 # the loss in the input's dtype, lse in float32 (as the kernels write it)
 ref_cross_entropy_forward.result_dtype = lambda values, found: (
-    None, dt.float64 if found.get("input") is dt.float64 else dt.float32)
+    None, dt.stat_dtype(found.get("input")))
 
 
 def ref_cross_entropy_backward(grad_output, input, target, lse, ignore_index=-100,

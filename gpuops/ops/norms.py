@@ -594,9 +594,8 @@ def ref_rms_norm_forward(input, normalized_shape, weight=None, eps=None):
     return _ref_rms_norm("rms_norm_forward", input, normalized_shape, weight, eps)
 
 
-def _stat_dtype(found, name="input"):
-    """Statistics come back in float32 (as the kernels write them), float64 for float64 input."""
-    return dt.float64 if found.get(name) is dt.float64 else dt.float32
+def _stat_dtype(found):
+    return dt.stat_dtype(found.get("input"))
 
 
 # the statistics in float32, the normalized output in the input's dtype
