@@ -13,6 +13,8 @@
 #   decode     benchmarks/experiments/decode_graphs.py (per call back to back and in a CUDA graph)
 #   gemm       benchmarks/experiments/gemm_ladder.py (every GEMM variant against cuBLAS)
 #   sweep, dispatch   experiments of the elementwise family
+#   exp        each of $EXPERIMENTS (';'-separated "script.py args" under benchmarks/experiments/),
+#              run with --json detail/exp_<script>.json; logs detail/exp_<script>.log
 # Wheels in .whl (carried; e.g. liger-kernel) are installed into /tmp/site first.
 #   bash scripts/device_run.sh                 # all default stages
 #   bash scripts/device_run.sh bench sweep     # only these
@@ -26,6 +28,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
 PY=${PY:-python3}
 stages=${*:-tests tests61 bench}
+# every benchmark/experiment command is cut off after $STAGE_TIMEOUT seconds, so that one stuck
+# stage cannot take the device call (and the logs tarred at the end) with it
+T="timeout ${STAGE_TIMEOUT:-3000}"
 status=0
 
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -91,29 +96,40 @@ for stage in $stages; do
       grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1 ;;
     bench)
       prebuild
-      $PY -m gpuops bench ${BENCH_ARGS:---runtime} --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;
+      $T $PY -m gpuops bench ${BENCH_ARGS:---runtime} --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;
     benchfull)
       prebuild
-      $PY -m gpuops bench --compile --all-shapes --json "$OUT/benchfull.json" ${BENCH_ARGS:-} 2>&1 \
+      $T $PY -m gpuops bench --compile --all-shapes --json "$OUT/benchfull.json" ${BENCH_ARGS:-} 2>&1 \
         | tee "$DETAIL/benchfull.log" || status=1 ;;
     xent)
       prebuild
-      $PY benchmarks/experiments/cross_entropy_memory.py --json "$OUT/xent.json" 2>&1 \
+      $T $PY benchmarks/experiments/cross_entropy_memory.py --json "$OUT/xent.json" 2>&1 \
         | tee "$DETAIL/xent.log" || status=1 ;;
     decode)
       prebuild
-      $PY benchmarks/experiments/decode_graphs.py --json "$OUT/decode.json" 2>&1 \
+      $T $PY benchmarks/experiments/decode_graphs.py --json "$OUT/decode.json" 2>&1 \
         | tee "$DETAIL/decode.log" || status=1 ;;
     gemm)
       prebuild
-      $PY benchmarks/experiments/gemm_ladder.py --json "$OUT/gemm_ladder.json" ${GEMM_ARGS:-} 2>&1 \
+      $T $PY benchmarks/experiments/gemm_ladder.py --json "$OUT/gemm_ladder.json" ${GEMM_ARGS:-} 2>&1 \
         | tee "$DETAIL/gemm_ladder.log" || status=1 ;;
     sweep)
-      $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
+      $T $PY benchmarks/experiments/pointwise_sweep.py --json "$OUT/sweep.json" 2>&1 \
         | tee "$DETAIL/sweep.log" || status=1 ;;
     dispatch)
-      $PY benchmarks/experiments/dispatch_costs.py --json "$OUT/dispatch.json" 2>&1 \
+      $T $PY benchmarks/experiments/dispatch_costs.py --json "$OUT/dispatch.json" 2>&1 \
         | tee "$DETAIL/dispatch.log" || status=1 ;;
+    exp)
+      prebuild
+      IFS=';' read -ra exps <<< "${EXPERIMENTS:-}"
+      for e in "${exps[@]}"; do
+        read -ra words <<< "$e"
+        [ ${#words[@]} -gt 0 ] || continue
+        name=$(basename "${words[0]}" .py)
+        echo "--- $e"
+        $T $PY "benchmarks/experiments/${words[0]}" "${words[@]:1}" --json "$DETAIL/exp_$name.json" 2>&1 \
+          | tee "$DETAIL/exp_$name.log" || status=1
+      done ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
