@@ -354,7 +354,7 @@ def recording(monkeypatch, request):
         sm_count = getattr(request, "param", 2)
 
     monkeypatch.setattr(N.loader, "load", lambda module, dev: _FakeLoaded(module, log))
-    monkeypatch.setattr(N, "_occupancy", lambda ptr, threads, smem: 4)
+    monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: 4)
     monkeypatch.setattr(N.device, "device_info", lambda dev: _Info)
     monkeypatch.setattr(N.device, "cupy_or_none", lambda: _Cupy)
     monkeypatch.setattr(N, "_plans", {})

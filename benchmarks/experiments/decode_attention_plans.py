@@ -5,7 +5,7 @@ full caches): B1 S8192 and B16 S4096, bf16 (and fp16 with --all), timed by CUDA-
 (gpuops.bench.graph_replay_us) with the KV caches ROTATED through enough copies that they cannot
 sit in the 50 MB L2 (a real model reads another layer's cache on every call), next to torch SDPA
 on the same rotated caches. For gpuops also: the split kernel alone (combine replaced by a no-op:
-what the combine launch costs) and the split rule swept (SPLIT blocks_per_sm x min_chunk).
+what the combine launch costs) and the split rule swept (SPLIT waves x min_chunk, waves of the split kernel's resident blocks).
 
 Floors (KV bytes / 3000 GB/s): B1 S8192 bf16 33.6 MB -> 11.2 us; B16 S4096 268 MB -> 89.5 us.
 Run 13 (no rotation, before the combine rewrite and the K/V prefetch): B1 26.9 us (41.5%),
@@ -106,14 +106,19 @@ def main():
             finally:
                 AD._kernel = saved
             saved_split = dict(AD.SPLIT)
-            for bps in (2, 4, 8):
+            slots = None
+            for (op, p) in list(AD._plans.items()):
+                if op[0] == "decode_attention" and op[3] == tuple(caches[0][0].shape) and op[4]:
+                    slots = AD._split_slots(p[0], 0)
+            print(f"split kernel slots (SMs x blocks per SM): {slots}", flush=True)
+            for waves in (1, 2, 3):
                 for mc in (64, 128, 256):
-                    AD.SPLIT.update(blocks_per_sm=bps, min_chunk=mc)
+                    AD.SPLIT.update(waves=waves, min_chunk=mc)
                     try:
-                        ns, ch = AD.num_splits(b, hkv, 1, s, device.sm_count(0))
-                        record(op="decode_attention", what=f"bps={bps} min_chunk={mc} ({ns}x{ch})",
-                               us=graph_replay_us(dec), **common, blocks_per_sm=bps,
-                               min_chunk=mc)
+                        ns, ch = AD.num_splits(b, hkv, 1, s, slots or 528)
+                        record(op="decode_attention", what=f"waves={waves} min_chunk={mc} "
+                               f"({ns}x{ch})", us=graph_replay_us(dec), **common, waves=waves,
+                               min_chunk=mc, slots=slots)
                     finally:
                         AD.SPLIT.clear()
                         AD.SPLIT.update(saved_split)

@@ -193,19 +193,11 @@ def split_shape(kind: Kind, vec: int, n: int):
 
 _plans: dict = {}
 _plans_generation = -1
-_occupancy = None
 
 
 def _make_plan(kind_name: str, expr: str, threads: int, ty: int, packs: int, C: int, dev: int):
-    global _occupancy
     kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(expr)
-    if _occupancy is None:
-        from cupy.cuda import driver  # noqa: PLC0415
-        _occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
-    per_sm = int(_occupancy(kernel.ptr, threads * ty, 0))
-    if per_sm < 1:
-        raise RuntimeError(f"gpuops: {kernel.name} cannot run blocks of {threads * ty} threads "
-                           "on this device")
+    per_sm = loader.blocks_per_sm(kernel, threads * ty)
     return Plan(kernel, (threads, ty, 1), packs, C, per_sm * device.device_info(dev).sm_count)
 
 
