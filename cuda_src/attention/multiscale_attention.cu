@@ -21,7 +21,7 @@ constexpr int kMsThreads = 256;
 constexpr int kMsRows = kMsThreads / 8;   // decimated query rows per block
 
 template <class T, int DPL, int BC>
-__global__ void __launch_bounds__(kMsThreads) multiscale_attn(const MultiscaleArgs a) {
+__global__ void __launch_bounds__(kMsThreads, 1) multiscale_attn(const MultiscaleArgs a) {
   constexpr int DW = 8 * DPL, kLd = DW + 4, NC = DPL / 4;
   static_assert(DPL % 4 == 0 && (DW & (DW - 1)) == 0, "lane width");
   __shared__ AttnF4 Ks4[(BC * kLd) / 4];   // 16-byte aligned (LDS.128)
