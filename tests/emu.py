@@ -30,7 +30,8 @@ from gpuops.tensor import Tensor
 
 HERE = Path(__file__).resolve().parent / "cuda_emu"
 CACHE = Path(os.environ.get("GPUOPS_EMU_CACHE", Path.home() / ".cache" / "gpuops-emu"))
-_EXTERN_SMEM = re.compile(r"extern\s+__shared__\s+([\w:<>, ]+?)\s+(\w+)\s*\[\s*\]\s*;")
+_EXTERN_SMEM = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:<>, ]+?)\s+(\w+)\s*\[\s*\]\s*;")
 
 
 def available() -> bool:

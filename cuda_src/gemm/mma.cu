@@ -22,7 +22,7 @@
 // Left for the Hopper step (`variant='wgmma'`, not written yet): wgmma.mma_async from shared
 // memory descriptors, TMA loads and a warp-specialized producer/consumer pipeline.
 #include "gemm/gemm_common.cuh"
-#include "gemm/mma_common.cuh"
+#include "common/mma.cuh"
 
 namespace gpuops {
 namespace gemm {

@@ -6,9 +6,16 @@
 // function statics (one copy: blocks run one after another, unless the concurrent schedule is
 // on). Threads that return early drop out of their barriers, as exited threads do on the GPU.
 //
+// Tensor-core kernels (cuda_src/common/mma.cuh's host branch): ldmatrix and mma.sync exchange
+// their operands through a per-warp scratch at the warp barrier (warp_collective); shared
+// addresses are offsets into the dynamic shared memory (shared_offset / shared_ptr, bounds and
+// alignment checked); cp.async copies wait in the issuing thread's groups until a
+// cp.async.wait_group covers them, so reading a tile before waiting for it reads stale data.
+//
 // This checks indexing, tiling, shuffles, barriers and the algorithms (and, with the concurrent
 // schedule, interleavings of blocks); it does not model memory ordering beyond sequential
-// consistency, timing, or the real arch's floating-point contractions.
+// consistency, timing, or the real arch's floating-point contractions (nor the tensor cores'
+// accumulation order: an emulated mma sums its 16 products in k order with fp32 FMAs).
 // dtypes.cuh and vec.cuh are replaced by asm-free host versions (tests/cuda_emu/common/).
 #pragma once
 #include <atomic>
@@ -89,15 +96,24 @@ struct Barrier {
   }
 };
 
+inline constexpr int kScratchWords = 16;
 struct Warp {
   Barrier bar;
   unsigned long long slot[32];
+  unsigned scratch[32][kScratchWords];   // operands of warp-wide instructions (ldmatrix, mma)
 };
 
 struct BlockState {
   dim3 idx;
   Barrier bar;
   std::vector<Warp> warps;
+};
+
+// One 16-byte (or shorter) cp.async: performed when a cp.async.wait_group covers its group.
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  int src_bytes, bytes;
 };
 
 struct Fiber {
@@ -107,6 +123,8 @@ struct Fiber {
   int linear = 0;
   bool started = false;
   bool done = false;
+  std::vector<AsyncCopy> open_copies;                 // issued, not yet committed
+  std::vector<std::vector<AsyncCopy>> copy_groups;    // committed, oldest first
 };
 
 inline constexpr size_t kStack = 256 * 1024;  // virtual; pages are committed when touched
@@ -135,6 +153,63 @@ inline void yield() {
   if (!_setjmp(current->jmp)) _longjmp(scheduler_jmp, 1);
 }
 inline Warp& warp() { return current_block->warps[linear / 32]; }
+
+// Warp-wide instructions: every lane publishes n words (mine), then f(scratch, lane) runs when
+// the whole warp has published (scratch[l] holds lane l's words); the scratch is reused only after
+// every lane is done with it.
+template <class F>
+inline void warp_collective(const unsigned* mine, int n, F&& f) {
+  Warp& w = warp();
+  const int lane = linear & 31;
+  for (int i = 0; i < n; ++i) w.scratch[lane][i] = mine[i];
+  w.bar.arrive_and_wait();
+  f(static_cast<const unsigned (*)[kScratchWords]>(w.scratch), lane);
+  w.bar.arrive_and_wait();
+}
+
+// The shared state space of the emulated kernels: offsets into the block's dynamic shared memory
+// (a 32-bit shared address, as cvta.to.shared gives on the GPU). `bytes`: the access size, which
+// must be aligned to itself (ldmatrix rows, cp.async).
+inline size_t dynamic_smem_size = 0;
+inline unsigned shared_offset(const void* p) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  if (c < dynamic_smem || c > dynamic_smem + dynamic_smem_size) {
+    fail("shared address outside the dynamic shared memory (static __shared__ arrays have no "
+         "shared address in the emulator)");
+    return 0;
+  }
+  return static_cast<unsigned>(c - dynamic_smem);
+}
+inline unsigned char* shared_ptr(unsigned off, unsigned bytes) {
+  static unsigned char sink[16];
+  if (off + bytes > dynamic_smem_size || off % bytes) {
+    fail("shared access out of bounds or misaligned (ldmatrix / cp.async need 16-byte rows)");
+    return sink;
+  }
+  return dynamic_smem + off;
+}
+
+// cp.async: the copy is queued in the issuing thread's open group; commit_group closes the group;
+// wait_group(n) performs all but the newest n committed groups (so data that a kernel reads
+// before waiting for it is stale, as it may be on the GPU).
+inline void cp_async(unsigned char* dst, const void* src, int src_bytes, int bytes) {
+  if (src_bytes < 0 || src_bytes > bytes) fail("cp.async: src-size out of range");
+  current->open_copies.push_back({dst, static_cast<const unsigned char*>(src), src_bytes, bytes});
+}
+inline void cp_async_commit() {
+  current->copy_groups.push_back(std::move(current->open_copies));
+  current->open_copies.clear();
+}
+inline void cp_async_wait(int n) {
+  auto& groups = current->copy_groups;
+  while (static_cast<int>(groups.size()) > n) {
+    for (const AsyncCopy& c : groups.front()) {
+      if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
+      std::memset(c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+    }
+    groups.erase(groups.begin());
+  }
+}
 
 inline void trampoline() {
   body();
@@ -247,8 +322,10 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 blk, size_t smem, A... args) {
     fail("block size must be a multiple of 32");
     return;
   }
-  std::vector<unsigned char> smem_buf(smem + 16);
-  dynamic_smem = smem_buf.data();
+  std::vector<unsigned char> smem_buf(smem + 256);
+  // 128-byte aligned, as the GPU's shared window (ldmatrix / cp.async check 16-byte alignment)
+  dynamic_smem = smem_buf.data() + (128 - reinterpret_cast<uintptr_t>(smem_buf.data()) % 128);
+  dynamic_smem_size = smem;
   body = [&] { kernel(args...); };
   const int nblocks = static_cast<int>(grid.x * grid.y * grid.z);
   const int batch = concurrent ? nblocks : 1;
