@@ -116,5 +116,15 @@ __device__ __forceinline__ unsigned int to_tf32(unsigned int x) {
   return r;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Added by the mma main-loop rework (issue 4, branch perf-gemm-mma), kept apart from the generic
+// wrappers above so that moving those to common/ stays a plain move: a CPU emulator stands in for
+// each of these too (here: a no-op).
+
+// Hint: bring the 128-byte line at p into L2 (no register result).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 }  // namespace gemm
 }  // namespace gpuops
