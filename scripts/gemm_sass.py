@@ -1,12 +1,16 @@
-"""SASS of one gpuops kernel, built here with NVRTC (no GPU needed), and its main-loop mix:
-instructions per tensor-core instruction (HMMA/IMMA) in the innermost loop(s) that contain them.
+"""SASS of gpuops kernels, built here with NVRTC (no GPU needed), and the instruction mix of their
+K-tile loops: instructions issued per tensor-core instruction (HMMA/IMMA) on the loop's
+steady-state path.
 
     python scripts/gemm_sass.py [--arch 90] [--module gemm.mma_bf16] [--kernel SUBSTRING] \
-        [--dump FILE.sass] [--all-kernels]
+        [--trips N] [--dump FILE.sass]
 
-Without --kernel, every kernel of the module is reported. The loop finder takes each backward
-branch (BRA to an earlier address) as a loop; the innermost loop containing HMMAs is the main
-loop (what we count). Needs nvdisasm (pip: nvidia-cuda-nvdisasm) on PATH or in the nvidia wheels.
+Without --kernel, every kernel of the module is reported. Loops are backward branches; the
+K-tile loops are the outermost loops holding HMMAs (a kernel may have several: one per load
+path). The steady-state path through one iteration is found on the control-flow graph: all the
+math (HMMA, LDSM), the global loads issued, and the fewest instructions otherwise (full tiles,
+not the predicated edge/tail path nor one-off branches). A rolled inner loop (the first mma
+kernel's kk loop: --trips 2) counts N times. Needs nvdisasm (pip: nvidia-cuda-nvdisasm).
 """
 from __future__ import annotations
 

@@ -508,6 +508,14 @@ struct GemmMma {
   // the activation code per run of a group instead of one per accumulator, 16-byte smem reads
   // and global stores, the next group's residual in flight during a group.
   static constexpr int kLdC = BN + 8;   // floats; +8: the float2 writes below are conflict-free
+
+  // Column c of a staged row is stored at stage_col(c): the 4-float chunks of each pair swap
+  // places in every other group of 8 chunks. A copy-out thread reads its run of 8 columns as two
+  // 16-byte chunks; unswizzled, the 8 lanes of a quarter warp (runs 32 bytes apart) would hit each
+  // bank twice. Swizzled, their first (second) reads take chunks 2L + b (2L + 1 - b), b = bit 2
+  // of the lane's run: 8 distinct bank groups. Pairs stay in place, so the float2 writes of the
+  // fragments are as conflict-free as before.
+  __device__ __forceinline__ static int stage_col(int c) { return c ^ (((c >> 5) & 1) << 2); }
   static constexpr int kRunsPerRow = BN / 8;
   static constexpr int kRowStep = kThreads / kRunsPerRow;
   static constexpr int kPasses = kNB * BM * kLdC * 4 <= kPipeBytes         ? 1
@@ -516,7 +524,9 @@ struct GemmMma {
   static constexpr int kMIP = kMI / kPasses;            // m16 tiles per warp and pass
   static constexpr int kWRP = kWTM / kPasses;           // rows per warp and pass
   static constexpr int kRuns = kPassRows / kRowStep;     // runs per thread and pass
-  static constexpr int kU = 2;                           // runs per group
+  // runs per group: 4 where the accumulators are all staged before the copy-out (one pass: the
+  // registers are free), else 2 (the next pass's accumulators are still live)
+  static constexpr int kU = kPasses == 1 ? 4 : 2;
   static_assert(kThreads % kRunsPerRow == 0 && kPassRows % kRowStep == 0 && kRuns % kU == 0 &&
                     kMI % kPasses == 0, "epilogue runs");
   static_assert(kNB * kPassRows * kLdC * 4 <= kPipeBytes, "C staging must fit");
@@ -559,7 +569,7 @@ struct GemmMma {
               for (int hh = 0; hh < 2; ++hh) {
                 const int i = hp * kMIP + ii;
                 const int r = k.wm * kWRP + ii * 16 + g + hh * 8, c = k.wn * kWTN + j * 8 + 2 * t4;
-                *reinterpret_cast<float2*>(cs + (d * kPassRows + r) * kLdC + c) =
+                *reinterpret_cast<float2*>(cs + (d * kPassRows + r) * kLdC + stage_col(c)) =
                     make_float2(static_cast<float>(acc[d][i][j][2 * hh]),
                                 static_cast<float>(acc[d][i][j][2 * hh + 1]));
               }
@@ -581,12 +591,14 @@ struct GemmMma {
           const int r = r_first + (it + u) * kRowStep;
           const long long m = k.m0 + tile_row(r);
           if (m >= p.M) continue;
-          const float4* src = reinterpret_cast<const float4*>(cs + r * kLdC + my_c);
-          const float4 v0 = src[0], v1 = src[1];
+          const float* row = cs + r * kLdC;
+          const float4 v0 = *reinterpret_cast<const float4*>(row + stage_col(my_c));
+          const float4 v1 = *reinterpret_cast<const float4*>(row + stage_col(my_c + 4));
           float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
           if constexpr (DUAL) {
-            const float4* su = reinterpret_cast<const float4*>(cs + (kPassRows + r) * kLdC + my_c);
-            const float4 u0 = su[0], u1 = su[1];
+            const float* urow = cs + (kPassRows + r) * kLdC;
+            const float4 u0 = *reinterpret_cast<const float4*>(urow + stage_col(my_c));
+            const float4 u1 = *reinterpret_cast<const float4*>(urow + stage_col(my_c + 4));
             const float up[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
             swiglu_run<TO, 8>(p, o, m, n, v, up);
           } else if constexpr (kInt8) {   // (A @ B) * scale_a[m] * scale_b[n]

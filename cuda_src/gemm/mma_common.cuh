@@ -118,12 +118,16 @@ __device__ __forceinline__ unsigned int to_tf32(unsigned int x) {
 
 // ---------------------------------------------------------------------------------------------
 // Added by the mma main-loop rework (issue 4, branch perf-gemm-mma), kept apart from the generic
-// wrappers above so that moving those to common/ stays a plain move: a CPU emulator stands in for
-// each of these too (here: a no-op).
+// wrappers above so that moving those to common/ stays a plain move.
 
-// Hint: bring the 128-byte line at p into L2 (no register result).
+// Hint: bring the 128-byte line at p into L2 (no register result). Compiled as host C++ (the CPU
+// kernel emulator) it is a no-op: there is nothing to emulate.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#else
+  (void)p;
+#endif
 }
 
 }  // namespace gemm
