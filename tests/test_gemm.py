@@ -274,7 +274,75 @@ def test_decode_plans():
     assert G._l1_split(8, 4096, 4, 1, 0) == (2, 2048)
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
-    assert set(G.PLAN) == {"decode", "mma_epilogue"}
+    assert set(G.PLAN) == {"decode", "mma_tiles"}
+
+
+class _Info:
+    def __init__(self, sms, smem):
+        self.sm_count, self.max_smem_per_block_optin = sms, smem
+
+
+@pytest.mark.parametrize("smem, large", [(232448, G.MMA_LARGE), (166912, G.MMA_LARGE),
+                                          (101376, G.MMA_LARGE_K32)])
+def test_mma_tile_choice(monkeypatch, smem, large):
+    """128x256 tiles when they fill the SMs, in the 144 KiB version where the device allows it
+    (H100 227 KiB, A100 163 KiB per block; sm_86/89 99 KiB take the 96 KiB one), else 128x128;
+    PLAN['mma_tiles'] forces a configuration unless the device lacks its shared memory."""
+    monkeypatch.setattr(G.device, "device_info", lambda dev: _Info(132, smem))
+    assert G._mma_config(0, 8192, 8192, 1) == large
+    assert G._mma_config(0, 4096, 2048, 1) == large            # 256 tiles >= 132 SMs
+    assert G._mma_config(0, 1024, 2048, 1) == G.MMA_SMALL      # 64 tiles: 128x128 gives 128
+    assert G._mma_config(0, 1024, 2048, 4) == large            # a batch fills the SMs
+    for name, cfg in G.MMA_TILES.items():
+        monkeypatch.setitem(G.PLAN, "mma_tiles", name)
+        want = cfg if G._mma_smem(cfg) <= smem else G.MMA_SMALL    # else the rule's choice
+        assert G._mma_config(0, 100, 100, 1) == want, name
+    monkeypatch.setitem(G.PLAN, "mma_tiles", "auto")
+    assert G._mma_config(0, 100, 100, 1) == G.MMA_SMALL
+
+
+def test_mma_tile_configurations_are_consistent():
+    """What cuda_src/gemm/mma.cu static_asserts, checked here too: 8 or 4 warps of 64x64 (64x32
+    dual), 64/128-byte K tiles with an even number of mma k steps, shared memory per block within
+    what the configuration is meant for; every configuration is compiled for every dtype."""
+    for cfg in (*G.MMA_TILES.values(), G.MMA_DUAL):
+        bm, bn, wm, wn, stages, bkb = cfg
+        assert bkb in (64, 128) and (bkb // 32) % 2 == 0 and stages >= 3
+        assert bm // wm == 64 and bn // wn in (32, 64)
+    assert G._mma_smem(G.MMA_LARGE) == 144 * 1024
+    assert G._mma_smem(G.MMA_LARGE_K32) == G._mma_smem(G.MMA_SMALL) * 3 // 2 == 96 * 1024
+    assert G._mma_smem(G.MMA_DUAL, dual=True) == 64 * 1024
+    for d in (dt.float16, dt.bfloat16, dt.int8):
+        names = set(G.MMA[d].kernels)
+        for cfg in G.MMA_TILES.values():
+            assert any(f", {', '.join(map(str, cfg))}, " in n for n in names), (d, cfg)
+
+
+def _res_plan(N, r_sm, r_sn, r_sb=(0, 0, 0)):
+    p = G._Plan()
+    p.N, p.r_sm, p.r_sn, p.r_sb = N, r_sm, r_sn, r_sb
+    return p
+
+
+def _res_launch(ptr):
+    L = G._Launch()
+    L.residual = ptr
+    return L
+
+
+def test_mma_residual_vector_flag():
+    """The mma epilogue reads the residual in 16-byte runs of 8 columns only when every run is
+    one aligned, contiguous, in-row piece."""
+    ok = G._residual_vec
+    assert ok(_res_plan(64, 64, 1), _res_launch(4096), 2)
+    assert ok(_res_plan(64, 0, 1), _res_launch(4096), 2)                # a row broadcast
+    assert ok(_res_plan(64, 64, 1), _res_launch(4096), 4)                # fp32: 2 x 16 bytes
+    assert not ok(_res_plan(67, 67, 1), _res_launch(4096), 2)            # N % 8
+    assert not ok(_res_plan(64, 68, 1), _res_launch(4096), 2)            # rows not 16-byte apart
+    assert ok(_res_plan(64, 68, 1), _res_launch(4096), 4)                # ... they are in fp32
+    assert not ok(_res_plan(64, 1, 64), _res_launch(4096), 2)            # transposed residual
+    assert not ok(_res_plan(64, 64, 1), _res_launch(4098), 2)            # unaligned pointer
+    assert not ok(_res_plan(64, 64, 1, (0, 0, 4100)), _res_launch(4096), 2)   # batch stride
 
 
 # ----------------------------------------------------------------------------- CPU: autograd
@@ -584,32 +652,80 @@ def test_gpu_decode_plans(plan, dtype, monkeypatch):
                    what=f"{plan} swiglu {dtype} {(M, N, K)}")
 
 
+MMA_TILE_NAMES = sorted(G.MMA_TILES)
+
+
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("plan", ["prefetch", "legacy"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_mma_epilogue_plans(plan, dtype, monkeypatch):
-    """Both mma epilogues (PLAN['mma_epilogue']): large and small tiles, ragged edges, residual
-    with unit and non-unit column strides, fp32 output of 16-bit inputs."""
+@pytest.mark.parametrize("tiles", MMA_TILE_NAMES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_tile_configurations(tiles, dtype, monkeypatch):
+    """Every mma tile configuration (PLAN['mma_tiles'] forces it) through both of its pipelines:
+    aligned operands (the vector path: full tiles, then edge blocks and the K tail zero-filled)
+    in all four layouts with M, N not multiples of the tile and K tails of 8 and of a partial
+    16-byte chunk's worth; unaligned / sliced operands (the checked path); batches; and the
+    epilogue (bias, activation, residual by 16-byte runs and element by element, fp32 out)."""
     _skip_unsupported("mma", dtype)
-    monkeypatch.setitem(G.PLAN, "mma_epilogue", plan)
+    cfg = G.MMA_TILES[tiles]
+    if G._mma_smem(cfg) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin:
+        pytest.skip(f"{tiles} needs {G._mma_smem(cfg)} bytes of shared memory per block")
+    monkeypatch.setitem(G.PLAN, "mma_tiles", tiles)
     kw = _kw("mma", dtype)
-    for M, N, K in ((1037, 8200, 600), (70, 67, 300), (4096, 4096, 64)):
+    for M, N, K in ((300, 520, 136), (1037, 8200, 600), (128, 256, 4096), (33, 24, 8)):
+        for name, a, b in list(_layouts(M, N, K, dtype))[:4]:
+            _check(go.matmul(a, b, **kw), a, b, dtype, what=f"{tiles} {dtype} {name} {(M, N, K)}")
+    for name, a, b in list(_layouts(131, 97, 136, dtype))[4:]:
+        _check(go.matmul(a, b, **kw), a, b, dtype, what=f"{tiles} {dtype} {name}")
+    # aligned rows, extents that end inside a 16-byte chunk: K = 139 of K-major A (the K tail's
+    # last chunk is partial), N = 299 of row-major B and M = 133 of a.T (the edge chunks are)
+    a, b = _randn((300, 144), dtype)[:, :139], _randn((139, 304), dtype)[:, :299]
+    _check(go.matmul(a, b, **kw), a, b, dtype, what=f"{tiles} {dtype} partial chunks")
+    a = _randn((139, 136), dtype)[:, :133].T
+    _check(go.matmul(a, b, **kw), a, b, dtype, what=f"{tiles} {dtype} partial chunks a.T")
+    for what, (a, b) in {
+            "bmm": (_randn((3, 200, 72), dtype), _randn((3, 72, 264), dtype)),
+            "bmm_t": (_randn((2, 72, 136), dtype).transpose(1, 2),
+                      _randn((2, 264, 72), dtype).transpose(1, 2)),
+            "fold": (_randn((3, 2, 100, 64), dtype), _randn((64, 136), dtype))}.items():
+        _check(go.matmul(a, b, **kw), a, b, dtype, what=f"{tiles} {dtype} {what}")
+    for M, N, K in ((1037, 8200, 600), (70, 67, 300)):
         a, b = _randn((M, K), dtype), _randn((K, N), dtype)
         bias, res = _randn((N,), dtype), _randn((M, N), dtype)
         for act in (None, "gelu"):
             out = go.matmul(a, b, bias=bias, activation=act, residual=res, **kw)
-            _check(out, a, b, dtype, bias=bias, act=act, residual=res, tf32=kw["allow_tf32"],
-                   what=f"{plan} {dtype} {(M, N, K)} {act}")
-        res_t = _randn((N, M), dtype).T                 # column stride M: no prefetch
-        out = go.matmul(a, b, residual=res_t, alpha=0.5, **kw)
-        _check(out, a, b, dtype, residual=res_t, alpha=0.5, tf32=kw["allow_tf32"],
-               what=f"{plan} {dtype} transposed residual")
-        if dtype != "float32":
-            out = go.matmul(a, b, bias=bias.float(), residual=res.float(),
-                            out_dtype=torch.float32, **kw)
-            _check(out, a, b, dtype, bias=bias.float(), residual=res.float(),
-                   out_dtype="float32", what=f"{plan} out_dtype=float32")
+            _check(out, a, b, dtype, bias=bias, act=act, residual=res,
+                   what=f"{tiles} {dtype} {(M, N, K)} {act}")
+        res_t = _randn((N, M), dtype).T                 # column stride M: element by element
+        _check(go.matmul(a, b, residual=res_t, alpha=0.5, **kw), a, b, dtype, residual=res_t,
+               alpha=0.5, what=f"{tiles} {dtype} transposed residual")
+        row = _randn((N,), dtype)                       # broadcast over rows (row stride 0)
+        _check(go.matmul(a, b, residual=row, **kw), a, b, dtype, residual=row,
+               what=f"{tiles} {dtype} row residual")
+        out = go.matmul(a, b, bias=bias.float(), residual=res.float(), activation="silu",
+                        out_dtype=torch.float32, **kw)
+        _check(out, a, b, dtype, bias=bias.float(), residual=res.float(), act="silu",
+               out_dtype="float32", what=f"{tiles} out_dtype=float32")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("tiles", MMA_TILE_NAMES)
+def test_gpu_int8_mma_tile_configurations(tiles, monkeypatch):
+    """int8_matmul's tensor-core kernel in every tile configuration: aligned operands (vector
+    path with edges and a K tail) and unaligned ones (checked path)."""
+    _skip_unsupported("mma", "int8")
+    cfg = G.MMA_TILES[tiles]
+    if G._mma_smem(cfg) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin:
+        pytest.skip(f"{tiles} needs {G._mma_smem(cfg)} bytes of shared memory per block")
+    monkeypatch.setitem(G.PLAN, "mma_tiles", tiles)
+    for M, N, K in ((300, 520, 272), (130, 70, 4100), (2048, 4096, 256)):
+        a, w = _q((M, K)), _q((N, K))
+        sa = (torch.rand(M, device="cuda") + 0.1) / 128
+        sb = (torch.rand(N, device="cuda") + 0.1) / 128
+        out = go.int8_matmul(a, w.T, sa, sb, "bfloat16", variant="mma")
+        ref = (a.double() @ w.T.double()) * sa.double()[:, None] * sb.double()[None, :]
+        bound = 6 * U_ACC * ref.abs() + 2 * U_OUT["bfloat16"] * ref.abs() + TINY["bfloat16"]
+        assert ((out.double() - ref).abs() <= bound).all(), f"int8 {tiles} {(M, N, K)}"
 
 
 @gpu

@@ -92,20 +92,30 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1) or
 #             "legacy" (run 1: gemv_mma for M = 5..16 with 32-row blocks, splits only to fill
 #             the GPU 4 times over);
-#   "mma_epilogue": "prefetch" (bias in registers, residual prefetched to L2 during the last
-#             k-tiles, runs in groups of 4) or "legacy" (run 1's rolled per-element loop).
-PLAN = {"decode": "balanced", "mma_epilogue": "prefetch"}
+#   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
+#             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
+#             configuration that needs more shared memory than the device has falls back to
+#             the rule.
+PLAN = {"decode": "balanced", "mma_tiles": "auto"}
 
-# mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages)
-MMA_LARGE = (128, 256, 2, 4, 4)      # 8 warps of 64x64, 96 KiB of shared memory
-MMA_SMALL = (128, 128, 2, 2, 4)      # 4 warps of 64x64, 64 KiB
-MMA_DUAL = (128, 64, 2, 2, 4)        # SwiGLU: 4 warps of 64x32 per B, 64 KiB
+# mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
+# K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
+MMA_LARGE = (128, 256, 2, 4, 3, 128)      # 8 warps of 64x64, 144 KiB (sm_80, sm_90)
+MMA_LARGE_K32 = (128, 256, 2, 4, 4, 64)   # the same in 96 KiB (sm_86/89: 99 KiB per block)
+MMA_SMALL = (128, 128, 2, 2, 4, 64)       # 4 warps of 64x64, 64 KiB, 2 blocks per SM
+MMA_DUAL = (128, 64, 2, 2, 4, 64)         # SwiGLU: 4 warps of 64x32 per B, 64 KiB
+MMA_TILES = {"large": MMA_LARGE, "large_k32": MMA_LARGE_K32, "small": MMA_SMALL}
+
+
+def _mma_smem(cfg, dual=False):
+    bm, bn, _, _, stages, bkb = cfg
+    return stages * (bm + (2 if dual else 1) * bn) * bkb
 
 
 def _mma_expr(d, cfg, ak, bk, dual=False, out=None):
-    bm, bn, wm, wn, st = cfg
-    return _kname("gemm_mma", d.ctype, (out or d).ctype, bm, bn, wm, wn, st, _b(ak), _b(bk),
-                  _b(dual))
+    bm, bn, wm, wn, stages, bkb = cfg
+    return _kname("gemm_mma", d.ctype, (out or d).ctype, bm, bn, wm, wn, stages, bkb, _b(ak),
+                  _b(bk), _b(dual))
 
 
 def _mma_kernels(d):
@@ -113,11 +123,24 @@ def _mma_kernels(d):
         return {_mma_expr(d, MMA_SMALL, ak, bk): GEMM_ARGS for ak in (True, False)
                 for bk in (True, False)}
     if d is dt.int8:      # K-major operands, one kernel per output dtype and tile configuration
-        return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+        return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in MMA_TILES.values()
                 for o in _FLOATS}
-    return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+    return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in MMA_TILES.values()
                for ak in (True, False) for bk in (True, False)},
             _mma_expr(d, MMA_DUAL, True, True, True): GEMM_ARGS}
+
+
+def _mma_config(dev, M, N, batch):
+    """128x256 tiles (8 warps, one block per SM) when they give every SM a block, with 128-byte K
+    tiles where the device has the shared memory for them; else 128x128 (4 warps, 2 blocks per
+    SM). PLAN['mma_tiles'] can force one configuration."""
+    info = device.device_info(dev)
+    forced = MMA_TILES.get(PLAN["mma_tiles"])
+    if forced is not None and _mma_smem(forced) <= info.max_smem_per_block_optin:
+        return forced
+    if _cdiv(M, 128) * _cdiv(N, 256) * batch < info.sm_count:
+        return MMA_SMALL
+    return MMA_LARGE if _mma_smem(MMA_LARGE) <= info.max_smem_per_block_optin else MMA_LARGE_K32
 
 
 MMA = _per_dtype("mma", "gemm/mma.cu", _mma_kernels, dtypes=_FLOATS + (dt.int8,), archs=_TC_ARCHS)
@@ -126,7 +149,7 @@ INT8 = KernelModule("gemm.int8_dp4a", "gemm/int8_dp4a.cu",
 
 # flags of GemmArgs (gemm_common.cuh)
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
-EPI_LEGACY = 16                      # mma: run 1's epilogue loop (PLAN['mma_epilogue'])
+RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
@@ -492,6 +515,15 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
                       L.alpha, L.act, L.out_f32, splits, L.flags)
 
 
+def _residual_vec(p, L, res_itemsize) -> bool:
+    """The mma epilogue may read the residual in 16-byte runs of 8 columns: unit column stride,
+    16-byte aligned pointer, rows and batch offsets, and N % 8 == 0 (a run never straddles a row
+    end)."""
+    if p.N % 8 or p.r_sn != 1:
+        return False
+    return _aligned(L.residual, res_itemsize, 16 // res_itemsize, (p.r_sm,) + tuple(p.r_sb))
+
+
 def _launch_tiled(call, p, L, dtype, variant, dual):
     itemsize = dtype.itemsize
     b_ptrs = (L.b, L.b2) if dual else (L.b,)
@@ -526,15 +558,13 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
         elif dtype is dt.float32:
             cfg = MMA_SMALL
         else:
-            large = _cdiv(p.M, 128) * _cdiv(p.N, 256) * p.batch
-            cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
-        if PLAN["mma_epilogue"] == "legacy":
-            L.flags |= EPI_LEGACY
-        bm, bn, wm, wn, stages = cfg
-        smem = stages * (bm + (2 if dual else 1) * bn) * 64
+            cfg = _mma_config(call.device, p.M, p.N, p.batch)
+        if L.residual and _residual_vec(p, L, 4 if L.out_f32 else itemsize):
+            L.flags |= RES_VEC
+        bm, bn, wm, wn, _, _ = cfg
         tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn)
         _run(_kernels.get(MMA[dtype], _mma_expr(dtype, cfg, ak, bk, dual), call.device), p, L,
-             (tiles, 1), (wm * wn * 32, 1, 1), call.stream, smem=smem)
+             (tiles, 1), (wm * wn * 32, 1, 1), call.stream, smem=_mma_smem(cfg, dual))
     else:  # pragma: no cover
         raise AssertionError(variant)
 
@@ -899,12 +929,11 @@ def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: 
     b_vec = (p.b_sk == 1 or K <= 1) and _aligned(b_int8.ptr, 1, 16, (p.b_sn,) if N > 1 else ())
     L.flags = A_KCONTIG | B_KCONTIG | (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0)
     if variant == "mma":
-        large = _cdiv(M, 128) * _cdiv(N, 256)
-        cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
-        bm, bn, wm, wn, stages = cfg
+        cfg = _mma_config(call.device, M, N, 1)
+        bm, bn, wm, wn, _, _ = cfg
         _run(_kernels.get(MMA[dt.int8], _mma_expr(dt.int8, cfg, True, True, out=out_dt),
                           call.device), p, L, (_cdiv(M, bm) * _cdiv(N, bn), 1),
-             (wm * wn * 32, 1, 1), call.stream, smem=stages * (bm + bn) * 64)
+             (wm * wn * 32, 1, 1), call.stream, smem=_mma_smem(cfg))
     else:
         _run(_kernels.get(INT8, _kname("gemm_int8_dp4a", out_dt.ctype), call.device), p, L,
              (_cdiv(M, 128) * _cdiv(N, 128), 1), (256, 1, 1), call.stream)
