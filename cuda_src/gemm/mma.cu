@@ -273,22 +273,6 @@ struct MmaFrags {
   }
 };
 
-// prefetch.global.L2 of the block's residual tile (rows m0.., columns n0.., unit column stride):
-// one 128-byte line per thread and step.
-template <class TO, int BM, int BN, int kThreads>
-__device__ __forceinline__ void prefetch_residual_l2(const GemmArgs& p, const BatchOffsets& o,
-                                                     long long m0, long long n0, int tid) {
-  const int es = p.out_f32 ? 4 : (int)sizeof(TO);
-  const int lines = (BN * es + 127) / 128;                // lines per row (the tile's start may
-  const char* base = static_cast<const char*>(p.residual);  // straddle one more: harmless)
-  for (int q = tid; q < BM * lines; q += kThreads) {
-    const long long m = m0 + q / lines, n = n0 + (long long)(q % lines) * (128 / es);
-    if (m >= p.M || n >= p.N) continue;
-    const char* a = base + (o.r + m * p.r_sm + n) * es;
-    prefetch_l2(a);
-  }
-}
-
 // The residual of one run of 8 columns, loaded early and converted late (res_values). vec (host
 // flag kResVec: unit column stride, aligned rows and pointer, N % 8 == 0): the raw 16 bytes of a
 // 16-bit residual in r[0], or the 32 bytes of an fp32 one in r[0], r[1]; else loaded element by
