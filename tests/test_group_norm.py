@@ -102,10 +102,15 @@ def test_onchip_plan_covers_each_group(clusters):
             assert s * slice_packs >= gp and (s - 1) * slice_packs < gp   # no empty rank
             assert threads % 32 == 0 and 32 <= threads <= GN.ONCHIP_MAX_THREADS
             assert threads * packs >= slice_packs and packs == GN.ONCHIP_PACKS
-    # the diffusion shape [2, 320, 64, 64] fp16: 64 groups of 5120 packs fill 132 SMs
-    assert GN.plan_onchip(64, 5120, 132, True) == (4, 1280, 8, 160)
+    # the measured winners at [2, 320, 64, 64] (run 13): 16-bit, 64 groups of 5120 packs: one
+    # block per group (onchip); fp32, 10240 packs: clusters of 2 (the smallest that fits)
+    assert GN.plan_onchip(64, 5120, 132, True) == (1, 5120, 8, 640)
+    assert GN.plan_onchip(64, 10240, 132, True) == (2, 5120, 8, 640)
     assert GN.plan_onchip(64, 5120, 132, False) == (1, 5120, 8, 640)
     assert GN.plan_onchip(64, 100, 132, True) == (1, 100, 8, 32)
+    # several waves ([8, 640, 64, 64]: 256 groups): slices of <= 64 KB, as before
+    assert GN.plan_onchip(256, 10240, 132, True) == (4, 2560, 8, 320)
+    assert GN.plan_onchip(256, 20480, 132, True) == (8, 2560, 8, 320)
 
 
 def test_two_pass_and_nhwc_plans():
@@ -304,11 +309,12 @@ EMULATED = [
     ((2, 8), 2, "nchw", None), ((1, 32, 32, 32), 4, "nchw", None), ((1, 8, 128, 128), 1, "nchw", None),
     ((1, 8, 64, 64), 2, "nchw", "twopass"), ((2, 16, 8, 8), 4, "nchw", "onchip"),
     ((2, 16, 16, 16), 4, "nchw", "cluster2"), ((1, 16, 16, 16), 2, "nchw", "cluster8"),
-    ((2, 8, 8, 320), 32, "nhwc", None), ((2, 5, 7, 12), 3, "nhwc", None),
-    ((1, 4, 4, 64), 64, "nhwc", None), ((2, 320, 8, 8), 32, "strided_nhwc", None),
-    ((2, 40, 3, 5), 4, "strided_nhwc", None), ((2, 16, 6, 10), 4, "other", None),
+    ((2, 8, 8, 320), 32, "nhwc", None), ((2, 5, 7, 12), 3, "nhwc", "nhwc"),
+    ((1, 4, 4, 64), 64, "nhwc", "nhwc"), ((2, 320, 8, 8), 32, "strided_nhwc", None),
+    ((2, 40, 3, 5), 4, "strided_nhwc", "nhwc"), ((2, 16, 6, 10), 4, "other", None),
+    ((2, 8, 8, 320), 32, "nhwc", "nhwc"), ((2, 320, 8, 8), 32, "strided_nhwc", "nhwc"),
     ((2, 8, 8, 320), 32, "nhwc", "nhwc_copy"), ((2, 320, 8, 8), 32, "strided_nhwc", "nhwc_copy"),
-    ((1, 3, 1024), 1, "strided_nhwc", None), ((4, 512, 2, 2), 2, "nhwc", None),
+    ((1, 3, 1024), 1, "strided_nhwc", "nhwc"), ((4, 512, 2, 2), 2, "nhwc", "nhwc"),
 ]
 
 
@@ -370,10 +376,18 @@ def test_emulated_designs(monkeypatch, rng):
             impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
                  layout == "nhwc")
             return [n for n, *_ in emu.launches]
-        # 64 groups of 40 channels x 256: clusters of 2 blocks to fill 132 SMs
-        assert kernels((2, 320, 16, 16), 32) == ["group_norm_onchip_cluster"]
-        assert emu.launches[0][1][2] == "2" and emu.launches[0][2][0] == 128
+        # 64 groups that fit one block each: one block per group (the measured winner)
+        assert kernels((2, 320, 16, 16), 32) == ["group_norm_onchip"]
+        assert emu.launches[0][2][0] == 64
+        # groups too large for one block: the smallest cluster that holds them
+        assert kernels((2, 4, 128, 256), 1) == ["group_norm_onchip_cluster"]
+        assert emu.launches[0][1][2] == "2" and emu.launches[0][2][0] == 4
         assert kernels((8, 64, 8, 8), 32) == ["group_norm_onchip"]
+        # small channels-last inputs: through NCHW copies (measured faster at 5 MB) ...
+        assert "group_norm_onchip" in kernels((2, 16, 8, 8), 4, "strided_nhwc")
+        # ... larger ones: the two-pass NHWC kernels
+        monkeypatch.setattr(GN, "NHWC_COPY_MAX_BYTES", 1024)
+        GN._plans.clear()                      # (the threshold is not part of the plans' key)
         assert kernels((2, 16, 8, 8), 4, "strided_nhwc") == ["group_norm_nhwc_stats",
                                                            "group_norm_nhwc_apply"]
         assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
@@ -388,7 +402,7 @@ def test_emulated_apply_orders(monkeypatch, rng, order):
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
         for shape, groups, layout, force in [((1, 8, 64, 64), 2, "nchw", "twopass"),
-                                             ((2, 8, 8, 320), 32, "nhwc", None)]:
+                                             ((2, 8, 8, 320), 32, "nhwc", "nhwc")]:
             monkeypatch.setattr(GN, "force_path", force)
             emu.arena.top = 0
             host, x = _emulated_input(emu.arena, rng, shape, dt.float16, layout, 0)
@@ -412,16 +426,18 @@ def test_refused_cluster_launch_falls_back(monkeypatch, rng):
         def refuse(*args):
             raise RuntimeError("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
         monkeypatch.setattr(emu, "k_group_norm_onchip_cluster", refuse)
-        host, x = _emulated_input(emu.arena, rng, (2, 320, 16, 16), dt.float16, "nchw", 0)
-        ref = GN.ref_group_norm(host.astype(np.float64), 32, activation="silu")
+        # one group of 256 KB: clusters of 2, or (refused) the two-pass kernels
+        host, x = _emulated_input(emu.arena, rng, (1, 4, 128, 256), dt.float16, "nchw", 0)
+        ref = GN.ref_group_norm(host.astype(np.float64), 1, activation="silu")
         for attempt in range(2):
             emu.launches.clear()
             with pytest.warns(RuntimeWarning, match="refused") if attempt == 0 else \
                     contextlib.nullcontext():
-                y = impl(FakeCall(emu.arena, "group_norm"), x, 32, None, None, 1e-5, "silu", False)
+                y = impl(FakeCall(emu.arena, "group_norm"), x, 1, None, None, 1e-5, "silu", False)
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref, **TOL64["float16"])
-            assert emu.names()[-1] == "group_norm_onchip<gpuops::float16_t, 8>"
-        assert len(emu.launches) == 1        # the second call does not try clusters again
+            assert [n for n, *_ in emu.launches[-2:]] == ["group_norm_nchw_stats",
+                                                          "group_norm_nchw_apply"]
+        assert len(emu.launches) == 2        # the second call does not try clusters again
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -497,7 +513,7 @@ def test_gpu_apply_orders_agree(dtype, force, monkeypatch):
         if nhwc:
             x = x.contiguous(memory_format=torch.channels_last)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
-        force(None if nhwc else "twopass")
+        force("nhwc" if nhwc else "twopass")
         ys = []
         for order in ("forward", "reverse"):
             monkeypatch.setattr(GN, "apply_order", order)
@@ -515,7 +531,7 @@ def test_gpu_channels_last(dtype, force):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
         xl = x.contiguous(memory_format=fmt)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
-        for path in (None, "nhwc_copy"):
+        for path in (None, "nhwc", "nhwc_copy"):
             force(path)
             y = _check(xl, groups, dtype, w, b, "silu", f"channels_last {shape} {path}")
             assert y.is_contiguous(memory_format=fmt), "the result keeps the memory format"

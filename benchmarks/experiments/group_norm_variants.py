@@ -71,12 +71,12 @@ def copy_gbps():
 def set_variant(v):
     GN.force_path = None
     GN.apply_order = "reverse"
-    if v in ("onchip", "cluster2", "cluster4", "cluster8", "twopass", "nhwc_copy"):
+    if v in ("onchip", "cluster2", "cluster4", "cluster8", "twopass", "nhwc", "nhwc_copy"):
         GN.force_path = v
     elif v == "twopass_fwd":
         GN.force_path, GN.apply_order = "twopass", "forward"
     elif v == "nhwc_fwd":
-        GN.apply_order = "forward"
+        GN.force_path, GN.apply_order = "nhwc", "forward"
 
 
 def main():
@@ -98,7 +98,7 @@ def main():
 
     nchw_variants = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "twopass", "twopass_fwd")
     cases = [((2, 320, 64, 64), ("bfloat16", "float16", "float32"), False, nchw_variants),
-             ((2, 320, 64, 64), ("bfloat16",), True, ("auto", "nhwc_fwd", "nhwc_copy"))]
+             ((2, 320, 64, 64), ("bfloat16",), True, ("auto", "nhwc", "nhwc_fwd", "nhwc_copy"))]
     if not args.quick:
         cases += [((8, 640, 64, 64), ("bfloat16", "float32"), False,
                    ("auto", "cluster4", "cluster8", "twopass", "twopass_fwd")),

@@ -66,9 +66,15 @@ NHWC_ROW_THREADS = 256              # threads of a channels-last block when a sl
 NHWC_MAX_THREADS = 512              # kNhwcMaxThreads
 NHWC_SMEM_LIMIT = 32 * 1024         # per-channel statistics of one block (stats kernel)
 MIN_SLAB_BYTES = 128                # channels-last slab rows of at least one 128-byte line
+# Channels-last inputs up to this size go through NCHW copies by default: measured (run 13,
+# [2, 64, 64, 320] bf16, 5.2 MB) 17.7 us against 29.5 us for the two-pass NHWC kernels (the
+# copies stay in L2; every launch of the two-pass pair costs a graph node's fixed time). Above
+# it the copies' three extra passes over DRAM are predicted to lose (unmeasured).
+NHWC_COPY_MAX_BYTES = 16 << 20
 
-# Forcing a design (tests): None, "onchip" (no clusters), "cluster2" / "cluster4" / "cluster8",
-# "twopass" (NCHW), "nhwc_copy" (channels-last through NCHW copies).
+# Forcing a design (tests, A/B timing): None (auto), "onchip" (no clusters), "cluster2" /
+# "cluster4" / "cluster8", "twopass" (NCHW), "nhwc" (channels-last two-pass kernels, at any
+# size), "nhwc_copy" (channels-last through NCHW copies).
 force_path: str | None = None
 # Order of the two-pass apply kernels' blocks: "reverse" (the data the stats kernel read last, so
 # still in L2, first) or "forward" (the stats kernel's order: over data larger than L2, LRU
@@ -147,14 +153,24 @@ def plan_onchip(groups: int, group_packs: int, sms: int, clusters: bool, force=N
         if _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
             return None
     elif clusters:
+        # One wave (every group's blocks resident at once, one block per SM): the smallest
+        # cluster whose slice fits one block. Measured (run 13, [2, 320, 64, 64]): 16-bit onchip
+        # 8.2 us beat cluster2/4/8 (8.7-9.8), fp32 cluster2 9.5 us beat cluster4/8 (11.0 / 10.4):
+        # larger clusters do not spread the work over more SMs (their blocks share SMs when the
+        # registers allow, see notes_groupnorm_copy.md round 2), they only add a cluster barrier.
         s = 1
-        # fit: slices small enough for 2-3 blocks per SM
-        while s < CLUSTERS[-1] and _cdiv(group_packs, s) > CLUSTER_SLICE_PACKS:
+        while s < CLUSTERS[-1] and _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
             s *= 2
-        # fill: at least one block per SM, while slices stay worth a block
-        while (s < CLUSTERS[-1] and groups * s < sms
-               and _cdiv(group_packs, 2 * s) >= MIN_SLICE_PACKS):
-            s *= 2
+        if groups * s > sms:
+            # Several waves: the rule measured only as auto so far ([8, 640, 64, 64], run 10):
+            # slices small enough for 2-3 blocks per SM (one loads while another computes),
+            # then more blocks per group while there are fewer blocks than SMs.
+            s = 1
+            while s < CLUSTERS[-1] and _cdiv(group_packs, s) > CLUSTER_SLICE_PACKS:
+                s *= 2
+            while (s < CLUSTERS[-1] and groups * s < sms
+                   and _cdiv(group_packs, 2 * s) >= MIN_SLICE_PACKS):
+                s *= 2
         if _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
             return None
     else:
@@ -265,6 +281,8 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act):
     plan = plan_nhwc(n, hw, c, cg, vec, d.itemsize, _copy.sm_count(dev))
     if plan is None or force_path == "nhwc_copy":
         return None
+    if force_path is None and n * hw * c * d.itemsize <= NHWC_COPY_MAX_BYTES:
+        return None                    # small: NCHW copies (see NHWC_COPY_MAX_BYTES)
     sc, threads, slabs, tiles, tile_rows = plan
     grid, block = (n * slabs * tiles, 1, 1), (threads, 1, 1)
     part_len = n * g * tiles * 4
