@@ -273,4 +273,14 @@ inline unsigned int pack_b16x2(float lo, float hi) {
 
 #endif
 
+// Hint: bring the 128-byte line at p into L2 (no register result). Host C++ (the CPU kernel
+// emulator): a no-op, there is nothing to emulate.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDACC_RTC__
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#else
+  (void)p;
+#endif
+}
+
 }  // namespace gpuops
