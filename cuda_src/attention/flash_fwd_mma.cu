@@ -19,7 +19,9 @@
 //     (window/causal, key tail) and attn_mask applied only on tiles that need them (edge tiles:
 //     the diagonal of a causal mask, a window's borders, the last key tile, every tile with a
 //     mask); row max and sum over the 4 lanes of a quad (2 shuffles); a row that has seen only
-//     -inf subtracts 0 (exp2(-inf) = 0, no NaN); NaN scores keep NaN (attn_max).
+//     -inf subtracts 0 (exp2(-inf) = 0, no NaN); NaN scores keep NaN (attn_max). On tiles
+//     without masking (and a positive scale) the row max is taken on the raw scores and the
+//     scale folded into the exponent: p = exp2(fma(s, scale_log2, -m)), one FFMA per score.
 //   * P = exp2(s - m) rounded to the storage dtype in registers is directly the A operand of
 //     O += P V (the m16n8 accumulator layout of two n8 tiles is the m16n8k16 A layout); V
 //     through ldmatrix.trans (V rows are k-major for P V). l sums the fp32 p (FlashAttention's
