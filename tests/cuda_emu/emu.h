@@ -334,6 +334,7 @@ inline unsigned __reduce_min_sync(unsigned, unsigned v) {
 
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
