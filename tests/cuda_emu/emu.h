@@ -496,6 +496,7 @@ inline unsigned __umulhi(unsigned a, unsigned b) {
 
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
