@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import gpuops as go
+from gpuops.ops.gemm import effective_arch
 from gpuops import dtypes as dt
 from gpuops import registry
 from gpuops.ops import group_norm as GN
@@ -827,6 +828,11 @@ def test_gpu_spread_kernels_are_the_ones_launched(force):
                                 ((2, 320, 64, 64), "nhwc_spread", True),
                                 ((8, 640, 64, 64), "spread", False),
                                 ((8, 640, 64, 64), "nhwc_spread", True)]:
+            if cl and effective_arch(0) < 90:
+                # run 16, compute_61 bundle: without clusters the channels-last slab of these
+                # shapes has no spread plan and the two-pass NHWC kernels run (correct, tested
+                # above); the NCHW spread kernels do run there
+                continue
             x = _randn(shape, "bfloat16")
             if cl:
                 x = x.contiguous(memory_format=torch.channels_last)
