@@ -85,12 +85,14 @@ assert flash_smem(GENERAL_D, *GENERAL_TILE) <= 48 * 1024
 # (ptxas -v, NVRTC 12.9, sm_80/sm_90: D32 ~120 registers, D64 ~158, D96 ~220, D128 ~222,
 # D256 255; benchmarks/notes_attention.md).
 MMA_TILES = {32: (8, 1, 64, True, 2), 64: (4, 1, 64, True, 3), 96: (4, 1, 64, True, 2),
-             128: (4, 1, 64, True, 2), 256: (4, 1, 64, False, 2)}
-# Other schedules compiled too, so one GPU session can time them against MMA_TILES (swap one in
+             128: (4, 2, 32, False, 2), 256: (4, 1, 64, False, 2)}
+# D = 128: 4 warps x 32 rows, BC 32 measured fastest (run 18: 0.70x / 0.71x SDPA-FLASH against
+# 0.63x / 0.61x for 4 x 16 rows, BC 64, non-causal / causal). Other schedules compiled too, so one
+# GPU session can time them against MMA_TILES (swap one in
 # with MMA_TILES[128] = MMA_ALTERNATES[128][i]): 8 warps x 16 rows (BR = 128: half the K/V
 # traffic from L2 per FLOP, one block per SM), and FlashAttention-2's own 4 warps x 32 rows with
 # Q re-read from shared memory (BC = 32 to stay within 255 registers).
-MMA_ALTERNATES = {128: ((8, 1, 64, True, 1), (4, 2, 32, False, 2))}
+MMA_ALTERNATES = {128: ((8, 1, 64, True, 1), (4, 1, 64, True, 2))}
 _MMA_ARCHS = ("80", "86", "89", "90")
 _SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
 

@@ -121,9 +121,11 @@ def _mma_expr(d, cfg, ak, bk, dual=False, out=None):
 
 
 def _mma_kernels(d):
-    if d is dt.float32:   # TF32: one tile configuration, no dual kernel
+    if d is dt.float32:   # TF32: one tile configuration, no dual kernel; both operands M/N-major
+        # is not instantiated (its scalar fragment loads spill 260 B on sm_90, NVRTC 12 and 13):
+        # that layout takes the K-major kernel's element path
         return {_mma_expr(d, MMA_SMALL, ak, bk): GEMM_ARGS for ak in (True, False)
-                for bk in (True, False)}
+                for bk in (True, False) if ak or bk}
     if d is dt.int8:      # K-major operands, one kernel per output dtype and tile configuration
         return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in MMA_TILES.values()
                 for o in _FLOATS}
@@ -585,6 +587,9 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
                 L.flags &= ~B_VEC
         elif dtype is dt.float32:
             cfg = MMA_SMALL
+            if not (ak or bk):  # not instantiated (see _mma_kernels): the element path
+                ak = bk = True
+                L.flags &= ~(A_VEC | B_VEC)
         else:
             cfg = _mma_config(call.device, p.M, p.N, p.batch)
         if L.residual and _residual_vec(p, L, 4 if L.out_f32 else itemsize):
