@@ -4,7 +4,8 @@
 // thread of a block is a fiber; __syncthreads() is a barrier of the block, warp intrinsics
 // (shuffles, votes, REDUX) exchange values through a barrier of the warp; __shared__ variables are
 // function statics (one copy: blocks run one after another, unless the concurrent schedule is
-// on). Threads that return early drop out of their barriers, as exited threads do on the GPU.
+// on), dynamic shared memory (extern __shared__) is one buffer per block. Threads that return
+// early drop out of their barriers, as exited threads do on the GPU.
 //
 // This checks indexing, tiling, shuffles, barriers and the algorithms (and, with the concurrent
 // schedule, interleavings of blocks); it does not model memory ordering beyond sequential
@@ -43,11 +44,14 @@ namespace emu {
 //   in order (default): the blocks of a grid run one after another, in blockIdx order;
 //   concurrent (emu_set_schedule(1, seed)): all blocks at once, fibers resumed in a random order
 //     each pass, so warps of different blocks interleave at every warp intrinsic: look-back then
-//     meets predecessors that published only their aggregate, or nothing yet. Only for kernels
-//     without __shared__ memory (a function static is one copy for all blocks).
+//     meets predecessors that published only their aggregate, or nothing yet; blocks that poll
+//     for each other (co-resident grids) need it. Only for kernels without static __shared__
+//     variables (a function static is one copy for all blocks); dynamic shared memory is per
+//     block.
 inline dim3 grid_dim, block_dim;
 inline dim3 thread_idx, block_idx;           // of the running fiber
-inline unsigned char* dynamic_smem = nullptr;
+inline unsigned char* dynamic_smem = nullptr;   // of the running fiber's block
+inline size_t dynamic_smem_bytes = 0;
 inline std::atomic<int> failed{0};
 inline char fail_msg[256] = {0};
 inline void fail(const char* msg) {
@@ -98,6 +102,7 @@ struct BlockState {
   dim3 idx;
   Barrier bar;
   std::vector<Warp> warps;
+  std::vector<unsigned char> smem;   // dynamic shared memory (kernels take its address on entry)
 };
 
 struct Fiber {
@@ -195,6 +200,7 @@ inline bool run_blocks(dim3 grid, int first, int nblocks, int n, dim3 blk) {
     b.bar = Barrier{n, 0, 0};
     b.warps.assign(n / 32, Warp{});
     for (auto& w : b.warps) w.bar.expected = 32;
+    b.smem.assign(dynamic_smem_bytes + 16, 0xA5);   // garbage, as on the GPU
     for (int t = 0; t < n; ++t) {
       Fiber& f = fibers[static_cast<size_t>(bi) * n + t];
       f.block = &b;
@@ -221,6 +227,7 @@ inline bool run_blocks(dim3 grid, int first, int nblocks, int n, dim3 blk) {
       current_block = f.block;
       linear = f.linear;
       block_idx = f.block->idx;
+      dynamic_smem = f.block->smem.data();
       thread_idx = {f.linear % blk.x, (f.linear / blk.x) % blk.y, f.linear / (blk.x * blk.y)};
       if (!_setjmp(scheduler_jmp)) {
         if (!f.started) {
@@ -247,8 +254,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 blk, size_t smem, A... args) {
     fail("block size must be a multiple of 32");
     return;
   }
-  std::vector<unsigned char> smem_buf(smem + 16);
-  dynamic_smem = smem_buf.data();
+  dynamic_smem_bytes = smem;
   body = [&] { kernel(args...); };
   const int nblocks = static_cast<int>(grid.x * grid.y * grid.z);
   const int batch = concurrent ? nblocks : 1;
@@ -347,3 +353,12 @@ inline int __clzll(unsigned long long v) { return v ? __builtin_clzll(v) : 64; }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline int __ffsll(unsigned long long v) { return __builtin_ffsll(static_cast<long long>(v)); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// CUDA's global min/max overloads (device code calls them unqualified)
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a < b ? b : a; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a < b ? b : a; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a < b ? b : a; }
+inline float __fmul_rn(float a, float b) { return a * b; }   // (host C++ does not contract)
