@@ -1,15 +1,18 @@
 """Simulations of the GEMM kernels' index math in NumPy (no GPU needed): how the kernels were
 checked before they first ran.
 
+* mma_addressing: the rebuilt mma main loop's fixed per-thread chunk maps and XOR/immediate
+  ldmatrix addressing for 64- and 128-byte K tiles, all conflict-free (every tile configuration);
 * mma: cp.async chunk placement with the XOR swizzles, ldmatrix (.trans) semantics, the
   mma.m16n8k16 / m16n8k8 / m16n8k32 fragment layouts (PTX ISA), the epilogue mapping, for every operand
-  layout, every element size (int8, fp16/bf16, fp32) and every tile configuration of cuda_src/gemm/mma.cu; counts
-  shared-memory bank conflicts (ldmatrix phases, cp.async phases, scalar TF32 loads): all zero.
+  layout and element size (int8, fp16/bf16, fp32) with 64-byte K tiles (the first mma kernel's
+  tiles; today its checked load path's chunk mapping); counts shared-memory bank conflicts
+  (ldmatrix phases, cp.async phases, scalar TF32 loads): all zero.
 * gemv_mma: the permuted k order that lets 16-byte loads be mma fragments.
 * SIMT: SimtTile (both run directions, edges) and the warp_tiled thread mapping, single and dual.
 * reduce-scatter: the lane/index mapping of gemv.cu's warp reduce-scatter.
 
-    python scripts/gemm_layout_sim.py [mma|gemv_mma|simt|reduce_scatter ...] [int8]
+    python scripts/gemm_layout_sim.py [mma|mma_addressing|gemv_mma|simt|reduce_scatter ...] [int8]
 """
 import sys
 
@@ -369,8 +372,131 @@ def sim_reduce_scatter():
         sim(N)
 
 
-SIMS = {"mma": sim_mma, "gemv_mma": sim_gemv_mma, "simt": sim_simt,
-        "reduce_scatter": sim_reduce_scatter}
+def sim_mma_addressing():
+    """The addressing of cuda_src/gemm/mma.cu's rebuilt main loop, for every tile configuration
+    of gpuops/ops/gemm.py, element size and layout (K tiles of 64 and 128 bytes):
+    * the vector path's fixed chunk mapping (MmaOperand::init / load_vec: thread tid's chunk i at
+      s_off + i * kRowStep * kRB) covers every chunk of the tile once, at kmajor_off /
+      mnmajor_off of its (row, chunk), and each 8-lane phase of every cp.async instruction hits 8
+      distinct 16-byte slots of the 128-byte bank window (no conflicts);
+    * ldmatrix addresses by XOR / immediate (MmaFrags::load) equal the direct swizzle formula for
+      every lane, k step and tile, and each 8-address matrix is conflict-free;
+    * the epilogue's staging (stage_col): fragment writes and copy-out reads conflict-free.
+    (The functional side, loads + fragments + mma + epilogue, ran in the CPU emulator.)"""
+    def kswz(RB, r): return ((r >> 1) & 3) if RB == 64 else (r & 7)
+    def kmajor_off(RB, r, c): return r * RB + ((c ^ kswz(RB, r)) << 4)
+    def mnmajor_off(EL, r, c, cpr):
+        x = (r & 7) if EL == 2 else ((r & 3) << 1)
+        return r * cpr * 16 + ((c ^ x) << 4)
+
+    def distinct_slots(addrs):
+        return len({(a % 128) // 16 for a in addrs}) == len(addrs)
+
+    # (BM, BN, WM, WN, BKB) of MMA_LARGE, MMA_LARGE_K32, MMA_SMALL, MMA_DUAL (per B)
+    configs = [(128, 256, 2, 4, 128), (128, 256, 2, 4, 64), (128, 128, 2, 2, 64), (128, 64, 2, 2, 64)]
+    n = 0
+    for BM, BN, WM, WN, BKB in configs:
+        NT = WM * WN * 32
+        for EL in (1, 2, 4):
+            for kmajor_a in (True, False):
+                for kmajor_b in (True, False):
+                    if EL == 1 and not (kmajor_a and kmajor_b):
+                        continue
+                    if EL == 4 and (BM, BN) != (128, 128):     # TF32: the small tile only
+                        continue
+                    for ROWS, KM in ((BM, kmajor_a), (BN, kmajor_b)):
+                        RB = BKB if KM else ROWS * EL
+                        CPR = RB // 16
+                        per = ROWS * BKB // 16 // NT
+                        step = NT // CPR
+                        rows_smem = ROWS if KM else BKB // EL
+                        seen = set()
+                        for i in range(per):
+                            offs = []
+                            for tid in range(NT):
+                                c, r = tid % CPR, tid // CPR
+                                s_off = kmajor_off(RB, r, c) if KM else mnmajor_off(EL, r, c, CPR)
+                                off = s_off + i * step * RB
+                                rr, cc = r + i * step, c           # the chunk it must be
+                                want = kmajor_off(RB, rr, cc) if KM else mnmajor_off(EL, rr, cc, CPR)
+                                assert off == want, (BM, BN, BKB, EL, KM, tid, i)
+                                seen.add(off)
+                                offs.append(off)
+                            for ph in range(0, NT, 8):
+                                assert distinct_slots(offs[ph:ph + 8]), ("cp.async", BM, BN, EL, KM)
+                        assert seen == {16 * q for q in range(rows_smem * CPR)}
+                        n += 1
+                    # ldmatrix (16-bit and K-major tiles: every dtype K-major, 16-bit M/N-major)
+                    WTM, WTN = BM // WM, BN // WN
+                    for is_a, KM, ROWS, W in ((True, kmajor_a, BM, WTM), (False, kmajor_b, BN, WTN)):
+                        if not KM and EL != 2:
+                            continue
+                        RB = BKB if KM else ROWS * EL
+                        CPR = RB // 16
+                        ntiles = W // 16                 # m16 tiles (A) / n8 pairs (B)
+                        for w in range(WM if is_a else WN):
+                            wbase = w * W
+                            for kk in range(BKB // 32):
+                                for t in range(ntiles):
+                                    addrs = []
+                                    for lane in range(32):
+                                        if KM:
+                                            r = wbase + ((lane & 15) if is_a else (lane & 7) + (lane >> 4) * 8)
+                                            h = (lane >> 4) if is_a else (lane >> 3) & 1
+                                            lane_off = kmajor_off(RB, r, h)
+                                            fast = (lane_off ^ (kk << 5)) + t * 16 * RB
+                                            direct = kmajor_off(RB, r + 16 * t, 2 * kk + h)
+                                        else:
+                                            r = (lane & 7) + ((lane >> 4) * 8 if is_a else ((lane >> 3) & 1) * 8)
+                                            h = ((lane >> 3) & 1) if is_a else (lane >> 4)
+                                            lane_off = mnmajor_off(2, r, wbase // 8 + h, CPR)
+                                            fast = (lane_off ^ (t << 5)) + kk * 16 * RB
+                                            direct = mnmajor_off(2, r + 16 * kk, wbase // 8 + 2 * t + h, CPR)
+                                        assert fast == direct, (BM, BN, BKB, EL, is_a, KM, lane, kk, t)
+                                        addrs.append(fast)
+                                    for mtx in range(4):
+                                        assert distinct_slots(addrs[8 * mtx:8 * mtx + 8]), "ldmatrix"
+                                    n += 1
+    # epilogue staging (GemmMma::epilogue): fragment float2 writes (half-warp phases) and the
+    # copy-out's two 16-byte reads per run of 8 columns (quarter-warp phases), with stage_col
+    def stage_col(c): return c ^ (((c >> 5) & 1) << 2)
+
+    def banks_free(words_per_lane):      # words_per_lane: [[word addresses], ...] of one phase
+        used = {}
+        for ws in words_per_lane:
+            for w in ws:
+                used.setdefault(w % 32, set()).add(w)
+        return all(len(v) == 1 for v in used.values())
+
+    for BM, BN, WM, WN, BKB in configs:
+        NT, ldc = WM * WN * 32, BN + 8
+        WTN = BN // WN
+        for wn in range(WN):
+            for j in range(WTN // 8):
+                for half in (0, 16):
+                    words = []
+                    for lane in range(half, half + 16):
+                        g, t = lane >> 2, lane & 3
+                        c = stage_col(wn * WTN + j * 8 + 2 * t)
+                        words.append([g * ldc + c, g * ldc + c + 1])
+                    assert banks_free(words), ("staging write", BN, wn, j)
+                    n += 1
+        runs = BN // 8
+        for q in range(0, NT, 8):             # a quarter warp: 8 threads, one row
+            for second in (0, 4):
+                words = []
+                for tid in range(q, q + 8):
+                    r, my_c = tid // runs, (tid % runs) * 8
+                    c = stage_col(my_c + second)
+                    words.append([r * ldc + c + x for x in range(4)])
+                assert banks_free(words), ("copy-out read", BN, q, second)
+                n += 1
+        assert sorted(stage_col(x) for x in range(BN)) == list(range(BN))   # a permutation
+    print("ok: chunk maps, cp.async phases, ldmatrix addresses, epilogue staging:", n, "checks")
+
+
+SIMS = {"mma": sim_mma, "mma_addressing": sim_mma_addressing, "gemv_mma": sim_gemv_mma,
+        "simt": sim_simt, "reduce_scatter": sim_reduce_scatter}
 
 if __name__ == "__main__":
     for name in [a for a in sys.argv[1:] if a in SIMS] or list(SIMS):

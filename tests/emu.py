@@ -30,7 +30,8 @@ from gpuops.tensor import Tensor
 
 HERE = Path(__file__).resolve().parent / "cuda_emu"
 CACHE = Path(os.environ.get("GPUOPS_EMU_CACHE", Path.home() / ".cache" / "gpuops-emu"))
-_EXTERN_SMEM = re.compile(r"extern\s+__shared__\s+([\w:<>, ]+?)\s+(\w+)\s*\[\s*\]\s*;")
+_EXTERN_SMEM = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:<>, ]+?)\s+(\w+)\s*\[\s*\]\s*;")
 
 
 def available() -> bool:
@@ -55,7 +56,8 @@ def _translation_unit(module) -> str:
     text = _EXTERN_SMEM.sub(r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_smem);", text)
     lines = [text, 'extern "C" const char* emu_fail_msg() { return emu::fail_msg; }',
              'extern "C" void emu_set_schedule(int concurrent, unsigned long long seed) '
-             '{ emu::concurrent = concurrent; emu::rng_state = seed; }']
+             '{ emu::concurrent = concurrent; emu::rng_state = seed; }',
+             'extern "C" void emu_set_cluster(int size) { emu::cluster_size = size; }']
     for i, expr in enumerate(module.kernels):
         lines.append(
             f'extern "C" int emu_launch_{i}(const unsigned* dims, unsigned long long smem, '
@@ -87,10 +89,13 @@ def build(module, arch: int = 900):
 
 
 class EmuKernel:
-    def __init__(self, lib, index, spec, name):
+    """One kernel of an emulated module. ``cluster``: blocks per thread-block cluster (the
+    kernel's compiled-in cluster size; consecutive blocks along x run together)."""
+
+    def __init__(self, lib, index, spec, name, cluster=1):
         self.fn = getattr(lib, f"emu_launch_{index}")
         self.fn.restype = ctypes.c_int
-        self.lib, self.spec, self.name = lib, spec, name
+        self.lib, self.spec, self.name, self.cluster = lib, spec, name, cluster
         self.launches = []
 
     def launch(self, grid, block, stream, *args, smem=0):
@@ -100,6 +105,7 @@ class EmuKernel:
         Device.launches.append((self.name, tuple(grid), tuple(block), smem))
         self.lib.emu_set_schedule(ctypes.c_int(1 if Device.concurrent else 0),
                                   ctypes.c_ulonglong(Device.seed))
+        self.lib.emu_set_cluster(ctypes.c_int(self.cluster))
         if self.fn(dims, ctypes.c_ulonglong(smem), buf):
             raise RuntimeError(f"emu: {self.name}: {self.lib.emu_fail_msg().decode()}")
 

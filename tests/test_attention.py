@@ -14,6 +14,14 @@ e_s = scale * (2 sqrt(D) + 4) u max_j |q||k_j| + 4 u max|s|; each probability is
 relative 2 e_s + 2^-21 (MUFU ex2), and the sums over Sk keys (l and P V) by 3 sqrt(Sk + 1) u
 relative to P|V|. So |out - ref| <= (2 e_s + 2^-21 + 3 sqrt(Sk + 1) u) (P|V|) + 2 u_out |ref|
 + tiny, with P|V| the reference run on |v|, and u_out the output dtype's unit roundoff.
+
+The tensor-core kernel ('mma', fp16/bf16) adds, worst case (the tensor cores' fp32 accumulation
+aligns addends to the largest one and may truncate: up to 2u per addend of the magnitudes summed
+in one mma of 16 products + the accumulator, i.e. 34 u per mma step): scores
+e_s = scale (D / 16 + 1) 34 u max_j |q||k_j| + 4 u max|s| (the mma steps of Q K^T); P rounded to
+the input dtype before P V: + u_in (P|V|) (l sums the unrounded p, so this is all it costs),
+plus for fp16 the subnormal range of P: + 2^-25 Sk max|v| absolute; P V accumulated over
+ceil(Sk / 16) mma steps: + 36 u ceil(Sk / 16) (P|V|).
 """
 from __future__ import annotations
 
@@ -56,8 +64,9 @@ def _bhsd(x, layout):
     return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
 
 
-def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, **kw):
-    """(reference out, reference lse, elementwise bound on |out - ref|, bound on |lse - ref|)."""
+def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, mma=False, **kw):
+    """(reference out, reference lse, elementwise bound on |out - ref|, bound on |lse - ref|).
+    mma: the bound of the tensor-core kernel (module docstring); it also covers the SIMT one."""
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
     m64 = None if mask is None else (np.asarray(mask) if np.asarray(mask).dtype == bool
                                      else np.asarray(mask, np.float64))
@@ -78,8 +87,15 @@ def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, **
         smax += float(np.abs(m64[np.isfinite(m64)]).max(initial=0.0))
     e_s = abs(scale) * (2 * math.sqrt(D) + 4) * U32 * g + 4 * U32 * smax
     rel = 2 * e_s + 2.0**-21 + 3 * math.sqrt(Sk + 1) * U32
+    tiny = TINY[dtype]
+    if mma:
+        e_s = max(e_s, abs(scale) * (D / 16 + 1) * 34 * U32 * g + 4 * U32 * smax)
+        rel = (2 * e_s + 2.0**-21 + 3 * math.sqrt(Sk + 1) * U32 + U_OUT[dtype]
+               + 36 * U32 * math.ceil(Sk / 16))
+        if dtype == "float16":
+            tiny += 2.0**-25 * Sk * float(np.nanmax(np.abs(v64), initial=0.0))
     with np.errstate(invalid="ignore"):
-        bound = rel * pv + 2 * U_OUT[dtype] * np.abs(out) + TINY[dtype]
+        bound = rel * pv + 2 * U_OUT[dtype] * np.abs(out) + tiny
         lse_bound = e_s + 2.0**-21 + 3 * math.sqrt(Sk + 1) * U32 + 2 * U32 * np.abs(lse)
     return out, lse, bound, lse_bound
 
@@ -308,7 +324,7 @@ def _emu_run(dev, q, k, v, mask=None, *, dtype, **kw):
     t = [dev.tensor(x) for x in (q, k, v)]
     tm = None if mask is None else dev.tensor(mask)
     opts = dict(is_causal=False, scale=None, enable_gqa=False, window_size=None,
-                return_lse=True, layout="bhsd", variant="auto")
+                return_lse=True, layout="bhsd", variant="simt")
     opts.update(kw)
     out, lse = at._forward(call, *t, tm, opts["is_causal"], opts["scale"], opts["enable_gqa"],
                            opts["window_size"], opts["return_lse"], opts["layout"],
@@ -378,6 +394,147 @@ def test_emulated_kernel_strided_nan_and_empty_keys(rng, monkeypatch):
         assert np.all(out == 0) and np.all(np.isneginf(lse))
 
 
+# ----------------------------------------------------------------------------- CPU: the mma kernel
+
+def _mma_launches():
+    return [name for name, *_ in emu.Device.launches if "flash_fwd_mma" in name]
+
+
+def _shapes(layout, D):
+    return (lambda b, h, s: (b, h, s, D)) if layout == "bhsd" else (lambda b, h, s: (b, s, h, D))
+
+
+def _emu_mma_case(case, dtype, rng, monkeypatch):
+    """Runs one case on the emulated tensor-core kernel; returns the launched kernel names."""
+    B, Hq, Hkv, Sq, Sk, D, opt = case
+    opt = dict(opt)
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    layout = opt.get("layout", "bhsd")
+    shp = _shapes(layout, D)
+    q, k, v = _rand(rng, shp(B, Hq, Sq), dtype), _rand(rng, shp(B, Hkv, Sk), dtype), \
+        _rand(rng, shp(B, Hkv, Sk), dtype)
+    kind = opt.pop("mask", None)
+    mask = None
+    if kind == "bool":
+        mask = rng.random((Sq, Sk)) > 0.3
+        mask[Sq // 2] = False                                  # a row that sees no key
+    elif kind == "float":
+        mask = _rand(rng, (B, 1, Sq, Sk), dtype, 2.0)
+        if Sq > 1:
+            mask[..., 0, :] = -np.inf                          # fully masked by -inf
+        mask[..., -1, ::3] = -np.inf
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_run(dev, q, k, v, mask, dtype=dtype, variant="mma", **opt)
+        names = _mma_launches()
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, mma=True, **opt)
+    check(out, exp, bound, f"out {case} {dtype}")
+    check(lse, exp_lse, lbound, f"lse {case} {dtype}")
+    return names
+
+
+# (B, Hq, Hkv, Sq, Sk, D, options): every head dim, query/key tails (1, 17, 130 = 2 tiles + 2),
+# causal with Sq <, =, > Sk, windows, GQA, bool/additive masks (fully masked rows), 'bshd', a
+# negative scale (the scale is not folded into the exponent then).
+EMU_MMA_CASES = [
+    (1, 2, 2, 1, 1, 64, {}),
+    (1, 2, 2, 17, 17, 64, {"is_causal": True}),
+    (1, 2, 2, 130, 130, 128, {"is_causal": True}),
+    (2, 4, 2, 130, 17, 128, {"enable_gqa": True, "mask": "bool"}),
+    (1, 2, 1, 17, 130, 64, {"enable_gqa": True, "window_size": (-1, 5)}),
+    (1, 2, 1, 130, 130, 64, {"enable_gqa": True, "window_size": (20, 5)}),
+    (1, 2, 2, 130, 130, 64, {"mask": "float", "is_causal": True, "layout": "bshd"}),
+    (1, 1, 1, 130, 130, 128, {"window_size": (-1, 30), "scale": -0.1}),
+    (1, 2, 2, 70, 130, 32, {"is_causal": True}),
+    (1, 2, 2, 130, 70, 32, {"is_causal": True, "layout": "bshd"}),
+    (1, 2, 2, 33, 70, 96, {"mask": "bool"}),
+    (1, 1, 1, 130, 100, 256, {"window_size": (50, 0)}),
+    (1, 1, 1, 1, 130, 128, {"mask": "float", "scale": 0.3}),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_MMA_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_emulated_mma_kernel(case, dtype, rng, monkeypatch):
+    names = _emu_mma_case(case, dtype, rng, monkeypatch)
+    assert names and all(f", {case[5]}, " in n for n in names), names
+
+
+@needs_emu
+@pytest.mark.parametrize("cfg", at.MMA_ALTERNATES[128], ids=str)
+def test_emulated_mma_alternate_schedules(cfg, rng, monkeypatch):
+    """The schedules compiled for timing next to MMA_TILES[128] (8 warps; 2 m16 tiles per warp
+    with Q re-read from shared memory) are correct too."""
+    monkeypatch.setitem(at.MMA_TILES, 128, cfg)
+    for case in ((1, 2, 1, 130, 130, 128, {"enable_gqa": True, "is_causal": True}),
+                 (1, 1, 1, 17, 70, 128, {"mask": "bool", "window_size": (9, 3)})):
+        names = _emu_mma_case(case, "bfloat16", rng, monkeypatch)
+        assert names == [at.mma_expr(dt.bfloat16, 128, cfg)]
+
+
+@needs_emu
+def test_emulated_mma_nan_empty_keys_and_auto(rng, monkeypatch):
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    q, k, v = (_rand(rng, (1, 2, 40, 64), "bfloat16") for _ in range(3))
+    q[0, 1, 3, 5] = np.nan
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_run(dev, q, k, v, dtype="bfloat16", variant="auto")   # -> mma
+        assert _mma_launches()
+        exp, exp_lse, bound, lbound = attn_bound(q, k, v, dtype="bfloat16", mma=True)
+        check(out, exp, bound, "nan row")
+        check(lse, exp_lse, lbound, "nan row lse")
+        assert np.all(np.isnan(out[0, 1, 3])) and np.isnan(lse[0, 1, 3])
+        assert not np.isnan(out[0, 1, 4]).any()
+        emu.Device.launches.clear()
+        out, lse = _emu_run(dev, q, k[:, :, :0], v[:, :, :0], dtype="bfloat16",
+                            variant="mma")                                     # Sk = 0
+        assert _mma_launches()
+        assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+@needs_emu
+def test_mma_falls_back_to_simt(rng, monkeypatch):
+    """fp32, head dims without an mma instantiation, unaligned or strided-d rows, and devices
+    below sm_80 take the SIMT kernel (for 'mma' and 'auto')."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    tc = {"on": True}
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: tc["on"])
+
+    def kernels(q, k, v, dtype, variant="mma"):
+        with emu.Device(sms=2) as dev:
+            out, lse = _emu_run(dev, q, k, v, dtype=dtype, variant=variant)
+            names = [name for name, *_ in emu.Device.launches]
+        exp, exp_lse, bound, lbound = attn_bound(q, k, v, dtype=dtype, mma=True)
+        check(out, exp, bound, f"fallback {dtype}")
+        check(lse, exp_lse, lbound, f"fallback {dtype} lse")
+        return names
+
+    x = [_rand(rng, (1, 2, 20, 64), "bfloat16") for _ in range(3)]
+    assert "flash_fwd_mma" in kernels(*x, "bfloat16")[0]
+    assert "flash_fwd<" in kernels(*x, "bfloat16", variant="simt")[0]
+    assert "flash_fwd<" in kernels(*(a.astype(np.float32) for a in x), "float32")[0]
+    y = [_rand(rng, (1, 2, 20, 80), "float16") for _ in range(3)]               # D = 80
+    assert "flash_fwd<" in kernels(*y, "float16")[0]
+    off = [emu.strided(a, "offset") for a in x]                                  # misaligned rows
+    assert "flash_fwd<" in kernels(*off, "bfloat16", variant="auto")[0]
+    sliced = [emu.strided(a, "sliced") for a in x]                               # d stride 2
+    assert "flash_fwd<" in kernels(*sliced, "bfloat16")[0]
+    tc["on"] = False                                                             # sm_75 and older
+    assert "flash_fwd<" in kernels(*x, "bfloat16", variant="auto")[0]
+
+
+def test_mma_configs_and_modules():
+    """Every mma schedule fits the smallest opt-in shared memory of sm_80+ (99 KB on sm_86/89),
+    tiles the head dim, and the modules are built for sm_80+ only (no sm_61/70/75 build)."""
+    for d, cfg in at.MMA_TILES.items():
+        warps, mt, bc, qreg, minb = cfg
+        assert d % 32 == 0 and bc % 16 == 0 and warps * 32 * minb <= 2048
+        assert at.mma_smem(d, cfg) <= 99 * 1024
+    for m in at.MMA_MODULES.values():
+        assert m.min_arch == 80 and not m.supports(75) and m.supports(80) and m.supports(90)
+        assert set(m.kernels.values()) == {at.FLASH_ARGS}
+
+
 # ----------------------------------------------------------------------------- GPU
 
 def _cuda(x, dtype):
@@ -405,16 +562,12 @@ GPU_CASES = [
 ]
 
 
-@gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_against_reference(case, dtype, rng):
+def _gpu_case(case, dtype, rng, variant, mma):
     B, Hq, Hkv, Sq, Sk, D, opt = case
     opt = dict(opt)
     opt.setdefault("enable_gqa", Hq != Hkv)
     layout = opt.get("layout", "bhsd")
-    shp = (lambda b, h, s: (b, h, s, D)) if layout == "bhsd" else (lambda b, h, s: (b, s, h, D))
+    shp = _shapes(layout, D)
     q, k, v = _rand(rng, shp(B, Hq, Sq), dtype), _rand(rng, shp(B, Hkv, Sk), dtype), \
         _rand(rng, shp(B, Hkv, Sk), dtype)
     kind = opt.pop("mask", None)
@@ -428,11 +581,70 @@ def test_gpu_against_reference(case, dtype, rng):
         mask[..., : Sk // 3] = -np.inf
         tmask = _cuda(mask, dtype)
     out, lse = go.scaled_dot_product_attention(_cuda(q, dtype), _cuda(k, dtype), _cuda(v, dtype),
-                                               tmask, return_lse=True, **opt)
-    exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, **opt)
+                                               tmask, return_lse=True, variant=variant, **opt)
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, mma=mma, **opt)
     check(_host(out), exp, bound, f"out {case} {dtype}")
     assert lse.dtype == torch.float32
     check(_host(lse), exp_lse, lbound, f"lse {case} {dtype}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_against_reference(case, dtype, rng):
+    """The SIMT kernel (every dtype and head dim; 'auto' takes the mma kernel where it can)."""
+    _gpu_case(case, dtype, rng, "simt", False)
+
+
+# The tensor-core kernel: every head dim it has (32, 64, 96, 128, 256), key/query tails (1, 17,
+# 777, 1000, 4097), causal (Sq <, =, > Sk), windows, GQA 2/8, masks, 'bshd', lse.
+GPU_MMA_CASES = [
+    (2, 4, 4, 1, 1, 64, {}),
+    (2, 4, 2, 17, 17, 32, {"is_causal": True}),
+    (1, 8, 1, 128, 128, 128, {}),
+    (1, 4, 4, 1000, 1000, 96, {"is_causal": True}),
+    (1, 2, 2, 4097, 4097, 128, {"is_causal": True}),
+    (1, 2, 2, 4097, 4097, 128, {}),
+    (1, 2, 1, 4097, 4097, 64, {"window_size": (256, 0)}),
+    (1, 2, 2, 1000, 777, 128, {"mask": "bool"}),
+    (1, 2, 2, 600, 1000, 64, {"mask": "float", "is_causal": True}),
+    (2, 4, 2, 128, 4097, 128, {"window_size": (-1, 300)}),
+    (1, 4, 4, 1000, 1000, 128, {"layout": "bshd", "scale": 0.05}),
+    (1, 2, 2, 1000, 1000, 256, {"is_causal": True}),
+    (1, 2, 2, 17, 1000, 256, {"mask": "bool"}),
+    (2, 2, 2, 4097, 17, 64, {"layout": "bshd", "is_causal": True}),
+    (1, 2, 2, 1000, 4097, 32, {"window_size": (100, 100)}),
+]
+
+
+@pytest.fixture
+def mma_only(monkeypatch):
+    """The tensor-core kernel must take the call (a fallback to SIMT fails the test)."""
+    if not at.tensor_cores(torch.cuda.current_device()):
+        pytest.skip("no tensor-core path on this device/GPUOPS_ARCH (sm_80+ needed)")
+
+    def no_simt(*args, **kw):
+        raise AssertionError("fell back to the SIMT kernel")
+    monkeypatch.setattr(at, "_launch_simt", no_simt)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_MMA_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_against_reference(case, dtype, rng, mma_only):
+    _gpu_case(case, dtype, rng, "auto", True)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("cfg", at.MMA_ALTERNATES[128], ids=str)
+def test_gpu_mma_alternate_schedules(cfg, rng, mma_only, monkeypatch):
+    monkeypatch.setitem(at.MMA_TILES, 128, cfg)
+    for case in ((1, 4, 2, 4097, 4097, 128, {"is_causal": True}),
+                 (2, 2, 2, 1000, 777, 128, {"mask": "bool", "layout": "bshd"})):
+        _gpu_case(case, "bfloat16", rng, "mma", True)
 
 
 @gpu
@@ -443,8 +655,9 @@ def test_gpu_strided_inputs_nan_and_no_lse(dtype, rng):
     kv = _cuda(_rand(rng, (2, 4, 300, 256), dtype), dtype)
     k, v = kv[..., :128], kv[..., 128:]                                         # row stride 256
     q[1, 2, 7, 3] = float("nan")
-    out = go.scaled_dot_product_attention(q, k, v, is_causal=True)
-    exp, _, bound, _ = attn_bound(_host(q), _host(k), _host(v), dtype=dtype, is_causal=True)
+    out = go.scaled_dot_product_attention(q, k, v, is_causal=True)   # fp16/bf16: mma
+    exp, _, bound, _ = attn_bound(_host(q), _host(k), _host(v), dtype=dtype, is_causal=True,
+                                  mma=dtype != "float32")
     check(_host(out), exp, bound, "strided")
     assert torch.isnan(out[1, 2, 7]).all() and not torch.isnan(out[1, 2, 8]).any()
 
@@ -544,5 +757,5 @@ def test_gpu_long_sequence_memory_stays_linear():
     assert torch.cuda.max_memory_allocated() - base <= 2 * q.numel() * q.element_size() + (1 << 20)
     rows = np.array([0, 1, 4097, 33333, S - 1])
     qh, kh, vh = _host(q), _host(k), _host(v)
-    exp, _, bound, _ = attn_bound(qh[:, :, rows], kh, vh, dtype="bfloat16")
+    exp, _, bound, _ = attn_bound(qh[:, :, rows], kh, vh, dtype="bfloat16", mma=True)
     check(_host(out)[:, :, rows], exp, bound, "S=65536")

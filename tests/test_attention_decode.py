@@ -213,12 +213,20 @@ def test_cpu_append_is_in_place(rng):
 
 
 def test_num_splits_rule():
-    # B=1, S=8192, Hkv=8 on 132 SMs: 64 splits of 128 keys (4 blocks per SM, chunks >= 128)
-    assert A.num_splits(1, 8, 1, 8192, 132) == (64, 128)
-    assert A.num_splits(16, 8, 1, 4096, 132) == (5, 820)
-    assert A.num_splits(1, 1, 1, 0, 132) == (1, 1)
-    n, c = A.num_splits(1, 1, 1, 10 ** 6, 132)
+    # 132 SMs x 4 resident blocks = 528 slots. B=1, S=8192, Hkv=8: 64 splits of 128 keys (one
+    # wave would take 66, but chunks stay >= 128 keys); B=16, S=4096: 4 splits (512 blocks, one
+    # wave; 5 splits = 640 blocks ran 1.2 waves and 16% slower on the H100, run 14)
+    assert A.num_splits(1, 8, 1, 8192, 528) == (64, 128)
+    assert A.num_splits(16, 8, 1, 4096, 528) == (4, 1024)
+    assert A.num_splits(16, 8, 1, 4096, 660) == (5, 820)
+    assert A.num_splits(16, 8, 1, 4096, 528, waves=2) == (8, 512)
+    assert A.num_splits(64, 8, 1, 4096, 528) == (1, 4096)     # the sequences fill the GPU
+    assert A.num_splits(1, 1, 1, 0, 528) == (1, 1)
+    n, c = A.num_splits(1, 1, 1, 10 ** 6, 528)
     assert n <= A.MAX_SPLITS and n * c >= 10 ** 6
+    for b, s, slots in [(1, 8192, 528), (3, 5000, 660), (16, 4096, 264), (2, 100, 528)]:
+        n, c = A.num_splits(b, 8, 1, s, slots)
+        assert b * 8 * n <= max(slots, b * 8) and n * c >= s and (n - 1) * c < s
 
 
 # ------------------------------------------------------------------ CPU: the kernels, emulated
@@ -263,6 +271,7 @@ def emulated():
 def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_kernel", lambda module, dev, expr: emulated[module.name].kernel(expr))
     monkeypatch.setattr(A, "_sm_count", lambda dev: 3)
+    monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 3 * 4)
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
     A._plans.clear()
 

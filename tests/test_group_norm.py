@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import gpuops as go
+from gpuops.ops.gemm import effective_arch
 from gpuops import dtypes as dt
 from gpuops import registry
 from gpuops.ops import group_norm as GN
@@ -102,10 +103,15 @@ def test_onchip_plan_covers_each_group(clusters):
             assert s * slice_packs >= gp and (s - 1) * slice_packs < gp   # no empty rank
             assert threads % 32 == 0 and 32 <= threads <= GN.ONCHIP_MAX_THREADS
             assert threads * packs >= slice_packs and packs == GN.ONCHIP_PACKS
-    # the diffusion shape [2, 320, 64, 64] fp16: 64 groups of 5120 packs fill 132 SMs
-    assert GN.plan_onchip(64, 5120, 132, True) == (4, 1280, 8, 160)
+    # the measured winners at [2, 320, 64, 64] (run 13): 16-bit, 64 groups of 5120 packs: one
+    # block per group (onchip); fp32, 10240 packs: clusters of 2 (the smallest that fits)
+    assert GN.plan_onchip(64, 5120, 132, True) == (1, 5120, 8, 640)
+    assert GN.plan_onchip(64, 10240, 132, True) == (2, 5120, 8, 640)
     assert GN.plan_onchip(64, 5120, 132, False) == (1, 5120, 8, 640)
     assert GN.plan_onchip(64, 100, 132, True) == (1, 100, 8, 32)
+    # several waves ([8, 640, 64, 64]: 256 groups): slices of <= 64 KB, as before
+    assert GN.plan_onchip(256, 10240, 132, True) == (4, 2560, 8, 320)
+    assert GN.plan_onchip(256, 20480, 132, True) == (8, 2560, 8, 320)
 
 
 def test_two_pass_and_nhwc_plans():
@@ -304,11 +310,12 @@ EMULATED = [
     ((2, 8), 2, "nchw", None), ((1, 32, 32, 32), 4, "nchw", None), ((1, 8, 128, 128), 1, "nchw", None),
     ((1, 8, 64, 64), 2, "nchw", "twopass"), ((2, 16, 8, 8), 4, "nchw", "onchip"),
     ((2, 16, 16, 16), 4, "nchw", "cluster2"), ((1, 16, 16, 16), 2, "nchw", "cluster8"),
-    ((2, 8, 8, 320), 32, "nhwc", None), ((2, 5, 7, 12), 3, "nhwc", None),
-    ((1, 4, 4, 64), 64, "nhwc", None), ((2, 320, 8, 8), 32, "strided_nhwc", None),
-    ((2, 40, 3, 5), 4, "strided_nhwc", None), ((2, 16, 6, 10), 4, "other", None),
+    ((2, 8, 8, 320), 32, "nhwc", None), ((2, 5, 7, 12), 3, "nhwc", "nhwc"),
+    ((1, 4, 4, 64), 64, "nhwc", "nhwc"), ((2, 320, 8, 8), 32, "strided_nhwc", None),
+    ((2, 40, 3, 5), 4, "strided_nhwc", "nhwc"), ((2, 16, 6, 10), 4, "other", None),
+    ((2, 8, 8, 320), 32, "nhwc", "nhwc"), ((2, 320, 8, 8), 32, "strided_nhwc", "nhwc"),
     ((2, 8, 8, 320), 32, "nhwc", "nhwc_copy"), ((2, 320, 8, 8), 32, "strided_nhwc", "nhwc_copy"),
-    ((1, 3, 1024), 1, "strided_nhwc", None), ((4, 512, 2, 2), 2, "nhwc", None),
+    ((1, 3, 1024), 1, "strided_nhwc", "nhwc"), ((4, 512, 2, 2), 2, "nhwc", "nhwc"),
 ]
 
 
@@ -370,10 +377,18 @@ def test_emulated_designs(monkeypatch, rng):
             impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
                  layout == "nhwc")
             return [n for n, *_ in emu.launches]
-        # 64 groups of 40 channels x 256: clusters of 2 blocks to fill 132 SMs
-        assert kernels((2, 320, 16, 16), 32) == ["group_norm_onchip_cluster"]
-        assert emu.launches[0][1][2] == "2" and emu.launches[0][2][0] == 128
+        # 64 groups that fit one block each: one block per group (the measured winner)
+        assert kernels((2, 320, 16, 16), 32) == ["group_norm_onchip"]
+        assert emu.launches[0][2][0] == 64
+        # groups too large for one block: the smallest cluster that holds them
+        assert kernels((2, 4, 128, 256), 1) == ["group_norm_onchip_cluster"]
+        assert emu.launches[0][1][2] == "2" and emu.launches[0][2][0] == 4
         assert kernels((8, 64, 8, 8), 32) == ["group_norm_onchip"]
+        # small channels-last inputs: through NCHW copies (measured faster at 5 MB) ...
+        assert "group_norm_onchip" in kernels((2, 16, 8, 8), 4, "strided_nhwc")
+        # ... larger ones: the two-pass NHWC kernels
+        monkeypatch.setattr(GN, "NHWC_COPY_MAX_BYTES", 1024)
+        GN._plans.clear()                      # (the threshold is not part of the plans' key)
         assert kernels((2, 16, 8, 8), 4, "strided_nhwc") == ["group_norm_nhwc_stats",
                                                            "group_norm_nhwc_apply"]
         assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
@@ -388,7 +403,7 @@ def test_emulated_apply_orders(monkeypatch, rng, order):
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
         for shape, groups, layout, force in [((1, 8, 64, 64), 2, "nchw", "twopass"),
-                                             ((2, 8, 8, 320), 32, "nhwc", None)]:
+                                             ((2, 8, 8, 320), 32, "nhwc", "nhwc")]:
             monkeypatch.setattr(GN, "force_path", force)
             emu.arena.top = 0
             host, x = _emulated_input(emu.arena, rng, shape, dt.float16, layout, 0)
@@ -412,16 +427,285 @@ def test_refused_cluster_launch_falls_back(monkeypatch, rng):
         def refuse(*args):
             raise RuntimeError("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
         monkeypatch.setattr(emu, "k_group_norm_onchip_cluster", refuse)
-        host, x = _emulated_input(emu.arena, rng, (2, 320, 16, 16), dt.float16, "nchw", 0)
-        ref = GN.ref_group_norm(host.astype(np.float64), 32, activation="silu")
+        # one group of 256 KB: clusters of 2, or (refused) the two-pass kernels
+        host, x = _emulated_input(emu.arena, rng, (1, 4, 128, 256), dt.float16, "nchw", 0)
+        ref = GN.ref_group_norm(host.astype(np.float64), 1, activation="silu")
         for attempt in range(2):
             emu.launches.clear()
             with pytest.warns(RuntimeWarning, match="refused") if attempt == 0 else \
                     contextlib.nullcontext():
-                y = impl(FakeCall(emu.arena, "group_norm"), x, 32, None, None, 1e-5, "silu", False)
+                y = impl(FakeCall(emu.arena, "group_norm"), x, 1, None, None, 1e-5, "silu", False)
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref, **TOL64["float16"])
-            assert emu.names()[-1] == "group_norm_onchip<gpuops::float16_t, 8>"
-        assert len(emu.launches) == 1        # the second call does not try clusters again
+            assert [n for n, *_ in emu.launches[-2:]] == ["group_norm_nchw_stats",
+                                                          "group_norm_nchw_apply"]
+        assert len(emu.launches) == 2        # the second call does not try clusters again
+
+
+# ------------------------------------------------------------------------------ CPU: round 2 plans
+
+def test_spread_plans():
+    """group_norm_spread: every slice of a group lands in one block of at most the allowed threads;
+    one wave (one block per SM) where groups * S fit the SMs, else two blocks per SM."""
+    for clusters in (False, True):
+        for groups in (1, 3, 64, 132, 256, 1000):
+            for gp in (1, 7, 100, 256, 1280, 2560, 5120, 7168, 10240, 20480, 57344, 70000):
+                plan = GN.plan_spread(groups, gp, 132, clusters)
+                if plan is None:
+                    assert gp > (8 if clusters else 1) * GN.SPREAD_MAX_THREADS * GN.SPREAD_PACKS
+                    continue
+                s, slice_packs, threads, res = plan
+                assert s == 1 or (clusters and s in GN.CLUSTERS)
+                assert s * slice_packs >= gp and (s - 1) * slice_packs < gp
+                assert threads % 32 == 0 and threads * GN.SPREAD_PACKS >= slice_packs
+                assert threads <= (GN.SPREAD_MAX_THREADS if res == 1 else GN.SPREAD_PAIR_THREADS)
+                if groups * s <= 132 and res == 1:
+                    continue
+                assert res == 2 or slice_packs > GN.SPREAD_PAIR_THREADS * GN.SPREAD_PACKS
+    # [2, 320, 64, 64]: 64 groups of 80 KB (16-bit) / 160 KB (fp32): clusters of 2, 128 SMs
+    assert GN.plan_spread(64, 5120, 132, True) == (2, 2560, 384, 1)
+    assert GN.plan_spread(64, 10240, 132, True) == (2, 5120, 736, 1)
+    assert GN.plan_spread(64, 5120, 132, False) == (1, 5120, 736, 1)
+    # [8, 640, 64, 64]: 256 groups; several waves, two blocks per SM
+    assert GN.plan_spread(256, 10240, 132, True) == (4, 2560, 384, 2)
+    assert GN.plan_spread(256, 20480, 132, True) == (8, 2560, 384, 2)
+    # forced cluster sizes and residency (the A/B knobs)
+    assert GN.plan_spread(64, 5120, 132, True, cluster=4) == (4, 1280, 192, 2)
+    assert GN.plan_spread(64, 5120, 132, True, cluster=1, residency=1) == (1, 5120, 736, 1)
+    with pytest.raises(RuntimeError, match="cluster size 2"):
+        GN.plan_spread(64, 5120, 132, False, cluster=2)
+
+
+def test_nhwc_spread_plans():
+    for n, hw, c, g, vec in [(2, 4096, 320, 32, 8), (8, 4096, 640, 32, 8), (2, 4096, 320, 32, 4),
+                             (1, 49, 12, 3, 4), (3, 37, 24, 8, 8), (1, 1, 8, 1, 8),
+                             (4, 1024, 1280, 32, 8), (1, 7, 4096, 1, 8), (2, 100, 96, 96, 8)]:
+        cg = c // g
+        for clusters in (False, True):
+            plan = GN.plan_nhwc_spread(n, hw, c, cg, vec, 132, clusters)
+            if plan is None:
+                continue
+            sc, s, rpb, r, threads, res = plan
+            p = sc // vec
+            assert sc % cg == 0 and sc % vec == 0 and c % sc == 0
+            assert s == 1 or (clusters and s in GN.CLUSTERS)
+            assert s * rpb >= hw and r * GN.NHWC_SPREAD_ROWS >= rpb
+            assert threads % 32 == 0 and threads >= p * r
+            assert threads <= (GN.NHWC_SPREAD_THREADS if res == 1 else GN.NHWC_SPREAD_PAIR_THREADS)
+    # [2, 64, 64, 320] bf16 channels-last: 16 (sample, 40-channel slab) items x 8 blocks of 512 rows
+    assert GN.plan_nhwc_spread(2, 4096, 320, 10, 8, 132, True) == (40, 8, 512, 128, 640, 1)
+    # [8, 64, 64, 640] bf16: 128 items; several waves of 2 blocks per SM
+    assert GN.plan_nhwc_spread(8, 4096, 640, 20, 8, 132, True) == (40, 8, 512, 89, 448, 2)
+    assert GN.plan_nhwc_spread(1, 7, 4096, 4096, 8, 132, True) == (4096, 8, 1, 1, 512, 1)
+    assert GN.plan_nhwc_spread(1, 7, 8192, 8192, 8, 132, True) is None   # 1024 columns: too wide
+
+
+def test_spread_smem_reservation():
+    h100 = 227 * 1024
+    one, two = GN.spread_smem(1000, 1, h100), GN.spread_smem(1000, 2, h100)
+    # with the 1 KB per block the driver keeps: `res` blocks fit in 228 KB, res + 1 do not
+    for res, m in ((1, one), (2, two)):
+        assert res * (m + 1024) <= 228 * 1024 < (res + 1) * (m + 1024)
+    assert GN.spread_smem(200 * 1024, 2, h100) == 200 * 1024          # the kernel's own need wins
+    assert GN.spread_smem(300 * 1024, 1, h100) == 0                   # too much: no launch
+    assert GN.spread_smem(1000, 1, 48 * 1024) == 1000                 # Pascal: no reservation
+
+
+def _f32(v):
+    return np.float32(v)
+
+
+def _rcp_newton_model(d):
+    """rcp_newton of group_norm.cu in float32 steps (each fma rounded once, as on the GPU)."""
+    d = np.asarray(d, np.float32)
+    r = (np.int32(0x7EF311C3) - d.view(np.int32)).view(np.float32)
+    for _ in range(3):
+        e = (1.0 - d.astype(np.float64) * r.astype(np.float64)).astype(np.float32)
+        r = (r.astype(np.float64) * e + r).astype(np.float32)
+    return r
+
+
+def test_newton_reciprocal_accuracy(rng):
+    """SiLU's FMA-pipe reciprocal: < 3e-7 relative on 1 <= d <= 2^126 (its whole domain)."""
+    d = np.concatenate([np.linspace(1, 2, 100001), 2.0 ** rng.uniform(0, 126, 200000),
+                        [1.0, 2.0 ** 126, 1.5, 3.0]]).astype(np.float32)
+    r = _rcp_newton_model(d)
+    rel = np.abs(r.astype(np.float64) * d.astype(np.float64) - 1.0)
+    assert rel.max() < 3e-7, rel.max()
+
+
+class SpreadEmu:
+    """gpuops.ops.group_norm's host code on the C++ CPU emulation of its kernels (tests/emu.py:
+    every CUDA thread a fiber, a cluster's blocks run together with their own dynamic shared
+    memory). For the round-2 kernels, which keep all shared data in dynamic shared memory."""
+
+    def __init__(self, monkeypatch, arch=90, sms=132, optin=227 * 1024):
+        import emu  # noqa: PLC0415  (tests/emu.py)
+        if not emu.available():
+            pytest.skip("the CPU emulator needs g++")
+        self.emu, self.arch = emu, arch
+        lib, index = emu.build(GN.MODULE, arch * 10)      # emu: __CUDA_ARCH__ = 900
+
+        def get(_dev, expr):
+            return emu.EmuKernel(lib, index[expr], GN.MODULE.kernels[expr], expr,
+                                 GN.CLUSTER_OF.get(expr, 1))
+        monkeypatch.setattr(GN.KERNELS, "get", get)
+        monkeypatch.setattr(GN.KERNELS, "target_arch", lambda _dev: arch)
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda _dev: types.SimpleNamespace(cc=arch, sm_count=sms,
+                                                           max_smem_per_block_optin=optin)))
+        monkeypatch.setattr(GN._copy, "sm_count", lambda _dev: sms)
+        monkeypatch.setattr(GN, "_clusters_refused", {})
+        GN._plans.clear()
+        self.dev = emu.Device(sms=sms, arch=arch)
+        self.impl = registry.get("group_norm").impl
+
+    def tensor(self, a, d, misalign=False):
+        if misalign:
+            flat = np.empty(a.size + 1, a.dtype)
+            flat[1:] = a.reshape(-1)
+            a = flat[1:].reshape(a.shape)
+        return self.dev.tensor(a, d)
+
+    def run(self, x, groups, w, b, act, channels_last=False, eps=1e-5):
+        self.emu.Device.launches = []
+        y = self.impl(self.dev.call("group_norm", x.dtype), x, groups, w, b, eps, act,
+                      channels_last)
+        return y, [name for name, *_ in self.emu.Device.launches]
+
+
+def _spread_case(rng, se, shape, groups, dtype, affine, act, layout, misalign=False):
+    """Random input of `shape` ([N, C, *sp]) in `layout`, through the emulated kernels against
+    the float64 reference; returns the kernels launched."""
+    d = dt.BY_NAME[dtype]
+    host = (rng.standard_normal(shape) * 2 + 0.5).astype(np_storage(d))
+    c = shape[1]
+    w = (rng.standard_normal(c)).astype(np_storage(d)) if affine else None
+    b = (rng.standard_normal(c)).astype(np_storage(d)) if affine else None
+    wt = None if w is None else se.tensor(w, d)
+    bt = None if b is None else se.tensor(b, d)
+    perm = (0, *range(2, len(shape)), 1)
+    if layout == "nchw":
+        x = se.tensor(host, d, misalign)
+        cl = False
+    elif layout == "nhwc":                           # channels_last=True: [N, *sp, C] arrays
+        x = se.tensor(np.ascontiguousarray(host.transpose(perm)), d, misalign)
+        cl = True
+    else:                                            # "strided": an NCHW view of NHWC memory
+        mem = np.ascontiguousarray(host.transpose(perm))
+        view = mem.transpose(np.argsort(perm))
+        x = se.tensor(view, d)
+        cl = False
+    y, names = se.run(x, groups, wt, bt, act, cl)
+    ref = GN.ref_group_norm(host.astype(np.float64), groups,
+                            None if w is None else w.astype(np.float64),
+                            None if b is None else b.astype(np.float64), 1e-5, act)
+    got = np.asarray(y.obj).astype(np.float64)
+    if layout == "nhwc":
+        got = np.moveaxis(got, -1, 1)
+    assert_close(got, ref, dtype, f"{shape} G={groups} {layout} affine={affine} act={act} "
+                                  f"{names}")
+    return names
+
+
+# (shape, groups, layout, forced cluster size): odd C / G, spatial sizes that do not divide into
+# the blocks' slices or rows, 1-3 spatial dims, one channel per group, one group.
+SPREAD_CASES = [
+    ((2, 32, 8, 8), 8, "nchw", None), ((2, 12, 16, 6), 4, "nchw", None),
+    ((1, 10, 8, 12), 5, "nchw", 2), ((3, 6, 40), 3, "nchw", 4), ((1, 8, 4, 4, 8), 1, "nchw", 8),
+    ((2, 16, 24), 16, "nchw", None), ((1, 4, 64, 64), 2, "nchw", 8),
+    ((2, 40, 5, 7), 4, "nhwc", None), ((1, 24, 37), 8, "nhwc", 4), ((2, 64, 3, 3), 32, "nhwc", 2),
+    ((1, 16, 9, 9), 1, "nhwc", 8), ((2, 48, 4, 5), 16, "strided", None),
+    ((1, 320, 4, 4), 32, "strided", 8), ((1, 8, 33), 8, "nhwc", None),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_spread_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype):
+    """Every round-2 kernel (NCHW and channels-last, no cluster and clusters of 2 / 4 / 8), silu
+    on and off, weight/bias present and absent, outputs poisoned (the emulator fills them with
+    0xFF), against the float64 reference."""
+    se = SpreadEmu(monkeypatch)
+    for shape, groups, layout, cluster in SPREAD_CASES:
+        monkeypatch.setattr(GN, "force_path", "spread" if layout == "nchw" else "nhwc_spread")
+        monkeypatch.setattr(GN, "spread_cluster", cluster)
+        for affine, act in ((True, "silu"), (False, None), (True, None), (False, "silu")):
+            names = _spread_case(rng, se, shape, groups, dtype, affine, act, layout)
+            kind = "spread" if layout == "nchw" else "nhwc_spread"
+            assert names and names[0].startswith(f"gpuops::group_norm_{kind}<"), names
+            if cluster is not None:
+                assert names[0].endswith(f", {cluster}>"), names
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_spread_kernels_several_waves(monkeypatch, rng, dtype):
+    """Plans for more groups than SMs (two blocks per SM), and auto with AUTO_SPREAD; on sm_61
+    (no clusters) the same calls take the one-block-per-group kernels."""
+    for arch, sms in ((90, 4), (90, 132), (61, 4)):
+        se = SpreadEmu(monkeypatch, arch=arch, sms=sms,
+                       optin=227 * 1024 if arch >= 90 else 48 * 1024)
+        monkeypatch.setattr(GN, "AUTO_SPREAD", True)
+        monkeypatch.setattr(GN, "force_path", None)
+        for shape, groups, layout in [((4, 16, 32, 32), 4, "nchw"), ((2, 4, 64, 64), 1, "nchw"),
+                                      ((3, 64, 16, 16), 8, "nhwc"), ((2, 32, 8, 40), 4, "strided")]:
+            names = _spread_case(rng, se, shape, groups, dtype, True, "silu", layout)
+            assert len(names) == 1 and "spread" in names[0], names
+            if arch < 90:
+                assert names[0].endswith(", 1>"), names
+
+
+def test_spread_kernels_decline_what_they_cannot_do(monkeypatch, rng):
+    """Unaligned inputs and hw not a multiple of 16 bytes (NCHW) take the older kernels, with the
+    same results; so do channels-last inputs with C not a multiple of 16 bytes, or unaligned."""
+    se = SpreadEmu(monkeypatch, arch=61, optin=48 * 1024)
+    monkeypatch.setattr(GN, "AUTO_SPREAD", True)
+    for shape, groups, misalign in [((2, 8, 6, 6), 4, False), ((2, 8, 8, 8), 4, True)]:
+        names = _spread_case(rng, se, shape, groups, "float16", True, "silu", "nchw", misalign)
+        assert not any("spread" in n for n in names), names
+    monkeypatch.setattr(GN, "NHWC_COPY_MAX_BYTES", 0)
+    d = dt.float16
+    for c, aligned in ((12, True), (16, False), (16, True)):
+        run = GN._nhwc_launcher(0, d, 2, c, 25, 4, aligned, 1)
+        assert run.__name__ == ("run_nhwc_spread" if (c, aligned) == (16, True) else "run_nhwc")
+
+
+def test_spread_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, rng):
+    """Through the clustered (and unclustered) NCHW and channels-last kernels: (1) a mean of 1000
+    against a spread of 1 (exact two-pass statistics: E[x^2] - E[x]^2 would be off by ~1e6 * 6e-8
+    of the variance, 3% of the output; what is left is fp32's rounding of the mean, ulp(1000) *
+    rstd = 6e-5); (2) extreme biases through SiLU (-inf -> NaN, -100 -> -0, +inf -> inf, as
+    torch) and a NaN that poisons its own group only."""
+    se = SpreadEmu(monkeypatch)
+    d = dt.float32
+    for layout, force, cluster in (("nchw", "spread", 4), ("nhwc", "nhwc_spread", 4),
+                                   ("nchw", "spread", 1), ("nhwc", "nhwc_spread", 1)):
+        monkeypatch.setattr(GN, "force_path", force)
+        monkeypatch.setattr(GN, "spread_cluster", cluster)
+
+        def run(host, w, b, act):
+            x = np.ascontiguousarray(np.moveaxis(host, 1, -1)) if layout == "nhwc" else host
+            y, names = se.run(se.tensor(x, d), 4, se.tensor(w, d), se.tensor(b, d), act,
+                              layout == "nhwc")
+            got = np.asarray(y.obj).astype(np.float64)
+            return (np.moveaxis(got, -1, 1) if layout == "nhwc" else got), names
+
+        host = (rng.standard_normal((2, 8, 16, 16)) + 1000.0).astype(np.float32)
+        ones, zeros = np.ones(8, np.float32), np.zeros(8, np.float32)
+        got, names = run(host, ones, zeros, None)
+        ref = GN.ref_group_norm(host.astype(np.float64), 4)
+        err = np.abs(got - ref)
+        assert np.all(err <= 1e-5 * np.abs(ref) + 1.5e-4), f"{layout} {names}: {err.max()}"
+
+        host = (rng.standard_normal((2, 8, 16, 16)) * 2 + 0.5).astype(np.float32)
+        host[1, 5, 3, 7] = np.nan                                # sample 1, group 2 (ch 4, 5)
+        b = np.array([0, -100, -np.inf, np.inf, 0, 0, 1, 2], np.float32)
+        got, names = run(host, ones, b, "silu")
+        ref = GN.ref_group_norm(host.astype(np.float64), 4, ones, b, 1e-5, "silu")
+        # the NaN fills its own group (sample 1, channels 4-5) only; channel 2 is NaN through
+        # silu(-inf) everywhere, as in the reference (assert_close compares the NaN positions)
+        assert np.isnan(got[1, 4:6]).all() and not np.isnan(got[:, [0, 1, 3, 6, 7]]).any(), names
+        assert np.isnan(got[:, 2]).all() and not np.isnan(got[0, 4:6]).any()
+        assert np.all(got[:, 1] == 0) and np.all(got[:, 3] == np.inf)
+        assert_close(got, ref, "float32", f"{layout} cluster={cluster} {names}")
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -475,7 +759,8 @@ def test_gpu_shapes(dtype):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["onchip", "cluster2", "cluster4", "cluster8", "twopass"])
+@pytest.mark.parametrize("path", ["onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm",
+                                  "twopass", "spread"])
 def test_gpu_each_nchw_design(dtype, path, force):
     if path.startswith("cluster") and not _clusters():
         pytest.skip("thread-block clusters need sm_90 kernels")
@@ -485,6 +770,89 @@ def test_gpu_each_nchw_design(dtype, path, force):
         x = _randn(shape, dtype)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
         _check(x, groups, dtype, w, b, "silu", f"{path} {shape}")
+
+
+SPREAD_KNOBS = [(None, None), (1, None), (2, None), (4, None), (8, None), (None, 1), (None, 2)]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "nhwc"])
+def test_gpu_spread_kernels(dtype, layout, force, monkeypatch):
+    """group_norm_spread / group_norm_nhwc_spread with their own plan, each cluster size and each
+    residency: odd C / G, spatial sizes that do not divide into slices or rows, silu on and off,
+    weight / bias absent, outputs poisoned with NaN; the launched kernel is the spread one."""
+    force("spread" if layout == "nchw" else "nhwc_spread")
+    shapes = [((2, 320, 64, 64), 32), ((2, 12, 16, 6), 4), ((1, 10, 8, 12), 5), ((3, 48, 37), 8),
+              ((1, 64, 3, 3), 32), ((2, 16, 40, 40), 1), ((1, 24, 5, 5, 8), 3)]
+    for cluster, residency in SPREAD_KNOBS:
+        if cluster not in (None, 1) and not _clusters():
+            continue
+        monkeypatch.setattr(GN, "spread_cluster", cluster)
+        monkeypatch.setattr(GN, "spread_residency", residency)
+        for shape, groups in shapes:
+            x = _randn(shape, dtype)
+            c = shape[1]
+            w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
+            perm = (0, *range(2, len(shape)), 1)
+            if layout == "channels_last":
+                x = x.permute(*perm).contiguous().permute(*[perm.index(i) for i in range(len(shape))])
+            elif layout == "nhwc":
+                x = x.permute(*perm).contiguous()
+            cl = layout == "nhwc"
+            what = f"{layout} {shape} G={groups} cluster={cluster} residency={residency}"
+            for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
+                out = torch.full_like(x, float("nan"))
+                y = go.group_norm(x, groups, *wb, activation=act, channels_last=cl, out=out)
+                assert y is out
+                ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
+                                                             for t in wb), 1e-5, act, cl)
+                assert_close(_host(y), ref, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_spread_kernels_are_the_ones_launched(force):
+    """The forced spread paths really launch the spread kernels at the benchmark shapes (and
+    AUTO_SPREAD does), through a CUDA graph."""
+    seen = []
+    get = GN.KERNELS.get
+
+    def spy(dev, expr):
+        seen.append(expr)
+        return get(dev, expr)
+    GN.KERNELS.get = spy
+    try:
+        for shape, path, cl in [((2, 320, 64, 64), "spread", False),
+                                ((2, 320, 64, 64), "nhwc_spread", True),
+                                ((8, 640, 64, 64), "spread", False),
+                                ((8, 640, 64, 64), "nhwc_spread", True)]:
+            if effective_arch(0) < 90 and (cl or shape != (2, 320, 64, 64)):
+                # runs 16-17, compute_61 bundle: without clusters only the NCHW diffusion shape
+                # (a group fits one block) has a spread plan; the others take the two-pass
+                # kernels (correct, tested above)
+                continue
+            x = _randn(shape, "bfloat16")
+            if cl:
+                x = x.contiguous(memory_format=torch.channels_last)
+            for p in (path, None):
+                force(p)
+                GN.AUTO_SPREAD = p is None
+                seen.clear()
+                graph = torch.cuda.CUDAGraph()
+                go.group_norm(x, 32, activation="silu")          # (warm-up outside the capture)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    y = go.group_norm(x, 32, activation="silu")
+                graph.replay()
+                torch.cuda.synchronize()
+                assert seen and all("spread" in e for e in seen), (shape, p, seen)
+                assert_close(_host(y), GN.ref_group_norm(_host(x), 32, activation="silu"),
+                             "bfloat16", f"graph {shape} {p}")
+    finally:
+        GN.KERNELS.get = get
+        GN.AUTO_SPREAD = False
 
 
 @gpu
@@ -497,7 +865,7 @@ def test_gpu_apply_orders_agree(dtype, force, monkeypatch):
         if nhwc:
             x = x.contiguous(memory_format=torch.channels_last)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
-        force(None if nhwc else "twopass")
+        force("nhwc" if nhwc else "twopass")
         ys = []
         for order in ("forward", "reverse"):
             monkeypatch.setattr(GN, "apply_order", order)
@@ -515,7 +883,7 @@ def test_gpu_channels_last(dtype, force):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
         xl = x.contiguous(memory_format=fmt)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
-        for path in (None, "nhwc_copy"):
+        for path in (None, "nhwc", "nhwc_copy", "nhwc_spread"):
             force(path)
             y = _check(xl, groups, dtype, w, b, "silu", f"channels_last {shape} {path}")
             assert y.is_contiguous(memory_format=fmt), "the result keeps the memory format"

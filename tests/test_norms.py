@@ -440,7 +440,7 @@ def recording(monkeypatch, request):
         max_smem_per_block_optin = 227 * 1024
 
     monkeypatch.setattr(N.loader, "load", lambda module, dev: _FakeLoaded(module, log))
-    monkeypatch.setattr(N, "_occupancy", lambda ptr, threads, smem: 4)
+    monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: 4)
     monkeypatch.setattr(N.device, "device_info", lambda dev: _Info)
     monkeypatch.setattr(N.device, "cupy_or_none", lambda: _Cupy)
     monkeypatch.setattr(N, "_plans", {})
@@ -534,7 +534,7 @@ def test_ring_plans_fit_the_device(monkeypatch):
     from types import SimpleNamespace  # noqa: PLC0415
     dev = {}
     monkeypatch.setattr(N.loader, "load", lambda module, d: _FakeLoaded(module, []))
-    monkeypatch.setattr(N, "_occupancy", lambda ptr, threads, smem: min(
+    monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: min(
         2048 // threads, dev["smem_per_sm"] // (smem + 1024)))
     monkeypatch.setattr(N.device, "device_info", lambda d: SimpleNamespace(
         sm_count=dev["sms"], max_smem_per_block_optin=dev["optin"]))
@@ -699,7 +699,7 @@ def emulated(monkeypatch):
 
     with emu.Device(sms=2) as dev:
         monkeypatch.setattr(N.loader, "load", lambda module, d: _EmuLoaded(module))
-        monkeypatch.setattr(N, "_occupancy", lambda ptr, threads, smem: 2)
+        monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: 2)
         monkeypatch.setattr(N.device, "device_info", lambda d: SimpleNamespace(
             sm_count=2, max_smem_per_block_optin=227 * 1024))
         monkeypatch.setattr(N.device, "cupy_or_none", lambda: SimpleNamespace(

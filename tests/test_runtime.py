@@ -191,6 +191,42 @@ def test_argspec_layout_and_packing():
         ArgSpec("bogus!")
 
 
+def test_argspec_tensormap_parameters():
+    """A CUtensorMap travels by value: 128 opaque bytes aligned to 64 (as `.param .align 64 .b8
+    p[128]` in PTX), packed from one bytes value; "@N:" sets any struct's alignment."""
+    spec = ArgSpec("tensormap", "i32", "tensormap", "9P25qf4i")
+    assert spec.layout == [(0, 128, 64), (128, 4, 4), (192, 128, 64), (320, 296, 8)]
+    assert spec.size == 616
+    buf = bytearray(spec.size)
+    spec.struct.pack_into(buf, 0, bytes(range(128)), 7, b"\xab" * 128, *range(9), *range(25),
+                          1.5, 1, 2, 3, 4)
+    assert bytes(buf[:128]) == bytes(range(128)) and buf[192:320] == b"\xab" * 128
+    assert struct.unpack_from("<i", buf, 128)[0] == 7
+    assert ArgSpec("@16:2i").layout == [(0, 16, 16)]
+    for bad in ("@3:4i", "@64:", "@64"):
+        with pytest.raises(ValueError):
+            ArgSpec(bad)
+
+
+def test_tma_rules_are_checked_before_the_driver():
+    from gpuops.runtime import tma
+    ok = dict(ptr=1 << 20, dtype=tma.DTYPE_UINT16, dims=(4096, 4096), strides=(8192,),
+              box=(64, 128), swizzle=tma.SWIZZLE_128B)
+    assert tma.check_tiled(**ok) is None
+    for change, words in (({"ptr": (1 << 20) + 8}, "16-byte aligned"),
+                          ({"strides": (8194,)}, "multiple of 16"),
+                          ({"strides": (0,)}, "positive"),
+                          ({"box": (128, 128)}, "exceeds the 128-byte swizzle"),
+                          ({"box": (64, 257)}, "outside 1..256"),
+                          ({"dims": (0, 5)}, "outside 1..2^32"),
+                          ({"dims": (4, 4, 4, 4, 4, 4), "strides": (16,) * 5,
+                            "box": (8,) * 6}, "rank")):
+        why = tma.check_tiled(**{**ok, **change})
+        assert why is not None and words in why, (change, why)
+    with pytest.raises(tma.TensorMapError, match="16-byte aligned"):
+        tma.encode_tiled(**{**ok, "ptr": 8})
+
+
 def test_ptx_param_parser():
     ptx = """.visible .entry _Z1kv(
 \t.param .align 4 .b8 _Z1kv_param_0[16],

@@ -2,8 +2,8 @@
 
 1. every variant (naive .. mma) at 4096^3 fp32, against cuBLAS fp32 through torch with TF32 off
    (and the tf32 mma against cuBLAS with TF32 on);
-2. bf16 at 8192^3, M=4096 N=6144 K=2048 and M=4096 N=2048 K=6144: warp_tiled (SIMT), mma and
-   the default, against cuBLAS bf16;
+2. bf16 at 8192^3, M=4096 N=6144 K=2048 and M=4096 N=2048 K=6144: warp_tiled (SIMT), mma,
+   wgmma (on sm_90) and the default, against cuBLAS bf16;
 3. decode shapes (M = 1, 2, 4, 8, 16 x [6144, 4096] bf16 and fp32 weights) inside a CUDA graph,
    the weight rotated over enough copies to exceed L2 (a 25-50 MB weight otherwise stays in the
    50 MB L2): % of the device-to-device copy bandwidth for the bytes that must move (weight + x +
@@ -15,7 +15,8 @@
     python benchmarks/experiments/gemm_ladder.py [--json out.json] [--quick]
 
 --quick skips the slowest rungs (naive, smem_tiled on the big bf16 shapes). Rows marked legacy
-time run 1's paths (gpuops.ops.gemm.PLAN) next to the new ones. --sections decode (~60 s) and
+time run 1's paths (gpuops.ops.gemm.PLAN) next to the new ones; rows marked [large], [small],
+[large_k32] force one mma tile configuration (PLAN['mma_tiles']). --sections decode (~60 s) and
 --sections epilogue (~35 s) each stay under 90 s on an H100.
 """
 from __future__ import annotations
@@ -121,11 +122,25 @@ def ladder(quick):
         variants = ["warp_tiled", "mma", None]
         if not quick and (M, N, K) != (8192, 8192, 8192):
             variants = ["register_tiled_vec4"] + variants
+        hopper = G.effective_arch(0) == G.WGMMA_ARCH
+        if hopper:
+            variants.append("wgmma")
         for v in variants:
             ms = time_ms(lambda v=v: go.matmul(a, b, variant=v))
             record("bf16", f"{v or 'default'} (a @ b)", (M, N, K), "bfloat16", ms, flops, peer)
         ms = time_ms(lambda: go.linear(a, wt))
         record("bf16", "default (linear)", (M, N, K), "bfloat16", ms, flops, peer_lin)
+        for tiles in sorted(G.MMA_TILES):    # every mma tile configuration, forced (A/B)
+            with decode_plan(tiles, "mma_tiles"):
+                ms = time_ms(lambda: go.matmul(a, b, variant="mma"))
+                record("bf16", f"mma [{tiles}] (a @ b)", (M, N, K), "bfloat16", ms, flops, peer,
+                       extra={"tiles": tiles})
+                ms = time_ms(lambda: go.linear(a, wt, variant="mma"))
+                record("bf16", f"mma [{tiles}] (linear)", (M, N, K), "bfloat16", ms, flops,
+                       peer_lin, extra={"tiles": tiles})
+        if hopper:
+            ms = time_ms(lambda: go.linear(a, wt, variant="wgmma"))
+            record("bf16", "wgmma (linear)", (M, N, K), "bfloat16", ms, flops, peer_lin)
 
 
 def decode(gbps):
@@ -175,21 +190,31 @@ def epilogues():
         b = torch.randn(K, N, device="cuda", dtype=dtype)
         bias = torch.randn(N, device="cuda", dtype=dtype)
         res = torch.randn(M, N, device="cuda", dtype=dtype)
-        # the mma epilogue (bf16) in both plans; fp32 takes warp_tiled (one plan)
-        for plan in (("prefetch", "legacy") if dtype is torch.bfloat16 else ("prefetch",)):
-            tag = "" if plan == "prefetch" else " [legacy epi]"
-            with decode_plan(plan, "mma_epilogue"):
+        # bf16: the mma kernel with the default tiles and the 2-blocks-per-SM 128x128 ones (whose
+        # epilogue overlaps the other block's main loop); fp32 takes warp_tiled
+        for tiles in (("auto", "small") if dtype is torch.bfloat16 else ("auto",)):
+            tag = "" if tiles == "auto" else f" [{tiles}]"
+            with decode_plan(tiles, "mma_tiles"):
                 bare = time_ms(lambda: go.matmul(a, b))
                 record("epilogue", "bare" + tag, (M, N, K), str(dtype)[6:], bare, 2.0 * M * N * K)
                 for name, kw in (("alpha", {"alpha": 0.5}), ("bias", {"bias": bias}),
                                  ("bias+gelu", {"bias": bias, "activation": "gelu"}),
+                                 ("residual", {"residual": res}),
                                  ("bias+gelu+residual",
                                   {"bias": bias, "activation": "gelu", "residual": res})):
-                    if plan == "legacy" and name == "alpha":
-                        continue
                     ms = time_ms(lambda kw=kw: go.matmul(a, b, **kw))
                     record("epilogue", name + tag, (M, N, K), str(dtype)[6:], ms,
                            2.0 * M * N * K, extra={"pct_over_bare": 100.0 * (ms / bare - 1)})
+        if dtype is torch.bfloat16 and G.effective_arch(0) == G.WGMMA_ARCH:
+            bare = time_ms(lambda: go.matmul(a, b, variant="wgmma"))
+            record("epilogue", "bare [wgmma]", (M, N, K), "bfloat16", bare, 2.0 * M * N * K)
+            for name, kw in (("bias", {"bias": bias}),
+                             ("bias+gelu", {"bias": bias, "activation": "gelu"}),
+                             ("bias+gelu+residual",
+                              {"bias": bias, "activation": "gelu", "residual": res})):
+                ms = time_ms(lambda kw=kw: go.matmul(a, b, variant="wgmma", **kw))
+                record("epilogue", name + " [wgmma]", (M, N, K), "bfloat16", ms, 2.0 * M * N * K,
+                       extra={"pct_over_bare": 100.0 * (ms / bare - 1)})
         if dtype is torch.bfloat16:
             eager = time_ms(lambda: F.gelu(torch.addmm(bias, a, b)) + res)
             record("epilogue", "torch eager bias+gelu+residual", (M, N, K), "bfloat16", eager)

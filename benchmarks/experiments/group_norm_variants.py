@@ -1,15 +1,25 @@
-"""group_norm(+SiLU): kernel time of each design (old vs new) and per-call host time, per dtype.
+"""group_norm(+SiLU): kernel time of every design (old and round 2) and per-call host time.
 
-Answers two questions the per-call bench cannot: (1) what the kernels take on the GPU (each
-variant called REPS times inside one CUDA graph, replays timed with CUDA events), and (2) what a
-call costs on the host (CUDA events around single eager calls, as `python -m gpuops bench` times
-them, next to the graph time: when "eager" >> "graph" the bench row measures the host).
+Answers (1) what the kernels take on the GPU (each variant called REPS times inside one CUDA
+graph, replays timed with CUDA events), (2) what a call costs on the host (CUDA events around
+single eager calls, as `python -m gpuops bench` times them: when "eager" >> "graph" the bench row
+measures the host), (3) which kernels and launch shape each variant ran (grid x block, dynamic
+shared memory), and (4) what a plain pass over the same bytes costs in the same graph method
+(calibration rows: torch copy of the input, gpuops.silu of it), i.e. the ceiling at this size.
 
-Variants (gpuops.ops.group_norm knobs): auto = the default plan; onchip = no clusters (one block per
-group); cluster2/4/8 = forced cluster size; twopass = the two-kernel NCHW path; twopass_fwd = the
-same with the old forward apply order; nhwc / nhwc_fwd = channels-last with the reverse / old
-forward apply order. Peers: torch eager (F.silu(F.group_norm)), Liger when installed,
-torch.compile with --compile (slow to compile: leave it off to stay under 90 s).
+Variants (gpuops.ops.group_norm knobs), NCHW: auto = the default plan; onchip = no clusters (one
+block per group); cluster2/4/8 = forced cluster size; cluster2_1sm = cluster2 with a shared-memory
+reservation that keeps a second block off each SM (tests the placement hypothesis of
+notes_groupnorm_copy.md round 2); twopass / twopass_fwd = the two-kernel path (reverse / old
+forward apply order); spread = group_norm_spread (round 2) with its own plan; spread_c1/2/4/8 =
+with a forced cluster size; spread_r1/r2 = with a forced number of blocks per SM; auto_spread =
+auto with AUTO_SPREAD. Channels-last: auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse /
+forward apply order); nhwc_copy = through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8,
+nhwc_spread_r1/r2; auto_spread. Peers: torch eager (F.silu(F.group_norm)), Liger when installed
+(NCHW), torch.compile with --compile (slow to compile).
+
+Shapes: [2, 320, 64, 64] (the diffusion shape; --quick: this one only) and [8, 640, 64, 64] (84 MB
+in 16-bit), each NCHW and channels-last.
 
     python benchmarks/experiments/group_norm_variants.py [--json F] [--compile] [--quick]
 """
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -28,6 +39,13 @@ from gpuops.ops import group_norm as GN
 from gpuops.bench import graph_replay_us
 
 REPS = 20
+
+NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass",
+                 "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
+                 "spread_r1", "spread_r2", "auto_spread")
+NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
+                 "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
+                 "auto_spread")
 
 
 def graph_us(fn, reps=REPS, replays=20):
@@ -69,14 +87,52 @@ def copy_gbps():
 
 
 def set_variant(v):
-    GN.force_path = None
-    GN.apply_order = "reverse"
-    if v in ("onchip", "cluster2", "cluster4", "cluster8", "twopass", "nhwc_copy"):
-        GN.force_path = v
-    elif v == "twopass_fwd":
+    """The module knobs of variant v (every knob reset first)."""
+    GN.force_path, GN.apply_order = None, "reverse"
+    GN.AUTO_SPREAD, GN.spread_cluster, GN.spread_residency = False, None, None
+    m = re.fullmatch(r"(.+)_([cr])(\d+)", v)          # spread_c4, nhwc_spread_r2, ...
+    base = m.group(1) if m else v
+    if base in ("onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass", "nhwc",
+                "nhwc_copy", "spread", "nhwc_spread"):
+        GN.force_path = base
+    elif base == "twopass_fwd":
         GN.force_path, GN.apply_order = "twopass", "forward"
-    elif v == "nhwc_fwd":
-        GN.apply_order = "forward"
+    elif base == "nhwc_fwd":
+        GN.force_path, GN.apply_order = "nhwc", "forward"
+    elif base == "auto_spread":
+        GN.AUTO_SPREAD = True
+    elif base != "auto":
+        raise ValueError(v)
+    if m and m.group(2) == "c":
+        GN.spread_cluster = int(m.group(3))
+    elif m:
+        GN.spread_residency = int(m.group(3))
+
+
+class LaunchLog:
+    """Records the group_norm kernels a call launches (name, grid, block, dynamic smem)."""
+
+    def __init__(self):
+        self.launches = []
+        self._get = GN.KERNELS.get
+
+    def __enter__(self):
+        log, get = self.launches, self._get
+
+        class Spy:
+            def __init__(self, k, expr):
+                self.k, self.expr = k, expr
+
+            def launch(self, grid, block, stream, *args, smem=0):
+                log.append(f"{self.expr.split('::')[-1]} {grid[0]}x{block[0]}"
+                           f"{f' smem {smem // 1024}K' if smem else ''}")
+                return self.k.launch(grid, block, stream, *args, smem=smem)
+        GN.KERNELS.get = lambda dev, expr: Spy(get(dev, expr), expr)
+        return self
+
+    def __exit__(self, *exc):
+        GN.KERNELS.get = self._get
+        return False
 
 
 def main():
@@ -96,16 +152,11 @@ def main():
     def torch_gn(x, w, b):
         return F.silu(F.group_norm(x, 32, w, b))
 
-    nchw_variants = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "twopass", "twopass_fwd")
-    cases = [((2, 320, 64, 64), ("bfloat16", "float16", "float32"), False, nchw_variants),
-             ((2, 320, 64, 64), ("bfloat16",), True, ("auto", "nhwc_fwd", "nhwc_copy"))]
-    if not args.quick:
-        cases += [((8, 640, 64, 64), ("bfloat16", "float32"), False,
-                   ("auto", "cluster4", "cluster8", "twopass", "twopass_fwd")),
-                  ((8, 640, 64, 64), ("bfloat16",), True, ("auto", "nhwc_fwd")),
-                  ((4, 1280, 32, 32), ("bfloat16",), False, ("auto", "cluster4", "twopass")),
-                  ((1, 256, 256, 256), ("bfloat16", "float32"), False,
-                   ("auto", "twopass", "twopass_fwd"))]
+    shapes = [(2, 320, 64, 64)] + ([] if args.quick else [(8, 640, 64, 64)])
+    cases = []
+    for shape in shapes:
+        cases += [(shape, ("bfloat16", "float16", "float32"), False, NCHW_VARIANTS),
+                  (shape, ("bfloat16", "float32"), True, NHWC_VARIANTS)]
     for shape, dtypes, nhwc, variants in cases:
         for dtype in dtypes:
             td = getattr(torch, dtype)
@@ -120,34 +171,38 @@ def main():
             name = f"group_norm{'/cl' if nhwc else ''} {tuple(shape)} {dtype}"
             print(f"{name}: floor {floor:.1f} us ({nbytes / 1e6:.1f} MB)", flush=True)
 
-            def line(label, fn, eager=False):
+            def line(label, fn, eager=False, plan=""):
                 try:
                     g = graph_us(fn)
                     extra = ""
                     if eager:
                         extra = f"  eager(bench-style) {eager_us(fn):7.1f} us  host {host_us(fn):6.1f} us"
-                    print(f"  {label:<14} graph {g:7.1f} us  {100 * floor / g:5.1f}% copy{extra}",
-                          flush=True)
+                    print(f"  {label:<16} graph {g:7.1f} us  {100 * floor / g:5.1f}% copy{extra}"
+                          f"{'  [' + plan + ']' if plan else ''}", flush=True)
                     rows.append({"case": name, "variant": label, "graph_us": g,
-                                 "pct_copy": 100 * floor / g, "floor_us": floor})
+                                 "pct_copy": 100 * floor / g, "floor_us": floor, "plan": plan})
                 except Exception as exc:  # noqa: BLE001  (a variant that cannot run is reported)
-                    print(f"  {label:<14} failed: {type(exc).__name__}: {str(exc)[:150]}",
+                    print(f"  {label:<16} failed: {type(exc).__name__}: {str(exc)[:150]}",
                           flush=True)
                     rows.append({"case": name, "variant": label, "error": str(exc)[:300]})
 
             for v in variants:
                 set_variant(v)
                 try:
-                    y = go.group_norm(x, 32, w, b, activation="silu")
+                    with LaunchLog() as log:
+                        y = go.group_norm(x, 32, w, b, activation="silu")
                     err = (y.float() - ref).abs().max().item()
                     tol = 1e-4 if dtype == "float32" else 0.1
                     if not err <= tol:
-                        print(f"  {v:<14} WRONG: max abs err {err:.3g}", flush=True)
+                        print(f"  {v:<16} WRONG: max abs err {err:.3g}", flush=True)
+                        rows.append({"case": name, "variant": v, "error": f"wrong: {err:.3g}"})
                         continue
                 except Exception as exc:  # noqa: BLE001
-                    print(f"  {v:<14} failed: {type(exc).__name__}: {str(exc)[:150]}", flush=True)
+                    print(f"  {v:<16} failed: {type(exc).__name__}: {str(exc)[:150]}", flush=True)
+                    rows.append({"case": name, "variant": v, "error": str(exc)[:300]})
                     continue
-                line(v, lambda: go.group_norm(x, 32, w, b, activation="silu"), eager=v == "auto")
+                line(v, lambda: go.group_norm(x, 32, w, b, activation="silu"), eager=v == "auto",
+                     plan="; ".join(log.launches))
             set_variant("auto")
             line("torch", lambda: torch_gn(x, w, b), eager=True)
             if LigerGroupNormFunction is not None and not nhwc:
@@ -156,7 +211,12 @@ def main():
             if args.compile:
                 cfn = torch.compile(torch_gn, dynamic=False)
                 line("torch.compile", lambda: cfn(x, w, b))
+            # calibration: one plain pass over the same bytes in the same graph method
+            line("[copy x]", lambda: x.clone())
+            if not nhwc:
+                line("[gpuops.silu x]", lambda: go.silu(x))
             del x, w, b, ref
+            torch.cuda.empty_cache()
     set_variant("auto")
     if args.json:
         with open(args.json, "w") as f:

@@ -19,6 +19,10 @@ struct DecodeCfg {
   // (2 * U * E, in 32-bit registers for packs) share ~ 160 registers
   static constexpr int U_RAW = 64 / (E * (RT + 1));
   static constexpr int U = U_RAW < 1 ? 1 : (U_RAW > 8 ? 8 : U_RAW);
+  // prefetch the next step's K/V (a second set of 2 * U * NV load registers) where q and o
+  // leave room: RT * E <= 32 (bf16 D128 up to RT 4, fp32 D128 up to RT 8); the RT 8 16-bit
+  // configs already use ~250 registers
+  static constexpr bool PREFETCH = RT * E <= 32;
   static_assert(L * NV * VEC == D, "head dim template must split into lanes and packs");
 };
 

@@ -4,9 +4,10 @@
 //   n = na + nb,  delta = mean_b - mean_a,  mean = mean_a + delta nb / n,
 //   M2 = M2_a + M2_b + delta^2 na nb / n.
 // Counts are floats (exact up to 2^24; beyond, a relative 6e-8 that does not matter here).
-// Also the Hopper thread-block-cluster helpers (distributed shared memory) that let the blocks of
-// one cluster exchange such statistics without a trip through global memory.
+// The blocks of a Hopper thread-block cluster exchange such statistics through distributed shared
+// memory (common/cluster.cuh).
 #pragma once
+#include "common/cluster.cuh"
 
 namespace gpuops {
 
@@ -58,53 +59,5 @@ __device__ __forceinline__ MeanM2 block_merge_to_thread0(MeanM2 s, float4* scrat
   }
   return s;
 }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Thread-block clusters (sm_90). A kernel declared with GPUOPS_CLUSTER_DIMS(S) is launched as
-// clusters of S consecutive blocks along x (the size is compiled into the kernel, so a plain
-// cuLaunchKernel launches it as clusters); on older archs the attribute is left out and the host
-// never launches such a kernel.
-#define GPUOPS_CLUSTER_DIMS(S) __cluster_dims__(S, 1, 1)
-
-__device__ __forceinline__ unsigned int cluster_ctarank() {
-  unsigned int r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-__device__ __forceinline__ unsigned int cluster_nctarank() {
-  unsigned int r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-
-// arrive has release and wait acquire semantics (the defaults): shared-memory writes before
-// arrive are visible to the cluster's other blocks after their wait. All threads of every block
-// must execute both (.aligned).
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
-}
-
-// The address of the same shared variable in block `rank` of this cluster (generic address, so a
-// normal load reads the other block's shared memory).
-template <class T>
-__device__ __forceinline__ const T* cluster_map(const T* p, unsigned int rank) {
-  unsigned long long out;
-  asm volatile("mapa.u64 %0, %1, %2;"
-               : "=l"(out) : "l"(reinterpret_cast<unsigned long long>(p)), "r"(rank));
-  return reinterpret_cast<const T*>(out);
-}
-#else
-#define GPUOPS_CLUSTER_DIMS(S)
-#endif
 
 }  // namespace gpuops

@@ -49,7 +49,8 @@ constexpr int kAKContig = 1;   // A's K dim has stride 1 (else its M dim has, or
 constexpr int kAVec = 2;       // A may be read in aligned vectors along its contiguous dim
 constexpr int kBKContig = 4;   // B's K dim has stride 1 (B^T row-major: a torch Linear weight)
 constexpr int kBVec = 8;
-constexpr int kEpiLegacy = 16;  // mma: run 1's rolled epilogue loop (kept to time old vs new)
+constexpr int kResVec = 32;     // mma: the residual can be read in 16-byte runs of 8 columns
+                                // (unit column stride, aligned rows and pointer, N % 8 == 0)
 
 struct BatchOffsets {
   long long a, b, r, c;
@@ -122,8 +123,9 @@ __device__ __forceinline__ float epilogue_value(const GemmArgs& p, const BatchOf
   return v;
 }
 
-// Final values of C[m][n .. n+W) (W = 1, 2 or 4 consecutive columns), stored with one vector store
-// when all W are inside and C's rows allow it (N % W == 0: rows stay aligned), else one by one.
+// Final values of C[m][n .. n+W) (W = 1, 2, 4 or 8 consecutive columns), stored with vector stores
+// (8 columns: 16 bytes of a 16-bit C, two of fp32) when all W are inside and C's rows allow it
+// (N % W == 0: rows stay aligned), else one by one.
 template <class T, int W>
 __device__ __forceinline__ void store_run(const GemmArgs& p, const BatchOffsets& o, long long m,
                                           long long n, const float (&v)[W]) {
@@ -131,11 +133,22 @@ __device__ __forceinline__ void store_run(const GemmArgs& p, const BatchOffsets&
   if (W > 1 && p.N % W == 0 && n + W <= p.N) {
     if (p.out_f32 || sizeof(T) == 4) {
       float* c = static_cast<float*>(p.c) + base;
-      if constexpr (W == 4) *reinterpret_cast<float4*>(c) = make_float4(v[0], v[1], v[2], v[3]);
-      else if constexpr (W == 2) *reinterpret_cast<float2*>(c) = make_float2(v[0], v[1]);
+      if constexpr (W == 8) {
+        *reinterpret_cast<float4*>(c) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(c + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      } else if constexpr (W == 4) {
+        *reinterpret_cast<float4*>(c) = make_float4(v[0], v[1], v[2], v[3]);
+      } else if constexpr (W == 2) {
+        *reinterpret_cast<float2*>(c) = make_float2(v[0], v[1]);
+      }
     } else if constexpr (sizeof(T) == 2) {
       T* c = static_cast<T*>(p.c) + base;
-      if constexpr (W == 4) {
+      if constexpr (W == 8) {
+        *reinterpret_cast<uint4*>(c) = make_uint4(Vec16<T>::pack2(v[0], v[1]),
+                                                  Vec16<T>::pack2(v[2], v[3]),
+                                                  Vec16<T>::pack2(v[4], v[5]),
+                                                  Vec16<T>::pack2(v[6], v[7]));
+      } else if constexpr (W == 4) {
         *reinterpret_cast<uint2*>(c) = make_uint2(Vec16<T>::pack2(v[0], v[1]),
                                                   Vec16<T>::pack2(v[2], v[3]));
       } else if constexpr (W == 2) {
@@ -170,6 +183,22 @@ __device__ __forceinline__ void swiglu_run(const GemmArgs& p, const BatchOffsets
 #pragma unroll
   for (int j = 0; j < W; ++j) v[j] = silu_f(gate[j]) * up[j];
   store_run<T, W>(p, o, m, n, v);
+}
+
+// prefetch.global.L2 of the block's residual tile (rows m0.., columns n0.., unit column stride):
+// one 128-byte line per thread and step.
+template <class TO, int BM, int BN, int kThreads>
+__device__ __forceinline__ void prefetch_residual_l2(const GemmArgs& p, const BatchOffsets& o,
+                                                     long long m0, long long n0, int tid) {
+  const int es = p.out_f32 ? 4 : (int)sizeof(TO);
+  const int lines = (BN * es + 127) / 128;                // lines per row (the tile's start may
+  const char* base = static_cast<const char*>(p.residual);  // straddle one more: harmless)
+  for (int q = tid; q < BM * lines; q += kThreads) {
+    const long long m = m0 + q / lines, n = n0 + (long long)(q % lines) * (128 / es);
+    if (m >= p.M || n >= p.N) continue;
+    const char* a = base + (o.r + m * p.r_sm + n) * es;
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
+  }
 }
 
 // ------------------------------------------------------------------------------ SIMT tile loader

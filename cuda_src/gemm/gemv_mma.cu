@@ -15,7 +15,7 @@
 // size whose block count fills whole waves (blocks are long: a partly empty last wave idles
 // SMs for a whole block's time): blocks of <= 16 weight rows in all fit 3 per SM, bigger ones 2.
 #include "gemm/gemm_common.cuh"
-#include "gemm/mma_common.cuh"
+#include "common/mma.cuh"
 
 namespace gpuops {
 namespace gemm {

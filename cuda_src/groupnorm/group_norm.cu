@@ -2,7 +2,7 @@
 // statistics over each (sample, group): Cg = C / G channels times all spatial positions. fp32 math
 // for every storage type; the biased variance, as torch.
 //
-// Three designs (the host, gpuops/ops/group_norm.py, picks one per call):
+// The designs (the host, gpuops/ops/group_norm.py, picks one per call):
 //  * group_norm_onchip[_cluster]: NCHW, a group (or, with a Hopper cluster of S blocks, 1/S of a
 //    group per block) held in registers as 16-byte packs. Read once, exact two-pass statistics on
 //    the registers (sum, then sum of squared deviations), the S blocks' (n, mean, M2) exchanged
@@ -14,8 +14,12 @@
 //    a slab of whole groups' channels, so its loads are rows of contiguous channels; per-channel
 //    Welford over the rows, merged per group into (n, mean, M2) partials per tile; the apply kernel
 //    merges the tiles' partials of its slab's groups and normalizes.
+//  * group_norm_spread / group_norm_nhwc_spread (round 2, the end of this file): one launch, x
+//    read once, for NCHW and channels-last; the grid and the blocks per SM sized by the host so
+//    that the blocks really occupy all SMs, and the per-element work trimmed (see there).
 #include "common/fastmath.cuh"
 #include "common/dtypes.cuh"
+#include "common/fastdiv.cuh"
 #include "common/group_stats.cuh"
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
@@ -81,6 +85,91 @@ __device__ __forceinline__ void merge_unit(MeanM2& s, const float (&f)[VEC]) {
   chan_merge(s, static_cast<float>(VEC), mean, m2);
 }
 
+// Sum of a pack, and sum of its squared deviations from `mean`, as balanced trees (short
+// dependency chains; the thread's running sums add one value per pack).
+template <int VEC>
+__device__ __forceinline__ float pack_sum(const float (&f)[VEC]) {
+  float s[VEC / 2];
+#pragma unroll
+  for (int j = 0; j < VEC / 2; ++j) s[j] = f[2 * j] + f[2 * j + 1];
+  if constexpr (VEC == 8) return (s[0] + s[1]) + (s[2] + s[3]);
+  else return s[0] + s[1];
+}
+
+template <int VEC>
+__device__ __forceinline__ float pack_m2(const float (&f)[VEC], float mean) {
+  float s[VEC / 2];
+#pragma unroll
+  for (int j = 0; j < VEC / 2; ++j) {
+    const float d0 = f[2 * j] - mean, d1 = f[2 * j + 1] - mean;
+    s[j] = fmaf(d1, d1, d0 * d0);
+  }
+  if constexpr (VEC == 8) return (s[0] + s[1]) + (s[2] + s[3]);
+  else return s[0] + s[1];
+}
+
+// Exact two-pass statistics of a block's slice held in registers: packs p0 + threadIdx.x + k *
+// blockDim.x < p1 (k < PACKS); `count` elements, their mean and M2 (block_sum: every thread gets
+// them; `scratch` holds 32 floats of shared memory).
+template <class T, int PACKS>
+__device__ __forceinline__ void slice_stats(const uint4 (&raw)[PACKS], int p0, int p1,
+                                            float* scratch, int& count, float& mean, float& m2) {
+  using V = Vec16<T>;
+  constexpr int VEC = V::size;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < PACKS; ++k) {
+    if (p0 + tid + k * nthreads < p1) {
+      float f[VEC];
+      V::unpack(raw[k], f);
+      sum += pack_sum<VEC>(f);
+    }
+  }
+  count = max(p1 - p0, 0) * VEC;
+  sum = block_sum(sum, scratch);
+  mean = count > 0 ? sum / static_cast<float>(count) : 0.0f;
+  float s2 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < PACKS; ++k) {
+    if (p0 + tid + k * nthreads < p1) {
+      float f[VEC];
+      V::unpack(raw[k], f);
+      s2 += pack_m2<VEC>(f, mean);
+    }
+  }
+  m2 = block_sum(s2, scratch);
+}
+
+// The group's (mean, rstd) from the (n, mean, M2) of the CLUSTER blocks that hold it (sm_90):
+// each block stores its own in *part (shared memory), the cluster barrier makes them visible,
+// lane r of warp 0 reads block r's through distributed shared memory and the warp merges them in
+// rank order (identical statistics in every block); thread 0 writes out[0] = mean, out[1] = rstd.
+// Ends with cluster_arrive (done reading the others' part): the caller must cluster_wait before
+// exiting, and __syncthreads before reading out.
+template <int CLUSTER>
+__device__ __forceinline__ void cluster_mean_rstd(float4* part, float count, float mean, float m2,
+                                                  float eps, float* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int tid = threadIdx.x;
+  if (tid == 0) *part = make_float4(count, mean, m2, 0.0f);
+  cluster_sync();
+  if (tid < 32) {
+    MeanM2 st = {0.0f, 0.0f, 0.0f};
+    if (tid < CLUSTER) {
+      const float4 o = *cluster_map(part, static_cast<unsigned int>(tid));
+      st = {o.x, o.y, o.z};
+    }
+    st = warp_merge(st);
+    if (tid == 0) {
+      out[0] = st.mean;
+      out[1] = inv_std(st.m2 / st.n, eps);
+    }
+  }
+  cluster_arrive();
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------
 // On-chip NCHW kernel. Block `rank` of group `group` holds packs [rank * slice_packs, ... +
 // slice_packs) of the group's group_packs 16-byte packs (hw % VEC == 0, so a pack never straddles
@@ -113,54 +202,16 @@ __device__ __forceinline__ void group_norm_onchip_body(
     if (p < p1) raw[k] = load16(xg + p * VEC);
   }
 
-  float sum = 0.0f;
-#pragma unroll
-  for (int k = 0; k < PACKS; ++k) {
-    if (p0 + tid + k * nthreads < p1) {
-      float f[VEC];
-      V::unpack(raw[k], f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sum += f[j];
-    }
-  }
-  const int count = max(p1 - p0, 0) * VEC;
-  sum = block_sum(sum, scratch);
-  const float block_mean = count > 0 ? sum / static_cast<float>(count) : 0.0f;
-  float m2 = 0.0f;
-#pragma unroll
-  for (int k = 0; k < PACKS; ++k) {
-    if (p0 + tid + k * nthreads < p1) {
-      float f[VEC];
-      V::unpack(raw[k], f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = f[j] - block_mean;
-        m2 = fmaf(d, d, m2);
-      }
-    }
-  }
-  m2 = block_sum(m2, scratch);
+  int count;
+  float block_mean, m2;
+  slice_stats<T, PACKS>(raw, p0, p1, scratch, count, block_mean, m2);
 
   // Group statistics to every thread through shared memory. With a cluster, the blocks' (n,
   // mean, M2) first go through distributed shared memory: lane r of warp 0 reads block r's, and
   // the warp merges them in a fixed order, so that every block gets identical statistics.
   if constexpr (CLUSTER > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (tid == 0) part = make_float4(static_cast<float>(count), block_mean, m2, 0.0f);
-    cluster_sync();
-    if (tid < 32) {
-      MeanM2 st = {0.0f, 0.0f, 0.0f};
-      if (tid < CLUSTER) {
-        const float4 o = *cluster_map(&part, static_cast<unsigned int>(tid));
-        st = {o.x, o.y, o.z};
-      }
-      st = warp_merge(st);
-      if (tid == 0) {
-        stats[0] = st.mean;
-        stats[1] = inv_std(st.m2 / st.n, eps);
-      }
-    }
-    cluster_arrive();   // done reading the others' `part`; waited for before exiting
+    cluster_mean_rstd<CLUSTER>(&part, static_cast<float>(count), block_mean, m2, eps, stats);
 #else
     __trap();           // never launched below sm_90 (the host checks the loaded target)
 #endif
@@ -487,6 +538,426 @@ __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
       }
     }
     k += kUnroll;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Spread kernels (round 2). Why: at [2, 320, 64, 64] the on-chip kernels above used 64 of 132 SMs
+// (one block per group; cluster blocks share SMs when the registers allow), and their per-element
+// work was MUFU-bound (SiLU = ex2 + rcp, 16 MUFU lanes per clock per SM) with an integer division,
+// two dependent weight/bias loads and the activation branch in every pack
+// (benchmarks/notes_groupnorm_copy.md, round 2). Here:
+//  * the host sizes the grid and reserves dynamic shared memory so that exactly one (one wave) or
+//    two (several waves: one block loads while the other computes) blocks share an SM;
+//  * a slice's per-channel (rstd * w, b) are computed once per block into shared memory, from
+//    weight/bias values loaded together with x; a pack's channel is a multiply-shift division;
+//  * y = (x - mean) * (rstd * w) + b: one FADD more than torch's x * scale + (b - mean * scale),
+//    whose rounding of mean * scale costs ~ulp(mean) / std relative (4e-3 at mean / std = 3e4);
+//  * SiLU takes some of its reciprocals from Newton-Raphson on the FMA pipe instead of MUFU, which
+//    balances the two pipes (silu_pack);
+//  * everything the cluster's other blocks read lives in dynamic shared memory (the CPU emulator
+//    gives each block its own).
+
+constexpr int kSpreadPacks = 7;       // 16-byte packs per thread (NCHW; 8 spill at 64 registers)
+constexpr int kSpreadThreads = 1024;
+
+// 1 / d for 1 <= d <= 2^126 on the FMA pipe: a bit-trick seed (relative error < 0.13) and three
+// Newton-Raphson steps (error squared each: < 4e-8, plus rounding).
+__device__ __forceinline__ float rcp_newton(float d) {
+  float r = __int_as_float(0x7ef311c3 - __float_as_int(d));
+#pragma unroll
+  for (int i = 0; i < 3; ++i) {
+    const float e = fmaf(-d, r, 1.0f);
+    r = fmaf(r, e, r);
+  }
+  return r;
+}
+
+// silu_fast with the reciprocal by rcp_newton: 1 + 2^t > 2^126 gives 0, as rcp.approx.ftz does
+// (so -inf -> NaN and v << 0 -> -0, as torch); NaN stays NaN.
+__device__ __forceinline__ float silu_newton(float v) {
+  const float t = -1.4426950408889634f * v;
+  const float r = rcp_newton(1.0f + fast_exp2(t));
+  return v * (t > 126.0f ? 0.0f : r);
+}
+
+// SiLU of a pack, some reciprocals by Newton-Raphson instead of MUFU.RCP. Per warp and element a
+// MUFU op occupies its pipe for 8 clocks, an issue slot 1; silu_fast issues 5 instructions (2 of
+// them MUFU), silu_newton 13 (1 MUFU), and the pack's unpack / scale / store add ~5 per element.
+// 16-bit (8 per pack): 3 Newton elements give ~13 issue clocks and 13 MUFU clocks per element
+// (all MUFU: 16 MUFU-bound; half and half: 14.4 issue-bound); fp32 (4 per pack): 1 of 4, ~14.5.
+template <int VEC>
+__device__ __forceinline__ void silu_pack(float (&f)[VEC]) {
+  constexpr unsigned int newton = VEC == 8 ? 0x49u : 0x2u;   // elements {0, 3, 6} / {1}
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) f[j] = ((newton >> j) & 1u) ? silu_newton(f[j]) : silu_fast(f[j]);
+}
+
+// NCHW. Block `rank` of group `group` holds packs [rank * slice_packs, ... + slice_packs) of the
+// group's group_packs 16-byte packs (hw % VEC == 0: a pack lies in one channel), kSpreadPacks per
+// thread, strided by blockDim.x (each load instruction of a warp is one 512-byte run). Grid =
+// N * G * CLUSTER blocks. ppc divides by the packs per channel (hw / VEC). Offsets within a group
+// are 32-bit (the host keeps groups below 2^31 elements; with 64-bit ones NVVM lost the 16-byte
+// alignment of the stores and split each into four).
+// Dynamic shared memory, float4 units: [0, 8) block-reduction scratch (32 floats); [8] this
+// block's (n, mean, M2), read by the cluster's other blocks; [9] the group's (mean, rstd);
+// [10, ...) (rstd * w, b) per channel of the slice, as float2 (the host sizes it, and may add a
+// reservation that keeps other blocks off the SM).
+constexpr int kSpreadCoef = 10;
+
+template <class T, int ACT>
+__device__ __forceinline__ void spread_apply(const uint4 (&raw)[kSpreadPacks], T* __restrict__ yg,
+                                             int p0, int p1, const FastDiv& ppc, int cf,
+                                             const float2* coef, float mean) {
+  using V = Vec16<T>;
+  constexpr int VEC = V::size;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+#pragma unroll
+  for (int k = 0; k < kSpreadPacks; ++k) {
+    const int p = p0 + tid + k * nthreads;
+    if (p < p1) {
+      const float2 ab = coef[static_cast<int>(ppc.div(static_cast<unsigned int>(p))) - cf];
+      float f[VEC];
+      V::unpack(raw[k], f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - mean, ab.x, ab.y);
+      if constexpr (ACT != 0) silu_pack<VEC>(f);
+      store16(yg + p * VEC, V::pack(f));
+    }
+  }
+}
+
+template <class T, int CLUSTER>
+__global__ void GPUOPS_CLUSTER_DIMS(CLUSTER) __launch_bounds__(kSpreadThreads, 1)
+group_norm_spread(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                  T* __restrict__ y, int groups, int cg, int group_packs, int slice_packs,
+                  FastDiv ppc, float eps, int act) {
+  using V = Vec16<T>;
+  constexpr int VEC = V::size;
+  extern __shared__ float4 gn_smem[];
+  float* scratch = reinterpret_cast<float*>(gn_smem);
+  float4* part = gn_smem + 8;
+  float4* stats = gn_smem + 9;
+  float2* coef = reinterpret_cast<float2*>(gn_smem + kSpreadCoef);
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  int group = blockIdx.x, rank = 0;
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // clusters are CLUSTER consecutive blocks along x: the rank from blockIdx stays in uniform
+    // registers (cluster_ctarank's special register does not, which cost ~20 registers)
+    group = blockIdx.x / CLUSTER;
+    rank = static_cast<int>(blockIdx.x % CLUSTER);
+    if (cluster_nctarank() != CLUSTER) {
+      // Not launched as clusters of CLUSTER blocks: NaN over this block's slice (a visible
+      // failure that leaves the context usable), no barrier.
+      const int p0 = static_cast<int>(blockIdx.x % CLUSTER) * slice_packs;
+      const int p1 = min(p0 + slice_packs, group_packs);
+      T* yg = y + static_cast<long long>(group) * group_packs * VEC;
+      for (int p = p0 + tid; p < p1; p += nthreads)
+        store16(yg + static_cast<long long>(p) * VEC, make_uint4(~0u, ~0u, ~0u, ~0u));
+      return;
+    }
+#else
+    __trap();           // never launched below sm_90 (the host checks the loaded target)
+#endif
+  }
+  const long long base = static_cast<long long>(group) * group_packs * VEC;
+  const T* xg = x + base;
+  T* yg = y + base;
+  const int p0 = rank * slice_packs;
+  const int p1 = min(p0 + slice_packs, group_packs);
+  const int c0 = (group % groups) * cg;                  // the group's first channel
+  const int cf = p1 > p0 ? static_cast<int>(ppc.div(static_cast<unsigned int>(p0))) : 0;
+  const int nch = p1 > p0 ? static_cast<int>(ppc.div(static_cast<unsigned int>(p1 - 1))) - cf + 1
+                          : 0;                           // channels of this slice: cf, cf + 1, ...
+  uint4 raw[kSpreadPacks];
+#pragma unroll
+  for (int k = 0; k < kSpreadPacks; ++k) {
+    const int p = p0 + tid + k * nthreads;
+    if (p < p1) raw[k] = load16(xg + p * VEC);
+  }
+  // the slice's weight and bias into shared memory while x is in flight (weight made rstd *
+  // weight in place once the statistics are known; block_sum's barriers order the writes)
+  for (int i = tid; i < nch; i += nthreads)
+    coef[i] = make_float2(gn_param(w, c0 + cf + i, 1.0f), gn_param(b, c0 + cf + i, 0.0f));
+
+  int count;
+  float block_mean, m2;
+  slice_stats<T, kSpreadPacks>(raw, p0, p1, scratch, count, block_mean, m2);
+
+  // the group's statistics: with a cluster, Chan's merge of the blocks' (n, mean, M2) read
+  // through distributed shared memory by warp 0, in rank order (identical in every block)
+  if constexpr (CLUSTER > 1) {
+    cluster_mean_rstd<CLUSTER>(part, static_cast<float>(count), block_mean, m2, eps,
+                               reinterpret_cast<float*>(stats));
+  } else {
+    if (tid == 0)
+      *stats = make_float4(block_mean, inv_std(m2 / static_cast<float>(count), eps), 0.0f, 0.0f);
+  }
+  __syncthreads();
+  const float mean = stats->x, rstd = stats->y;
+  for (int i = tid; i < nch; i += nthreads) coef[i].x *= rstd;
+  __syncthreads();
+  if (act) spread_apply<T, 1>(raw, yg, p0, p1, ppc, cf, coef, mean);
+  else spread_apply<T, 0>(raw, yg, p0, p1, ppc, cf, coef, mean);
+
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_wait();     // no block may exit while another still reads its `part`
+#endif
+  }
+}
+
+// Channels-last. Item = (sample n, slab): rows [0, hw) of sc consecutive channels (whole groups,
+// a multiple of VEC); the cluster's blocks split the rows, block `rank` taking [rank * rpb, ...
+// + rpb). Thread t < P * R (P = sc / VEC): 16-byte column t % P, rows t / P + k * R, k <
+// kNhwcRows. Grid = N * slabs * CLUSTER blocks.
+// Block totals of each of the slab's kg groups from red[ph * stride + channel] (ph < R): warps
+// split the groups (several warps per group when there are fewer groups than warps), lanes stride
+// over a group's (phase, channel) entries; fixed order, so every block and run adds alike. The
+// totals land in out[0, kg), visible to the block on return.
+__device__ __forceinline__ void slab_group_totals(const float* red, int stride, int rphases, int cg,
+                                                  int kg, float* wpart, float* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int wpg = kg >= warps ? 1 : warps / kg;          // warps per group
+  const int entries = rphases * cg;
+  const int step = 32 * wpg;
+  const int qstep = step / cg, rstep = step - qstep * cg;
+  for (int item = warp; item < kg * wpg; item += warps) {
+    const int gl = item / wpg, q = item - gl * wpg;
+    const float* base = red + gl * cg;
+    float acc = 0.0f;
+    int e = q * 32 + lane;
+    int ph = e / cg, cc = e - ph * cg;
+    for (; e < entries; e += step) {
+      acc += base[ph * stride + cc];
+      ph += qstep;
+      cc += rstep;
+      if (cc >= cg) {
+        cc -= cg;
+        ++ph;
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) wpart[item] = acc;
+  }
+  __syncthreads();
+  for (int gl = threadIdx.x; gl < kg; gl += blockDim.x) {
+    float t = 0.0f;
+    for (int q = 0; q < wpg; ++q) t += wpart[gl * wpg + q];
+    out[gl] = t;
+  }
+  __syncthreads();
+}
+
+// The group totals of the whole cluster (rank order, the same in every block): out[gl] =
+// scale * the sum over the cluster's blocks of their part[gl]. With CLUSTER > 1 the cluster
+// barrier first makes every block's part visible; thread t < kg * CLUSTER then reads one remote
+// value (all DSMEM reads in flight at once) into xfer[t], and thread gl adds its CLUSTER values in
+// rank order. Ends with out visible to the block.
+template <int CLUSTER>
+__device__ __forceinline__ void cluster_group_totals(const float* part, int kg, float* xfer,
+                                                     float* out, float scale) {
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_sync();
+    for (int t = threadIdx.x; t < kg * CLUSTER; t += blockDim.x)
+      xfer[t] = cluster_map(part, static_cast<unsigned int>(t % CLUSTER))[t / CLUSTER];
+    __syncthreads();
+    for (int gl = threadIdx.x; gl < kg; gl += blockDim.x) {
+      float t = 0.0f;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) t += xfer[gl * CLUSTER + r];
+      out[gl] = t * scale;
+    }
+#endif
+  } else {
+    for (int gl = threadIdx.x; gl < kg; gl += blockDim.x) out[gl] = part[gl] * scale;
+  }
+  __syncthreads();
+}
+
+constexpr int kNhwcRows = 6;          // rows per thread
+
+// Per-channel sums over a thread's rows (k * rphases < nrows) of x (SQUARE = 0) or of (x - m)^2
+// (SQUARE = 1), m the channel's group mean.
+template <class T, int SQUARE>
+__device__ __forceinline__ void column_moments(const uint4 (&raw)[kNhwcRows], bool active,
+                                               int nrows, int rphases,
+                                               const float (&m)[Vec16<T>::size],
+                                               float (&acc)[Vec16<T>::size]) {
+  using V = Vec16<T>;
+#pragma unroll
+  for (int j = 0; j < V::size; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kNhwcRows; ++k) {
+    if (active && k * rphases < nrows) {
+      float f[V::size];
+      V::unpack(raw[k], f);
+#pragma unroll
+      for (int j = 0; j < V::size; ++j) {
+        if constexpr (SQUARE) {
+          const float d = f[j] - m[j];
+          acc[j] = fmaf(d, d, acc[j]);
+        } else {
+          acc[j] += f[j];
+        }
+      }
+    }
+  }
+}
+
+// The cluster's group totals of the threads' per-channel values acc (thread: row phase ph,
+// 16-byte column col), times `scale`, into out[0, kg): through red, the block's totals in part
+// (read by the cluster's other blocks) and xfer. Ends with out visible to the block.
+template <int CLUSTER, int VEC>
+__device__ __forceinline__ void nhwc_group_totals(const float (&acc)[VEC], bool active, int ph,
+                                                  int col, float* red, int stride, int rphases,
+                                                  int cg, int kg, float* wpart, float* part,
+                                                  float* xfer, float* out, float scale) {
+  if (active) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) red[ph * stride + col * VEC + j] = acc[j];
+  }
+  __syncthreads();
+  slab_group_totals(red, stride, rphases, cg, kg, wpart, part);
+  cluster_group_totals<CLUSTER>(part, kg, xfer, out, scale);
+}
+
+// y = act((x - m) * a + bias) per channel over a thread's rows, stored at yt + k * step.
+template <class T, int ACT>
+__device__ __forceinline__ void nhwc_apply(const uint4 (&raw)[kNhwcRows], T* __restrict__ yt,
+                                           int step, int nrows, int rphases,
+                                           const float (&m)[Vec16<T>::size],
+                                           const float (&a)[Vec16<T>::size],
+                                           const float (&bias)[Vec16<T>::size]) {
+  using V = Vec16<T>;
+  constexpr int VEC = V::size;
+#pragma unroll
+  for (int k = 0; k < kNhwcRows; ++k) {
+    if (k * rphases < nrows) {
+      float f[VEC];
+      V::unpack(raw[k], f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - m[j], a[j], bias[j]);
+      if constexpr (ACT != 0) silu_pack<VEC>(f);
+      store16(yt + k * step, V::pack(f));
+    }
+  }
+}
+
+// Dynamic shared memory, floats: red [R][sc + 1] (per row phase and channel; the odd stride keeps
+// a warp's lanes on distinct banks), wpart [max(kg, warps)], sum1 [kg] and sum2 [kg] (read by the
+// cluster's other blocks), gmean [kg], grstd [kg], xfer [kg * CLUSTER]. The host keeps rpb * c <
+// 2^31 (32-bit offsets within a block's rows).
+// 72 registers per thread (64 spilled): at most 896 threads alone on an SM, or 2 x 448
+constexpr int kNhwcSpreadThreads = 896;
+
+template <class T, int CLUSTER>
+__global__ void GPUOPS_CLUSTER_DIMS(CLUSTER) __launch_bounds__(kNhwcSpreadThreads, 1)
+group_norm_nhwc_spread(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                       T* __restrict__ y, int hw, int c, int cg, int sc, int slabs, int rpb,
+                       int rphases, float eps, int act) {
+  using V = Vec16<T>;
+  constexpr int VEC = V::size;
+  extern __shared__ float4 gn_smem[];
+  const int tid = threadIdx.x, warps = blockDim.x >> 5;
+  const int P = sc / VEC, kg = sc / cg, stride = sc + 1;
+  float* red = reinterpret_cast<float*>(gn_smem);
+  float* wpart = red + rphases * stride;
+  float* sum1 = wpart + max(kg, warps);
+  float* sum2 = sum1 + kg;
+  float* gmean = sum2 + kg;
+  float* grstd = gmean + kg;
+  float* xfer = grstd + kg;
+  int item = blockIdx.x, rank = 0;
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    item = blockIdx.x / CLUSTER;
+    rank = static_cast<int>(blockIdx.x % CLUSTER);     // (as in group_norm_spread)
+    if (cluster_nctarank() != CLUSTER) {
+      // not launched as clusters (see group_norm_spread): NaN over this block's rows, no barrier
+      const int n = item / slabs, slab = item - n * slabs;
+      const int r0 = rank * rpb, r1 = min(r0 + rpb, hw);
+      for (int i = tid; i < (r1 > r0 ? (r1 - r0) * P : 0); i += blockDim.x)
+        store16(y + (static_cast<long long>(n) * hw + r0 + i / P) * c + slab * sc + (i % P) * VEC,
+                make_uint4(~0u, ~0u, ~0u, ~0u));
+      return;
+    }
+#else
+    __trap();
+#endif
+  }
+  const int n = item / slabs, slab = item - n * slabs;
+  const int r0 = rank * rpb, r1 = min(r0 + rpb, hw);
+  const bool active = tid < P * rphases;
+  const int col = tid % P, ph = tid / P;
+  // this block's rows, and the thread's column in them (32-bit offsets from here)
+  const long long block_base = (static_cast<long long>(n) * hw + r0) * c + slab * sc;
+  const T* xb = x + block_base;
+  T* yb = y + block_base;
+  const int toff = ph * c + col * VEC, step = rphases * c;
+  const int nrows = r1 - r0 - ph;                     // rows k * rphases < nrows are the thread's
+  uint4 raw[kNhwcRows];
+#pragma unroll
+  for (int k = 0; k < kNhwcRows; ++k) {
+    if (active && k * rphases < nrows) raw[k] = load16(xb + toff + k * step);
+  }
+  const float n_group = static_cast<float>(hw) * static_cast<float>(cg);
+  // the local group of the thread's first channel, and its position in that group
+  const int g_first = (col * VEC) / cg, r_first = col * VEC - g_first * cg;
+
+  // pass 1: per-channel sums -> group sums -> the group means
+  float mj[VEC], acc[VEC];
+  column_moments<T, 0>(raw, active, nrows, rphases, mj, acc);
+  nhwc_group_totals<CLUSTER>(acc, active, ph, col, red, stride, rphases, cg, kg, wpart, sum1, xfer,
+                             gmean, 1.0f / n_group);
+
+  // pass 2: squared deviations from the group means -> M2 -> rstd
+  {
+    int gl = g_first, r = r_first;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      mj[j] = active ? gmean[gl] : 0.0f;
+      if (++r == cg) {
+        r = 0;
+        ++gl;
+      }
+    }
+  }
+  column_moments<T, 1>(raw, active, nrows, rphases, mj, acc);
+  nhwc_group_totals<CLUSTER>(acc, active, ph, col, red, stride, rphases, cg, kg, wpart, sum2, xfer,
+                             grstd, 1.0f / n_group);
+  for (int gl = tid; gl < kg; gl += blockDim.x) grstd[gl] = inv_std(grstd[gl], eps);
+  __syncthreads();
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_arrive();   // done reading the others' sums; waited for before exiting
+#endif
+  }
+
+  // apply: per-thread per-channel mean, scale (in acc) and bias (as group_norm_spread)
+  if (active) {
+    float bj[VEC];
+    int gl = g_first, r = r_first;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int ch = slab * sc + col * VEC + j;
+      acc[j] = grstd[gl] * gn_param(w, ch, 1.0f);
+      bj[j] = gn_param(b, ch, 0.0f);
+      if (++r == cg) {
+        r = 0;
+        ++gl;
+      }
+    }
+    if (act) nhwc_apply<T, 1>(raw, yb + toff, step, nrows, rphases, mj, acc, bj);
+    else nhwc_apply<T, 0>(raw, yb + toff, step, nrows, rphases, mj, acc, bj);
+  }
+
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_wait();
+#endif
   }
 }
 

@@ -9,8 +9,14 @@ Kernels (cuda_src/attention/flash_fwd.cu), fp32 math for fp32/fp16/bf16 storage:
   the 48 KB every arch has, one larger where the device lets a block opt in to more shared
   memory); any other head dim goes through the general instantiation, which loops over the head
   dim in chunks of 32 and gives each block 32 output columns (scores recomputed per chunk).
-* variants ``'mma'`` (mma.sync, sm_80+) and ``'wgmma'`` (sm_90a) are the next step: they go into
-  ``_VARIANTS`` below, with ``'auto'`` picking the best one the device has.
+* variant ``'mma'`` (cuda_src/attention/flash_fwd_mma.cu, sm_80+, fp16/bf16): FlashAttention-2's
+  forward on tensor cores (mma.sync m16n8k16, fp32 accumulators): Q fragments in registers, K/V
+  tiles through XOR-swizzled shared memory by cp.async (V_j loads during Q K_j^T, K_{j+1} during
+  P V_j), online softmax on the accumulator fragments, P reused in registers as the A operand of
+  P V. Head dims in ``MMA_TILES`` (32, 64, 96, 128, 256) with q, k, v (and out) rows 16-byte
+  aligned with unit d stride; anything else takes the SIMT kernel. ``'auto'`` = ``'mma'`` where
+  it applies, else ``'simt'``.
+* ``'wgmma'`` (sm_90a, FlashAttention-3's schedule) is the next step.
 
 Design notes, floors and predictions: benchmarks/notes_attention.md.
 """
@@ -24,6 +30,7 @@ import numpy as np
 from gpuops import dtypes as dt
 from gpuops.bench_spec import BenchSpec
 from gpuops.ops import _layout as lay
+from gpuops.ops.gemm import effective_arch
 from gpuops.registry import register
 from gpuops.runtime import device
 from gpuops.runtime.launch import ArgSpec
@@ -32,7 +39,7 @@ from gpuops.tensor import Tensor
 
 OP = "scaled_dot_product_attention"
 LAYOUTS = ("bhsd", "bshd")
-VARIANTS = ("auto", "simt")          # 'mma', 'wgmma': the tensor-core forms, next step
+VARIANTS = ("auto", "simt", "mma")   # 'wgmma' (sm_90a): next step
 
 # ---------------------------------------------------------------------------------------------
 # Kernel module. One FlashFwdArgs struct per launch (cuda_src/attention/attn_common.cuh).
@@ -71,6 +78,50 @@ _KERNELS = lay.KernelTable(FLASH_MODULE)
 for _d, (_small, _big) in FAST_TILES.items():
     assert flash_smem(_d, *_small) <= 48 * 1024, (_d, _small)
 assert flash_smem(GENERAL_D, *GENERAL_TILE) <= 48 * 1024
+
+# Tensor-core kernel (flash_fwd_mma.cu): one module per 16-bit dtype, built for sm_80+ only.
+# head dim -> (warps, m16 tiles per warp (MT), BC, Q fragments kept in registers, min blocks per
+# SM for __launch_bounds__); BR = 16 * warps * MT. Chosen for no spills at the most blocks per SM
+# (ptxas -v, NVRTC 12.9, sm_80/sm_90: D32 ~120 registers, D64 ~158, D96 ~220, D128 ~222,
+# D256 255; benchmarks/notes_attention.md).
+MMA_TILES = {32: (8, 1, 64, True, 2), 64: (4, 1, 64, True, 3), 96: (4, 1, 64, True, 2),
+             128: (4, 1, 64, True, 2), 256: (4, 1, 64, False, 2)}
+# Other schedules compiled too, so one GPU session can time them against MMA_TILES (swap one in
+# with MMA_TILES[128] = MMA_ALTERNATES[128][i]): 8 warps x 16 rows (BR = 128: half the K/V
+# traffic from L2 per FLOP, one block per SM), and FlashAttention-2's own 4 warps x 32 rows with
+# Q re-read from shared memory (BC = 32 to stay within 255 registers).
+MMA_ALTERNATES = {128: ((8, 1, 64, True, 1), (4, 2, 32, False, 2))}
+_MMA_ARCHS = ("80", "86", "89", "90")
+_SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
+
+
+def mma_expr(dtype, d: int, cfg) -> str:
+    warps, mt, bc, qreg, minb = cfg
+    return (f"gpuops::flash_fwd_mma<{dtype.ctype}, {d}, {warps}, {mt}, {bc}, {_B[qreg]}, "
+            f"{minb}>")
+
+
+def mma_smem(d: int, cfg) -> int:
+    """Bytes of dynamic shared memory: Q [BR][D], K and V [BC][D] in the 16-bit storage dtype."""
+    warps, mt, bc = cfg[:3]
+    return (16 * warps * mt + 2 * bc) * d * 2
+
+
+def _mma_configs():
+    return [(d, (cfg, *MMA_ALTERNATES.get(d, ()))) for d, cfg in MMA_TILES.items()]
+
+
+MMA_MODULES = {
+    dtype: KernelModule(f"attention.flash_mma_{short}", "attention/flash_fwd_mma.cu",
+                        {mma_expr(dtype, d, cfg): FLASH_ARGS
+                         for d, cfgs in _mma_configs() for cfg in cfgs},
+                        archs=_MMA_ARCHS)
+    for dtype, short in _SHORT.items()}
+_MMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in MMA_MODULES.items()}
+
+for _d, _cfgs in _mma_configs():
+    for _cfg in _cfgs:
+        assert mma_smem(_d, _cfg) <= 99 * 1024, (_d, _cfg)     # sm_86/89 opt-in limit (99 KB)
 
 _smem_limits: dict = {}
 
@@ -279,32 +330,78 @@ def _forward(call, query, key, value, attn_mask, is_causal, scale, enable_gqa, w
     return (out, lse) if return_lse else out
 
 
+def flash_launch_args(p, query, key, value, attn_mask, mask_kind, out, lse, layout, vec) -> tuple:
+    """The fields of FlashFwdArgs (attn_common.cuh) in order, as FLASH_ARGS packs them: one
+    builder for every flash-forward variant."""
+    return (query.ptr, key.ptr, value.ptr, attn_mask.ptr if attn_mask is not None else 0,
+            out.ptr, lse.ptr if lse is not None else 0,
+            *_bhsd_strides(query, layout), *_bhsd_strides(key, layout),
+            *_bhsd_strides(value, layout), *_bhsd_strides(out, layout),
+            *(_mask_strides(attn_mask) if attn_mask is not None else _NULL_STRIDES),
+            p.Hq, p.group, p.Sq, p.Sk, p.D, p.left, p.right, mask_kind, int(vec),
+            p.scale * math.log2(math.e))
+
+
+def _check_grid(grid):
+    if grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"gpuops.{OP}: too large for one launch (batch x heads = {grid[0]}, "
+                         f"query tiles = {grid[1]}, head-dim chunks = {grid[2]})")
+
+
 def _launch_simt(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout):
     dev = call.device
     d, br, bc, general = simt_config(p.D, smem_limit(dev))
     grid = (p.B * p.Hq, -(-p.Sq // br), -(-p.D // d) if general else 1)
-    if grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
-        raise ValueError(f"gpuops.{OP}: too large for one launch (batch x heads = {grid[0]}, "
-                         f"query tiles = {grid[1]}, head-dim chunks = {grid[2]})")
+    _check_grid(grid)
     kernel = _KERNELS.get(dev, flash_expr(call.result_dtype, d, br, bc, general))
     q_shape = (p.B, p.Hq, p.Sq, p.D)
     kv_shape = (p.B, p.Hkv, p.Sk, p.D)
     vec = not general and _vec_ok(query, layout, q_shape) and _vec_ok(key, layout, kv_shape) \
         and _vec_ok(value, layout, kv_shape)
     kernel.launch(grid, (FLASH_THREADS, 1, 1), call.stream,
-                  query.ptr, key.ptr, value.ptr, attn_mask.ptr if attn_mask is not None else 0,
-                  out.ptr, lse.ptr if lse is not None else 0,
-                  *_bhsd_strides(query, layout), *_bhsd_strides(key, layout),
-                  *_bhsd_strides(value, layout), *_bhsd_strides(out, layout),
-                  *(_mask_strides(attn_mask) if attn_mask is not None else _NULL_STRIDES),
-                  p.Hq, p.group, p.Sq, p.Sk, p.D, p.left, p.right, mask_kind, int(vec),
-                  p.scale * math.log2(math.e),
+                  *flash_launch_args(p, query, key, value, attn_mask, mask_kind, out, lse, layout,
+                                     vec),
                   smem=flash_smem(d, br, bc))
 
 
-# 'auto' -> the best variant for the device; today that is always the SIMT kernel. The
-# tensor-core kernels ('mma' for sm_80+, 'wgmma' for sm_90a) are added here and in VARIANTS.
-_VARIANTS = {"auto": _launch_simt, "simt": _launch_simt}
+def tensor_cores(dev: int) -> bool:
+    """mma.sync/ldmatrix/cp.async available: sm_80+ (and not GPUOPS_ARCH asking for older)."""
+    return effective_arch(dev) >= 80
+
+
+def mma_applies(call, p, query, key, value, out, layout) -> bool:
+    """The tensor-core kernel takes the call: fp16/bf16, sm_80+, a head dim in MMA_TILES, and
+    16-byte aligned rows with unit d stride for q, k, v and out (cp.async / 16-byte stores)."""
+    if call.result_dtype not in _MMA_KERNELS or p.D not in MMA_TILES:
+        return False
+    q_shape = (p.B, p.Hq, p.Sq, p.D)
+    kv_shape = (p.B, p.Hkv, p.Sk, p.D)
+    return (all(_bhsd_strides(t, layout)[3] == 1 for t in (query, key, value, out))
+            and _vec_ok(query, layout, q_shape) and _vec_ok(key, layout, kv_shape)
+            and _vec_ok(value, layout, kv_shape) and _vec_ok(out, layout, q_shape)
+            and tensor_cores(call.device))
+
+
+def _launch_mma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout):
+    cfg = MMA_TILES[p.D]
+    warps, mt = cfg[:2]
+    grid = (p.B * p.Hq, -(-p.Sq // (16 * warps * mt)), 1)
+    _check_grid(grid)
+    kernel = _MMA_KERNELS[call.result_dtype].get(call.device, mma_expr(call.result_dtype, p.D, cfg))
+    kernel.launch(grid, (32 * warps, 1, 1), call.stream,
+                  *flash_launch_args(p, query, key, value, attn_mask, mask_kind, out, lse, layout,
+                                     True),
+                  smem=mma_smem(p.D, cfg))
+
+
+def _launch_best(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout):
+    """'auto' and 'mma': the tensor-core kernel where it applies, else the SIMT kernel."""
+    launch = _launch_mma if mma_applies(call, p, query, key, value, out, layout) else _launch_simt
+    launch(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout)
+
+
+# 'auto' -> the best variant for the device and inputs ('wgmma' for sm_90a: next step).
+_VARIANTS = {"auto": _launch_best, "simt": _launch_simt, "mma": _launch_best}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,11 +496,19 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
     * A row that sees no key (fully masked, or outside every window) gives 0 and lse = -inf,
       as torch's math backend (its output there is 0 since torch 2.5); NaN in the inputs
       propagates as in torch.
-    * ``variant``: 'auto' (the best kernel for the device) or 'simt' (FlashAttention-2-style
-      tiled kernel in fp32 on CUDA cores, every arch from sm_61). Tensor-core variants follow.
+    * ``variant``: 'auto' (the best kernel for the device and inputs), 'mma' or 'simt'.
+      'mma': FlashAttention-2's forward on tensor cores (mma.sync, fp32 accumulators), taken
+      for fp16/bf16 on sm_80+ when the head dim is 32, 64, 96, 128 or 256 and q, k, v rows are
+      16-byte aligned with unit d stride (any 'bhsd'/'bshd' strides otherwise); the softmax
+      probabilities are rounded to the input dtype for the P V product (as FlashAttention
+      does: up to 2^-8 relative for bf16, 2^-11 for fp16, on top of the output's rounding).
+      'simt': the FlashAttention-2-style tiled kernel in fp32 on CUDA cores, every arch from
+      sm_61, any head dim, dtype and strides. 'auto' and 'mma' pick 'mma' where it applies and
+      'simt' otherwise (fp32, sm_61/70/75, other head dims, unaligned rows).
 
-    fp32 math for fp16/bf16/fp32 storage; exp is MUFU ``ex2`` of log2(e)-folded scores
-    (relative error ~2e-7). Memory O(B H S D): the S x S matrix is never formed.
+    fp32 math (accumulation, softmax) for fp16/bf16/fp32 storage; exp is MUFU ``ex2`` of
+    log2(e)-folded scores (relative error ~2e-7). Memory O(B H S D): the S x S matrix is never
+    formed.
     """
     return _forward(call, query, key, value, attn_mask, is_causal, scale, enable_gqa,
                     window_size, return_lse, layout, variant)

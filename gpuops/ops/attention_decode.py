@@ -43,9 +43,11 @@ MAX_SPLITS = 1024             # kMaxSplits (decode_combine.cu)
 FAST_D = (64, 128, 256)       # head dims of the 16-byte path
 GENERAL_D = (64, 256, 1024)   # register templates of the one-element path (head dim <= template)
 RTS = (1, 2, 4, 8)            # q rows per block on the 16-byte path
-# split rule (host-known values only): aim at SPLIT_BLOCKS_PER_SM blocks per SM, never chunks of
-# fewer than MIN_CHUNK keys. The bench's experiments may change these; part of the plan key.
-SPLIT = {"blocks_per_sm": 4, "min_chunk": 128}
+# split rule (host-known values only): as many splits as fill WAVES waves of the split kernel's
+# resident blocks (its occupancy on the device) without chunks shorter than MIN_CHUNK keys.
+# Whole waves matter: run 14 measured B16 S4096 at 640 blocks with 528 resident (1.2 waves)
+# 16% slower than at 384 blocks (one wave). Experiments may change these; part of the plan key.
+SPLIT = {"waves": 1, "min_chunk": 128}
 
 INT_DTYPES = (dt.int32,)
 _B = {True: "true", False: "false"}
@@ -98,16 +100,23 @@ def _kernel(module, dev, expr):
 _sm_count = device.sm_count
 
 
-def num_splits(batch, hkv, row_chunks, s_max, sm_count, blocks_per_sm=None, min_chunk=None):
-    """(splits, keys per split) from host-known values: enough blocks to fill the GPU
-    (``blocks_per_sm`` per SM) without chunks shorter than ``min_chunk`` keys."""
-    bps = SPLIT["blocks_per_sm"] if blocks_per_sm is None else blocks_per_sm
+def num_splits(batch, hkv, row_chunks, s_max, slots, waves=None, min_chunk=None):
+    """(splits, keys per split) from host-known values: blocks (batch x kv heads x row chunks x
+    splits) that fill ``waves`` waves of ``slots`` resident blocks (SMs x blocks per SM) without
+    chunks shorter than ``min_chunk`` keys. When the sequences alone fill the slots: 1 split."""
+    w = SPLIT["waves"] if waves is None else waves
     mc = SPLIT["min_chunk"] if min_chunk is None else min_chunk
     base = max(1, batch * hkv * row_chunks)
-    want = -(-bps * sm_count // base)
+    want = max(1, (w * slots) // base)
     n = max(1, min(want, -(-s_max // mc), MAX_SPLITS))
     chunk = max(1, -(-s_max // n))
     return -(-max(s_max, 1) // chunk), chunk
+
+
+def _split_slots(expr, dev):
+    """Resident blocks of the split kernel on the device: SMs x blocks per SM."""
+    kernel = _kernel(SPLIT_MODULE, dev, expr)
+    return _sm_count(dev) * loader.blocks_per_sm(kernel, DECODE_THREADS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,9 +386,9 @@ def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
             dt_ = next(g for g in GENERAL_D if g >= dim)
         rows = (hq // hkv) * sq
         row_chunks = -(-rows // rt)
-        nsplit, chunk = num_splits(b, hkv, row_chunks, s_max, _sm_count(dev))
-        p = (_split_expr(dtype, dt_, vec, rt, op == "paged_attention"), rows, row_chunks, nsplit,
-             chunk)
+        expr = _split_expr(dtype, dt_, vec, rt, op == "paged_attention")
+        nsplit, chunk = num_splits(b, hkv, row_chunks, s_max, _split_slots(expr, dev))
+        p = (expr, rows, row_chunks, nsplit, chunk)
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = p

@@ -5,7 +5,9 @@ Kernels (cuda_src/gemm/*.cu, one file per step of the ladder, each opening with 
 default for fp32 and for fp16/bf16 before sm_80) -> ``mma`` (tensor cores via mma.sync, sm_80+,
 default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arch) and ``gemv_mma``
 (tensor cores, sm_80+), which stream the weight once with 16-byte loads; ``int8_dp4a`` for
-int8_matmul. ``variant='wgmma'`` (Hopper) is a later step and raises NotImplementedError.
+int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA from a warp-specialized,
+persistent pipeline; operands TMA can describe, see ``_wgmma_operand``). ``variant=None`` picks
+``wgmma`` only once it is proven on the GPU: ``WGMMA_AUTO`` below.
 
 Conventions: torch.matmul shapes (1-D operands, broadcast batch dims), any strides (transposed
 views are read in place: every kernel takes both the M/N-contiguous and the K-contiguous layout;
@@ -25,7 +27,7 @@ from gpuops import dtypes as dt
 from gpuops.bench_spec import BenchSpec
 from gpuops.ops.elementwise import ACTIVATIONS, _act_ref, _check_activation
 from gpuops.registry import register
-from gpuops.runtime import config, device, loader
+from gpuops.runtime import config, device, loader, tma
 from gpuops.runtime.launch import ArgSpec
 from gpuops.runtime.modules import KernelModule
 from gpuops.runtime.nvrtc import Target
@@ -92,20 +94,30 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1) or
 #             "legacy" (run 1: gemv_mma for M = 5..16 with 32-row blocks, splits only to fill
 #             the GPU 4 times over);
-#   "mma_epilogue": "prefetch" (bias in registers, residual prefetched to L2 during the last
-#             k-tiles, runs in groups of 4) or "legacy" (run 1's rolled per-element loop).
-PLAN = {"decode": "balanced", "mma_epilogue": "prefetch"}
+#   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
+#             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
+#             configuration that needs more shared memory than the device has falls back to
+#             the rule.
+PLAN = {"decode": "balanced", "mma_tiles": "auto"}
 
-# mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages)
-MMA_LARGE = (128, 256, 2, 4, 4)      # 8 warps of 64x64, 96 KiB of shared memory
-MMA_SMALL = (128, 128, 2, 2, 4)      # 4 warps of 64x64, 64 KiB
-MMA_DUAL = (128, 64, 2, 2, 4)        # SwiGLU: 4 warps of 64x32 per B, 64 KiB
+# mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
+# K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
+MMA_LARGE = (128, 256, 2, 4, 3, 128)      # 8 warps of 64x64, 144 KiB (sm_80, sm_90)
+MMA_LARGE_K32 = (128, 256, 2, 4, 4, 64)   # the same in 96 KiB (sm_86/89: 99 KiB per block)
+MMA_SMALL = (128, 128, 2, 2, 4, 64)       # 4 warps of 64x64, 64 KiB, 2 blocks per SM
+MMA_DUAL = (128, 64, 2, 2, 4, 64)         # SwiGLU: 4 warps of 64x32 per B, 64 KiB
+MMA_TILES = {"large": MMA_LARGE, "large_k32": MMA_LARGE_K32, "small": MMA_SMALL}
+
+
+def _mma_smem(cfg, dual=False):
+    bm, bn, _, _, stages, bkb = cfg
+    return stages * (bm + (2 if dual else 1) * bn) * bkb
 
 
 def _mma_expr(d, cfg, ak, bk, dual=False, out=None):
-    bm, bn, wm, wn, st = cfg
-    return _kname("gemm_mma", d.ctype, (out or d).ctype, bm, bn, wm, wn, st, _b(ak), _b(bk),
-                  _b(dual))
+    bm, bn, wm, wn, stages, bkb = cfg
+    return _kname("gemm_mma", d.ctype, (out or d).ctype, bm, bn, wm, wn, stages, bkb, _b(ak),
+                  _b(bk), _b(dual))
 
 
 def _mma_kernels(d):
@@ -113,25 +125,60 @@ def _mma_kernels(d):
         return {_mma_expr(d, MMA_SMALL, ak, bk): GEMM_ARGS for ak in (True, False)
                 for bk in (True, False)}
     if d is dt.int8:      # K-major operands, one kernel per output dtype and tile configuration
-        return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+        return {_mma_expr(d, cfg, True, True, out=o): GEMM_ARGS for cfg in MMA_TILES.values()
                 for o in _FLOATS}
-    return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in (MMA_LARGE, MMA_SMALL)
+    return {**{_mma_expr(d, cfg, ak, bk): GEMM_ARGS for cfg in MMA_TILES.values()
                for ak in (True, False) for bk in (True, False)},
             _mma_expr(d, MMA_DUAL, True, True, True): GEMM_ARGS}
+
+
+def _mma_config(dev, M, N, batch):
+    """128x256 tiles (8 warps, one block per SM) when they give every SM a block, with 128-byte K
+    tiles where the device has the shared memory for them; else 128x128 (4 warps, 2 blocks per
+    SM). PLAN['mma_tiles'] can force one configuration."""
+    info = device.device_info(dev)
+    forced = MMA_TILES.get(PLAN["mma_tiles"])
+    if forced is not None and _mma_smem(forced) <= info.max_smem_per_block_optin:
+        return forced
+    if _cdiv(M, 128) * _cdiv(N, 256) * batch < info.sm_count:
+        return MMA_SMALL
+    return MMA_LARGE if _mma_smem(MMA_LARGE) <= info.max_smem_per_block_optin else MMA_LARGE_K32
 
 
 MMA = _per_dtype("mma", "gemm/mma.cu", _mma_kernels, dtypes=_FLOATS + (dt.int8,), archs=_TC_ARCHS)
 INT8 = KernelModule("gemm.int8_dp4a", "gemm/int8_dp4a.cu",
                     {_kname("gemm_int8_dp4a", d.ctype): GEMM_ARGS for d in _FLOATS})
 
+# wgmma (sm_90a only): two TMA descriptors (A, B) and GemmArgs; one kernel per layout pair
+# (A M-major?, B N-major?). Tile, threads and shared memory mirror cuda_src/gemm/wgmma.cu
+# (tests/test_gemm.py checks the shared-memory size against its constants).
+WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "9P25qf4i")
+WGMMA_ARCH = 90
+WGMMA_BM, WGMMA_BN, WGMMA_BK, WGMMA_STAGES = 128, 256, 64, 4
+WGMMA_THREADS = 384
+WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 * 4 \
+    + 2 * WGMMA_STAGES * 8 + 1024
+
+
+def _wgmma_expr(d, a_mn, b_mn):
+    return _kname("gemm_wgmma", d.ctype, _b(a_mn), _b(b_mn))
+
+
+WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", lambda d: {
+    _wgmma_expr(d, a_mn, b_mn): WGMMA_ARGS for a_mn in (False, True) for b_mn in (False, True)},
+    dtypes=_HALFS, archs=(f"{WGMMA_ARCH}a",))
+# variant=None picks 'wgmma' (fp16/bf16, sm_90, M > 16, operands TMA can read, not SwiGLU) only
+# when this is True: set it once the kernel has passed the GPU tests and its timings beat 'mma'.
+WGMMA_AUTO = False
+
 # flags of GemmArgs (gemm_common.cuh)
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
-EPI_LEGACY = 16                      # mma: run 1's epilogue loop (PLAN['mma_epilogue'])
+RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
-_DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
+_DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma")
 INT8_VARIANTS = ("dp4a", "mma")
 MAX_GRID_Z = 65535
 
@@ -361,16 +408,20 @@ class _Launch:
         self.flags = 0
 
 
+def _gemm_args(p: _Plan, L: _Launch, z0: int) -> tuple:
+    """The fields of GemmArgs (gemm_common.cuh), flat, in order."""
+    return (L.a, L.b, L.b2, L.c, L.bias, L.residual, L.ws, L.sa, L.sb,
+            p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.r_sm, p.r_sn, L.bias_s,
+            p.batch, *p.bshape, *p.a_sb, *p.b_sb, *p.r_sb, L.k_split or max(p.K, 1), z0,
+            L.alpha, L.act, L.out_f32, L.splits, L.flags)
+
+
 def _run(kernel, p: _Plan, L: _Launch, grid_xy, block, stream, smem=0):
     """Launch over the batch in chunks of 65535 matrices (grid.z), passing each chunk's z0."""
-    k_split = L.k_split or max(p.K, 1)
     for z0 in range(0, p.batch, MAX_GRID_Z):
         gz = min(MAX_GRID_Z, p.batch - z0)
-        kernel.launch((grid_xy[0], grid_xy[1], gz), block, stream,
-                      L.a, L.b, L.b2, L.c, L.bias, L.residual, L.ws, L.sa, L.sb,
-                      p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.r_sm, p.r_sn, L.bias_s,
-                      p.batch, *p.bshape, *p.a_sb, *p.b_sb, *p.r_sb, k_split, z0,
-                      L.alpha, L.act, L.out_f32, L.splits, L.flags, smem=smem)
+        kernel.launch((grid_xy[0], grid_xy[1], gz), block, stream, *_gemm_args(p, L, z0),
+                      smem=smem)
 
 
 def _cdiv(a, b):
@@ -492,6 +543,15 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
                       L.alpha, L.act, L.out_f32, splits, L.flags)
 
 
+def _residual_vec(p, L, res_itemsize) -> bool:
+    """The mma epilogue may read the residual in 16-byte runs of 8 columns: unit column stride,
+    16-byte aligned pointer, rows and batch offsets, and N % 8 == 0 (a run never straddles a row
+    end)."""
+    if p.N % 8 or p.r_sn != 1:
+        return False
+    return _aligned(L.residual, res_itemsize, 16 // res_itemsize, (p.r_sm,) + tuple(p.r_sb))
+
+
 def _launch_tiled(call, p, L, dtype, variant, dual):
     itemsize = dtype.itemsize
     b_ptrs = (L.b, L.b2) if dual else (L.b,)
@@ -526,25 +586,120 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
         elif dtype is dt.float32:
             cfg = MMA_SMALL
         else:
-            large = _cdiv(p.M, 128) * _cdiv(p.N, 256) * p.batch
-            cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
-        if PLAN["mma_epilogue"] == "legacy":
-            L.flags |= EPI_LEGACY
-        bm, bn, wm, wn, stages = cfg
-        smem = stages * (bm + (2 if dual else 1) * bn) * 64
+            cfg = _mma_config(call.device, p.M, p.N, p.batch)
+        if L.residual and _residual_vec(p, L, 4 if L.out_f32 else itemsize):
+            L.flags |= RES_VEC
+        bm, bn, wm, wn, _, _ = cfg
         tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn)
         _run(_kernels.get(MMA[dtype], _mma_expr(dtype, cfg, ak, bk, dual), call.device), p, L,
-             (tiles, 1), (wm * wn * 32, 1, 1), call.stream, smem=smem)
+             (tiles, 1), (wm * wn * 32, 1, 1), call.stream, smem=_mma_smem(cfg, dual))
     else:  # pragma: no cover
         raise AssertionError(variant)
 
 
-def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig):
+# ---------------------------------------------------------------------------------------------
+# wgmma: what TMA can read, the tensor maps, the persistent launch.
+
+_OPERAND_NAMES = {"linear": ("x", "weight")}     # what the user calls A and B (default 'a', 'b')
+
+
+def _round16(n):
+    return (n + 15) // 16 * 16
+
+
+def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box):
+    """How the wgmma kernel reads an operand X[r][k] (A: r = m, 128-row box; B seen as B^T: r = n,
+    256-row box) through a TMA tensor map: ``(mn_major, dims, byte strides, box)``, or
+    ``(None, reason)``. K-major: dims (K, R, batch...), one box of 64 k x rows_box rows;
+    M/N-major: dims (R, K, batch...), boxes of 64 r x 64 k (the kernel issues 2 or 4 per stage).
+    The innermost dim needs unit stride, every other byte stride a positive multiple of 16, the
+    base 16-byte alignment (tma.check_tiled). Batch dims go outermost-last; a broadcast one
+    (stride 0) gets extent 1 (the kernel then uses coordinate 0)."""
+    reasons = []
+    candidates = []
+    if sk == 1 or K <= 1:
+        candidates.append(False)
+    if sr == 1 or R <= 1:
+        candidates.append(True)
+    if not candidates:
+        return None, (f"neither of its two last dims has unit stride (strides {sr} along "
+                      f"{'M' if rows_box == WGMMA_BM else 'N'}, {sk} along K)")
+    for mn_major in candidates:
+        inner, outer, so = (R, K, sk) if mn_major else (K, R, sr)
+        inner, outer = max(inner, 1), max(outer, 1)
+        dims = [inner, outer]
+        strides = [so * itemsize if outer > 1 else _round16(inner * itemsize)]
+        if prod(bshape) > 1:
+            prev = strides[-1] * outer
+            for ext, st in zip(reversed(bshape), reversed(bstrides)):
+                if st != 0 and ext > 1:
+                    dims.append(ext)
+                    strides.append(st * itemsize)
+                else:
+                    dims.append(1)
+                    strides.append(_round16(prev))
+                prev = strides[-1] * dims[-1]
+        box = [64, 64] if mn_major else [64, rows_box]
+        box += [1] * (len(dims) - 2)
+        why = tma.check_tiled(ptr, tma.DTYPE_UINT16, dims, strides, box, tma.SWIZZLE_128B)
+        if why is None:
+            return mn_major, tuple(dims), tuple(strides), tuple(box)
+        reasons.append(f"{'M/N' if mn_major else 'K'}-major: {why}")
+    return None, "; ".join(reasons)
+
+
+def _wgmma_maps(op, p: _Plan, L: _Launch, dtype):
+    """The two tensor maps and layouts of a wgmma launch: ((a_mn, map_a), (b_mn, map_b)).
+    Raises ValueError naming the operand TMA cannot read (the caller falls back to 'mma' when
+    the variant was not asked for)."""
+    names = _OPERAND_NAMES.get(op, ("a", "b"))
+    tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
+    if tiles >= 2 ** 31 or max(p.M, p.N, p.K) >= 2 ** 31:
+        raise ValueError(f"gpuops.{op}: variant='wgmma' takes at most 2^31 - 1 output tiles and "
+                         f"extents below 2^31 (M={p.M}, N={p.N}, K={p.K}, batch={p.batch})")
+    plans = []
+    for name, ptr, args in ((names[0], L.a, (p.M, p.K, p.a_sm, p.a_sk, p.bshape, p.a_sb, L.a,
+                                            dtype.itemsize, WGMMA_BM)),
+                            (names[1], L.b, (p.N, p.K, p.b_sn, p.b_sk, p.bshape, p.b_sb, L.b,
+                                            dtype.itemsize, WGMMA_BN))):
+        plan = _wgmma_operand(*args)
+        if plan[0] is None:
+            raise ValueError(
+                f"gpuops.{op}: variant='wgmma' cannot read {name!r} with TMA: {plan[1]}. It "
+                "needs one unit-stride dim, 16-byte aligned data and every other stride a "
+                "multiple of 8 elements (e.g. a contiguous tensor whose last dim is a multiple "
+                "of 8, or a transposed view of one); variant='mma' reads any layout")
+        plans.append((name, ptr, plan))
+    out = []
+    for name, ptr, (mn_major, dims, strides, box) in plans:
+        try:
+            desc = tma.encode_tiled(ptr, tma.DTYPE_UINT16, dims, strides, box)
+        except tma.TensorMapError as exc:
+            raise ValueError(f"gpuops.{op}: variant='wgmma': no tensor map for {name!r}: "
+                             f"{exc}") from None
+        out.append((mn_major, desc))
+    return tuple(out)
+
+
+def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps):
+    """One persistent launch: min(tiles, SMs) blocks walk every output tile of the batch."""
+    (a_mn, map_a), (b_mn, map_b) = maps
+    tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
+    blocks = min(tiles, device.sm_count(call.device))
+    kernel = _kernels.get(WGMMA[dtype], _wgmma_expr(dtype, a_mn, b_mn), call.device)
+    kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b,
+                  *_gemm_args(p, L, 0), smem=WGMMA_SMEM)
+
+
+def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
     if variant == "wgmma":
-        raise NotImplementedError(
-            f"gpuops.{op}: variant='wgmma' (Hopper wgmma.mma_async with TMA loads and a "
-            "warp-specialized pipeline) is the next step of the GEMM family (issue 4) and is not "
-            "written yet; variant='mma' (mma.sync tensor cores) is the fastest available on sm_90")
+        if dtype not in _HALFS:
+            raise TypeError(f"gpuops.{op}: variant='wgmma' takes float16/bfloat16 inputs, "
+                            f"got {dtype}")
+        if cc != WGMMA_ARCH:
+            raise RuntimeError(f"gpuops.{op}: variant='wgmma' uses wgmma, TMA and setmaxnreg of "
+                               f"sm_90a (Hopper); kernels here are built for sm_{cc}")
+        return variant
     if variant is None:
         if M <= GEMV_MAX_M:
             m_min = 1 if PLAN["decode"] == "balanced" else 4
@@ -552,6 +707,8 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig):
                     else "gemv")
         if dtype is dt.float32:
             return "mma" if (allow_tf32 and cc >= 80) else "warp_tiled"
+        if WGMMA_AUTO and cc == WGMMA_ARCH and not dual:
+            return "wgmma"   # gemm() falls back to 'mma' for operands TMA cannot read
         return "mma" if cc >= 80 else "warp_tiled"
     if variant in ("mma", "gemv_mma") and cc < 80:
         raise RuntimeError(f"gpuops.{op}: variant={variant!r} uses tensor-core instructions of "
@@ -589,7 +746,7 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         return out
     cc = effective_arch(call.device)
     b_kcontig = p.b_sk == 1 or p.K <= 1
-    v = _choose(op, variant, dtype, cc, p.M, allow_tf32, b_kcontig)
+    v = _choose(op, variant, dtype, cc, p.M, allow_tf32, b_kcontig, dual)
     L = _Launch()
     L.a, L.b, L.c = a.ptr, b.ptr, out.ptr
     if dual:
@@ -602,6 +759,19 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
     L.alpha = float(alpha)
     L.act = _ACT_IDS[ACTIVATIONS[activation]]
     L.out_f32 = 1 if out_dt is dt.float32 else 0
+    if v == "wgmma":
+        if p.K == 0:    # no product, only the epilogue: any kernel gives the same; no TMA needed
+            v = "mma"
+        else:
+            try:
+                maps = _wgmma_maps(op, p, L, dtype)
+            except ValueError:
+                if variant == "wgmma":
+                    raise
+                v = "mma"
+            else:
+                _launch_wgmma(call, p, L, dtype, maps)
+                return out
     if v in ("gemv", "gemv_mma"):
         _launch_gemv(call, p, L, dtype, dual, v == "gemv_mma")
     else:
@@ -800,7 +970,10 @@ def matmul(call, a: Tensor, b: Tensor, *, bias: Tensor | None = None, activation
     inputs use TF32 tensor cores (sm_80+; off by default, as torch). ``variant``: 'naive',
     'smem_tiled', 'register_tiled_vec4', 'warp_tiled', 'mma' (sm_80+), 'gemv' / 'gemv_mma'
     (M <= 16 rows per matrix; a batch sharing b folds into one GEMV while it stays within 16
-    rows, else runs as a batch of GEMVs), or None for the best for the device, dtype and shape.
+    rows, else runs as a batch of GEMVs), 'wgmma' (Hopper sm_90a, float16/bfloat16, operands
+    with a unit-stride dim, 16-byte aligned, other strides multiples of 8 elements: raises
+    ValueError naming the operand otherwise), or None for the best for the device, dtype and
+    shape.
     """
     return gemm(call, "matmul", a, b, bias=bias, activation=activation, residual=residual,
                 alpha=alpha, out_dtype=out_dtype, variant=variant, allow_tf32=allow_tf32)
@@ -819,7 +992,7 @@ def linear(call, x: Tensor, weight: Tensor, bias: Tensor | None = None,
 
     ``x``: ``[..., in_features]``; leading dims are folded into one GEMM. Decode-sized inputs
     (up to 16 rows) take the GEMV kernels, which read the weight once with 16-byte loads.
-    Autograd: ``gpuops.torch.linear``.
+    ``variant``: as :func:`matmul`'s. Autograd: ``gpuops.torch.linear``.
     """
     _check_weight("linear", x.shape, weight.shape)
     return gemm(call, "linear", x, _transposed(weight), bias=bias, activation=activation,
@@ -899,12 +1072,11 @@ def int8_matmul(call, a_int8: Tensor, b_int8: Tensor, scale_a: Tensor, scale_b: 
     b_vec = (p.b_sk == 1 or K <= 1) and _aligned(b_int8.ptr, 1, 16, (p.b_sn,) if N > 1 else ())
     L.flags = A_KCONTIG | B_KCONTIG | (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0)
     if variant == "mma":
-        large = _cdiv(M, 128) * _cdiv(N, 256)
-        cfg = MMA_LARGE if large >= device.device_info(call.device).sm_count else MMA_SMALL
-        bm, bn, wm, wn, stages = cfg
+        cfg = _mma_config(call.device, M, N, 1)
+        bm, bn, wm, wn, _, _ = cfg
         _run(_kernels.get(MMA[dt.int8], _mma_expr(dt.int8, cfg, True, True, out=out_dt),
                           call.device), p, L, (_cdiv(M, bm) * _cdiv(N, bn), 1),
-             (wm * wn * 32, 1, 1), call.stream, smem=stages * (bm + bn) * 64)
+             (wm * wn * 32, 1, 1), call.stream, smem=_mma_smem(cfg))
     else:
         _run(_kernels.get(INT8, _kname("gemm_int8_dp4a", out_dt.ctype), call.device), p, L,
              (_cdiv(M, 128) * _cdiv(N, 128), 1), (256, 1, 1), call.stream)

@@ -34,7 +34,21 @@ Which kernels (NCHW):
 Channels-last: two passes (statistics per tile of rows x slab of whole groups' channels, then
 normalization), reading x twice; slabs wider than the kernels allow (more than 512 units of
 channels: 16-byte packs, or single elements when C or the pointers are not 16-byte multiples)
-are normalized through NCHW copies.
+are normalized through NCHW copies, and so are inputs of at most NHWC_COPY_MAX_BYTES (measured
+faster at the diffusion shape).
+
+Auto on sm_90 (NCHW, measured in run 13): when every group's blocks fit one wave, the smallest
+cluster that holds a group (16-bit [2, 320, 64, 64]: one block per group; fp32: clusters of 2).
+
+Round 2 (unmeasured; selectable with ``force_path`` = "spread" / "nhwc_spread", auto with
+``AUTO_SPREAD``): ``group_norm_spread`` (NCHW) and ``group_norm_nhwc_spread`` (channels-last),
+one launch reading x once, the grid and a shared-memory reservation sized so that the blocks
+occupy all SMs (one block per SM in one wave, two per SM over several waves), clusters of up to 8
+blocks per group (NCHW) or per (sample, slab of whole groups) (channels-last) exchanging their
+statistics through distributed shared memory; exact two-pass statistics. They run on every arch
+(clusters only on sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a
+multiple of 16 bytes; anything else goes to the kernels above. See
+benchmarks/notes_groupnorm_copy.md, round 2.
 """
 from __future__ import annotations
 
@@ -66,10 +80,33 @@ NHWC_ROW_THREADS = 256              # threads of a channels-last block when a sl
 NHWC_MAX_THREADS = 512              # kNhwcMaxThreads
 NHWC_SMEM_LIMIT = 32 * 1024         # per-channel statistics of one block (stats kernel)
 MIN_SLAB_BYTES = 128                # channels-last slab rows of at least one 128-byte line
+SPREAD_PACKS = 7                    # kSpreadPacks: 16-byte packs per thread (NCHW)
+NHWC_SPREAD_ROWS = 6                # kNhwcRows: rows per thread (channels-last)
+NHWC_SPREAD_THREADS = 896           # kNhwcSpreadThreads (72 registers): one block per SM
+NHWC_SPREAD_PAIR_THREADS = 448      # two blocks per SM
+SPREAD_MAX_THREADS = 1024           # kSpreadThreads: one block per SM
+SPREAD_PAIR_THREADS = 512           # two blocks per SM (2 x 512 threads x 64 registers)
+MIN_SPREAD_SLICE_PACKS = 256        # one-wave clusters do not split groups below 4 KB per block
+SPREAD_COEF_OFFSET = 10 * 16        # kSpreadCoef (float4 units) in bytes
+# Channels-last inputs up to this size go through NCHW copies by default: measured (run 13,
+# [2, 64, 64, 320] bf16, 5.2 MB) 17.7 us against 29.5 us for the two-pass NHWC kernels (the
+# copies stay in L2; every launch of the two-pass pair costs a graph node's fixed time). Above
+# it the copies' three extra passes over DRAM are predicted to lose (unmeasured).
+NHWC_COPY_MAX_BYTES = 16 << 20
 
-# Forcing a design (tests): None, "onchip" (no clusters), "cluster2" / "cluster4" / "cluster8",
-# "twopass" (NCHW), "nhwc_copy" (channels-last through NCHW copies).
+# Forcing a design (tests, A/B timing): None (auto), "onchip" (no clusters), "cluster2" /
+# "cluster4" / "cluster8", "twopass" (NCHW), "nhwc" (channels-last two-pass kernels, at any
+# size), "nhwc_copy" (channels-last through NCHW copies).
 force_path: str | None = None
+# Round 2 (group_norm_spread / group_norm_nhwc_spread, unmeasured): force_path "spread" (NCHW) /
+# "nhwc_spread" (channels-last) forces them; AUTO_SPREAD makes auto take them wherever they
+# apply (to be switched on after the lead's A/B run: benchmarks/notes_groupnorm_copy.md, round 2).
+# spread_cluster / spread_residency override their plan's cluster size / blocks per SM (A/B).
+# "cluster2_1sm": the old cluster2 kernel with a shared-memory reservation that keeps a second
+# block off each SM (tests the placement hypothesis of round 2 on the old code).
+AUTO_SPREAD = False
+spread_cluster: int | None = None
+spread_residency: int | None = None
 # Order of the two-pass apply kernels' blocks: "reverse" (the data the stats kernel read last, so
 # still in L2, first) or "forward" (the stats kernel's order: over data larger than L2, LRU
 # evicts each line just before the apply pass needs it). Part of the plans' key (A/B timing).
@@ -84,12 +121,19 @@ _NCHW_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32
 _NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
 _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
                            "i32", "i32", "f32", "i32", "i32")
+_SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "3I", "f32", "i32")
+_NHWC_SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32",
+                            "i32", "f32", "i32")
 
 
 def _onchip_expr(d, packs, cluster):
     if cluster == 1:
         return f"gpuops::group_norm_onchip<{d.ctype}, {packs}>"
     return f"gpuops::group_norm_onchip_cluster<{d.ctype}, {packs}, {cluster}>"
+
+
+def _spread_expr(kind, d, cluster):
+    return f"gpuops::group_norm_{kind}<{d.ctype}, {cluster}>"
 
 
 def _vecs(d):
@@ -106,8 +150,15 @@ MODULE = KernelModule("norms.group_norm", "groupnorm/group_norm.cu", {
     **{_expr("nchw_apply", d, v): _NCHW_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nhwc_stats", d, v): _NHWC_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nhwc_apply", d, v): _NHWC_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
+    **{_spread_expr("spread", d, s): _SPREAD_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
+    **{_spread_expr("nhwc_spread", d, s): _NHWC_SPREAD_ARGS for d in dt.FLOATS
+       for s in (1, *CLUSTERS)},
 })
 KERNELS = _copy.KernelCache(MODULE)
+# The compiled-in cluster size of each kernel (the CPU emulator runs a cluster's blocks together).
+CLUSTER_OF = {**{_onchip_expr(d, ONCHIP_PACKS, s): s for d in dt.FLOATS for s in (1, *CLUSTERS)},
+              **{_spread_expr(k, d, s): s for k in ("spread", "nhwc_spread") for d in dt.FLOATS
+                 for s in (1, *CLUSTERS)}}
 
 
 def _cdiv(a, b):
@@ -147,14 +198,24 @@ def plan_onchip(groups: int, group_packs: int, sms: int, clusters: bool, force=N
         if _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
             return None
     elif clusters:
+        # One wave (every group's blocks resident at once, one block per SM): the smallest
+        # cluster whose slice fits one block. Measured (run 13, [2, 320, 64, 64]): 16-bit onchip
+        # 8.2 us beat cluster2/4/8 (8.7-9.8), fp32 cluster2 9.5 us beat cluster4/8 (11.0 / 10.4):
+        # larger clusters do not spread the work over more SMs (their blocks share SMs when the
+        # registers allow, see notes_groupnorm_copy.md round 2), they only add a cluster barrier.
         s = 1
-        # fit: slices small enough for 2-3 blocks per SM
-        while s < CLUSTERS[-1] and _cdiv(group_packs, s) > CLUSTER_SLICE_PACKS:
+        while s < CLUSTERS[-1] and _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
             s *= 2
-        # fill: at least one block per SM, while slices stay worth a block
-        while (s < CLUSTERS[-1] and groups * s < sms
-               and _cdiv(group_packs, 2 * s) >= MIN_SLICE_PACKS):
-            s *= 2
+        if groups * s > sms:
+            # Several waves: the rule measured only as auto so far ([8, 640, 64, 64], run 10):
+            # slices small enough for 2-3 blocks per SM (one loads while another computes),
+            # then more blocks per group while there are fewer blocks than SMs.
+            s = 1
+            while s < CLUSTERS[-1] and _cdiv(group_packs, s) > CLUSTER_SLICE_PACKS:
+                s *= 2
+            while (s < CLUSTERS[-1] and groups * s < sms
+                   and _cdiv(group_packs, 2 * s) >= MIN_SLICE_PACKS):
+                s *= 2
         if _cdiv(group_packs, s) > ONCHIP_MAX_PACKS:
             return None
     else:
@@ -164,6 +225,93 @@ def plan_onchip(groups: int, group_packs: int, sms: int, clusters: bool, force=N
     slice_packs = _cdiv(group_packs, s)
     threads = max(32, _cdiv(_cdiv(slice_packs, ONCHIP_PACKS), 32) * 32)
     return s, slice_packs, ONCHIP_PACKS, threads
+
+
+def _round32(n):
+    return max(32, _cdiv(n, 32) * 32)
+
+
+def _spread_cluster(items, sms, clusters, fits, min_ok, cluster, residency):
+    """(cluster size, blocks per SM) of the spread kernels, or None. ``fits(S, residency)``: the
+    block of cluster size S fits the threads allowed at that residency; ``min_ok(S)``: the slice
+    is worth splitting S ways.
+
+    One wave when it fits (the largest S with items * S <= SMs): one block per SM, so the grid
+    covers the most SMs. Otherwise several waves: the smallest S whose block fits beside another
+    (two per SM: one loads while the other computes); failing that the smallest that fits
+    alone."""
+    sizes = (1, *CLUSTERS) if clusters else (1,)
+    if cluster is not None:
+        if cluster not in sizes:
+            raise RuntimeError(f"gpuops.group_norm: cluster size {cluster} unavailable here "
+                               f"(clusters need sm_90 and kernels built for it)")
+        return cluster, residency or (1 if items * cluster <= sms else 2)
+    one_wave = [s for s in sizes if items * s <= sms and fits(s, 1) and (s == 1 or min_ok(s))]
+    if one_wave:
+        return one_wave[-1], residency or 1
+    for res in (2, 1):
+        fitting = [s for s in sizes if fits(s, res)]
+        if fitting:
+            return fitting[0], residency or res
+    return None
+
+
+def plan_spread(groups: int, group_packs: int, sms: int, clusters: bool, cluster=None,
+                residency=None):
+    """(cluster size, slice packs, threads, blocks per SM) of group_norm_spread, or None when a
+    group does not fit 8 clusters' blocks (_spread_cluster's rule; one-wave slices of at least
+    MIN_SPREAD_SLICE_PACKS)."""
+    def threads(s):
+        return _round32(_cdiv(_cdiv(group_packs, s), SPREAD_PACKS))
+
+    def fits(s, res):
+        return threads(s) <= (SPREAD_MAX_THREADS if res == 1 else SPREAD_PAIR_THREADS)
+
+    got = _spread_cluster(groups, sms, clusters, fits,
+                          lambda s: _cdiv(group_packs, s) >= MIN_SPREAD_SLICE_PACKS, cluster,
+                          residency)
+    if got is None or not fits(*got):
+        return None
+    s, res = got
+    return s, _cdiv(group_packs, s), threads(s), res
+
+
+def plan_nhwc_spread(n: int, hw: int, c: int, cg: int, vec: int, sms: int, clusters: bool,
+                     cluster=None, residency=None):
+    """(slab channels, cluster size, rows per block, row phases R, threads, blocks per SM) of
+    group_norm_nhwc_spread, or None. Slab = lcm(C/G, 16-byte units): the narrowest whole-group
+    slab of 16-byte columns; one item = (sample, slab), its rows split over a cluster. Threads =
+    columns x R (at most NHWC_SPREAD_ROWS rows each, 4 when the block has room for the threads).
+    Cluster size and blocks per SM: _spread_cluster's rule."""
+    sc = cg * vec // gcd(cg, vec)
+    p = sc // vec
+    if c % sc or p > NHWC_SPREAD_THREADS:
+        return None
+
+    def fit(s, res):
+        max_threads = NHWC_SPREAD_THREADS if res == 1 else NHWC_SPREAD_PAIR_THREADS
+        rpb = _cdiv(hw, s)
+        r = max(_cdiv(rpb, NHWC_SPREAD_ROWS), min(max_threads // p, _cdiv(rpb, 4)))
+        threads = _round32(p * r)
+        return (rpb, r, threads) if threads <= max_threads else None
+
+    got = _spread_cluster(n * (c // sc), sms, clusters, fit,
+                          lambda s: _cdiv(hw, s) * p >= MIN_SPREAD_SLICE_PACKS, cluster, residency)
+    shape = got and fit(*got)
+    if not shape:
+        return None
+    return (sc, got[0], *shape, got[1])
+
+
+def spread_smem(needed: int, residency: int, optin: int) -> int:
+    """Dynamic shared memory of a spread launch: what the kernel uses, raised to just over
+    1 / (residency + 1) of an SM so that no further block fits beside `residency` of them (the
+    1 KB per block the driver keeps on sm_80+ counted); 0 past the opt-in limit (no launch)."""
+    if needed > optin:
+        return 0
+    if optin < 96 * 1024:              # small shared memories (Pascal): no reservation
+        return needed
+    return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
 
 
 def plan_two_pass(groups: int, group_units: int, sms: int):
@@ -205,6 +353,50 @@ def _ptr(t):
     return 0 if t is None else t.ptr
 
 
+def _with_cluster_fallback(dev, run, fallback):
+    """run, or (once the driver refuses a cluster launch) fallback from then on."""
+    def run_cluster(call, x, w, b, y, eps):
+        try:
+            run(call, x, w, b, y, eps)
+        except Exception as exc:   # noqa: BLE001  (the launch itself failed: no clusters)
+            _refuse_clusters(dev, exc)
+            fallback(call, x, w, b, y, eps)
+    return run_cluster
+
+
+def _smem_optin(dev) -> int:
+    return int(getattr(device.device_info(dev), "max_smem_per_block_optin", 0) or 0)
+
+
+def _spread_launcher(dev, d, n, c, hw, g, act, clusters):
+    """(run, cluster size) of group_norm_spread for contiguous aligned [n, c, hw] with hw % VEC
+    == 0, or None."""
+    vec = 16 // d.itemsize
+    cg = c // g
+    groups = n * g
+    group_packs = cg * hw // vec
+    # (a forced cluster size yields to the no-cluster fallback once clusters are refused)
+    plan = plan_spread(groups, group_packs, _copy.sm_count(dev), clusters,
+                       spread_cluster if clusters or spread_cluster == 1 else None,
+                       spread_residency)
+    if plan is None:
+        return None
+    s, slice_packs, threads, res = plan
+    ppc = hw // vec
+    smem = spread_smem(SPREAD_COEF_OFFSET + 8 * (_cdiv(slice_packs, ppc) + 1), res,
+                       _smem_optin(dev) or 48 * 1024)
+    if smem == 0:
+        return None
+    expr = _spread_expr("spread", d, s)
+    grid, block = (groups * s, 1, 1), (threads, 1, 1)
+    tail = (g, cg, group_packs, slice_packs, *_copy.fast_divider(ppc))
+
+    def run_spread(call, x, w, b, y, eps):
+        KERNELS.get(dev, expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b), y.ptr,
+                                      *tail, eps, act, smem=smem)
+    return run_spread, s
+
+
 def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     """run(call, x, w, b, y, eps) for x, y: contiguous [n, c, hw]."""
     vec = 16 // d.itemsize
@@ -213,30 +405,37 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     elems = cg * hw
     sms = _copy.sm_count(dev)
     aligned = aligned and hw % vec == 0
+    if aligned and (force_path == "spread" or (AUTO_SPREAD and force_path is None)):
+        got = _spread_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev))
+        if got is not None:
+            run, s = got
+            if s == 1:
+                return run
+            return _with_cluster_fallback(
+                dev, run, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
     if aligned and force_path != "twopass":
         clusters = clusters and force_path != "onchip" and _clusters_available(dev)
+        onchip_force = force_path if force_path in ("onchip", "cluster2", "cluster4",
+                                                    "cluster8") else None
+        if force_path == "cluster2_1sm":
+            onchip_force = "cluster2"
         plan = plan_onchip(groups, elems // vec, sms, clusters,
-                           force_path if clusters or force_path == "onchip" else None)
+                           onchip_force if clusters or onchip_force == "onchip" else None)
         if plan is not None:
             s, slice_packs, packs, threads = plan
             expr = _onchip_expr(d, packs, s)
             grid, block = (groups * s, 1, 1), (threads, 1, 1)
             tail = (hw, cg, g, elems // vec, slice_packs)
+            # cluster2_1sm: a reservation that keeps a second block off the SM
+            smem = spread_smem(0, 1, _smem_optin(dev)) if force_path == "cluster2_1sm" else 0
 
             def run_onchip(call, x, w, b, y, eps):
                 KERNELS.get(dev, expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                              y.ptr, *tail, eps, act)
+                                              y.ptr, *tail, eps, act, smem=smem)
             if s == 1:
                 return run_onchip
-            fallback = _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False)
-
-            def run_cluster(call, x, w, b, y, eps):
-                try:
-                    run_onchip(call, x, w, b, y, eps)
-                except Exception as exc:   # noqa: BLE001  (the launch itself failed: no clusters)
-                    _refuse_clusters(dev, exc)
-                    fallback(call, x, w, b, y, eps)
-            return run_cluster
+            return _with_cluster_fallback(
+                dev, run_onchip, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
     v = vec if aligned else 1
     group_units = elems // v
     chunks, chunk_units = plan_two_pass(groups, group_units, sms)
@@ -255,16 +454,60 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     return run_two_pass
 
 
-def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act):
-    """run(call, x, w, b, y, eps) for x, y: contiguous [n, hw, c] in memory; None when the
-    channels are too wide for the channels-last kernels."""
+def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters):
+    """group_norm_nhwc_spread for contiguous aligned [n, hw, c] with c % VEC == 0, or None."""
     vec = 16 // d.itemsize
+    cg = c // g
+    plan = plan_nhwc_spread(n, hw, c, cg, vec, _copy.sm_count(dev), clusters,
+                            spread_cluster if clusters or spread_cluster == 1 else None,
+                            spread_residency)
+    if plan is None:
+        return None
+    sc, s, rpb, rphases, threads, res = plan
+    if (rpb + rphases) * c >= 1 << 31:
+        return None                    # (the kernel's offsets within a block's rows are 32-bit)
+    kg = sc // cg
+    needed = 4 * (rphases * (sc + 1) + max(kg, threads // 32) + (4 + s) * kg)
+    smem = spread_smem(needed, res, _smem_optin(dev) or 48 * 1024)
+    if smem == 0:
+        return None
+    expr = _spread_expr("nhwc_spread", d, s)
+    grid, block = (n * (c // sc) * s, 1, 1), (threads, 1, 1)
+    tail = (hw, c, cg, sc, c // sc, rpb, rphases)
+
+    def run_nhwc_spread(call, x, w, b, y, eps):
+        KERNELS.get(dev, expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b), y.ptr,
+                                      *tail, eps, act, smem=smem)
+    if s == 1:
+        return run_nhwc_spread
+    return _with_cluster_fallback(dev, run_nhwc_spread,
+                                  _nhwc_spread_launcher(dev, d, n, c, hw, g, act, False)
+                                  or _nhwc_two_pass_or_copy(dev, d, n, c, hw, g, act))
+
+
+def _nhwc_two_pass_or_copy(dev, d, n, c, hw, g, act):
+    return (_nhwc_launcher(dev, d, n, c, hw, g, True, act, spread=False)
+            or _nhwc_via_nchw_launcher(dev, d, n, c, hw, g, act))
+
+
+def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
+    """run(call, x, w, b, y, eps) for x, y: contiguous [n, hw, c] in memory; None when the
+    channels are too wide for the channels-last kernels (or small inputs go through NCHW
+    copies)."""
+    vec = 16 // d.itemsize
+    if (spread and aligned and c % vec == 0
+            and (force_path == "nhwc_spread" or (AUTO_SPREAD and force_path is None))):
+        run = _nhwc_spread_launcher(dev, d, n, c, hw, g, act, _clusters_available(dev))
+        if run is not None:
+            return run
     if not (aligned and c % vec == 0):
         vec = 1
     cg = c // g
     plan = plan_nhwc(n, hw, c, cg, vec, d.itemsize, _copy.sm_count(dev))
     if plan is None or force_path == "nhwc_copy":
         return None
+    if force_path is None and n * hw * c * d.itemsize <= NHWC_COPY_MAX_BYTES:
+        return None                    # small: NCHW copies (see NHWC_COPY_MAX_BYTES)
     sc, threads, slabs, tiles, tile_rows = plan
     grid, block = (n * slabs * tiles, 1, 1), (threads, 1, 1)
     part_len = n * g * tiles * 4
@@ -462,7 +705,8 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, input.dtype, tuple(input.shape),
+    key = (call.device, loader.generation, force_path, apply_order, AUTO_SPREAD, spread_cluster,
+           spread_residency, input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
            None if bias is None else (tuple(bias.shape), bias.contiguous),

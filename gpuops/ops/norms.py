@@ -226,19 +226,11 @@ def split_shape(kind: Kind, vec: int, n: int):
 
 _plans: dict = {}
 _plans_generation = -1
-_occupancy = None
 
 
 def _make_plan(kind_name: str, expr: str, threads: int, ty: int, packs: int, C: int, dev: int):
-    global _occupancy
     kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(expr)
-    if _occupancy is None:
-        from cupy.cuda import driver  # noqa: PLC0415
-        _occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
-    per_sm = int(_occupancy(kernel.ptr, threads * ty, 0))
-    if per_sm < 1:
-        raise RuntimeError(f"gpuops: {kernel.name} cannot run blocks of {threads * ty} threads "
-                           "on this device")
+    per_sm = loader.blocks_per_sm(kernel, threads * ty)
     return Plan(kernel, (threads, ty, 1), packs, C, per_sm * device.device_info(dev).sm_count)
 
 
@@ -308,10 +300,9 @@ def ring_shape(kind: Kind, vec: int, n: int, itemsize: int, max_threads: int | N
 
 
 def _resident_per_sm(kernel, threads: int, smem: int) -> int:
-    """Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory each (the
-    kernel's limit raised first, and its carveout preference set to the most shared memory: the
-    ring's co-residency must not depend on the driver's choice of L1/shared split)."""
-    global _occupancy
+    """Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory each (0 where
+    none fits). The kernel's limit is raised first, and its carveout preference set to the most
+    shared memory: the ring's co-residency must not depend on the driver's L1/shared split."""
     raw = getattr(kernel, "raw", None)
     if raw is not None:
         if smem > 48 * 1024:
@@ -320,10 +311,10 @@ def _resident_per_sm(kernel, threads: int, smem: int) -> int:
             raw.preferred_shared_memory_carveout = 100
         except Exception:  # noqa: BLE001  (a hint; older drivers/CuPy lack it)
             pass
-    if _occupancy is None:
-        from cupy.cuda import driver  # noqa: PLC0415
-        _occupancy = driver.occupancyMaxActiveBlocksPerMultiprocessor
-    return int(_occupancy(kernel.ptr, threads, smem))
+    try:
+        return loader.blocks_per_sm(kernel, threads, smem)
+    except RuntimeError:           # (the calculator's 0: this much shared memory does not fit)
+        return 0
 
 
 def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int):

@@ -19,18 +19,29 @@ import threading
 
 # size and alignment of struct-module codes, as in a CUDA kernel's parameter space
 _SIZE_ALIGN = {"P": 8, "q": 8, "Q": 8, "d": 8, "i": 4, "I": 4, "f": 4,
-               "h": 2, "H": 2, "e": 2, "b": 1, "B": 1, "?": 1, "x": 1}
-_ALIASES = {"ptr": "P", "i64": "q", "u64": "Q", "i32": "i", "u32": "I", "f32": "f", "f64": "d"}
-_ITEM = re.compile(r"(\d*)([PqQdiIfhHebB?x])")
+               "h": 2, "H": 2, "e": 2, "b": 1, "B": 1, "?": 1, "x": 1, "s": 1}
+# "tensormap": a CUtensorMap (TMA descriptor, gpuops.runtime.tma) passed by value as a
+# __grid_constant__ parameter: 128 opaque bytes (one bytes value), aligned to 64 bytes.
+_ALIASES = {"ptr": "P", "i64": "q", "u64": "Q", "i32": "i", "u32": "I", "f32": "f", "f64": "d",
+            "tensormap": "@64:128s"}
+_ITEM = re.compile(r"(\d*)([PqQdiIfhHebB?xs])")
+_ALIGNED = re.compile(r"@(\d+):")
 MAX_PARAM_BYTES = 4096
 
 
 def _layout(fmt: str):
     """Explicitly padded little-endian format, size and alignment of one parameter that is a C
-    struct with the given fields (or a single scalar)."""
+    struct with the given fields (or a single scalar). A leading "@N:" raises the alignment to N
+    bytes (alignas(N), e.g. a CUtensorMap's 64); "Ns" is N opaque bytes passed as one bytes value."""
     out, offset, align = [], 0, 1
     pos = 0
-    for m in _ITEM.finditer(fmt):
+    m = _ALIGNED.match(fmt)
+    if m:
+        align = int(m.group(1))
+        if align & (align - 1):
+            raise ValueError(f"bad parameter format {fmt!r}: alignment must be a power of two")
+        pos = m.end()
+    for m in _ITEM.finditer(fmt, pos):
         if m.start() != pos:
             raise ValueError(f"bad parameter format {fmt!r}")
         pos = m.end()
@@ -43,7 +54,7 @@ def _layout(fmt: str):
         out.append(f"{count}{'Q' if code == 'P' else code}")   # 'P' exists only in native mode
         offset += a * count
         align = max(align, a)
-    if pos != len(fmt) or not fmt:
+    if pos != len(fmt) or not out:
         raise ValueError(f"bad parameter format {fmt!r}")
     tail = -offset % align
     if tail:

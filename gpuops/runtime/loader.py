@@ -167,5 +167,24 @@ def kernel(module, device_index: int, expr: str):
     return k
 
 
+_occupancies: dict = {}
+
+
+def blocks_per_sm(kernel, threads: int, smem: int = 0) -> int:
+    """Blocks of ``threads`` threads (and ``smem`` bytes of dynamic shared memory) of ``kernel``
+    that one SM holds at once (the driver's occupancy calculator: registers, shared memory,
+    block limits), remembered per kernel handle. Plans use it to size grids in whole waves."""
+    key = (id(kernel), threads, smem)
+    n = _occupancies.get(key)
+    if n is None:
+        from cupy.cuda import driver  # noqa: PLC0415
+        n = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, smem))
+        if n < 1:
+            raise RuntimeError(f"gpuops: {kernel.name} cannot run blocks of {threads} threads "
+                               f"with {smem} bytes of shared memory on this device")
+        _occupancies[key] = n
+    return n
+
+
 def loaded_modules() -> list:
     return list(_memory.values())

@@ -7,9 +7,22 @@
 // on), dynamic shared memory (extern __shared__) is one buffer per block. Threads that return
 // early drop out of their barriers, as exited threads do on the GPU.
 //
+// Tensor-core kernels (cuda_src/common/mma.cuh's host branch): ldmatrix and mma.sync exchange
+// their operands through a per-warp scratch at the warp barrier (warp_collective); shared
+// addresses are offsets into the dynamic shared memory (shared_offset / shared_ptr, bounds and
+// alignment checked); cp.async copies wait in the issuing thread's groups until a
+// cp.async.wait_group covers them, so reading a tile before waiting for it reads stale data.
+//
+// Thread-block clusters (emu_set_cluster(S) before a launch; tests/cuda_emu/common/cluster.cuh):
+// the S blocks of a cluster run at the same time, each with its own dynamic shared memory (so
+// cluster kernels keep everything in dynamic shared memory, none in __shared__ statics), the
+// cluster barrier is a split arrive/wait barrier over their threads, and cluster_map translates
+// an address in one block's dynamic shared memory to the same offset in another's.
+//
 // This checks indexing, tiling, shuffles, barriers and the algorithms (and, with the concurrent
 // schedule, interleavings of blocks); it does not model memory ordering beyond sequential
-// consistency, timing, or the real arch's floating-point contractions.
+// consistency, timing, or the real arch's floating-point contractions (nor the tensor cores'
+// accumulation order: an emulated mma sums its 16 products in k order with fp32 FMAs).
 // dtypes.cuh and vec.cuh are replaced by asm-free host versions (tests/cuda_emu/common/).
 #pragma once
 #include <atomic>
@@ -33,6 +46,14 @@ struct uint4 {
   unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 
 namespace emu {
 // Every CUDA thread is a fiber on one OS thread; a fiber runs until it waits at a barrier (warp
@@ -50,8 +71,9 @@ namespace emu {
 //     block.
 inline dim3 grid_dim, block_dim;
 inline dim3 thread_idx, block_idx;           // of the running fiber
-inline unsigned char* dynamic_smem = nullptr;   // of the running fiber's block
-inline size_t dynamic_smem_bytes = 0;
+inline unsigned char* dynamic_smem = nullptr;  // of the running fiber's block
+inline size_t dynamic_smem_bytes = 0;          // of the launch, per block
+inline int cluster_size = 1;                   // blocks per cluster (consecutive along x)
 inline std::atomic<int> failed{0};
 inline char fail_msg[256] = {0};
 inline void fail(const char* msg) {
@@ -93,16 +115,32 @@ struct Barrier {
   }
 };
 
+inline constexpr int kScratchWords = 16;
 struct Warp {
   Barrier bar;
   unsigned long long slot[32];
+  unsigned scratch[32][kScratchWords];   // operands of warp-wide instructions (ldmatrix, mma)
+};
+
+struct ClusterState {
+  Barrier bar;                         // split arrive/wait: Fiber::cluster_phase records the phase
 };
 
 struct BlockState {
   dim3 idx;
   Barrier bar;
   std::vector<Warp> warps;
-  std::vector<unsigned char> smem;   // dynamic shared memory (kernels take its address on entry)
+  std::vector<unsigned char> smem;     // dynamic shared memory (16-byte aligned data())
+  int cluster = 0;                     // index into `clusters`
+  int rank = 0;                        // rank in the cluster
+  int base = 0;                        // index in `blocks` of the cluster's rank 0
+};
+
+// One 16-byte (or shorter) cp.async: performed when a cp.async.wait_group covers its group.
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  int src_bytes, bytes;
 };
 
 struct Fiber {
@@ -112,6 +150,10 @@ struct Fiber {
   int linear = 0;
   bool started = false;
   bool done = false;
+  std::vector<AsyncCopy> open_copies;                 // issued, not yet committed
+  std::vector<std::vector<AsyncCopy>> copy_groups;    // committed, oldest first
+  bool cluster_arrived = false;        // arrived at the cluster barrier, not yet waited
+  unsigned cluster_phase = 0;          // the cluster barrier's generation at the arrival
 };
 
 inline constexpr size_t kStack = 256 * 1024;  // virtual; pages are committed when touched
@@ -131,6 +173,7 @@ struct Stack {
 inline std::vector<std::unique_ptr<Stack>> stacks;
 inline std::vector<Fiber> fibers;
 inline std::vector<BlockState> blocks;
+inline std::vector<ClusterState> clusters;
 inline Fiber* current = nullptr;
 inline BlockState* current_block = nullptr;
 inline int linear = 0;
@@ -141,12 +184,106 @@ inline void yield() {
 }
 inline Warp& warp() { return current_block->warps[linear / 32]; }
 
+// Warp-wide instructions: every lane publishes n words (mine), then f(scratch, lane) runs when
+// the whole warp has published (scratch[l] holds lane l's words); the scratch is reused only after
+// every lane is done with it.
+template <class F>
+inline void warp_collective(const unsigned* mine, int n, F&& f) {
+  Warp& w = warp();
+  const int lane = linear & 31;
+  for (int i = 0; i < n; ++i) w.scratch[lane][i] = mine[i];
+  w.bar.arrive_and_wait();
+  f(static_cast<const unsigned (*)[kScratchWords]>(w.scratch), lane);
+  w.bar.arrive_and_wait();
+}
+
+// The shared state space of the emulated kernels: offsets into the block's dynamic shared memory
+// (a 32-bit shared address, as cvta.to.shared gives on the GPU). `bytes`: the access size, which
+// must be aligned to itself (ldmatrix rows, cp.async).
+inline unsigned shared_offset(const void* p) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  if (c < dynamic_smem || c > dynamic_smem + dynamic_smem_bytes) {
+    fail("shared address outside the dynamic shared memory (static __shared__ arrays have no "
+         "shared address in the emulator)");
+    return 0;
+  }
+  return static_cast<unsigned>(c - dynamic_smem);
+}
+inline unsigned char* shared_ptr(unsigned off, unsigned bytes) {
+  static unsigned char sink[16];
+  if (off + bytes > dynamic_smem_bytes || off % bytes) {
+    fail("shared access out of bounds or misaligned (ldmatrix / cp.async need 16-byte rows)");
+    return sink;
+  }
+  return dynamic_smem + off;
+}
+
+// cp.async: the copy is queued in the issuing thread's open group; commit_group closes the group;
+// wait_group(n) performs all but the newest n committed groups (so data that a kernel reads
+// before waiting for it is stale, as it may be on the GPU).
+inline void cp_async(unsigned char* dst, const void* src, int src_bytes, int bytes) {
+  if (src_bytes < 0 || src_bytes > bytes) fail("cp.async: src-size out of range");
+  current->open_copies.push_back({dst, static_cast<const unsigned char*>(src), src_bytes, bytes});
+}
+inline void cp_async_commit() {
+  current->copy_groups.push_back(std::move(current->open_copies));
+  current->open_copies.clear();
+}
+inline void cp_async_wait(int n) {
+  auto& groups = current->copy_groups;
+  while (static_cast<int>(groups.size()) > n) {
+    for (const AsyncCopy& c : groups.front()) {
+      if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
+      std::memset(c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+    }
+    groups.erase(groups.begin());
+  }
+}
+
 inline void trampoline() {
   body();
   current->done = true;
   current_block->warps[current->linear / 32].bar.drop();
   current_block->bar.drop();
+  if (current->cluster_arrived) fail("a thread exited between cluster_arrive and cluster_wait");
+  clusters[current_block->cluster].bar.drop();
   _longjmp(scheduler_jmp, 2);          // never returns: the scheduler's frame is the live one
+}
+
+inline void cluster_arrive() {
+  Barrier& b = clusters[current_block->cluster].bar;
+  if (current->cluster_arrived) fail("cluster_arrive twice without cluster_wait");
+  current->cluster_arrived = true;
+  current->cluster_phase = b.generation;
+  ++progress;
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+  }
+}
+
+inline void cluster_wait() {
+  Barrier& b = clusters[current_block->cluster].bar;
+  if (!current->cluster_arrived) fail("cluster_wait without cluster_arrive");
+  current->cluster_arrived = false;
+  while (b.generation == current->cluster_phase) yield();
+}
+
+inline unsigned cluster_rank() { return static_cast<unsigned>(current_block->rank); }
+
+// The address at p's offset in the dynamic shared memory of block `rank` of this cluster.
+inline const void* cluster_map(const void* p, unsigned rank) {
+  const unsigned char* q = static_cast<const unsigned char*>(p);
+  const unsigned char* mine = current_block->smem.data();
+  if (q < mine || q >= mine + dynamic_smem_bytes) {
+    fail("cluster_map of an address outside dynamic shared memory");
+    return p;
+  }
+  if (rank >= static_cast<unsigned>(cluster_size)) {
+    fail("cluster_map to a rank outside the cluster");
+    return p;
+  }
+  return blocks[current_block->base + rank].smem.data() + (q - mine);
 }
 
 template <class T>
@@ -192,15 +329,21 @@ inline bool run_blocks(dim3 grid, int first, int nblocks, int n, dim3 blk) {
   while (stacks.size() < total) stacks.emplace_back(new Stack());
   blocks.assign(nblocks, BlockState{});
   fibers.assign(total, Fiber{});
+  clusters.assign((nblocks + cluster_size - 1) / cluster_size, ClusterState{});
+  for (auto& c : clusters) c.bar.expected = 0;
   for (int bi = 0; bi < nblocks; ++bi) {
     const int g = first + bi;
     BlockState& b = blocks[bi];
     b.idx = {static_cast<unsigned>(g) % grid.x, (static_cast<unsigned>(g) / grid.x) % grid.y,
              static_cast<unsigned>(g) / (grid.x * grid.y)};
     b.bar = Barrier{n, 0, 0};
+    b.smem.assign(dynamic_smem_bytes + 16, 0xA5);     // garbage, as fresh shared memory
+    b.cluster = bi / cluster_size;
+    b.rank = static_cast<int>(b.idx.x) % cluster_size;
+    b.base = bi - b.rank;
+    clusters[b.cluster].bar.expected += n;
     b.warps.assign(n / 32, Warp{});
     for (auto& w : b.warps) w.bar.expected = 32;
-    b.smem.assign(dynamic_smem_bytes + 16, 0xA5);   // garbage, as on the GPU
     for (int t = 0; t < n; ++t) {
       Fiber& f = fibers[static_cast<size_t>(bi) * n + t];
       f.block = &b;
@@ -257,7 +400,11 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 blk, size_t smem, A... args) {
   dynamic_smem_bytes = smem;
   body = [&] { kernel(args...); };
   const int nblocks = static_cast<int>(grid.x * grid.y * grid.z);
-  const int batch = concurrent ? nblocks : 1;
+  if (cluster_size < 1 || grid.x % cluster_size) {
+    fail("the grid is not a whole number of clusters along x");
+    return;
+  }
+  const int batch = concurrent ? nblocks : cluster_size;   // a cluster's blocks run together
   for (int first = 0; first < nblocks; first += batch) {
     if (!run_blocks(grid, first, batch < nblocks - first ? batch : nblocks - first, n, blk)) {
       fail("deadlock: every live thread waits at a barrier that cannot complete");
@@ -338,8 +485,21 @@ inline unsigned __reduce_min_sync(unsigned, unsigned v) {
   return r;
 }
 
+inline void __trap() { emu::fail("__trap()"); }
+// CUDA's global min/max overloads
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned __umulhi(unsigned a, unsigned b) {
+  return static_cast<unsigned>((static_cast<unsigned long long>(a) * b) >> 32);
+}
+
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -354,11 +514,4 @@ inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline int __ffsll(unsigned long long v) { return __builtin_ffsll(static_cast<long long>(v)); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-// CUDA's global min/max overloads (device code calls them unqualified)
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a < b ? b : a; }
-inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
-inline unsigned max(unsigned a, unsigned b) { return a < b ? b : a; }
-inline long long min(long long a, long long b) { return a < b ? a : b; }
-inline long long max(long long a, long long b) { return a < b ? b : a; }
 inline float __fmul_rn(float a, float b) { return a * b; }   // (host C++ does not contract)

@@ -1,0 +1,103 @@
+// Flash attention backward: launch arguments, tile shapes and the tile loader shared by the
+// backward kernels (cuda_src/attention/flash_bwd.cu; later a tensor-core variant).
+#pragma once
+#include "attention/attn_common.cuh"
+#include "common/vec.cuh"
+
+namespace gpuops {
+
+// Everything one backward launch needs, passed by value (graph-capturable: no device-side
+// argument buffer). Layout mirrored by FLASH_BWD_ARGS in gpuops/ops/attention_backward.py
+// ("12P43q10i2f"); strides in elements, logical [batch, head, seq, dim].
+struct FlashBwdArgs {
+  const void* q;          // [B, Hq, Sq, hd]
+  const void* k;          // [B, Hkv, Sk, hd]
+  const void* v;          // [B, Hkv, Sk, hd]
+  const void* o;          // the forward's output [B, Hq, Sq, hd]
+  const void* dout;       // gradient of o [B, Hq, Sq, hd]
+  const float* lse;       // the forward's lse [B, Hq, Sq] (natural log, -inf: row saw no key)
+  const void* mask;       // broadcast to [B, Hq, Sq, Sk]: bool (1 byte) or T (additive); or null
+  void* dq;               // outputs, storage type T
+  void* dk;
+  void* dv;
+  float* dq_acc;          // fp32 dq accumulator, zeroed by flash_bwd_prep (== dq when T is float)
+  float* stats;           // fp32 workspace [2][B * Hq * Sq]: D_i = rowsum(dO_i * O_i), lse2_i
+  // strides (b, h, s, d); ms: (b, h, i, j) with 0 where the mask broadcasts; lses: (b, h, s)
+  long long qs[4], ks[4], vs[4], os[4], dos[4], ms[4], dqs[4], dks[4], dvs[4], dqas[4];
+  long long lses[3];
+  int batch;              // B
+  int hq;                 // query heads
+  int group;              // query heads per key/value head (GQA); 1 = MHA
+  int sq, sk;             // query and key lengths
+  int hd;                 // head dim
+  int left, right;        // row i sees key j iff i - left <= j <= i + right; -1 = unbounded
+  int mask_kind;          // 0 none, 1 bool (keep where true), 2 additive (T)
+  int vec;                // bit 0: q, k, v, dout rows 16-byte aligned with unit d stride (16-byte
+                          // loads); bit 1: dq_acc rows 16-byte aligned with unit d stride
+  float scale;            // softmax scale
+  float scale_log2;       // softmax scale * log2(e)
+};
+
+static_assert(sizeof(FlashBwdArgs) == 12 * 8 + 43 * 8 + 10 * 4 + 2 * 4, "FlashBwdArgs layout");
+
+// Tile shape of the SIMT backward: BR query rows x BC key rows, head-dim width D (the head dim
+// on the fast path, a chunk width on the general path), NT threads, and the thread mappings
+// derived from them (tx = tid % 8, ty = tid / 8, TY = NT / 8 row groups):
+//   scores S, dP [BR x BC]:  rows ty + TY r (r < RM), columns tx + 8 c (c < CN)
+//   dK, dV       [BC x D]:   keys ty + TY c (c < KC), columns 4 tx + 32 k .. + 3 (k < DK)
+//   dQ           [BR x D]:   rows ty + TY r (r < RM), columns 4 tx + 32 k .. + 3 (k < DK)
+// Shared rows are padded by 4 floats so that the 8 lanes of a quarter warp read 8 different
+// rows (or 8 consecutive 16-byte words of one row) without bank conflicts.
+template <int D_, int BR_, int BC_, int NT_>
+struct BwdTile {
+  static constexpr int D = D_, BR = BR_, BC = BC_, NT = NT_;
+  static constexpr int TY = NT / 8;
+  static constexpr int RM = BR / TY, CN = BC / 8, KC = BC / TY, DK = D / 32;
+  static constexpr int kLd = D + 4;      // row stride of the Q, dO, K, V tiles (floats)
+  static constexpr int kLdt = BR + 4;    // row stride of the transposed P^T, dS^T tiles
+  static_assert(NT % 32 == 0 && BR % TY == 0 && BC % TY == 0 && BC % 8 == 0 && D % 32 == 0 &&
+                BR % 4 == 0, "tile shape");
+};
+
+// rows [r0, r0 + ROWS) x columns [c0, c0 + D) of a [rows_total, cols_total] operand (strides rs,
+// cs) -> shared [ROWS][D + 4] in fp32, zeros outside the operand, by NT threads. vec: 16-byte
+// loads (the host guarantees c0 = 0, cols_total = D, cs = 1 and 16-byte aligned rows).
+template <class T, int ROWS, int D, int NT>
+__device__ __forceinline__ void attn_load_tile(float* dst, const T* src, int r0, int rows_total,
+                                               long long rs, int c0, int cols_total,
+                                               long long cs, bool vec) {
+  constexpr int kLd = D + 4;
+  if (vec) {
+    constexpr int N = Vec16<T>::size, kPer = D / N;   // values per 16 bytes, packs per row
+    static_assert(D % N == 0, "packs per row");
+    for (int idx = threadIdx.x; idx < ROWS * kPer; idx += NT) {
+      const int r = idx / kPer, c = (idx - (idx / kPer) * kPer) * N;
+      const int gr = r0 + r;
+      float f[N];
+      if (gr < rows_total) {
+        Vec16<T>::unpack(load16(src + gr * rs + c), f);
+      } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) f[e] = 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < N; e += 4)
+        *reinterpret_cast<AttnF4*>(dst + r * kLd + c + e) =
+            AttnF4{f[e], f[e + 1], f[e + 2], f[e + 3]};
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < ROWS * D; idx += NT) {
+    const int r = idx / D, c = idx - (idx / D) * D;
+    const int gr = r0 + r, gc = c0 + c;
+    float val = 0.0f;
+    if (gr < rows_total && gc < cols_total) val = to_float(src[gr * rs + gc * cs]);
+    dst[r * kLd + c] = val;
+  }
+}
+
+__device__ __forceinline__ float attn_f4_get(const AttnF4& v, int e) {
+  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+}  // namespace gpuops

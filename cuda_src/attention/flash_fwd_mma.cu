@@ -1,0 +1,369 @@
+// Flash attention forward on tensor cores (variant 'mma': sm_80+, fp16/bf16 storage, fp32
+// accumulation): FlashAttention-2's forward with mma.sync.aligned.m16n8k16.
+//
+// A block of WARPS warps owns BR = 16 * MT * WARPS query rows of one (batch, head); warp w owns
+// rows 16 MT w .. 16 MT (w + 1) - 1 (MT m16 tiles). It walks the visible keys in tiles of BC rows:
+//   * Q [BR][D], K [BC][D], V [BC][D] in shared memory in the storage dtype, rows of 16-byte
+//     chunks XOR-swizzled (attn_swz) so every ldmatrix phase and every cp.async hits 8 distinct
+//     16-byte bank groups; loaded by cp.async (16 bytes per thread, no registers), rows past the
+//     sequence zero-filled. One buffer each, overlapped as in FlashAttention-2: the load of V_j
+//     runs during S = Q K_j^T and the softmax, the load of K_{j+1} during O += P V_j; two
+//     barriers per key tile.
+//   * QREG: the warp's Q fragments are loaded once (ldmatrix) and stay in registers; otherwise
+//     (big head dims or MT = 2, where registers go to the accumulators) they are re-read from
+//     shared memory at every key tile.
+//   * S = Q K^T: A = Q (ldmatrix), B = K rows (ldmatrix, non-transposed: a K row is a column of
+//     K^T with k contiguous), fp32 accumulators in registers: lane (g, t) holds rows g, g + 8 of
+//     each m16 tile and columns 2t, 2t + 1 of each n8 tile.
+//   * Online softmax in the log2 domain (attn_common.cuh): scores * scale * log2(e), visibility
+//     (window/causal, key tail) and attn_mask applied only on tiles that need them (edge tiles:
+//     the diagonal of a causal mask, a window's borders, the last key tile, every tile with a
+//     mask); row max and sum over the 4 lanes of a quad (2 shuffles); a row that has seen only
+//     -inf subtracts 0 (exp2(-inf) = 0, no NaN); NaN scores keep NaN (attn_max). On tiles
+//     without masking (and a positive scale) the row max is taken on the raw scores and the
+//     scale folded into the exponent: p = exp2(fma(s, scale_log2, -m)), one FFMA per score.
+//   * P = exp2(s - m) rounded to the storage dtype in registers is directly the A operand of
+//     O += P V (the m16n8 accumulator layout of two n8 tiles is the m16n8k16 A layout); V
+//     through ldmatrix.trans (V rows are k-major for P V). l sums the fp32 p (FlashAttention's
+//     convention): the output is off by at most the rounding of P (2^-8 relative for bf16,
+//     2^-11 for fp16), on top of the output's own rounding.
+//   * Key tiles no row of the block can see (causal, windows) are not visited; a warp whose rows
+//     cannot see any key of a visited tile skips its mma work there (still loads and syncs).
+//   * Epilogue: O / l rounded to T and staged through the warp's own Q rows in shared memory
+//     (swizzled), then written with 16-byte stores; lse = (m + log2 l) ln 2 when requested.
+//     Rows that see no key: 0 and lse -inf.
+//
+// The host (gpuops/ops/attention.py) takes this kernel for fp16/bf16 on sm_80+ when the head dim
+// has an instantiation and q, k, v and out rows are 16-byte aligned with unit d stride; otherwise
+// the SIMT kernel (flash_fwd.cu). Same argument struct (FlashFwdArgs); `vec` is always 1 here.
+#include "attention/attn_common.cuh"
+#include "common/mma.cuh"
+#include "common/vec.cuh"
+
+namespace gpuops {
+
+// Byte offset of 16-byte chunk c of row r in a [rows][D] tile of 16-bit values (D / 8 chunks per
+// row). ldmatrix reads, per phase, 8 consecutive rows at one logical chunk: XOR with r % 8 puts
+// them in 8 distinct 16-byte bank groups when a row is a multiple of 128 bytes; rows of 64 or 192
+// bytes (D = 32, 96) already alternate between the two halves of the 128-byte bank window, so
+// XOR with (r / 2) % 4 (which keeps c inside its group of 4 chunks) completes the 8.
+template <int D>
+__device__ __forceinline__ int attn_swz(int r, int c) {
+  constexpr int kCPR = D / 8;
+  static_assert(kCPR % 4 == 0, "head dim must be a multiple of 32");
+  const int x = kCPR % 8 == 0 ? (r & 7) : ((r >> 1) & 3);
+  return (r * kCPR + (c ^ x)) << 4;
+}
+
+// attn_swz(r, 2 kk + c0) from off0 = attn_swz(r, c0) (c0 = 0 or 1). With rows of a power of two
+// of bytes the XOR distributes over the k step: one LOP3 per k step instead of a table of
+// per-lane offsets kept in registers across the key loop. Adding 16 (or 8) rows adds
+// 16 (8) row lengths to any of these offsets (the XOR term depends on r % 8 only).
+template <int D>
+__device__ __forceinline__ int attn_swz_k(int off0, int r, int c0, int kk) {
+  constexpr int kRowBytes = D * 2;
+  if constexpr ((kRowBytes & (kRowBytes - 1)) == 0) {
+    return off0 ^ (kk << 5);
+  } else {
+    return attn_swz<D>(r, 2 * kk + c0);
+  }
+}
+
+// Rows r0 .. r0 + ROWS - 1 of a [rows_total][D] operand (row stride rs elements, unit d stride,
+// 16-byte aligned rows) -> the swizzled tile at shared address dst, by cp.async; rows past
+// rows_total are zero-filled (their scores are masked, their V rows meet p = 0).
+template <class T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void attn_tile_async(unsigned int dst, const T* src, int r0,
+                                                int rows_total, long long rs) {
+  constexpr int kCPR = D / 8, kChunks = ROWS * kCPR, kIters = (kChunks + THREADS - 1) / THREADS;
+  constexpr int kRowsPerIter = THREADS / kCPR;
+  if constexpr (THREADS % kCPR == 0 && kRowsPerIter % 8 == 0 && kChunks % THREADS == 0) {
+    // a thread keeps its chunk and swizzle; each step moves it kRowsPerIter rows down
+    const int r = static_cast<int>(threadIdx.x) / kCPR, c = static_cast<int>(threadIdx.x) % kCPR;
+    const unsigned int d0 = dst + attn_swz<D>(r, c);
+    const T* s0 = src + (r0 + r) * rs + c * 8;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const bool in = r0 + r + it * kRowsPerIter < rows_total;
+      cp_async16(d0 + it * kRowsPerIter * D * 2, in ? s0 + it * kRowsPerIter * rs : src,
+                 in ? 16 : 0);
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = static_cast<int>(threadIdx.x) + it * THREADS;
+      if (kChunks % THREADS != 0 && idx >= kChunks) break;
+      const int r = idx / kCPR, c = idx - (idx / kCPR) * kCPR;
+      const int gr = r0 + r;
+      const bool in = gr < rows_total;
+      cp_async16(dst + attn_swz<D>(r, c), in ? src + gr * rs + c * 8 : src, in ? 16 : 0);
+    }
+  }
+}
+
+template <class T, int D, int WARPS, int MT, int BC, bool QREG, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwdArgs a) {
+  constexpr int kThreads = WARPS * 32, BR = 16 * MT * WARPS;
+  constexpr int KD = D / 16;    // mma k steps of Q K^T
+  constexpr int NO = D / 8;     // n8 tiles of O
+  constexpr int NS = BC / 8;    // n8 tiles of S
+  constexpr int KP = BC / 16;   // mma k steps of P V
+  static_assert(sizeof(T) == 2 && D % 32 == 0 && BC % 16 == 0, "tile shape");
+  extern __shared__ AttnF4 flash_mma_smem[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(flash_mma_smem);
+  const unsigned int q_s = smem_addr(smem);          // [BR][D]; the output staging at the end
+  const unsigned int k_s = q_s + BR * D * 2;         // [BC][D]
+  const unsigned int v_s = k_s + BC * D * 2;         // [BC][D]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int bh = blockIdx.x;
+  const int b = bh / a.hq, h = bh - b * a.hq, hk = h / a.group;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;  // the longest causal rows start first
+  const int wr0 = warp * 16 * MT;                      // the warp's first row in the tile
+  const int wq0 = q0 + wr0, wq1 = wq0 + 16 * MT - 1;   // its first and last query
+
+  const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
+  const T* k = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
+  const T* v = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
+  const long long mbase = b * a.ms[0] + h * a.ms[1];
+
+  // keys any row of this block may see
+  const int qlast = attn_imin(q0 + BR, a.sq) - 1;
+  int jlo = 0, jhi = a.sk;
+  if (a.left >= 0) jlo = attn_imax(0, q0 - a.left);
+  if (a.right >= 0) jhi = attn_imin(a.sk, qlast + a.right + 1);
+  const int ntiles = jhi > jlo ? (jhi - jlo + BC - 1) / BC : 0;
+
+  float o[MT][NO][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = attn_neg_inf();
+    l[mt][0] = l[mt][1] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+  }
+  unsigned int qf[QREG ? MT : 1][QREG ? KD : 1][4];
+
+  if (ntiles > 0) {
+    attn_tile_async<T, BR, D, kThreads>(q_s, q, q0, a.sq, a.qs[2]);
+    attn_tile_async<T, BC, D, kThreads>(k_s, k, jlo, a.sk, a.ks[2]);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int k0 = jlo + it * BC;
+    cp_async_wait<0>();
+    __syncthreads();   // K (and Q) landed; every warp is done with the previous V
+    attn_tile_async<T, BC, D, kThreads>(v_s, v, k0, a.sk, a.vs[2]);
+    cp_async_commit();
+
+    // A fragment rows of m16 tile mt, k step kk: matrix i = lane / 8 is rows +8 (i & 1), k +8 (i >> 1)
+    const int a_row = wr0 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
+    const int a_off = attn_swz<D>(a_row, a_chunk);
+    if (QREG && it == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+          ldmatrix_x4(qf[QREG ? mt : 0][QREG ? kk : 0],
+                      q_s + mt * 16 * D * 2 + attn_swz_k<D>(a_off, a_row, a_chunk, kk));
+    }
+
+    // Can any row of this warp see a key of this tile? (Conservative: skips only when none can.)
+    const bool active = wq0 < a.sq && (a.right < 0 || k0 <= wq1 + a.right) &&
+                        (a.left < 0 || k0 + BC - 1 >= wq0 - a.left);
+    unsigned int pf[MT][KP][4];   // P as m16n8k16 A fragments
+    if (active) {
+      float s[MT][NS][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+
+      // S = Q K^T. B fragments of n8 tiles 2np, 2np + 1: matrix i is keys +8 (i >> 1), k +8 (i & 1)
+      const int b_row = (lane & 7) + (lane >> 4) * 8, b_chunk = (lane >> 3) & 1;
+      const int b_off = attn_swz<D>(b_row, b_chunk);
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        unsigned int af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (QREG) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) af[mt][e] = qf[QREG ? mt : 0][QREG ? kk : 0][e];
+          } else {
+            ldmatrix_x4(af[mt],
+                        q_s + mt * 16 * D * 2 + attn_swz_k<D>(a_off, a_row, a_chunk, kk));
+          }
+        }
+        const unsigned int k_kk = k_s + attn_swz_k<D>(b_off, b_row, b_chunk, kk);
+#pragma unroll
+        for (int np = 0; np < NS / 2; ++np) {
+          unsigned int bf[4];
+          ldmatrix_x4(bf, k_kk + np * 16 * D * 2);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(s[mt][2 * np], af[mt], bf[0], bf[1]);
+            Mma<T>::run(s[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+          }
+        }
+      }
+
+      // Visibility and mask only where some score of the warp's rows may be hidden.
+      const bool edge = a.mask_kind != 0 || k0 + BC > a.sk ||
+                        (a.right >= 0 && k0 + BC - 1 > wq0 + a.right) ||
+                        (a.left >= 0 && k0 < wq1 - a.left);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {   // rows g and g + 8 of the m16 tile
+          const int i = wq0 + mt * 16 + g + 8 * hr;
+          float tmax = attn_neg_inf();
+          float cs = 1.0f;   // factor of s in the exponent (s already scaled: 1)
+          if (edge) {
+            // key k0 + 2t + c (c = 8n + e, a constant) is visible iff lo <= c <= hi
+            int lo = -2 * t, hi = a.sk - 1 - k0 - 2 * t;
+            if (a.left >= 0) lo = attn_imax(lo, i - a.left - k0 - 2 * t);
+            if (a.right >= 0) hi = attn_imin(hi, i + a.right - k0 - 2 * t);
+            if (i >= a.sq) hi = -1 - BC;
+            // attn_mask: walked by pointer from column k0 + 2t (8 columns per n8 tile)
+            const long long ms3 = a.ms[3];
+            const long long mrow = mbase + i * a.ms[2] + (k0 + 2 * t) * ms3;
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int c = 8 * n + e;
+                bool keep = c >= lo && c <= hi;
+                float x = s[mt][n][2 * hr + e] * a.scale_log2;
+                if (keep && a.mask_kind != 0) {
+                  const long long mo = mrow + (8 * n + e) * ms3;
+                  if (a.mask_kind == 1)
+                    keep = static_cast<const unsigned char*>(a.mask)[mo] != 0;
+                  else
+                    x = fmaf(to_float(static_cast<const T*>(a.mask)[mo]), kAttnLog2e, x);
+                }
+                x = keep ? x : attn_neg_inf();
+                s[mt][n][2 * hr + e] = x;
+                tmax = attn_max(tmax, x);
+              }
+            }
+          } else if (a.scale_log2 > 0.0f) {
+            // max of the raw scores (the positive scale commutes with max); the scale is folded
+            // into the exponent below: p = exp2(s * scale_log2 - m), one FFMA per score
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) tmax = attn_max(tmax, s[mt][n][2 * hr + e]);
+            tmax *= a.scale_log2;
+            cs = a.scale_log2;
+          } else {
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float x = s[mt][n][2 * hr + e] * a.scale_log2;
+                s[mt][n][2 * hr + e] = x;
+                tmax = attn_max(tmax, x);
+              }
+            }
+          }
+          tmax = attn_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+          tmax = attn_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+          const float mnew = attn_max(m[mt][hr], tmax);
+          const float base = mnew == attn_neg_inf() ? 0.0f : mnew;
+          const float alpha = attn_exp2(m[mt][hr] - base);
+          m[mt][hr] = mnew;
+          float psum = 0.0f;
+#pragma unroll
+          for (int n = 0; n < NS; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float p = attn_exp2(fmaf(s[mt][n][2 * hr + e], cs, -base));
+              s[mt][n][2 * hr + e] = p;
+              psum += p;
+            }
+          }
+          l[mt][hr] = fmaf(l[mt][hr], alpha, psum);   // the quad's partial sums meet at the end
+#pragma unroll
+          for (int n = 0; n < NO; ++n) {
+            o[mt][n][2 * hr] *= alpha;
+            o[mt][n][2 * hr + 1] *= alpha;
+          }
+        }
+#pragma unroll
+        for (int kp = 0; kp < KP; ++kp) {
+          pf[mt][kp][0] = pack_b16x2<T>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+          pf[mt][kp][1] = pack_b16x2<T>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+          pf[mt][kp][2] = pack_b16x2<T>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+          pf[mt][kp][3] = pack_b16x2<T>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+        }
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();   // V landed; every warp is done with K
+    if (it + 1 < ntiles) {
+      attn_tile_async<T, BC, D, kThreads>(k_s, k, k0 + BC, a.sk, a.ks[2]);
+      cp_async_commit();
+    }
+
+    if (active) {
+      // O += P V. B fragments of n8 tiles 2dp, 2dp + 1 (.trans): matrix i is keys +8 (i & 1),
+      // dims +8 (i >> 1)
+      const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_chunk = lane >> 4;
+      const int v_off = attn_swz<D>(v_row, v_chunk);
+#pragma unroll
+      for (int kp = 0; kp < KP; ++kp) {
+#pragma unroll
+        for (int dp = 0; dp < NO / 2; ++dp) {
+          unsigned int bf[4];
+          ldmatrix_x4_trans(bf, v_s + kp * 16 * D * 2 + attn_swz_k<D>(v_off, v_row, v_chunk, dp));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(o[mt][2 * dp], pf[mt][kp], bf[0], bf[1]);
+            Mma<T>::run(o[mt][2 * dp + 1], pf[mt][kp], bf[2], bf[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // O / l -> T, staged in the warp's own Q rows (its reads of them ended before the last
+  // barrier); lse = (m + log2 l) ln 2. Rows that saw no key: l = 0 -> 0 and -inf.
+  T* out = static_cast<T*>(a.o) + b * a.os[0] + h * a.os[1];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float lt = l[mt][hr];
+      lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+      lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+      const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
+      const int rr = wr0 + mt * 16 + g + 8 * hr;
+#pragma unroll
+      for (int n = 0; n < NO; ++n)
+        *reinterpret_cast<unsigned int*>(smem + attn_swz<D>(rr, n) + 4 * t) =
+            pack_b16x2<T>(o[mt][n][2 * hr] * inv, o[mt][n][2 * hr + 1] * inv);
+      const int i = q0 + rr;
+      if (a.lse != nullptr && t == 0 && i < a.sq) {
+        const float mm = m[mt][hr];
+        a.lse[static_cast<long long>(bh) * a.sq + i] =
+            mm == attn_neg_inf() ? attn_neg_inf() : (mm + log2f(lt)) * kAttnLn2;
+      }
+    }
+  }
+  __syncwarp();
+  constexpr int kCPR = D / 8;
+#pragma unroll
+  for (int idx = lane; idx < 16 * MT * kCPR; idx += 32) {
+    const int rr = idx / kCPR, c = idx - (idx / kCPR) * kCPR;
+    const int i = wq0 + rr;
+    if (i < a.sq)
+      store16(out + i * a.os[2] + c * 8,
+              *reinterpret_cast<const uint4*>(smem + attn_swz<D>(wr0 + rr, c)));
+  }
+}
+
+}  // namespace gpuops

@@ -1,0 +1,222 @@
+// Hopper (sm_90a) building blocks, as thin inline-PTX wrappers: TMA tensor loads, mbarriers,
+// warpgroup MMA (wgmma.mma_async) with shared-memory matrix descriptors, setmaxnreg. Only
+// modules declared for archs ("90a",) include this file.
+//
+// Facts this file relies on (PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Instructions",
+// "Tensor Copy", "mbarrier"):
+//  * wgmma.mma_async.m64nNk16 (f16/bf16 in, f32 accumulate): a warpgroup (4 warps) multiplies a
+//    64x16 tile of A by a 16xN tile of B, both read from shared memory through 64-bit matrix
+//    descriptors. Accumulator fragment (N/2 fp32 per thread), warp w of the warpgroup, g = lane/4,
+//    t = lane%4: d[4j + 0, 1] = D[16w + g][8j + 2t, +1], d[4j + 2, 3] = D[16w + g + 8][8j + 2t, +1].
+//  * imm-trans-a / imm-trans-b = 0: the operand is K-major in shared memory (K contiguous);
+//    1: M-/N-major (allowed for f16/bf16 only).
+//  * Matrix descriptor: bits 0-13 start address >> 4, 16-29 leading byte offset (LBO) >> 4,
+//    32-45 stride byte offset (SBO) >> 4, 49-51 base offset (0: swizzle pattern starts on a
+//    1024-byte boundary), 62-63 swizzle mode (1 = 128-byte swizzle).
+//  * 128-byte swizzle: rows of 128 bytes, 8-row atoms of 1024 bytes; within an atom the 16-byte
+//    chunk c of row r sits at chunk position c ^ r (address bits 4-6 ^= bits 7-9). TMA with
+//    CU_TENSOR_MAP_SWIZZLE_128B writes a box whose inner extent is 128 bytes in exactly this
+//    layout (row r of the box at r * 128 bytes, the swizzle taken from the shared address, so
+//    destinations are 1024-byte aligned).
+//    K-major canonical layout (in 16-byte units T = 8 elements): ((8, m), (T, 2k)) :
+//      ((8T, SBO), (1, T)) -> rows of 128 bytes, SBO = 1024 (next 8 rows), LBO unused (1); the
+//      k16 steps inside a 64-element row are start-address offsets of 32 bytes.
+//    MN-major canonical layout: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO)) -> 64 contiguous
+//      M/N elements per 128-byte row (one row per k), SBO = 1024 (next 8 k rows), LBO = offset of
+//      the next 64 M/N elements (the next TMA box: 64 x 64 elements = 8192 bytes).
+//  * mbarrier phases: try_wait.parity(P) succeeds once the phase with parity P has completed; a
+//    fresh barrier is in phase 0, so waiting for parity 1 passes at once ("previous phase done").
+#pragma once
+#include "common/dtypes.cuh"
+
+namespace gpuops {
+namespace gemm {
+
+// A CUtensorMap (cuda.h), opaque: encoded on the host (gpuops/runtime/tma.py) and passed as a
+// __grid_constant__ kernel parameter, whose generic address TMA instructions take.
+struct __align__(64) TmaDesc {
+  unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ unsigned int smem_u32(const void* p) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+
+// ------------------------------------------------------------------------------------ mbarrier
+
+__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+// Makes the initialized barriers visible to the async proxy (TMA) and the other threads (with
+// the __syncthreads that follows).
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The producer's arrival: one arrive, and `bytes` more expected from TMA before the phase ends.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned int bar, unsigned int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(unsigned int bar, unsigned int parity) {
+  unsigned int done;
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+
+// Blocks until the phase of parity `parity` has completed (try_wait suspends in hardware for a
+// while before it returns false, so this loop does not hammer the barrier).
+__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// ------------------------------------------------------------------------------------ TMA
+
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {
+  asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(desc))
+               : "memory");
+}
+
+// One box of a 2-D / 5-D tensor map into shared memory at `dst`, completing its bytes on the
+// mbarrier `bar`. Coordinates are element indices, innermost first; elements outside the tensor
+// are written as zeros (and still count towards the bytes).
+__device__ __forceinline__ void tma_load_2d(unsigned int dst, const TmaDesc* desc, unsigned int bar,
+                                            int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* desc, unsigned int bar,
+                                            int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2),
+         "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
+// ------------------------------------------------------------------------------------ registers
+
+// Warpgroup-wide register reallocation (every warp of the warpgroup executes it): the producer
+// gives registers back, the consumers take them.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N));
+}
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
+}
+
+// ------------------------------------------------------------------------------------ wgmma
+
+// 128-byte-swizzled shared-memory matrix descriptor (see the top of this file); lbo/sbo in bytes.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned int saddr, unsigned int lbo,
+                                                         unsigned int sbo) {
+  return static_cast<unsigned long long>((saddr & 0x3FFFFu) >> 4) |
+         (static_cast<unsigned long long>((lbo & 0x3FFFFu) >> 4) << 16) |
+         (static_cast<unsigned long long>((sbo & 0x3FFFFu) >> 4) << 32) |
+         (1ull << 62);
+}
+
+// Orders this warpgroup's earlier register writes (the accumulators) before wgmma reads them.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// Waits until at most N committed groups of this warpgroup are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+
+// Pins a register at this point of the program: the compiler may not move reads or writes of
+// the accumulators across it (they are written asynchronously by wgmma between issue and wait).
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) reg_fence(r[i]);
+}
+
+#define GPUOPS_WGMMA_ACC8(i)                                                         \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),       \
+      "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+#define GPUOPS_WGMMA_M64N256K16(TYPES)                                                       \
+  asm volatile(                                                                              \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                       \
+      " wgmma.mma_async.sync.aligned.m64n256k16.f32" TYPES " {"                              \
+      "%0, %1, %2, %3, %4, %5, %6, %7,"                                                      \
+      "%8, %9, %10, %11, %12, %13, %14, %15,"                                                \
+      "%16, %17, %18, %19, %20, %21, %22, %23,"                                              \
+      "%24, %25, %26, %27, %28, %29, %30, %31,"                                              \
+      "%32, %33, %34, %35, %36, %37, %38, %39,"                                              \
+      "%40, %41, %42, %43, %44, %45, %46, %47,"                                              \
+      "%48, %49, %50, %51, %52, %53, %54, %55,"                                              \
+      "%56, %57, %58, %59, %60, %61, %62, %63,"                                              \
+      "%64, %65, %66, %67, %68, %69, %70, %71,"                                              \
+      "%72, %73, %74, %75, %76, %77, %78, %79,"                                              \
+      "%80, %81, %82, %83, %84, %85, %86, %87,"                                              \
+      "%88, %89, %90, %91, %92, %93, %94, %95,"                                              \
+      "%96, %97, %98, %99, %100, %101, %102, %103,"                                          \
+      "%104, %105, %106, %107, %108, %109, %110, %111,"                                      \
+      "%112, %113, %114, %115, %116, %117, %118, %119,"                                      \
+      "%120, %121, %122, %123, %124, %125, %126, %127"                                       \
+      "}, %128, %129, p, 1, 1, %131, %132;\n}"                                               \
+      : GPUOPS_WGMMA_ACC8(0), GPUOPS_WGMMA_ACC8(8), GPUOPS_WGMMA_ACC8(16),                   \
+        GPUOPS_WGMMA_ACC8(24), GPUOPS_WGMMA_ACC8(32), GPUOPS_WGMMA_ACC8(40),                 \
+        GPUOPS_WGMMA_ACC8(48), GPUOPS_WGMMA_ACC8(56), GPUOPS_WGMMA_ACC8(64),                 \
+        GPUOPS_WGMMA_ACC8(72), GPUOPS_WGMMA_ACC8(80), GPUOPS_WGMMA_ACC8(88),                 \
+        GPUOPS_WGMMA_ACC8(96), GPUOPS_WGMMA_ACC8(104), GPUOPS_WGMMA_ACC8(112),               \
+        GPUOPS_WGMMA_ACC8(120)                                                               \
+      : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TA), "n"(TB))
+
+// D[64 x 256] += A[64 x 16] * B[16 x 256], fp32 accumulators d[128] (layout above), both operands
+// from shared memory. TA / TB: A is M-major / B is N-major (else K-major).
+template <int TA, int TB>
+struct WgmmaM64N256K16 {
+  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[128],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b) {
+    GPUOPS_WGMMA_M64N256K16(".bf16.bf16");
+  }
+  __device__ __forceinline__ static void run(float16_t, float (&d)[128],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b) {
+    GPUOPS_WGMMA_M64N256K16(".f16.f16");
+  }
+};
+
+template <class T, int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long desc_a,
+                                                 unsigned long long desc_b) {
+  WgmmaM64N256K16<TA, TB>::run(T{}, d, desc_a, desc_b);
+}
+
+#undef GPUOPS_WGMMA_M64N256K16
+#undef GPUOPS_WGMMA_ACC8
+
+}  // namespace gemm
+}  // namespace gpuops

@@ -1,0 +1,715 @@
+"""scaled_dot_product_attention_backward and the autograd op gpuops.torch.scaled_dot_product_attention
+against float64 references.
+
+CPU: the NumPy reference backward against torch autograd through torch's math SDPA in float64
+(dense, causal with Sq == Sk and Sq != Sk, windows, GQA 1/2/8, bool and additive masks with rows
+that see no key, scale, 'bshd', lengths 1, 17, 128); argument errors naming the argument; the CPU
+fallback for NumPy and CPU torch inputs; gpuops.torch's autograd in float64 against torch's and
+through torch.compile(fullgraph=True); the kernels (every instantiation: head dims 32/64/96/128 at
+both tile sizes, the general path with chunks of 64 and of 32) run by the CPU emulator of
+tests/emu.py on small shapes, strided / unaligned inputs, empty sequences and NaN. GPU (``gpu``
+marker): every dtype against the reference at lengths up to 4097 with poisoned outputs, autograd
+against float64 and against torch's own SDPA backward, torch.compile, a CUDA graph.
+
+Tolerance of the kernels (derived, not tuned; the reference runs on the same rounded inputs,
+output and lse). With u = 2^-24 (fp32 math), c = 2 sqrt(D) + 4 (dot products over the head dim):
+each probability P = exp(x - lse) carries a relative error
+e_P = c u (|q||k|^T) scale + 4 u (|x| + |lse|) + 2^-21 (MUFU ex2); dP = dO V^T and D = rowsum(dO O)
+are off by c u (|dO||V|^T) and c u (|dO|.|O|); so dS = P (dP - D) is off by
+e_dS = e_P |P| |dP - D| + |P| c u (|dO||V|^T + |dO|.|O|) + 2 u |dS|. The sums over query rows
+(dV, dK: n = group x Sq terms) and key rows (dQ: n = Sk) add 3 sqrt(n + 1) u of the sums of
+absolute values: |dV - ref| <= (e_P |P|)^T |dO| + 3 sqrt(n+1) u |P|^T |dO|,
+|dK - ref| <= scale (e_dS^T |Q| + 3 sqrt(n+1) u |dS|^T |Q|), |dQ - ref| likewise with K; plus
+2 u_out |ref| for the rounding to the output dtype and a tiny absolute term.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gpuops as go
+from gpuops import dtypes as dt
+from gpuops.ops import attention as at
+from gpuops.ops import attention_backward as ab
+from conftest import HAS_TORCH, HAS_TORCH_CUDA
+
+torch = pytest.importorskip("torch") if HAS_TORCH else None
+import emu  # noqa: E402
+
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
+
+DTYPES = ["float32", "float16", "bfloat16"]
+U_OUT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float64": 2.0**-53}
+TINY = {"float32": 1e-30, "float16": 2.0**-24, "bfloat16": 1e-30, "float64": 1e-300}
+U32 = 2.0**-24
+ref_fwd = at.ref_scaled_dot_product_attention
+ref_bwd = ab.ref_scaled_dot_product_attention_backward
+
+
+def _np_dtype(name):
+    return dt.to_numpy(dt.BY_NAME[name])
+
+
+def _rand(rng, shape, dtype, scale=1.0):
+    """Random values rounded to the storage dtype, as that dtype's NumPy array."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(_np_dtype(dtype))
+
+
+def _bhsd(x, layout):
+    x = np.asarray(x, np.float64)
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _mask64(mask):
+    if mask is None:
+        return None
+    m = np.asarray(mask)
+    return m if m.dtype == bool else m.astype(np.float64)
+
+
+def forward_for(q, k, v, mask, *, dtype, **kw):
+    """The forward's (output rounded to the storage dtype, float32 lse), as the GPU forward
+    hands them to the backward, from the float64 reference."""
+    out, lse = ref_fwd(*(np.asarray(x, np.float64) for x in (q, k, v)), _mask64(mask),
+                       return_lse=True, **kw)
+    return out.astype(np.float32).astype(_np_dtype(dtype)), lse.astype(np.float32)
+
+
+def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_gqa=False, **kw):
+    """(reference dq, dk, dv, and elementwise bounds on |kernel - reference| for each); see the
+    module docstring. NaN inputs count as 0 in the bounds (NaN outputs are checked as NaN)."""
+    g64, q64, k64, v64, o64 = (np.asarray(x, np.float64) for x in (g, q, k, v, out))
+    L64 = np.asarray(lse, np.float64)
+    m64 = _mask64(mask)
+    args = dict(enable_gqa=enable_gqa, layout=layout, **kw)
+    refs = ref_bwd(g64, q64, k64, v64, o64, L64, m64, **args)
+    G, Q, K, V, O = (np.nan_to_num(_bhsd(x, layout)) for x in (g64, q64, k64, v64, o64))
+    L = np.nan_to_num(L64, nan=0.0, neginf=-np.inf)
+    p = ab.check_args(g64.shape, q64.shape, k64.shape, v64.shape, o64.shape, L64.shape,
+                      None if m64 is None else m64.shape, kw.get("is_causal", False),
+                      kw.get("scale"), enable_gqa, kw.get("window_size"), layout, "auto")
+    B, Hq, Sq, D = Q.shape
+    c = 2 * math.sqrt(D) + 4
+    cq = 3 * math.sqrt(p.group * Sq + 1)
+    ck = 3 * math.sqrt(p.Sk + 1)
+    sc = abs(p.scale)
+    ok = at.visible(p.Sq, p.Sk, p.left, p.right)
+    mask = None if m64 is None else np.broadcast_to(m64, (B, Hq, p.Sq, p.Sk))
+    bq, bk, bv = np.zeros(Q.shape), np.zeros(K.shape), np.zeros(V.shape)
+    with np.errstate(all="ignore"):
+        for b in range(B):
+            for h in range(Hq):
+                hk = h // p.group
+                x = (Q[b, h] @ K[b, hk].T) * p.scale
+                a = (np.abs(Q[b, h]) @ np.abs(K[b, hk]).T) * sc
+                keep = ok
+                if mask is not None:
+                    if mask.dtype == bool:
+                        keep = ok & mask[b, h]
+                    else:
+                        x = x + mask[b, h]
+                lrow = L[b, h][:, None]
+                live = keep & ~np.isneginf(lrow) & ~np.isneginf(x)   # P = 0 exactly elsewhere
+                prob = np.where(live, np.exp(x - lrow), 0.0)
+                e_p = np.where(live, c * U32 * a + 4 * U32 * (np.abs(x) + np.abs(lrow)) + 2.0**-21,
+                               0.0)
+                dp = G[b, h] @ V[b, hk].T
+                adp = np.abs(G[b, h]) @ np.abs(V[b, hk]).T
+                d_row = np.sum(G[b, h] * O[b, h], axis=1, keepdims=True)
+                ad_row = np.sum(np.abs(G[b, h] * O[b, h]), axis=1, keepdims=True)
+                ds = np.where(live, prob * (dp - d_row), 0.0)
+                e_ds = np.where(live, e_p * prob * np.abs(dp - d_row)
+                                + prob * c * U32 * (adp + ad_row) + 2 * U32 * np.abs(ds), 0.0)
+                ag = np.abs(G[b, h])
+                bv[b, hk] += (e_p * prob).T @ ag + cq * U32 * (prob.T @ ag)
+                bk[b, hk] += sc * (e_ds.T @ np.abs(Q[b, h]) + cq * U32 * (np.abs(ds).T @ np.abs(Q[b, h])))
+                bq[b, h] = sc * (e_ds @ np.abs(K[b, hk]) + ck * U32 * (np.abs(ds) @ np.abs(K[b, hk])))
+    bounds = []
+    for r, bd in zip(refs, (bq, bk, bv)):
+        bd = bd if layout == "bhsd" else bd.transpose(0, 2, 1, 3)
+        with np.errstate(invalid="ignore"):
+            bounds.append(bd + 2 * U_OUT[dtype] * np.abs(r) + TINY[dtype])
+    return refs, bounds
+
+
+def check(got, exp, bound, what=""):
+    got = np.asarray(got, np.float64)
+    assert got.shape == exp.shape, f"{what}: shape {got.shape} != {exp.shape}"
+    nan_g, nan_e = np.isnan(got), np.isnan(exp)
+    assert np.array_equal(nan_g, nan_e), (
+        f"{what}: NaN mismatch at {np.argwhere(nan_g != nan_e)[:5].tolist()}")
+    ok = ~nan_e
+    b = np.broadcast_to(bound, exp.shape)[ok]
+    err = np.abs(got[ok] - exp[ok])
+    if err.size and not np.all(err <= b):
+        i = int(np.argmax(err - b))
+        raise AssertionError(f"{what}: {int(np.sum(err > b))} of {err.size} off; worst got="
+                             f"{got[ok][i]!r} ref={exp[ok][i]!r} err={err[i]:.3g} > {b[i]:.3g}")
+
+
+def _make_mask(rng, kind, B, Hq, Sq, Sk, dtype="float32"):
+    if kind == "bool":
+        mask = rng.random((Sq, Sk)) > 0.3
+        mask[Sq // 2] = False                                   # a row that sees no key
+        return mask
+    if kind == "float":
+        mask = _rand(rng, (B, 1, Sq, Sk), dtype, 2.0)
+        mask[..., 0, :] = -np.inf                               # fully masked by -inf
+        mask[..., 1:, 1] = -np.inf                              # a key masked for most rows
+        return mask
+    return None
+
+
+# ----------------------------------------------------------------------------- CPU: reference
+
+def _torch_grads(q, k, v, g, mask=None, is_causal=False, scale=None, enable_gqa=False,
+                 window=None, layout="bhsd"):
+    """torch autograd through its math SDPA in float64 (window_size as an explicit bool mask)."""
+    t = [torch.from_numpy(_bhsd(x, layout).copy()).requires_grad_() for x in (q, k, v)]
+    tm = None if mask is None else torch.from_numpy(np.asarray(mask).copy())
+    if tm is not None and tm.dtype != torch.bool:
+        tm = tm.double()
+    Sq, Sk = t[0].shape[2], t[1].shape[2]
+    if window is not None:
+        left, right = window
+        i, j = torch.arange(Sq)[:, None], torch.arange(Sk)[None, :]
+        w = torch.ones(Sq, Sk, dtype=torch.bool)
+        if left >= 0:
+            w &= j >= i - left
+        if right >= 0:
+            w &= j <= i + right
+        tm = w if tm is None else (tm & w if tm.dtype == torch.bool
+                                   else tm.masked_fill(~w, -math.inf))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *t, attn_mask=tm, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    grads = torch.autograd.grad(out, t, torch.from_numpy(_bhsd(g, layout).copy()))
+    return [x.numpy() if layout == "bhsd" else x.numpy().transpose(0, 2, 1, 3) for x in grads]
+
+
+REF_CASES = [
+    # (B, Hq, Hkv, Sq, Sk, D, options)
+    (2, 2, 2, 1, 1, 8, {}),
+    (1, 2, 2, 17, 17, 16, {"is_causal": True}),
+    (1, 4, 2, 17, 33, 16, {"is_causal": True}),            # Sq < Sk: top-left causal, as torch
+    (1, 4, 2, 33, 17, 16, {"is_causal": True}),            # Sq > Sk: rows past Sk see all keys
+    (2, 8, 1, 128, 128, 32, {"scale": 0.3}),                 # GQA 8
+    (1, 4, 2, 128, 128, 16, {"window": (8, 3)}),
+    (1, 2, 2, 128, 96, 16, {"window": (4, -1), "is_causal": True}),
+    (1, 2, 1, 128, 128, 16, {"window": (-1, 5), "mask": "bool"}),
+    (1, 2, 2, 17, 40, 24, {"mask": "bool"}),
+    (2, 2, 2, 17, 40, 24, {"mask": "float", "is_causal": True}),
+    (1, 2, 2, 1, 17, 16, {"mask": "float"}),
+]
+
+
+@needs_torch
+@pytest.mark.parametrize("case", REF_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_reference_matches_torch_autograd(case, layout, rng):
+    B, Hq, Hkv, Sq, Sk, D, opt = case
+    opt = dict(opt)
+    q, k, v = (rng.standard_normal(s) for s in ((B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D)))
+    g = rng.standard_normal((B, Hq, Sq, D))
+    if layout == "bshd":
+        q, k, v, g = (x.transpose(0, 2, 1, 3).copy() for x in (q, k, v, g))
+    kind = opt.pop("mask", None)
+    mask = _make_mask(rng, kind, B, Hq, Sq, Sk)
+    if kind is not None:
+        mask = np.asarray(mask, bool if kind == "bool" else np.float64)
+    window = opt.pop("window", None)
+    kw = dict(enable_gqa=Hq != Hkv, window_size=window, layout=layout, **opt)
+    out, lse = ref_fwd(q, k, v, mask, return_lse=True, **kw)
+    got = ref_bwd(g, q, k, v, out, lse, mask, **kw)
+    exp = _torch_grads(q, k, v, g, mask, enable_gqa=Hq != Hkv, window=window, layout=layout,
+                       **opt)
+    for name, a, e in zip(("dq", "dk", "dv"), got, exp):
+        assert a.shape == e.shape, name
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@needs_torch
+def test_reference_rows_that_see_no_key_have_no_gradient(rng):
+    q, k, v, g = (rng.standard_normal((1, 2, 6, 8)) for _ in range(4))
+    mask = np.ones((6, 6), bool)
+    mask[4] = False
+    out, lse = ref_fwd(q, k, v, mask, return_lse=True)
+    dq, dk, dv = ref_bwd(g, q, k, v, out, lse, mask)
+    assert np.all(dq[:, :, 4] == 0)
+    exp = _torch_grads(q, k, v, g, mask)                    # torch >= 2.5: 0 there too
+    for a, e in zip((dq, dk, dv), exp):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+    # a row's gradient does not depend on its dO where it saw no key
+    g2 = g.copy()
+    g2[:, :, 4] = 1e6
+    for a, e in zip(ref_bwd(g2, q, k, v, out, lse, mask), (dq, dk, dv)):
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12)
+    # Sk = 0: dq = 0, dk and dv empty
+    out0, lse0 = ref_fwd(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    dq0, dk0, dv0 = ref_bwd(g, q, k[:, :, :0], v[:, :, :0], out0, lse0)
+    assert np.all(dq0 == 0) and dk0.shape == (1, 2, 0, 8) and dv0.shape == (1, 2, 0, 8)
+
+
+def test_argument_errors():
+    q = np.zeros((1, 4, 5, 8), np.float32)
+    kv = np.zeros((1, 2, 6, 8), np.float32)
+    lse = np.zeros((1, 4, 5), np.float32)
+    f = go.scaled_dot_product_attention_backward
+    op = "gpuops.scaled_dot_product_attention_backward"
+    with pytest.raises(ValueError, match=f"{op}: 'grad_out' has shape \\(1, 4, 5, 4\\)"):
+        f(q[..., :4], q, kv, kv, q, lse, enable_gqa=True)
+    with pytest.raises(ValueError, match="'output' has shape"):
+        f(q, q, kv, kv, q[:, :, :4], lse, enable_gqa=True)
+    with pytest.raises(ValueError, match="'lse' has shape \\(1, 4, 4\\); expected"):
+        f(q, q, kv, kv, q, lse[:, :, :4], enable_gqa=True)
+    with pytest.raises(ValueError, match=f"{op}: 'key' has 2 heads but 'query' has 4"):
+        f(q, q, kv, kv, q, lse)
+    with pytest.raises(ValueError, match="'variant' must be one of"):
+        f(q, q, kv, kv, q, lse, enable_gqa=True, variant="wgmma")
+    with pytest.raises(ValueError, match="'layout' must be one of"):
+        f(q, q, kv, kv, q, lse, enable_gqa=True, layout="sbhd")
+    with pytest.raises(TypeError, match="'window_size' must be None or a pair"):
+        f(q, q, kv, kv, q, lse, enable_gqa=True, window_size=3)
+    with pytest.raises(TypeError, match="'is_causal' must be a bool"):
+        f(q, q, kv, kv, q, lse, None, 1, enable_gqa=True)
+    with pytest.raises(ValueError, match="'attn_mask' has shape \\(5, 5\\)"):
+        f(q, q, kv, kv, q, lse, np.ones((5, 5), bool), enable_gqa=True)
+    with pytest.raises(TypeError, match="'lse' has dtype float16"):
+        f(q, q, kv, kv, q, lse.astype(np.float16), enable_gqa=True)
+    with pytest.raises(TypeError, match="'output' is float16 but 'grad_out' is float32"):
+        f(q, q, kv, kv, q.astype(np.float16), lse, enable_gqa=True)
+
+
+@needs_torch
+def test_cpu_fallback_numpy_and_torch(rng):
+    q, g = _rand(rng, (1, 2, 9, 16), "float32"), _rand(rng, (1, 2, 9, 16), "float32")
+    k, v = _rand(rng, (1, 2, 11, 16), "float32"), _rand(rng, (1, 2, 11, 16), "float32")
+    out, lse = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    assert lse.dtype == np.float32
+    got = go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+    exp = ref_bwd(g, q, k, v, out, lse, is_causal=True)
+    for a, e in zip(got, exp):
+        assert isinstance(a, np.ndarray) and a.dtype == np.float32
+        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
+    tq, tk, tv, tg = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v, g))
+    tout, tlse = go.scaled_dot_product_attention(tq, tk, tv, return_lse=True)
+    assert tlse.dtype == torch.float32
+    res = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, tout, tlse)
+    assert all(r.dtype == torch.bfloat16 for r in res)
+    assert res[1].shape == (1, 2, 11, 16)
+
+
+# ----------------------------------------------------------------------------- CPU: autograd
+
+AUTOGRAD_CASES = [
+    # (B, Hq, Hkv, Sq, Sk, D, options)
+    (2, 4, 2, 17, 20, 16, {"is_causal": True}),
+    (1, 8, 1, 33, 33, 8, {"mask": "bool", "scale": 0.7}),
+    (1, 2, 2, 17, 40, 16, {"mask": "float"}),
+    (1, 4, 4, 40, 40, 16, {"window": (5, 2), "layout": "bshd"}),
+    (1, 2, 1, 1, 17, 16, {}),
+]
+
+
+@needs_torch
+@pytest.mark.parametrize("case", AUTOGRAD_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+def test_autograd_cpu_float64_matches_torch(case, rng):
+    import gpuops.torch as gt
+    B, Hq, Hkv, Sq, Sk, D, opt = case
+    opt = dict(opt)
+    layout = opt.pop("layout", "bhsd")
+    kind = opt.pop("mask", None)
+    window = opt.pop("window", None)
+    mask = _make_mask(rng, kind, B, Hq, Sq, Sk)
+    shp = (lambda b, h, s: (b, h, s, D)) if layout == "bhsd" else (lambda b, h, s: (b, s, h, D))
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)).requires_grad_()
+               for s in (shp(B, Hq, Sq), shp(B, Hkv, Sk), shp(B, Hkv, Sk)))
+    w = torch.from_numpy(rng.standard_normal(shp(B, Hq, Sq)))
+    tm = None if mask is None else torch.from_numpy(np.asarray(mask, bool if kind == "bool"
+                                                               else np.float64))
+    out = gt.scaled_dot_product_attention(q, k, v, tm, enable_gqa=Hq != Hkv, window_size=window,
+                                          layout=layout, **opt)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    exp = _torch_grads(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), w.numpy(),
+                       None if tm is None else tm.numpy(), enable_gqa=Hq != Hkv, window=window,
+                       layout=layout, **opt)
+    for a, e in zip(got, exp):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-10, atol=1e-12)
+    # an expanded (stride 0) incoming gradient
+    got = torch.autograd.grad(gt.scaled_dot_product_attention(
+        q, k, v, tm, enable_gqa=Hq != Hkv, window_size=window, layout=layout, **opt).sum(),
+        (q, k, v))
+    exp = _torch_grads(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                       np.ones(shp(B, Hq, Sq)), None if tm is None else tm.numpy(),
+                       enable_gqa=Hq != Hkv, window=window, layout=layout, **opt)
+    for a, e in zip(got, exp):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-10, atol=1e-12)
+
+
+@needs_torch
+def test_autograd_lse_output_and_argument_errors(rng):
+    import gpuops.torch as gt
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 5, 8))).requires_grad_()
+               for _ in range(3))
+    out, lse = gt.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert lse.shape == (1, 2, 5) and lse.dtype == torch.float64 and not lse.requires_grad
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    with pytest.raises(ValueError, match="'dropout_p' must be 0"):
+        gt.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="'attn_mask' requires grad"):
+        gt.scaled_dot_product_attention(q, k, v, torch.zeros(5, 5, dtype=torch.float64,
+                                                             requires_grad=True))
+    with pytest.raises(TypeError, match="'window_size' must be None or a pair"):
+        gt.scaled_dot_product_attention(q, k, v, window_size=(1.5, 2))
+    with pytest.raises(ValueError, match="'key' has 1 heads but 'query' has 2"):
+        gt.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+    # the plain op refuses tensors that require grad (it records no autograd)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        go.scaled_dot_product_attention_backward(out, q, k, v, out, lse)
+
+
+@needs_torch
+def test_torch_compile_fullgraph_cpu(rng):
+    import gpuops.torch as gt
+    q = torch.from_numpy(rng.standard_normal((1, 4, 9, 8))).requires_grad_()
+    k, v = (torch.from_numpy(rng.standard_normal((1, 2, 11, 8))).requires_grad_()
+            for _ in range(2))
+    w = torch.from_numpy(rng.standard_normal((1, 4, 9, 8)))
+
+    def f(q, k, v):
+        return (gt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                window_size=(4, 0)) * w).sum()
+    y = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    got = torch.autograd.grad(y, (q, k, v))
+    exp = _torch_grads(*(x.detach().numpy() for x in (q, k, v)), w.numpy(), is_causal=True,
+                       enable_gqa=True, window=(4, 0))
+    np.testing.assert_allclose(y.item(), f(q, k, v).item(), rtol=1e-12)
+    for a, e in zip(got, exp):
+        np.testing.assert_allclose(a.numpy(), e, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- CPU: the kernels
+
+def _emu_backward(dev, g, q, k, v, out, lse, mask=None, *, dtype, **kw):
+    call = emu.Call(dev, ab.OP, dt.BY_NAME[dtype])
+    t = [dev.tensor(x) for x in (g, q, k, v, out)]
+    opts = dict(is_causal=False, scale=None, enable_gqa=False, window_size=None, layout="bhsd",
+                variant="auto")
+    opts.update(kw)
+    res = ab._backward(call, *t, dev.tensor(lse), None if mask is None else dev.tensor(mask),
+                       opts["is_causal"], opts["scale"], opts["enable_gqa"], opts["window_size"],
+                       opts["layout"], opts["variant"])
+    return [r.obj for r in res]
+
+
+def _case_inputs(rng, case, dtype):
+    B, Hq, Hkv, Sq, Sk, D, _, opt = case
+    opt = dict(opt)
+    layout = opt.get("layout", "bhsd")
+    shp = (lambda b, h, s: (b, h, s, D)) if layout == "bhsd" else (lambda b, h, s: (b, s, h, D))
+    q, g = _rand(rng, shp(B, Hq, Sq), dtype), _rand(rng, shp(B, Hq, Sq), dtype)
+    k, v = _rand(rng, shp(B, Hkv, Sk), dtype), _rand(rng, shp(B, Hkv, Sk), dtype)
+    mask = _make_mask(rng, opt.pop("mask", None), B, Hq, Sq, Sk, dtype)
+    opt.setdefault("enable_gqa", Hq != Hkv)
+    return g, q, k, v, mask, opt
+
+
+# (B, Hq, Hkv, Sq, Sk, D, smem limit KB, options): every instantiation at least once
+EMU_CASES = [
+    (1, 2, 2, 17, 17, 32, 48, {"is_causal": True}),                             # D32 small
+    (1, 2, 1, 70, 90, 32, 227, {"window_size": (9, 4)}),                        # D32 big
+    (1, 2, 2, 45, 70, 64, 48, {"mask": "bool"}),                                # D64 small
+    (1, 4, 2, 70, 70, 64, 227, {"mask": "float", "is_causal": True,
+                                "layout": "bshd"}),                             # D64 big
+    (1, 1, 1, 33, 66, 96, 48, {"mask": "float", "is_causal": True}),            # D96 small
+    (1, 2, 2, 9, 70, 96, 227, {"layout": "bshd"}),                              # D96 big
+    (1, 2, 2, 70, 40, 128, 227, {"is_causal": True, "scale": 0.2}),             # D128 big
+    (1, 8, 1, 20, 36, 128, 48, {"mask": "bool", "window_size": (3, 2)}),        # general, 64
+    (1, 2, 2, 19, 23, 17, 48, {"mask": "float"}),                               # general, 1 chunk
+    (2, 2, 1, 21, 30, 40, 48, {"is_causal": True}),                             # general, 2 chunks
+    (2, 4, 2, 130, 130, 64, 48, {"mask": "float", "is_causal": True, "window_size": (20, -1),
+                                 "layout": "bshd"}),                            # many tiles
+    (1, 2, 2, 1, 1, 64, 227, {}),
+    (1, 2, 2, 1, 17, 128, 227, {"mask": "bool"}),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[:6]}-{c[6]}k-{sorted(c[7])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_kernels(case, dtype, rng, monkeypatch):
+    monkeypatch.setattr(at, "smem_limit", lambda dev: case[6] * 1024)
+    g, q, k, v, mask, opt = _case_inputs(rng, case, dtype)
+    out, lse = forward_for(q, k, v, mask, dtype=dtype, **opt)
+    with emu.Device(sms=2) as dev:
+        got = _emu_backward(dev, g, q, k, v, out, lse, mask, dtype=dtype, **opt)
+        launched = [name for name, *_ in emu.Device.launches]
+    d, br, bc, nt, general = ab.simt_config(case[5], case[6] * 1024)
+    assert ab.dkdv_expr(dt.BY_NAME[dtype], d, br, bc, nt, general) in launched
+    refs, bounds = bwd_bound(g, q, k, v, out, lse, mask, dtype=dtype, **opt)
+    for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+        assert a.dtype == _np_dtype(dtype)
+        check(a, e, bd, f"{name} {case} {dtype}")
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_emulated_kernels_strided_and_unaligned(dtype, rng, monkeypatch):
+    """Element-wise tile loads: a head-dim stride of 2, D the slow axis, rows off a 16-byte
+    boundary; an expanded (stride 0) grad_out; a strided lse."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    q = _rand(rng, (1, 2, 20, 128), dtype)[..., ::2]                       # D = 64, stride 2
+    k = np.swapaxes(np.ascontiguousarray(np.swapaxes(_rand(rng, (1, 2, 25, 64), dtype), 2, 3)),
+                    2, 3)
+    v = emu.strided(_rand(rng, (1, 2, 25, 64), dtype), "offset")
+    g = np.broadcast_to(_rand(rng, (1, 1, 1, 64), dtype), (1, 2, 20, 64))
+    out, lse = forward_for(q, k, v, None, dtype=dtype, window_size=(5, 7))
+    lse = np.repeat(lse, 2, axis=-1)[..., ::2]
+    with emu.Device(sms=2) as dev:
+        got = _emu_backward(dev, g, q, k, v, out, lse, dtype=dtype, window_size=(5, 7))
+    refs, bounds = bwd_bound(g, q, k, v, out, lse, dtype=dtype, window_size=(5, 7))
+    for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+        check(a, e, bd, f"{name} strided {dtype}")
+
+
+@needs_emu
+def test_emulated_kernels_empty_sequences_and_nan(rng, monkeypatch):
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 48 * 1024)
+    q, g = _rand(rng, (1, 2, 9, 32), "float32"), _rand(rng, (1, 2, 9, 32), "float32")
+    k, v = _rand(rng, (1, 2, 12, 32), "float32"), _rand(rng, (1, 2, 12, 32), "float32")
+    with emu.Device(sms=2) as dev:
+        # Sk = 0: dq = 0 (written by the preprocess kernel), dk and dv empty
+        out, lse = forward_for(q, k[:, :, :0], v[:, :, :0], None, dtype="float32")
+        dq, dk, dv = _emu_backward(dev, g, q, k[:, :, :0], v[:, :, :0], out, lse,
+                                   dtype="float32")
+        assert np.all(dq == 0) and dk.shape == (1, 2, 0, 32)
+        # Sq = 0: dk = dv = 0 (the main kernel visits no query tile)
+        out, lse = forward_for(q[:, :, :0], k, v, None, dtype="float32")
+        dq, dk, dv = _emu_backward(dev, g[:, :, :0], q[:, :, :0], k, v, out, lse,
+                                   dtype="float32")
+        assert dq.shape == (1, 2, 0, 32) and np.all(dk == 0) and np.all(dv == 0)
+        # a NaN query row: its dq row and every dk, dv NaN (all tiles visited); other dq rows not
+        qn = q.copy()
+        qn[0, 1, 3, 5] = np.nan
+        out, lse = forward_for(qn, k, v, None, dtype="float32")
+        dq, dk, dv = _emu_backward(dev, g, qn, k, v, out, lse, dtype="float32")
+        assert np.all(np.isnan(dq[0, 1, 3])) and not np.isnan(np.delete(dq[0, 1], 3, 0)).any()
+        assert np.all(np.isnan(dk[0, 1])) and np.all(np.isnan(dv[0, 1]))
+        assert not np.isnan(dq[0, 0]).any() and not np.isnan(dk[0, 0]).any()
+
+
+def test_tile_configs_fit_shared_memory():
+    for d in (32, 64, 96):
+        D, br, bc, nt, general = ab.simt_config(d, 48 * 1024)
+        assert (D, general) == (d, False) and ab.bwd_smem(D, br, bc) <= 48 * 1024
+    assert ab.simt_config(128, 48 * 1024) == (64, 32, 32, 128, True)
+    assert ab.simt_config(128, 227 * 1024) == (128, 64, 64, 256, False)
+    for d in (32, 64, 96, 128):
+        D, br, bc, nt, general = ab.simt_config(d, 227 * 1024)
+        assert not general and ab.bwd_smem(D, br, bc) <= 227 * 1024
+    for d in (1, 17, 40, 256, 1024):
+        assert ab.simt_config(d, 227 * 1024) == (32, 32, 64, 128, True)
+
+
+def test_flash_bwd_args_struct_matches_the_argspec():
+    """FLASH_BWD_ARGS mirrors FlashBwdArgs field by field (cuda_src/attention/flash_bwd.cuh)."""
+    import re
+    from gpuops.runtime.sources import cuda_src_root
+    text = (cuda_src_root() / "attention/flash_bwd.cuh").read_text()
+    body = re.search(r"struct FlashBwdArgs \{(.*?)\n\};", text, re.S).group(1)
+    fmt = []
+    for line in body.splitlines():
+        line = line.split("//")[0].strip()
+        if not line:
+            continue
+        m = re.match(r"(const void\*|void\*|const float\*|float\*|long long|int|float)\s+(.*);",
+                     line)
+        code = {"const void*": "P", "void*": "P", "const float*": "P", "float*": "P",
+                "long long": "q", "int": "i", "float": "f"}[m.group(1)]
+        for name in m.group(2).split(","):
+            n = re.search(r"\[(\d+)\]", name)
+            fmt.append((code, int(n.group(1)) if n else 1))
+    merged = []
+    for code, n in fmt:
+        if merged and merged[-1][0] == code:
+            merged[-1] = (code, merged[-1][1] + n)
+        else:
+            merged.append((code, n))
+    assert "".join(f"{n}{c}" for c, n in merged) == "12P43q10i2f"
+    assert ab.FLASH_BWD_ARGS.params == ("12P43q10i2f",) and ab.FLASH_BWD_ARGS.size == 488
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _cuda(x, dtype):
+    return torch.from_numpy(np.asarray(x, np.float32)).to("cuda", getattr(torch, dtype))
+
+
+def _host(x):
+    return x.double().cpu().numpy()
+
+
+GPU_CASES = [
+    # (B, Hq, Hkv, Sq, Sk, D, options)
+    (2, 4, 4, 1, 1, 64, {}),
+    (2, 4, 2, 17, 17, 32, {"is_causal": True}),
+    (1, 8, 1, 128, 128, 128, {}),
+    (1, 4, 4, 1000, 1000, 96, {"is_causal": True}),
+    (1, 2, 2, 4097, 4097, 128, {"is_causal": True}),
+    (1, 2, 1, 4097, 4097, 64, {"window_size": (256, 0)}),
+    (1, 2, 2, 1000, 777, 128, {"mask": "bool"}),
+    (1, 2, 2, 600, 1000, 64, {"mask": "float", "is_causal": True}),
+    (2, 4, 2, 128, 4097, 128, {"window_size": (-1, 300)}),
+    (1, 2, 2, 300, 300, 17, {"is_causal": True}),
+    (1, 2, 2, 130, 200, 256, {"mask": "bool"}),
+    (1, 4, 4, 1000, 1000, 128, {"layout": "bshd", "scale": 0.05}),
+    (1, 8, 1, 1000, 1000, 32, {"is_causal": True}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_against_reference(case, dtype, rng):
+    """The kernels on the forward's own output and lse (GPU), against the reference run on the
+    same values; outputs poisoned (GPUOPS_DEBUG_POISON=1, the workspaces too)."""
+    B, Hq, Hkv, Sq, Sk, D, opt = case
+    g, q, k, v, mask, opt = _case_inputs(rng, (B, Hq, Hkv, Sq, Sk, D, 0, opt), dtype)
+    tq, tk, tv, tg = (_cuda(x, dtype) for x in (q, k, v, g))
+    tm = None if mask is None else (torch.from_numpy(mask).cuda() if mask.dtype == bool
+                                    else _cuda(mask, dtype))
+    out, lse = go.scaled_dot_product_attention(tq, tk, tv, tm, return_lse=True, **opt)
+    got = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, tm, **opt)
+    refs, bounds = bwd_bound(g, q, k, v, _host(out), _host(lse), mask, dtype=dtype, **opt)
+    for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+        assert a.dtype == getattr(torch, dtype) and a.is_contiguous()
+        check(_host(a), e, bd, f"{name} {case} {dtype}")
+
+
+def _grads(fn, leaves, grad):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
+def _rel(a, e):
+    return float((a.double() - e).norm() / e.norm())
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opt", [{"is_causal": True}, {"enable_gqa": True},
+                                 {"mask": True, "is_causal": True}],
+                         ids=["causal", "gqa", "mask"])
+def test_gpu_autograd_against_float64_and_torch(dtype, opt, rng):
+    """gpuops.torch on CUDA: gradients against torch's math SDPA in float64 on the same rounded
+    inputs, at least as close as torch's own SDPA backward in the same dtype (+ slack)."""
+    import gpuops.torch as gt
+    opt = dict(opt)
+    td = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    hkv = 2 if opt.get("enable_gqa") else 8
+    q = torch.randn(2, 8, 1000, 128, device="cuda", generator=gen).to(td)
+    k, v = (torch.randn(2, hkv, 1000, 128, device="cuda", generator=gen).to(td) for _ in range(2))
+    w = torch.randn(2, 8, 1000, 128, device="cuda", generator=gen).to(td)
+    mask = None
+    if opt.pop("mask", False):
+        # the diagonal stays visible: no row is fully masked under the causal fold (torch's
+        # fused backends and its math backend disagree on such rows)
+        mask = (torch.rand(1000, 1000, device="cuda", generator=gen) > 0.2) \
+            | torch.eye(1000, dtype=torch.bool, device="cuda")
+    def run(fn, dt_, opt=opt, mask=mask):
+        return _grads(lambda a, b, c: fn(a, b, c, attn_mask=mask, **opt), [q.to(dt_), k.to(dt_),
+                                                                            v.to(dt_)], w.to(dt_))
+    ours = run(gt.scaled_dot_product_attention, td)
+    # torch refuses attn_mask together with is_causal: its side gets the causal mask folded in
+    # (gpuops applies both, as torch's math backend would)
+    t_opt, t_mask = dict(opt), mask
+    if mask is not None and t_opt.pop("is_causal", False):
+        t_mask = mask & torch.ones(1000, 1000, dtype=torch.bool, device="cuda").tril()
+    exact = run(torch.nn.functional.scaled_dot_product_attention, torch.float64, t_opt, t_mask)
+    theirs = run(torch.nn.functional.scaled_dot_product_attention, td, t_opt, t_mask)
+    for name, a, e, t in zip(("dq", "dk", "dv"), ours, exact, theirs):
+        assert a.dtype == td
+        e_ours, e_torch = _rel(a, e), _rel(t, e)
+        assert e_ours <= 1.5 * e_torch + (1e-5 if dtype == "float32" else 2e-3), (
+            name, e_ours, e_torch)
+        if dtype == "float32":
+            assert e_ours <= 1e-5, (name, e_ours)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_dk_dv_deterministic_dq_close(rng):
+    q, k, v, g = (_cuda(_rand(rng, (2, 8, 700, 64), "bfloat16"), "bfloat16") for _ in range(4))
+    out, lse = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    first = go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+    for _ in range(3):
+        again = go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+        # dq: fp32 atomics in any order, then one rounding to bf16
+        torch.testing.assert_close(first[0], again[0], rtol=2.0**-7, atol=1e-6)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_torch_compile_fullgraph(rng):
+    import gpuops.torch as gt
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float32, requires_grad=True)
+               for _ in range(3))
+
+    def f(q, k, v):
+        return gt.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+    y = torch.compile(f, fullgraph=True)(q, k, v)
+    got = torch.autograd.grad(y, (q, k, v))
+    exp = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_cuda_graph_and_side_stream(rng):
+    q, k, v, g = (_cuda(_rand(rng, (1, 4, 200, 64), "bfloat16"), "bfloat16") for _ in range(4))
+    out, lse = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    exp = go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+    g.copy_(g * 0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    exp2 = go.scaled_dot_product_attention_backward(g, q, k, v, out, lse, is_causal=True)
+    for a, e, e0 in zip(res, exp2, exp):
+        torch.testing.assert_close(a, e, rtol=2.0**-7, atol=1e-6)
+        assert not torch.equal(a, e0)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_empty_sequences_and_fully_masked():
+    q = torch.randn(1, 2, 3, 64, device="cuda", dtype=torch.float16)
+    kv = torch.randn(1, 2, 5, 64, device="cuda", dtype=torch.float16)
+    out, lse = go.scaled_dot_product_attention(q, kv[:, :, :0], kv[:, :, :0], return_lse=True)
+    dq, dk, dv = go.scaled_dot_product_attention_backward(q, q, kv[:, :, :0], kv[:, :, :0], out,
+                                                          lse)
+    assert torch.all(dq == 0) and dk.shape == (1, 2, 0, 64)
+    out, lse = go.scaled_dot_product_attention(q[:, :, :0], kv, kv, return_lse=True)
+    dq, dk, dv = go.scaled_dot_product_attention_backward(q[:, :, :0], q[:, :, :0], kv, kv, out,
+                                                          lse)
+    assert dq.shape == (1, 2, 0, 64) and torch.all(dk == 0) and torch.all(dv == 0)
+    mask = torch.zeros(3, 5, dtype=torch.bool, device="cuda")
+    out, lse = go.scaled_dot_product_attention(q, kv, kv, mask, return_lse=True)
+    dq, dk, dv = go.scaled_dot_product_attention_backward(q, q, kv, kv, out, lse, mask)
+    assert torch.all(dq == 0) and torch.all(dk == 0) and torch.all(dv == 0)
