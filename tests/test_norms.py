@@ -2,13 +2,17 @@
 statistics, and backward) against float64 references.
 
 CPU: the references against torch in float64 (values and autograd gradients), argument errors,
-the CPU path, eps=None, the launch plans and row/chunk/slot mappings of the kernels (simulated),
-every launch's arguments against its kernel's signature with a recording loader (including the
-split-row paths a small GPU takes), an fp32 model of the statistics, autograd and
-torch.compile(fullgraph=True) through gpuops.torch.
+the CPU path, eps=None, the launch plans and row/chunk/slot/tile mappings of the kernels
+(simulated), the ring plan's forward-progress rule (its protocol replayed), every launch's
+arguments against its kernel's signature with a recording loader (including the split-row paths
+a small GPU takes), an fp32 model of the statistics, autograd and torch.compile(fullgraph=True)
+through gpuops.torch; the forward kernels themselves on the CPU emulator (tests/emu.py): whole
+rows, and split rows on the ring (blocks running at once, waiting for each other) and in two
+launches, with tiny tiles.
 
 GPU: every op and dtype against the references, rows of 1 .. 2^20 elements (one block, one warp
-per row, rows split over blocks in one launch and in two), unaligned and strided inputs,
+per row, rows split over blocks on the ring, in one launch and in two: every long-row plan at
+262144, 393216, 393217 and 2^20 elements), unaligned and strided inputs,
 expanded gradients, out= (NaN-filled, in place), NaN/Inf rows, HF transformers' RMSNorm for
 add_rms_norm, bitwise determinism of the weight gradients, autograd against torch, a side
 stream and CUDA graph capture at decode size, CuPy and NumPy inputs.
@@ -28,11 +32,14 @@ from gpuops.runtime.launch import ArgSpec
 from gpuops.tensor import Tensor
 from conftest import HAS_TORCH, HAS_TORCH_CUDA, TOLERANCE, assert_close
 
+import emu
+
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 F = torch.nn.functional if HAS_TORCH else None
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
 needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
 DTYPES = ["float32", "float16", "bfloat16"]
 EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float64": 2.0 ** -52}
 
@@ -291,6 +298,84 @@ def test_split_kernel_plans(kind):
                                     for p in [int(e.split(",")[2].strip(" >"))]}
 
 
+@pytest.mark.parametrize("kind", [k for k in N.TUNING if N.TUNING[k].ring_template])
+def test_ring_tiles_cover_every_unit_once(kind):
+    k = N.TUNING[kind]
+    for vec, itemsize in ((1, 2), (1, 4), (4, 4), (8, 2)):
+        for n in (16392, 20000, 262144, 262147, 393216, 393217, 1 << 20, 5 << 20):
+            if vec > 1 and n % vec:
+                continue
+            units = n // vec
+            threads, packs, C, tile_bytes = N.ring_shape(k, vec, n, itemsize)
+            assert threads % 32 == 0 and 32 <= threads <= k.ring_threads
+            assert packs == N.ring_packs(k, vec)
+            assert threads * packs * (C - 1) < units <= threads * packs * C
+            assert C == -(-units // (k.ring_threads * packs))     # no more tiles than needed
+            assert tile_bytes == threads * packs * (16 if vec > 1 else itemsize)
+            # the kernel's mapping: tile (chunk) c, pack p, thread t -> unit
+            u = (np.arange(C)[:, None, None] * threads * packs
+                 + np.arange(packs)[None, :, None] * threads + np.arange(threads)[None, None, :])
+            u = u.ravel()
+            assert np.array_equal(np.sort(u[u < units]), np.arange(units))
+    # the long rows of the benchmarks: 16-byte packs, 512 threads, 32 KiB tiles
+    assert N.ring_shape(N.RMS_NORM, 8, 1 << 20, 2) == (512, 4, 64, 32768)
+    assert N.ring_shape(N.LAYER_NORM, 4, 393216, 4) == (512, 4, 48, 32768)
+    assert N.ring_shape(N.ADD_RMS_NORM, 8, 1 << 20, 2) == (512, 2, 128, 16384)
+
+
+def _ring_schedule(rows, C, grid, depth):
+    """Replays norm_ring.cuh's loop for every block of a resident grid, in rounds; True when all
+    blocks finish, False on a deadlock (a round in which no block moves). Block b's step k < K:
+    land and publish its tile k (never waits), then drain its tile k + 1 - D, which waits until
+    that tile's row has all C tiles published; steps K .. K + D - 2 only drain."""
+    tiles = rows * C
+    mine = [range(b, tiles, grid) for b in range(grid)]
+    published = [0] * rows
+    step = [0] * grid
+    landed = [False] * grid      # the tile of the current step is published already
+    while any(step[b] < len(own) + depth - 1 for b, own in enumerate(mine)):
+        moved = False
+        for b, own in enumerate(mine):
+            K, k = len(own), step[b]
+            if k >= K + depth - 1:
+                continue
+            if k < K and not landed[b]:
+                published[own[k] // C] += 1
+                landed[b] = moved = True
+            j = k + 1 - depth
+            if 0 <= j < K and published[own[j] // C] < C:
+                continue
+            step[b] += 1
+            landed[b] = False
+            moved = True
+        if not moved:
+            return False
+    return True
+
+
+def test_ring_grid_keeps_blocks_progressing():
+    """_ring_grid: at most `capacity` blocks (all resident), at most as many as tiles, tiles
+    spread evenly, and no block holding more than `depth` tiles of a row; under that rule the
+    protocol finishes for every shape (replayed), and breaking it can deadlock."""
+    for C in (1, 2, 3, 7, 24, 64, 130):
+        for capacity in (1, 4, 5, 264):
+            for depth in (2, 3, 8):
+                for rows in (1, 2, 3, 16, 40):
+                    ring = N.RingPlan(None, 512, 4, C, depth, 0, capacity)
+                    grid = N._ring_grid(ring, rows)
+                    tiles = rows * C
+                    if grid is None:            # the evenly spread grid would break the rule
+                        per_block = -(-tiles // capacity)
+                        assert -(-C // -(-tiles // per_block)) > depth
+                        continue
+                    assert 1 <= grid <= min(capacity, tiles) and -(-C // grid) <= depth
+                    counts = [len(range(b, tiles, grid)) for b in range(grid)]
+                    assert max(counts) - min(counts) <= 1
+                    if tiles <= 400:
+                        assert _ring_schedule(rows, C, grid, depth), (C, capacity, depth, rows)
+    assert not _ring_schedule(2, 10, 4, 2)        # 3 tiles of a row in a block, 2 slots
+
+
 # ---------------------------------------------------------------- launches with a recording loader
 
 class _Recorder:
@@ -352,6 +437,7 @@ def recording(monkeypatch, request):
 
     class _Info:
         sm_count = getattr(request, "param", 2)
+        max_smem_per_block_optin = 227 * 1024
 
     monkeypatch.setattr(N.loader, "load", lambda module, dev: _FakeLoaded(module, log))
     monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: 4)
@@ -374,8 +460,10 @@ def _within(call, ptr, nbytes):
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16])
 @pytest.mark.parametrize("n", [1, 4096, 4097, 20000, 1 << 20])
-def test_forward_launch_arguments(recording, dtype, n):
+@pytest.mark.parametrize("long_rows", ["ring", "split"])
+def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
     log, memsets, capacity = recording
+    monkeypatch.setattr(N, "LONG_ROWS", long_rows)
     rows = 3
     for op in ("layer_norm", "rms_norm", "add_rms_norm"):
         log.clear()
@@ -400,6 +488,21 @@ def test_forward_launch_arguments(recording, dtype, n):
         C, phase = args[-3], args[-2]
         vec = int(name.split(",")[1])
         assert vec == (16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1)
+        if "_ring<" in name:         # split rows, one pass: grid resident, tiles of a ring
+            assert long_rows == "ring" and len(log) == 1 and n > 16384
+            D, packs = args[-2], int(name.split(",")[2].strip(" >"))
+            kind = N.TUNING[op]
+            threads, packs_, C_, tile_bytes = N.ring_shape(kind, vec, n, dtype.itemsize)
+            assert (block, C, packs) == ((threads, 1, 1), C_, packs_)
+            assert threads % 32 == 0 and threads <= kind.ring_threads and D >= 2
+            assert grid[0] <= capacity and grid[0] <= rows * C and -(-C // grid[0]) <= D
+            assert len(memsets) == 1 and memsets[0][1:] == (0, rows * 4)
+            counters, partials = args[-6], args[-7]
+            assert counters == memsets[0][0] and _within(call, partials, rows * C * K * 4)
+            stat_ptrs = args[6:8] if op == "layer_norm" else args[9:10]
+            assert all(p != 0 and _within(call, p, rows * 4) for p in stat_ptrs)
+            assert args[-5] == rows and args[-4] == n
+            continue
         assert grid[0] % C == 0
         if C == 1:
             assert not memsets and [a[-2] for *_, a in log] == [N.FUSED]
@@ -423,6 +526,37 @@ def test_forward_launch_arguments(recording, dtype, n):
         assert args[-5] == rows and args[-4] == n
         stats = [a for a in (mean if op == "layer_norm" else None, rstd) if a is not None]
         assert all(s.shape == (rows,) and s.dtype is dt.float32 for s in stats)
+
+
+def test_ring_plans_fit_the_device(monkeypatch):
+    """Two blocks per SM with the most slots that fit (an occupancy calculator of shared memory
+    and threads), else one; on a 48 KiB-per-block Pascal, 256-thread blocks (16 KiB tiles)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+    dev = {}
+    monkeypatch.setattr(N.loader, "load", lambda module, d: _FakeLoaded(module, []))
+    monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: min(
+        2048 // threads, dev["smem_per_sm"] // (smem + 1024)))
+    monkeypatch.setattr(N.device, "device_info", lambda d: SimpleNamespace(
+        sm_count=dev["sms"], max_smem_per_block_optin=dev["optin"]))
+    monkeypatch.setattr(N, "_plans", {})
+
+    def plan(kind, d, vec, n, sms, smem_per_sm, optin):
+        dev.update(sms=sms, smem_per_sm=smem_per_sm, optin=optin)
+        N._plans.clear()
+        p = N._ring_plan(kind, d, vec, n, 0)
+        return p and (p.threads, p.packs, p.C, p.depth, p.smem, p.capacity)
+
+    h100 = (132, 228 * 1024, 227 * 1024)
+    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, *h100) == (512, 4, 64, 3, 512 + 3 * 32768,
+                                                                264)
+    assert plan("add_rms_norm", dt.bfloat16, 8, 1 << 20, *h100)[:4] == (512, 2, 128, 7)
+    assert plan("layer_norm", dt.float32, 4, 393216, *h100)[:4] == (512, 4, 48, 3)
+    pascal = (20, 96 * 1024, 48 * 1024)
+    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, *pascal) == (256, 4, 128, 2,
+                                                                  512 + 2 * 16384, 40)
+    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, 56, 64 * 1024, 48 * 1024)[3:] == (
+        2, 512 + 2 * 16384, 56)                  # P100: one block per SM
+    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, 8, 8 * 1024, 48 * 1024) is None
 
 
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
@@ -521,6 +655,206 @@ def test_fp32_statistics_are_stable_far_from_zero(rng):
     assert abs(var / x64.var() - 1) < 1e-4
     naive = np.float32((x * x).mean(dtype=np.float32) - np.float32(x.mean(dtype=np.float32)) ** 2)
     assert abs(naive / x64.var() - 1) > 1e-2      # what E[x^2] - E[x]^2 would give
+
+
+# ======================================================================= CPU: kernels, emulated
+
+class _EmuKernel:
+    """An emulated kernel with the attributes norms' planning reads. The ring kernels, whose blocks
+    wait for each other, run with every block at once (the emulator's concurrent schedule); the
+    others, which keep static shared memory, block after block."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.ptr = inner, inner.name, 0
+
+    def launch(self, grid, block, stream, *args, smem=0):
+        emu.Device.concurrent = "_ring<" in self.name
+        try:
+            self.inner.launch(grid, block, stream, *args, smem=smem)
+        finally:
+            emu.Device.concurrent = False
+
+
+class _EmuLoaded:
+    def __init__(self, module):
+        self.module = module
+
+    def kernel(self, expr):
+        from gpuops.ops import _layout as lay  # noqa: PLC0415   (patched by emu.Device)
+        return _EmuKernel(lay.KernelTable(self.module).get(0, expr))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """norms' launch path on the kernel emulator: a device of 2 SMs, 2 blocks each, tiny blocks
+    (rows over 64 threads' worth are split; ring tiles of 64 threads), memsets done at once.
+    Yields (device, launches): launches lists the kernel names run."""
+    import ctypes  # noqa: PLC0415
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    class _Runtime:
+        @staticmethod
+        def memsetAsync(ptr, value, nbytes, stream):  # noqa: N802
+            ctypes.memset(ptr, value, nbytes)
+
+    with emu.Device(sms=2) as dev:
+        monkeypatch.setattr(N.loader, "load", lambda module, d: _EmuLoaded(module))
+        monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: 2)
+        monkeypatch.setattr(N.device, "device_info", lambda d: SimpleNamespace(
+            sm_count=2, max_smem_per_block_optin=227 * 1024))
+        monkeypatch.setattr(N.device, "cupy_or_none", lambda: SimpleNamespace(
+            cuda=SimpleNamespace(runtime=_Runtime)))
+        monkeypatch.setattr(N, "_plans", {})
+        monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", True)  # (one-launch split kernels: static
+        yield dev                                           #  shared memory, not emulated)
+
+
+def _small_blocks(monkeypatch):
+    for name, kind in list(N.TUNING.items()):
+        monkeypatch.setitem(N.TUNING, name, dataclasses.replace(
+            kind, max_rows_threads=64, split_threads=64, ring_threads=64))
+
+
+def _np_dtype(name):
+    return dt.to_numpy(dt.BY_NAME[name])
+
+
+def _emu_run(dev, op, dtype, *args, **kw):
+    """registry impl of `op` on emulator arrays; NumPy results (float64 for the values)."""
+    from gpuops import registry  # noqa: PLC0415
+    call = dev.call(op, dt.BY_NAME[dtype])
+    args = [dev.tensor(a) if isinstance(a, np.ndarray) else a for a in args]
+    kw = {k: dev.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    out = registry.get(op).impl(call, *args, **kw)
+    out = out if isinstance(out, tuple) else (out,)
+    return [o.obj for o in out]
+
+
+def _f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def _emu_check_all(dev, x, w, b, r, dtype, what):
+    """Every forward op (with and without statistics / affine params) against the references."""
+    n = x.shape[-1]
+    ns = (n,)
+    y, mean, rstd = _emu_run(dev, "layer_norm_forward", dtype, x, ns, w, b, 1e-5)
+    ry, rm, rr = N.ref_layer_norm_forward(_f64(x), ns, _f64(w), _f64(b), 1e-5)
+    assert_close(_f64(y), ry, dtype, f"layer_norm {what}")
+    assert_close(_f64(mean), rm, "float32", f"mean {what}")
+    assert_close(_f64(rstd), rr, "float32", f"rstd {what}")
+    (y,) = _emu_run(dev, "layer_norm", dtype, x, ns)             # no stats wanted, no affine
+    assert_close(_f64(y), N.ref_layer_norm(_f64(x), ns), dtype, f"layer_norm plain {what}")
+    y, rstd = _emu_run(dev, "rms_norm_forward", dtype, x, ns, w, 1e-6)
+    ry, rr = N.ref_rms_norm_forward(_f64(x), ns, _f64(w), 1e-6)
+    assert_close(_f64(y), ry, dtype, f"rms_norm {what}")
+    assert_close(_f64(rstd), rr, "float32", f"rms rstd {what}")
+    (y,) = _emu_run(dev, "rms_norm", dtype, x, ns, None, 1e-6)
+    assert_close(_f64(y), N.ref_rms_norm(_f64(x), ns, None, 1e-6), dtype, f"rms plain {what}")
+    y, h, rstd = _emu_run(dev, "add_rms_norm_forward", dtype, x, r, w, 1e-6)
+    exact_h = (x.astype(np.float32) + r.astype(np.float32)).astype(x.dtype)
+    assert np.array_equal(np.asarray(h).view(np.uint8), exact_h.view(np.uint8)), f"h {what}"
+    ry, rr = N.ref_rms_norm_forward(_f64(exact_h), ns, _f64(w), 1e-6)
+    assert_close(_f64(y), ry, dtype, f"add_rms_norm {what}")
+    assert_close(_f64(rstd), rr, "float32", f"add rstd {what}")
+
+
+def _ring_launches(x, dtype):
+    """(ring launches, all launches) that _emu_check_all makes on x: an op whose ring plan
+    breaks _ring_grid's rule (too many tiles of a row per block: add_rms_norm's tiles are half
+    as long) takes two launches instead."""
+    d = dt.BY_NAME[dtype]
+    vec = _vec_width_of(x, d)
+    ring = total = 0
+    for kind in ("layer_norm", "layer_norm", "rms_norm", "rms_norm", "add_rms_norm"):
+        fits = N._ring_grid(N._ring_plan(kind, d, vec, x.shape[-1], 0), x.shape[0]) is not None
+        ring += fits
+        total += 1 if fits else 2
+    return ring, total
+
+
+def _vec_width_of(x, d):
+    aligned = x.ctypes.data % 16 == 0 and (x.strides[0] % 16 == 0 or x.shape[0] == 1)
+    return 16 // d.itemsize if aligned and x.shape[-1] % (16 // d.itemsize) == 0 else 1
+
+
+def _emu_case(rng, shape, dtype, offset=0.5):
+    npd = _np_dtype(dtype)
+    n = shape[-1]
+    x = (rng.standard_normal(shape) * 2.0 + offset).astype(npd)
+    w = (rng.standard_normal(n) * 0.5 + 1.0).astype(npd)
+    b = rng.standard_normal(n).astype(npd)
+    r = rng.standard_normal(shape).astype(npd)
+    return x, w, b, r
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("depth", [2, 3, 8])
+def test_emulated_long_rows_ring(emulated, dtype, depth, rng, monkeypatch):
+    """Split rows on the ring, every block running at once and waiting for its rows: tiles of
+    64 threads; blocks holding more tiles than slots (the ring wraps: 13 x 5000), one tile of a
+    row per block or several (3 x 20000: 3 per block, as many as the slots at depth 3), single
+    elements (odd and unaligned rows)."""
+    _small_blocks(monkeypatch)
+    monkeypatch.setattr(N, "RING_MAX_DEPTH", depth)
+    dev = emulated
+    cases = [((13, 5000), "contig"), ((5, 3001), "contig"), ((4, 2056), "offset")]
+    if depth > 2:
+        cases.append(((3, 20000), "contig"))
+    rings = 0
+    for shape, layout in cases:
+        x, w, b, r = _emu_case(rng, shape, dtype)
+        x = emu.strided(x, layout)
+        emu.Device.launches = []
+        _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {layout} depth {depth}")
+        ring = [launch for launch in emu.Device.launches if "_ring<" in launch[0]]
+        assert (len(ring), len(emu.Device.launches)) == _ring_launches(x, dtype)
+        assert all(launch[3] > N.RING_HEADER_BYTES for launch in ring)
+        rings += len(ring)
+    assert rings >= 3 * len(cases)
+
+
+@needs_emu
+def test_emulated_ring_nan_rows_in_place_and_falls_back(emulated, rng, monkeypatch):
+    _small_blocks(monkeypatch)
+    dev = emulated
+    x, w, b, r = _emu_case(rng, (6, 5000), "float32")
+    x[1, 4000] = np.nan
+    x[3, 7] = np.inf
+    (y,) = _emu_run(dev, "layer_norm", "float32", x, 5000, w, b)
+    assert_close(_f64(y), N.ref_layer_norm(_f64(x), 5000, _f64(w), _f64(b)), "float32", "NaN rows")
+    assert np.isnan(y[[1, 3]]).all() and not np.isnan(y[[0, 2, 4, 5]]).any()
+    xc = x.copy()
+    (y,) = _emu_run(dev, "rms_norm", "float32", xc, 5000, w, 1e-6, out=xc)
+    assert np.shares_memory(y, xc)
+    assert_close(_f64(xc), N.ref_rms_norm(_f64(x), 5000, _f64(w), 1e-6), "float32", "in place")
+    # 3 x 20000 at 2 slots: a block would hold 3 tiles of a row -> the two-launch plan
+    monkeypatch.setattr(N, "RING_MAX_DEPTH", 2)
+    x, w, b, r = _emu_case(rng, (3, 20000), "bfloat16")
+    emu.Device.launches = []
+    _emu_check_all(dev, x, w, b, r, "bfloat16", "(3, 20000) two launches")
+    names = [name for name, *_ in emu.Device.launches]
+    assert names and not any("_ring<" in name for name in names)
+    assert all("_fwd<" in name for name in names) and len(names) == 2 * 5   # 5 ops, 2 each
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_whole_rows(emulated, dtype, rng):
+    """Rows in one block (the [*, 4096] kernels: w and b loaded ahead, one exchange for the
+    statistics), in one warp, odd rows of single elements; rows far from zero mean."""
+    dev = emulated
+    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24)):
+        x, w, b, r = _emu_case(rng, shape, dtype)
+        emu.Device.launches = []
+        _emu_check_all(dev, x, w, b, r, dtype, f"{shape}")
+        assert all("_fwd<" in name for name, *_ in emu.Device.launches)
+    far = (rng.standard_normal((4, 4096)) + 300.0).astype(_np_dtype(dtype))
+    y, mean, rstd = _emu_run(dev, "layer_norm_forward", dtype, far, 4096)
+    _, rm, rr = N.ref_layer_norm_forward(_f64(far), 4096, None, None, 1e-5)
+    assert_close(_f64(mean), rm, "float32", "mean of rows at 300")
+    assert_close(_f64(rstd), rr, "float32", "rstd of rows at 300")
 
 
 # ============================================================================ autograd, compile
@@ -738,13 +1072,15 @@ def test_gpu_forward_and_backward(shape, dtype):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, monkeypatch):
-    """Split rows the way a small GPU runs them (blocks of 64 threads, two launches), at sizes
-    a test can afford: every phase of every kernel."""
+@pytest.mark.parametrize("long_rows", ["split", "ring"])
+def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, long_rows, monkeypatch):
+    """Split rows the way a small GPU runs them (blocks of 64 threads, two launches; ring tiles
+    of 64 threads), at sizes a test can afford: every phase of every kernel."""
     for name, kind in list(N.TUNING.items()):
         monkeypatch.setitem(N.TUNING, name, dataclasses.replace(
-            kind, max_rows_threads=64, split_threads=64))
-    for force in (False, True):
+            kind, max_rows_threads=64, split_threads=64, ring_threads=64))
+    monkeypatch.setattr(N, "LONG_ROWS", long_rows)
+    for force in ((False, True) if long_rows == "split" else (False,)):
         monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", force)
         for shape in ((37, 5000), (3, 2 * 4096 + 8), (4, 3001)):
             what = f"{shape} {dtype} two launches={force}"
@@ -759,6 +1095,77 @@ def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, monkeypatch):
             y = go.layer_norm(x, shape[-1:], w, b)     # no statistics wanted: workspace ones
             assert_close(_np(y), N.ref_layer_norm(_np(x), shape[-1:], _np(w), _np(b)), dtype,
                          what + " layer_norm")
+
+
+# The long-row plans, selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
+LONG_ROW_PLANS = {"ring": dict(LONG_ROWS="ring"),
+                  "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
+                  "two_launches": dict(LONG_ROWS="split", FORCE_TWO_LAUNCHES=True)}
+
+
+def _poison_allocator(*likes):
+    """Leaves NaN-filled blocks of these sizes in torch's caching allocator, so that outputs
+    allocated next start as NaN rather than as an earlier (correct) result of the same size."""
+    for t in likes:
+        torch.full_like(t, float("nan"))
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("plan", list(LONG_ROW_PLANS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 262144), (3, 393216), (3, 393217), (2, 1 << 20)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
+    """Every long-row plan of the forward ops, rows of 262144 .. 2^20 elements (393217: single
+    elements), outputs NaN-poisoned (out=, and the allocator's blocks)."""
+    for name, value in LONG_ROW_PLANS[plan].items():
+        monkeypatch.setattr(N, name, value)
+    d = dt.BY_NAME[dtype]
+    n = shape[-1]
+    vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
+    for kind in ("layer_norm", "rms_norm", "add_rms_norm"):
+        split = N._plan(kind, d, vec, n, torch.cuda.current_device())
+        ring = N._long_rows_ring(kind, split, d, vec, n, shape[0], torch.cuda.current_device())
+        assert (ring is not None) == (plan == "ring"), (kind, plan)
+    x, w, b = _ln_case(shape, dtype)
+    what = f"{shape} {dtype} {plan}"
+    stats = torch.empty(shape[:1], device="cuda")
+    _poison_allocator(x, stats, stats)
+    _check_ln(x, w, b, dtype, what, out=torch.full_like(x, float("nan")))
+    _poison_allocator(x, stats)
+    _check_rms(x, w, dtype, what)
+    out = torch.full_like(x, float("nan"))
+    assert_close(_np(go.rms_norm(x, shape[-1:], w, 1e-6, out=out)),
+                 N.ref_rms_norm(_np(x), shape[-1:], _np(w), 1e-6), dtype, what + " out=")
+    r = _randn(shape, dtype)
+    _poison_allocator(x, x, stats)
+    _check_add(x, r, w, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_ring_on_this_device():
+    """The ring's plan here: every block resident (occupancy with its shared memory), at least two
+    slots; at [16, 2^20] bf16 (the benchmark) blocks hold more tiles than slots: the ring wraps."""
+    dev = torch.cuda.current_device()
+    info = N.device.device_info(dev)
+    for kind in ("layer_norm", "rms_norm", "add_rms_norm"):
+        for d, vec in ((dt.bfloat16, 8), (dt.float32, 4), (dt.float16, 1)):
+            ring = N._ring_plan(kind, d, vec, 1 << 20, dev)
+            assert ring is not None and ring.depth >= 2 and ring.capacity >= info.sm_count
+            assert ring.smem <= max(48 * 1024, info.max_smem_per_block_optin)
+            grid = N._ring_grid(ring, 16)
+            assert grid is not None and grid <= ring.capacity
+    ring = N._ring_plan("rms_norm", dt.bfloat16, 8, 1 << 20, dev)
+    grid = N._ring_grid(ring, 16)
+    if ring.capacity * ring.depth < 16 * ring.C:
+        assert -(-16 * ring.C // grid) > ring.depth         # K > D: slots are reused
+    x = _randn((16, 1 << 20), "bfloat16")
+    w = _randn((1 << 20,), "bfloat16")
+    _check_rms(x, w, "bfloat16", "[16, 2^20] ring")
+    r = _randn((16, 1 << 20), "bfloat16")
+    _check_add(x, r, w, "bfloat16", "[16, 2^20] ring")
 
 
 @gpu

@@ -1,16 +1,25 @@
-"""Norms over long rows: the one-launch plan against the two-launch plan (statistics by column
-blocks, then a reverse-order second pass that finds the row's tail still in L2), chosen by
-``gpuops.ops.norms.ONE_LAUNCH_MAX_WAVES`` (None: the old rule, one launch whenever it fits;
-1: two launches once the rows do not fill one wave). rms_norm and layer_norm at [16, 1048576]
-(and [8, 393216]) in bf16 and fp32, CUDA-graph timed, against the same run's copy bandwidth.
+"""Norms over long rows: every long-row plan of the forward ops, CUDA-graph timed, against the
+same run's copy bandwidth; and layer_norm / rms_norm at [32768, 4096] against Liger.
 
-Floors (bytes / 3000 GB/s): [16, 1048576] bf16 in + out 67 MB -> 22 us; fp32 134 MB -> 45 us.
-Prediction (benchmarks/notes_norms.md): two-launch bf16 rms_norm 26-30 us (run 11, one launch:
-91 us), i.e. >= 75% of copy; fp32 52-58 us.
+Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
+  ring          LONG_ROWS="ring": one launch (+ the counters' memset), the grid resident, each
+                block holding its tiles of the rows in a ring of shared memory until their rows'
+                statistics are in: x read once (norm_ring.cuh)
+  ring_t256     the same with 256-thread tiles (half the bytes per tile, twice the tiles)
+  one_launch    LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None: run 6's pipelined split kernel
+  two_launches  LONG_ROWS="split", FORCE_TWO_LAUNCHES: partials, then a reverse-order re-read
+                (run 13's default for these shapes: ONE_LAUNCH_MAX_WAVES=1)
+
+Floors (bytes / 3000 GB/s): [16, 1048576] bf16 in + out 67 MB -> 22.4 us, fp32 134 MB -> 44.7 us,
+add_rms_norm twice those; [8, 393216] bf16 12.6 MB -> 4.2 us, fp32 25.2 MB -> 8.4 us.
+Predictions (notes_norms.md, "Run 13 follow-up"): ring [16, 1M] bf16 rms_norm 24-28 us
+(80-93% of copy), fp32 47-52 us (86-95%); [8, 393216] bf16 6-8.5 us (50-70%), fp32 9.5-11 us
+(76-88%); layer_norm [32768, 4096] bf16 >= 1.0x Liger.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -22,6 +31,106 @@ from gpuops.bench import _Framework, graph_replay_us  # noqa: E402
 from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
+PLANS = {
+    "ring": dict(LONG_ROWS="ring"),
+    "ring_t256": dict(LONG_ROWS="ring", ring_threads=256),
+    "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
+    "two_launches": dict(LONG_ROWS="split", FORCE_TWO_LAUNCHES=True),
+}
+
+
+class _Plan:
+    """Sets one plan's module switches (and TUNING fields) for the duration of a block."""
+
+    def __init__(self, settings):
+        self.settings = dict(settings)
+
+    def __enter__(self):
+        self.saved = {k: getattr(N, k) for k in ("LONG_ROWS", "ONE_LAUNCH_MAX_WAVES",
+                                                 "FORCE_TWO_LAUNCHES")}
+        self.tuning = dict(N.TUNING)
+        for k, v in self.settings.items():
+            if hasattr(N, k):
+                setattr(N, k, v)
+            else:
+                for name, kind in self.tuning.items():
+                    N.TUNING[name] = dataclasses.replace(kind, **{k: v})
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(N, k, v)
+        N.TUNING.clear()
+        N.TUNING.update(self.tuning)
+        return False
+
+
+def _describe(op, d, shape):
+    """What the current plan launches for this op and shape (grid, block, C, slots)."""
+    kind = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "add_rms_norm": "add_rms_norm"}[op]
+    n = shape[-1]
+    vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
+    plan = N._plan(kind, d, vec, n, 0)
+    ring = N._long_rows_ring(kind, plan, d, vec, n, shape[0], 0)
+    if ring is not None:
+        r, grid = ring
+        return (f"ring grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
+                f"{r.smem // 1024} KiB smem, capacity {r.capacity}")
+    used, grid, phases = N._grid(plan, shape[0], False)
+    return (f"{len(phases)} launch(es) of {used.kernel.name.split('::')[-1]}: grid {grid} x "
+            f"{used.block[0]} thr, C {used.C}, capacity {used.capacity}")
+
+
+def _long_rows(fw, copy, rows):
+    for shape in ((16, 1048576), (8, 393216)):
+        for d in (dt.bfloat16, dt.float32):
+            x = fw.randn(shape, d)
+            r = fw.randn(shape, d)
+            w, b = fw.randn(shape[-1:], d), fw.randn(shape[-1:], d)
+            moved = 2 * x.numel() * d.itemsize
+            cases = {"rms_norm": (lambda: go.rms_norm(x, shape[-1:], w), moved),
+                     "layer_norm": (lambda: go.layer_norm(x, shape[-1:], w, b), moved),
+                     "add_rms_norm": (lambda: go.add_rms_norm(x, r, w), 2 * moved)}
+            for name, (fn, nbytes) in cases.items():
+                for plan, settings in PLANS.items():
+                    with _Plan(settings):
+                        fn()
+                        what = _describe(name, d, shape)
+                        us = graph_replay_us(fn)
+                    gbps = nbytes / (us * 1e-6) / 1e9
+                    rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=plan, us=us,
+                                     gbps=gbps, pct_copy=100 * gbps / copy, launch=what))
+                    print(f"{name:<13}{str(shape):<14}{d.name:<9} {plan:<13}{us:9.1f} us "
+                          f"{gbps:7.0f} GB/s {100 * gbps / copy:5.1f}%   {what}", flush=True)
+
+
+def _rows_4096(fw, copy, rows):
+    """[32768, 4096]: gpuops against Liger (when installed), same inputs, same run."""
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        LigerLayerNormFunction = LigerRMSNormFunction = None
+    shape = (32768, 4096)
+    for d in (dt.bfloat16, dt.float32):
+        x = fw.randn(shape, d)
+        w, b = fw.randn(shape[-1:], d), fw.randn(shape[-1:], d)
+        moved = 2 * x.numel() * d.itemsize
+        cases = {"layer_norm": lambda: go.layer_norm(x, shape[-1:], w, b),
+                 "rms_norm": lambda: go.rms_norm(x, shape[-1:], w)}
+        if LigerLayerNormFunction is not None:
+            cases["liger layer_norm"] = lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+            cases["liger rms_norm"] = lambda: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama",
+                                                                         False)
+        for name, fn in cases.items():
+            fn()
+            us = graph_replay_us(fn, calls=5)
+            gbps = moved / (us * 1e-6) / 1e9
+            rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan="-", us=us, gbps=gbps,
+                             pct_copy=100 * gbps / copy))
+            print(f"{name:<18}{str(shape):<14}{d.name:<9}{us:9.1f} us {gbps:7.0f} GB/s "
+                  f"{100 * gbps / copy:5.1f}%", flush=True)
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -31,28 +140,8 @@ def main():
     copy = fw.copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
-    for shape in ((16, 1048576), (8, 393216)):
-        for d in (dt.bfloat16, dt.float32):
-            x = fw.randn(shape, d)
-            w, b = fw.randn(shape[-1:], d), fw.randn(shape[-1:], d)
-            moved = 2 * x.numel() * d.itemsize
-            cases = {"rms_norm": lambda: go.rms_norm(x, shape[-1:], w),
-                     "layer_norm": lambda: go.layer_norm(x, shape[-1:], w, b)}
-            for name, fn in cases.items():
-                for rule in (None, 1):
-                    saved = N.ONE_LAUNCH_MAX_WAVES
-                    N.ONE_LAUNCH_MAX_WAVES = rule
-                    try:
-                        fn()
-                        us = graph_replay_us(fn)
-                    finally:
-                        N.ONE_LAUNCH_MAX_WAVES = saved
-                    gbps = moved / (us * 1e-6) / 1e9
-                    row = dict(op=name, shape=list(shape), dtype=d.name, one_launch_max_waves=rule,
-                               us=us, gbps=gbps, pct_copy=100 * gbps / copy)
-                    rows.append(row)
-                    print(f"{name:<11}{str(shape):<14}{d.name:<9} max_waves={rule!s:<5}"
-                          f"{us:9.1f} us {gbps:7.0f} GB/s {100 * gbps / copy:5.1f}%", flush=True)
+    _long_rows(fw, copy, rows)
+    _rows_4096(fw, copy, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": rows}, f,

@@ -6,68 +6,130 @@
 // shuffles instead cost 4-8 more registers (one fewer resident block per SM at 4096-wide rows)
 // and spilled on some archs. Row layout and phases: norms/norm_rows.cuh.
 #include "norms/norm_rows.cuh"
+#include "norms/norm_ring.cuh"
 
 namespace gpuops {
 
-// Count, mean and M2 of the block's chunk (of a warp's row when !block_rows): two passes.
-template <int VEC, int PACKS>
-__device__ __forceinline__ MeanM2 chunk_stats(const float (&v)[PACKS][VEC], int u0, int units,
-                                              int chunk, bool block_rows, float* scratch) {
+// Count, mean and M2 of the block's chunk (of a warp's row when !block_rows): two passes over
+// each warp's values (sum -> the warp's mean, then squared deviations from it; shuffles only),
+// then a block's warps merge their (count, mean, M2) through shared memory, every thread the same
+// warps in the same order (Chan): one exchange (two barriers) per row, as rms_norm's one sum,
+// instead of a block-wide mean before the deviations. The values of a thread stay in registers.
+template <int VEC, int PACKS, class Src>
+__device__ __forceinline__ MeanM2 chunk_stats(const Src& v, int u0, int units, bool block_rows,
+                                              float* scratch) {
   const int step = static_cast<int>(blockDim.x);
-  const int chunk_units = step * PACKS;
-  MeanM2 s;
-  s.n = static_cast<float>(VEC * max(0, min(units - chunk * chunk_units, chunk_units)));
-  float t[1] = {0.0f};
+  float t[2] = {0.0f, 0.0f};                     // sum, count of the valid values
 #pragma unroll
   for (int p = 0; p < PACKS; ++p) {
+    if (u0 + p * step < units) t[1] += static_cast<float>(VEC);
+    float f[VEC];
+    v.get(p, f);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) t[0] += v[p][j];   // past the end: 0
+    for (int j = 0; j < VEC; ++j) t[0] += f[j];   // past the end: 0
   }
-  if (block_rows) block_sum_n<1>(t, scratch);
-  else warp_sum_n<1>(t);
-  s.mean = s.n > 0.0f ? t[0] / s.n : 0.0f;
-  t[0] = 0.0f;
+  warp_sum_n<2>(t);
+  MeanM2 s;
+  s.n = t[1];
+  s.mean = s.n > 0.0f ? t[0] * fast_rcp(s.n) : 0.0f;
+  float q[1] = {0.0f};
 #pragma unroll
   for (int p = 0; p < PACKS; ++p) {
     if (u0 + p * step < units) {
+      float f[VEC];
+      v.get(p, f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = v[p][j] - s.mean;
-        t[0] = fmaf(d, d, t[0]);
+        const float d = f[j] - s.mean;
+        q[0] = fmaf(d, d, q[0]);
       }
     }
   }
-  if (block_rows) block_sum_n<1>(t, scratch);
-  else warp_sum_n<1>(t);
-  s.m2 = t[0];
-  return s;
+  warp_sum_n<1>(q);
+  s.m2 = q[0];
+  if (!block_rows) return s;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();                               // (scratch may still be read by a prior use)
+  if (lane == 0) {
+    scratch[warp] = s.n;
+    scratch[32 + warp] = s.mean;
+    scratch[64 + warp] = s.m2;
+  }
+  __syncthreads();
+  MeanM2 acc = {scratch[0], scratch[32], scratch[64]};
+  for (int i = 1; i < warps; ++i) acc = welford_merge(acc, MeanM2{scratch[i], scratch[32 + i],
+                                                                  scratch[64 + i]});
+  return acc;
 }
 
-// y = (v - mean) * rstd * w + b for this thread's units of the row.
-template <class T, int VEC, int PACKS>
-__device__ __forceinline__ void normalize_store(float (&v)[PACKS][VEC], float mean, float rstd,
-                                                const T* w, const T* b, T* y_row, int u0,
-                                                int units) {
+// w and b at this thread's units. Where they take at most 16 registers (up to two 16-byte packs:
+// the [*, 4096] 16-bit case), they are loaded ahead, with the row: their L2 round trip overlaps
+// the row's DRAM one and the statistics; else in groups of two packs when applied; kTight (a
+// caller with two row buffers live): one pack at a time.
+template <class T, int VEC, int PACKS, bool kTight = false>
+struct AffineParams {
+  using R = RawUnit<T, VEC>;
+  using Raw = typename R::type;
+  static constexpr bool kAhead = !kTight && VEC > 1 && PACKS <= 2;
+  static constexpr int kGroup = kAhead ? PACKS : kTight ? 1 : PACKS < 2 ? PACKS : 2;
+  static constexpr int kHeld = kAhead ? PACKS : 1;
+  Raw wr[kHeld], br[kHeld];
+
+  __device__ __forceinline__ void load_ahead(const T* w, const T* b, int u0, int units) {
+    if (kAhead) {
+      if (w != nullptr) load_params<T, VEC, kHeld>(w, u0, 0, units, wr);
+      if (b != nullptr) load_params<T, VEC, kHeld>(b, u0, 0, units, br);
+    }
+  }
+};
+
+// y = (v - mean) * rstd * w + b for this thread's units of the row, w and b from `ahead` (loaded
+// earlier) or loaded here, all of a group of packs before the first is used (one L2 round trip
+// per group: a pack's branch kept the compiler from hoisting the next pack's loads).
+template <class T, int VEC, int PACKS, bool kTight, class Src>
+__device__ __forceinline__ void normalize_store(const Src& v, float mean, float rstd, const T* w,
+                                                const T* b,
+                                                const AffineParams<T, VEC, PACKS, kTight>& ahead,
+                                                T* y_row, int u0, int units) {
+  using A = AffineParams<T, VEC, PACKS, kTight>;
+  using R = RawUnit<T, VEC>;
+  constexpr int G = A::kGroup;
 #pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-    const int u = u0 + p * static_cast<int>(blockDim.x);
-    if (u < units) {
-      const long long e = static_cast<long long>(u) * VEC;
+  for (int p0 = 0; p0 < PACKS; p0 += G) {
+    typename R::type wr[G], br[G];
+    if (A::kAhead) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[p][j] = (v[p][j] - mean) * rstd;
-      if (w != nullptr) {
-        float wv[VEC];
-        Unit<T, VEC>::load(w + e, wv);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+      for (int g = 0; g < G; ++g) {
+        wr[g] = ahead.wr[A::kAhead ? p0 + g : 0];
+        br[g] = ahead.br[A::kAhead ? p0 + g : 0];
       }
-      if (b != nullptr) {
-        float bv[VEC];
-        Unit<T, VEC>::load(b + e, bv);
+    } else {
+      if (w != nullptr) load_params<T, VEC, G>(w, u0, p0, units, wr);
+      if (b != nullptr) load_params<T, VEC, G>(b, u0, p0, units, br);
+    }
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[p][j] += bv[j];
+    for (int g = 0; g < G; ++g) {
+      const int p = p0 + g;
+      const int u = u0 + p * static_cast<int>(blockDim.x);
+      if (u < units) {
+        float f[VEC];
+        v.get(p, f);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = (f[j] - mean) * rstd;
+        if (w != nullptr) {
+          float wv[VEC];
+          R::unpack(wr[g], wv);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) f[j] *= wv[j];
+        }
+        if (b != nullptr) {
+          float bv[VEC];
+          R::unpack(br[g], bv);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) f[j] += bv[j];
+        }
+        Unit<T, VEC>::store(y_row + static_cast<long long>(u) * VEC, f);
       }
-      Unit<T, VEC>::store(y_row + e, v[p]);
     }
   }
 }
@@ -103,14 +165,17 @@ layer_norm_fwd(const T* x, long long x_stride, T* y, long long y_stride, const T
   const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN, as torch
 
   for (long long row = map.first; row < rows; row += map.step) {
-    float v[PACKS][VEC];
-    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, v);
+    RawTile<T, VEC, PACKS> xt;                       // raw: half the registers of 16-bit floats
+    xt.load(x + row * x_stride, u0, units);
+    const RawPacks<T, VEC, PACKS> v{xt};
+    AffineParams<T, VEC, PACKS> ahead;
+    if (phase != kPartials) ahead.load_ahead(w, b, u0, units);
     float mean, rstd;
     if (phase == kApply) {
       mean = mean_out[row];
       rstd = rstd_out[row];
     } else {
-      const MeanM2 s = chunk_stats<VEC, PACKS>(v, u0, units, map.chunk, block_rows, scratch);
+      const MeanM2 s = chunk_stats<VEC, PACKS>(v, u0, units, block_rows, scratch);
       if (C > 1) {   // kPartials
         float* row_partials = partials + row * C * 3;
         const float mine[3] = {s.n, s.mean, s.m2};
@@ -126,7 +191,7 @@ layer_norm_fwd(const T* x, long long x_stride, T* y, long long y_stride, const T
         rstd_out[row] = rstd;
       }
     }
-    normalize_store<T, VEC, PACKS>(v, mean, rstd, w, b, y + row * y_stride, u0, units);
+    normalize_store<T, VEC, PACKS>(v, mean, rstd, w, b, ahead, y + row * y_stride, u0, units);
   }
 }
 
@@ -140,7 +205,8 @@ __device__ __forceinline__ void layer_norm_split_row(
     float* mean_out, float* rstd_out, float* partials, unsigned* counters, long long rows,
     int C, int chunk, int u0, int units, float inv_n, float eps, float* scratch,
     unsigned* flag) {
-  const MeanM2 s = chunk_stats<VEC, PACKS>(cur, u0, units, chunk, true, scratch);
+  const MeanM2 s = chunk_stats<VEC, PACKS>(FloatPacks<VEC, PACKS>{cur}, u0, units, true,
+                                            scratch);
   float* row_partials = partials + row * C * 3;
   const float mine[3] = {s.n, s.mean, s.m2};
   const unsigned before = split_arrive<3>(row_partials + 3 * chunk, mine, counters + row, flag);
@@ -152,7 +218,9 @@ __device__ __forceinline__ void layer_norm_split_row(
   split_wait(counters + row, static_cast<unsigned>(C + 1));
   const float mean = load_cg(mean_out + row);
   const float rstd = load_cg(rstd_out + row);
-  normalize_store<T, VEC, PACKS>(cur, mean, rstd, w, b, y + row * y_stride, u0, units);
+  AffineParams<T, VEC, PACKS, true> none;   // (two row buffers are live here: pack by pack)
+  normalize_store<T, VEC, PACKS>(FloatPacks<VEC, PACKS>{cur}, mean, rstd, w, b, none,
+                                 y + row * y_stride, u0, units);
 }
 
 // Split rows in one launch (C > 1, every block of the grid resident; arguments as
@@ -184,6 +252,135 @@ layer_norm_split(const T* x, long long x_stride, T* y, long long y_stride,
                                         map.chunk, u0, units, inv_n, eps, scratch, &flag);
     row += map.step;
   }
+}
+
+// Split rows in one pass over memory, tiles held in a ring of shared memory (norms/norm_ring.cuh):
+// the policy of ring_rows for layer_norm. A tile's partial is its (count, mean, M2): two passes
+// over each pack, Chan merges of the packs, of the block's threads, and (the row's last block)
+// of the row's C tiles in a fixed order.
+template <class T, int VEC, int PACKS>
+struct LayerNormRing {
+  using Elem = T;
+  using R = RawUnit<T, VEC>;
+  using Raw = typename R::type;
+  static constexpr int kVec = VEC, kPacks = PACKS, K = 3;
+  static constexpr int kDrainGroup = PACKS <= 2 ? PACKS : 2;   // packs per round of w, b loads
+  const T* x;
+  long long xs;
+  T* y;
+  long long ys;
+  const T* w;
+  const T* b;
+  float* mean;
+  float* rstd;
+  float inv_n, eps;
+  RawTile<T, VEC, PACKS> xt;
+
+  __device__ __forceinline__ void issue(long long row, int u0, int units) {
+    xt.load(x + row * xs, u0, units);
+  }
+
+  // Each pack: two passes over its VEC values (mean, then squared deviations), merged into the
+  // thread's triple (Chan): only one pack's values live at a time.
+  __device__ __forceinline__ void land(Raw* slot, long long, int u0, int units,
+                                       float (&part)[3]) {
+    MeanM2 acc = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      slot[p * blockDim.x] = xt.u[p];
+      if (u0 + p * static_cast<int>(blockDim.x) < units) {
+        float f[VEC];
+        R::unpack(xt.u[p], f);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum += f[j];
+        const float m = sum * (1.0f / VEC);          // exact reciprocal: VEC is 1, 4 or 8
+        float m2 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = f[j] - m;
+          m2 = fmaf(d, d, m2);
+        }
+        acc = welford_merge(acc, MeanM2{static_cast<float>(VEC), m, m2});
+      }
+    }
+    part[0] = acc.n;
+    part[1] = acc.mean;
+    part[2] = acc.m2;
+  }
+
+  __device__ __forceinline__ void reduce(float (&part)[3], float* scratch) {
+    const MeanM2 s = block_welford(MeanM2{part[0], part[1], part[2]}, scratch);
+    part[0] = s.n;
+    part[1] = s.mean;
+    part[2] = s.m2;
+  }
+
+  __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,
+                                        float* scratch) {
+    merge_row_stats(row_partials, C, inv_n, eps, mean + row, rstd + row, scratch);
+  }
+
+  __device__ __forceinline__ void drain(const Raw* slot, long long row, int u0, int units) {
+    const float mu = load_cg(mean + row);
+    const float s = load_cg(rstd + row);
+    T* y_row = y + row * ys;
+#pragma unroll
+    for (int p0 = 0; p0 < PACKS; p0 += kDrainGroup) {
+      Raw wr[kDrainGroup], br[kDrainGroup];
+      if (w != nullptr) load_params<T, VEC, kDrainGroup>(w, u0, p0, units, wr);
+      if (b != nullptr) load_params<T, VEC, kDrainGroup>(b, u0, p0, units, br);
+#pragma unroll
+      for (int g = 0; g < kDrainGroup; ++g) {
+        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
+        if (unit < units) {
+          float f[VEC];
+          R::unpack(slot[(p0 + g) * blockDim.x], f);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) f[j] = (f[j] - mu) * s;
+          if (w != nullptr) {
+            float wf[VEC];
+            R::unpack(wr[g], wf);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
+          }
+          if (b != nullptr) {
+            float bf[VEC];
+            R::unpack(br[g], bf);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] += bf[j];
+          }
+          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
+        }
+      }
+    }
+  }
+};
+
+// Split rows, one pass (arguments as layer_norm_fwd; mean_out and rstd_out required; C tiles of
+// blockDim.x * PACKS units per row, D ring slots in the dynamic shared memory of
+// kRingHeaderBytes + D * blockDim.x * PACKS * sizeof(unit) bytes). Every block of the grid must
+// be resident at once.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(512, 2)
+layer_norm_ring(const T* x, long long x_stride, T* y, long long y_stride, const T* __restrict__ w,
+                const T* __restrict__ b, float* mean_out, float* rstd_out,
+                float* __restrict__ partials, unsigned* __restrict__ counters, long long rows,
+                int n, int C, int D, float eps) {
+  extern __shared__ uint4 ring_smem[];
+  LayerNormRing<T, VEC, PACKS> pol;
+  pol.x = x;
+  pol.xs = x_stride;
+  pol.y = y;
+  pol.ys = y_stride;
+  pol.w = w;
+  pol.b = b;
+  pol.mean = mean_out;
+  pol.rstd = rstd_out;
+  pol.inv_n = 1.0f / static_cast<float>(n);
+  pol.eps = eps;
+  ring_rows(pol, rows, n / VEC, C, D, partials, counters,
+            reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

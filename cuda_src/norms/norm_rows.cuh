@@ -62,6 +62,79 @@ struct Unit<T, 1> {
   }
 };
 
+// A unit as raw bits (in flight, or held in shared memory by norm_ring.cuh): the 16-byte pack,
+// or the element itself.
+template <class T, int VEC>
+struct RawUnit {
+  using type = uint4;
+  static __device__ __forceinline__ uint4 load(const T* p) { return load16(p); }
+  static __device__ __forceinline__ uint4 zero() { return make_uint4(0u, 0u, 0u, 0u); }
+  static __device__ __forceinline__ void unpack(const uint4& r, float (&f)[VEC]) {
+    Vec16<T>::unpack(r, f);
+  }
+  static __device__ __forceinline__ uint4 pack(const float (&f)[VEC]) { return Vec16<T>::pack(f); }
+  static __device__ __forceinline__ void store(T* p, const uint4& r) { store16(p, r); }
+};
+
+template <class T>
+struct RawUnit<T, 1> {
+  using type = T;
+  static __device__ __forceinline__ T load(const T* p) { return *p; }
+  static __device__ __forceinline__ T zero() { return from_float<T>(0.0f); }
+  static __device__ __forceinline__ void unpack(const T& r, float (&f)[1]) { f[0] = to_float(r); }
+  static __device__ __forceinline__ T pack(const float (&f)[1]) { return from_float<T>(f[0]); }
+  static __device__ __forceinline__ void store(T* p, const T& r) { *p = r; }
+};
+
+// Loads of `w` (and `b`) for packs p0 .. p0 + G - 1 of a tile, all issued before the first is
+// used: one L2 round trip per group of packs, not one per pack.
+template <class T, int VEC, int G>
+__device__ __forceinline__ void load_params(const T* w, int u0, int p0, int units,
+                                            typename RawUnit<T, VEC>::type (&wr)[G]) {
+  using R = RawUnit<T, VEC>;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
+    wr[g] = unit < units ? R::load(w + static_cast<long long>(unit) * VEC) : R::zero();
+  }
+}
+
+// This thread's units of a row (or of a tile, norm_ring.cuh) as raw bits in registers (loads in
+// flight until first used): 16-bit values take half the registers of floats.
+template <class T, int VEC, int PACKS>
+struct RawTile {
+  using R = RawUnit<T, VEC>;
+  typename R::type u[PACKS];
+
+  // Units past the row's end read as zero (+0.0: no contribution to sums).
+  __device__ __forceinline__ void load(const T* row, int u0, int units) {
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      const int unit = u0 + p * static_cast<int>(blockDim.x);
+      u[p] = unit < units ? R::load(row + static_cast<long long>(unit) * VEC) : R::zero();
+    }
+  }
+};
+
+// A thread's packs as floats, pack by pack (get(p, f)): from a float array, or converted from raw
+// units on each use (a shift for bf16, cvt for fp16, nothing for fp32).
+template <int VEC, int PACKS>
+struct FloatPacks {
+  const float (&v)[PACKS][VEC];
+  __device__ __forceinline__ void get(int p, float (&f)[VEC]) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = v[p][j];
+  }
+};
+
+template <class T, int VEC, int PACKS>
+struct RawPacks {
+  const RawTile<T, VEC, PACKS>& t;
+  __device__ __forceinline__ void get(int p, float (&f)[VEC]) const {
+    RawUnit<T, VEC>::unpack(t.u[p], f);
+  }
+};
+
 // The rows of this thread (first, first + step, ...) and its block's chunk of them.
 struct RowMap {
   int chunk;

@@ -7,6 +7,7 @@
 // rounded once (HF rounds h * rstd to T before multiplying by w: within one rounding of this).
 // Row layout and phases: norms/norm_rows.cuh.
 #include "norms/norm_rows.cuh"
+#include "norms/norm_ring.cuh"
 
 namespace gpuops {
 
@@ -35,24 +36,33 @@ __device__ __forceinline__ float sum_squares(const float (&v)[PACKS][VEC]) {
   return ss;
 }
 
-// y = v * rstd * w for this thread's units of the row.
-template <class T, int VEC, int PACKS>
+// y = v * rstd * w for this thread's units of the row. The loads of w go out in groups of GROUP
+// packs (default two), all of a group before the first is used: one L2 round trip per group, not
+// one per pack (a pack's branch kept the compiler from hoisting the next pack's load).
+template <class T, int VEC, int PACKS, int GROUP = 2>
 __device__ __forceinline__ void scale_store(float (&v)[PACKS][VEC], float rstd, const T* w,
                                             T* y_row, int u0, int units) {
+  using R = RawUnit<T, VEC>;
+  constexpr int G = PACKS < GROUP ? PACKS : GROUP;
 #pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-    const int u = u0 + p * static_cast<int>(blockDim.x);
-    if (u < units) {
-      const long long e = static_cast<long long>(u) * VEC;
+  for (int p0 = 0; p0 < PACKS; p0 += G) {
+    typename R::type wr[G];
+    if (w != nullptr) load_params<T, VEC, G>(w, u0, p0, units, wr);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;
-      if (w != nullptr) {
-        float wv[VEC];
-        Unit<T, VEC>::load(w + e, wv);
+    for (int g = 0; g < G; ++g) {
+      const int p = p0 + g;
+      const int u = u0 + p * static_cast<int>(blockDim.x);
+      if (u < units) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+        for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;
+        if (w != nullptr) {
+          float wv[VEC];
+          R::unpack(wr[g], wv);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+        }
+        Unit<T, VEC>::store(y_row + static_cast<long long>(u) * VEC, v[p]);
       }
-      Unit<T, VEC>::store(y_row + e, v[p]);
     }
   }
 }
@@ -140,7 +150,8 @@ __device__ __forceinline__ void rms_norm_split_row(
     split_release(counters + row);
   }
   split_wait(counters + row, static_cast<unsigned>(C + 1));
-  scale_store<T, VEC, PACKS>(cur, load_cg(rstd_out + row), w, y + row * y_stride, u0, units);
+  // (three row buffers live: w pack by pack)
+  scale_store<T, VEC, PACKS, 1>(cur, load_cg(rstd_out + row), w, y + row * y_stride, u0, units);
 }
 
 // Split rows in one launch (C > 1, every block of the grid resident; arguments as rms_norm_fwd,
@@ -177,6 +188,123 @@ rms_norm_split(const T* x, long long x_stride, const T* r, long long r_stride, T
                                             inv_n, eps, scratch, &flag);
     row += map.step;
   }
+}
+
+// Split rows in one pass over memory, tiles held in a ring of shared memory (norms/norm_ring.cuh):
+// the policy of ring_rows for rms_norm (kAdd: add_rms_norm, h formed and stored as tiles land).
+template <class T, int VEC, int PACKS, bool kAdd>
+struct RmsNormRing {
+  using Elem = T;
+  using R = RawUnit<T, VEC>;
+  using Raw = typename R::type;
+  static constexpr int kVec = VEC, kPacks = PACKS, K = 1;
+  static constexpr int kDrainGroup = PACKS <= 4 ? PACKS : 4;   // packs per round of w loads
+  const T* x;
+  long long xs;
+  const T* r;
+  long long rs;
+  T* y;
+  long long ys;
+  T* h;
+  long long hs;
+  const T* w;
+  float* rstd;
+  float inv_n, eps;
+  RawTile<T, VEC, PACKS> xt;
+  RawTile<T, VEC, kAdd ? PACKS : 1> rt;
+
+  __device__ __forceinline__ void issue(long long row, int u0, int units) {
+    xt.load(x + row * xs, u0, units);
+    if (kAdd) rt.load(r + row * rs, u0, units);
+  }
+
+  __device__ __forceinline__ void land(Raw* slot, long long row, int u0, int units,
+                                       float (&part)[1]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      float f[VEC];
+      Raw keep = xt.u[p];
+      R::unpack(keep, f);
+      if (kAdd) {                      // h = x + r, rounded to T: stored, held, normalized
+        float g[VEC];
+        R::unpack(rt.u[kAdd ? p : 0], g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] += g[j];
+        keep = R::pack(f);
+        R::unpack(keep, f);
+        const int unit = u0 + p * static_cast<int>(blockDim.x);
+        if (unit < units) R::store(h + row * hs + static_cast<long long>(unit) * VEC, keep);
+      }
+      slot[p * blockDim.x] = keep;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) ss = fmaf(f[j], f[j], ss);   // past the end: 0
+    }
+    part[0] = ss;
+  }
+
+  __device__ __forceinline__ void reduce(float (&part)[1], float* scratch) {
+    block_sum_n<1>(part, scratch);
+  }
+
+  __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,
+                                        float* scratch) {
+    merge_row_rstd(row_partials, C, inv_n, eps, rstd + row, scratch);
+  }
+
+  __device__ __forceinline__ void drain(const Raw* slot, long long row, int u0, int units) {
+    const float s = load_cg(rstd + row);
+    T* y_row = y + row * ys;
+#pragma unroll
+    for (int p0 = 0; p0 < PACKS; p0 += kDrainGroup) {
+      Raw wr[kDrainGroup];
+      if (w != nullptr) load_params<T, VEC, kDrainGroup>(w, u0, p0, units, wr);
+#pragma unroll
+      for (int g = 0; g < kDrainGroup; ++g) {
+        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
+        if (unit < units) {
+          float f[VEC];
+          R::unpack(slot[(p0 + g) * blockDim.x], f);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) f[j] *= s;
+          if (w != nullptr) {
+            float wf[VEC];
+            R::unpack(wr[g], wf);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
+          }
+          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
+        }
+      }
+    }
+  }
+};
+
+// Split rows, one pass (arguments as rms_norm_fwd; rstd_out required; C tiles of blockDim.x *
+// PACKS units per row, D ring slots in the dynamic shared memory of kRingHeaderBytes + D *
+// blockDim.x * PACKS * sizeof(unit) bytes). Every block of the grid must be resident at once.
+template <class T, int VEC, int PACKS, bool kAdd>
+__global__ void __launch_bounds__(512, 2)
+rms_norm_ring(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+              long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+              float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
+              long long rows, int n, int C, int D, float eps) {
+  extern __shared__ uint4 ring_smem[];
+  RmsNormRing<T, VEC, PACKS, kAdd> pol;
+  pol.x = x;
+  pol.xs = x_stride;
+  pol.r = r;
+  pol.rs = r_stride;
+  pol.y = y;
+  pol.ys = y_stride;
+  pol.h = h;
+  pol.hs = h_stride;
+  pol.w = w;
+  pol.rstd = rstd_out;
+  pol.inv_n = 1.0f / static_cast<float>(n);
+  pol.eps = eps;
+  ring_rows(pol, rows, n / VEC, C, D, partials, counters,
+            reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

@@ -4,9 +4,11 @@ decoder layers, fused), forward and backward.
 Kernels: cuda_src/norms/*.cu, on the row machinery of cuda_src/norms/norm_rows.cuh. A row
 (``prod(normalized_shape)`` elements) is held in registers by one block (rows up to 8192-32768
 elements: read once, written once), or by several blocks that exchange partial statistics through
-global memory (longer rows: one launch when all their blocks can be resident at once, which keeps
-every element in registers between the read and the write; otherwise two launches, the second
-reading the row again). Statistics and all math are fp32 for fp32/fp16/bf16 storage; the
+global memory. Longer rows in the forward ops: one launch whose grid is resident at once, each
+block holding its tiles of the rows in a ring of shared memory until their rows' statistics are
+in (norm_ring.cuh: read once, written once; ``LONG_ROWS``); where that does not fit, and in the
+backward, the split kernels (one launch when a row's blocks fit at once, else two launches, the
+second reading the row again). Statistics and all math are fp32 for fp32/fp16/bf16 storage; the
 variance is merged from (count, mean, M2) triples (Welford/Chan), never E[x^2] - E[x]^2.
 
 The ``*_forward`` ops also return the per-row statistics (fp32) that the ``*_backward`` ops take;
@@ -60,7 +62,10 @@ class Kind:
     Split rows run in one launch when all their blocks fit on the device at once: with the
     pipelined ``split_template`` kernel (two buffers of ``split_cap`` values per thread) where
     there is one, else with ``template`` and phase kFused; otherwise in two launches of
-    ``template`` (kPartials, kApply).
+    ``template`` (kPartials, kApply). The forward kinds also have a ``ring_template``
+    (norm_ring.cuh), the first choice for split rows: tiles of up to ``ring_threads`` threads x
+    ``ring_packs`` packs (2x as many single elements), which bounds its registers under
+    __launch_bounds__(512, 2).
     """
     name: str
     template: str          # format fields: t (C++ type), v (VEC), p (PACKS)
@@ -73,14 +78,21 @@ class Kind:
     stats: int             # floats of a block's partial (row_split.cuh)
     split_template: str | None = None
     split_cap: int = 8
+    ring_template: str | None = None
+    ring_packs: int = 4
+    ring_threads: int = 512
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
-                  True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>")
+                  True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>",
+                  ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
-                True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>")
+                True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>",
+                ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>")
+# (x and r in flight: half the packs per tile)
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
-                    256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>")
+                    256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>",
+                    ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2)
 LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
                       512, False, True, 2)
 RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
@@ -96,6 +108,13 @@ FORCE_TWO_LAUNCHES = False
 # copy); two launches (partials, then apply re-reading the rows, last-read first, from L2) keep
 # the whole device streaming. None: the old rule (one launch whenever C <= capacity).
 ONE_LAUNCH_MAX_WAVES = 1
+# Split rows of the forward ops: "ring" (one pass over memory, norm_ring.cuh; the split rules
+# below where it does not fit) or "split" (the run-6 plans only: ONE_LAUNCH_MAX_WAVES and
+# FORCE_TWO_LAUNCHES decide one launch or two). Both stay selectable for A/B runs
+# (benchmarks/experiments/norms_long_rows.py).
+LONG_ROWS = "ring"
+RING_MAX_DEPTH = 8          # ring slots per block, at most
+RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 
 
 def _vec_width(d) -> int:
@@ -114,6 +133,11 @@ def split_packs(kind: Kind, vec: int) -> int:
     return max(1, kind.split_cap // vec) if vec > 1 else kind.split_cap // 2
 
 
+def ring_packs(kind: Kind, vec: int) -> int:
+    """PACKS of the ring kernel: 16-byte packs, or twice as many single elements."""
+    return kind.ring_packs if vec > 1 else 2 * kind.ring_packs
+
+
 def _exprs(kind: Kind) -> dict:
     return {(d, v, p): kind.template.format(t=d.ctype, v=v, p=p)
             for d in dt.FLOATS for v in (_vec_width(d), 1) for p in packs_options(kind, v)}
@@ -126,17 +150,26 @@ def _split_exprs(kind: Kind) -> dict:
             for d in dt.FLOATS for v in (_vec_width(d), 1)}
 
 
+def _ring_exprs(kind: Kind) -> dict:
+    if kind.ring_template is None:
+        return {}
+    return {(d, v): kind.ring_template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
+            for d in dt.FLOATS for v in (_vec_width(d), 1)}
+
+
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
+_RING_EXPRS = {k.name: _ring_exprs(k) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
-    {e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS) for e in table["layer_norm"].values()})
+    {e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
+     for e in table["layer_norm"].values()})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
-    {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS) for k in ("rms_norm", "add_rms_norm")
-     for e in table[k].values()})
+    {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
+     for k in ("rms_norm", "add_rms_norm") for e in table[k].values()})
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -239,6 +272,108 @@ def _grid(plan: Plan, rows: int, persistent: bool):
     C = plan.C
     slots = max(1, min(rows, 4 * plan.capacity // C, ((1 << 31) - 1) // C))
     return plan, C * slots, (PARTIALS, APPLY)
+
+
+@dataclass
+class RingPlan:
+    """A ring kernel (norm_ring.cuh) for one row length: C tiles of threads x packs units per
+    row, `depth` slots of shared memory per block (`smem` bytes), `capacity` blocks resident."""
+    kernel: object
+    threads: int
+    packs: int
+    C: int
+    depth: int
+    smem: int
+    capacity: int
+    kind: object = None
+
+
+def ring_shape(kind: Kind, vec: int, n: int, itemsize: int, max_threads: int | None = None):
+    """(threads, packs, tiles per row C, bytes of a tile) of the ring kernel for rows of n: C from
+    tiles of ring_threads (or max_threads) threads, then the fewest threads (a multiple of 32)
+    whose C tiles still cover the row, so that a row's last tile is not mostly empty."""
+    units = n // vec
+    packs = ring_packs(kind, vec)
+    C = max(1, -(-units // ((max_threads or kind.ring_threads) * packs)))
+    threads = max(32, -(-(-(-units // (C * packs))) // 32) * 32)
+    return threads, packs, C, threads * packs * (16 if vec > 1 else itemsize)
+
+
+def _resident_per_sm(kernel, threads: int, smem: int) -> int:
+    """Blocks of `kernel` resident per SM with `smem` bytes of dynamic shared memory each (0 where
+    none fits). The kernel's limit is raised first, and its carveout preference set to the most
+    shared memory: the ring's co-residency must not depend on the driver's L1/shared split."""
+    raw = getattr(kernel, "raw", None)
+    if raw is not None:
+        if smem > 48 * 1024:
+            kernel._raise_smem_limit(smem)
+        try:
+            raw.preferred_shared_memory_carveout = 100
+        except Exception:  # noqa: BLE001  (a hint; older drivers/CuPy lack it)
+            pass
+    try:
+        return loader.blocks_per_sm(kernel, threads, smem)
+    except RuntimeError:           # (the calculator's 0: this much shared memory does not fit)
+        return 0
+
+
+def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int):
+    """The RingPlan of a row length (cached), or None where no block of 2+ slots fits: two blocks
+    per SM with the most slots that allow it (one streams while the other synchronizes), else
+    one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB)."""
+    kind = TUNING[kind_name]
+    if kind.ring_template is None:
+        return None
+    key = ("ring", kind_name, dtype, vec, n, dev)
+    hit = _plans.get(key)
+    if hit is not None and hit[0] is kind:
+        return hit[1]
+    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(_RING_EXPRS[kind_name][(dtype, vec)])
+    info = device.device_info(dev)
+    limit = max(48 * 1024, info.max_smem_per_block_optin)
+    plan = None
+    tries = [kind.ring_threads] + [t for t in (256, 128) if t < kind.ring_threads]
+    for max_threads in tries:
+        if plan is not None:
+            break
+        threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
+        for per_sm in (2, 1):
+            for depth in range(RING_MAX_DEPTH, 1, -1):
+                smem = RING_HEADER_BYTES + depth * tile_bytes
+                if smem > limit:
+                    continue
+                fit = _resident_per_sm(kernel, threads, smem)
+                if fit >= per_sm:
+                    plan = RingPlan(kernel, threads, packs, C, depth, smem,
+                                    fit * info.sm_count, kind)
+                    break
+            if plan is not None:
+                break
+    _plans[key] = (kind, plan)
+    return plan
+
+
+def _ring_grid(ring, rows: int):
+    """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
+    (all resident), tiles spread evenly, and no block holding more than `depth` tiles of one row
+    (norm_ring.cuh: forward progress)."""
+    if ring is None:
+        return None
+    tiles = rows * ring.C
+    per_block = -(-tiles // ring.capacity)
+    grid = -(-tiles // per_block)
+    if -(-ring.C // grid) > ring.depth or grid > (1 << 31) - 1:
+        return None
+    return grid
+
+
+def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
+    """(RingPlan, grid) when split rows take the ring kernel, else None."""
+    if plan.C == 1 or LONG_ROWS != "ring":
+        return None
+    ring = _ring_plan(kind_name, dtype, vec, n, dev)
+    grid = _ring_grid(ring, rows)
+    return None if grid is None else (ring, grid)
 
 
 def _split_workspace(call, rows: int, C: int, K: int, extra: int):
@@ -423,7 +558,18 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     w, b = _vector(call, weight), _vector(call, bias)
     dtype = call.result_dtype
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, ((x.ptr, xs), (y.ptr, ys)), (w, b)) else 1
-    plan, grid, phases = _grid(_plan("layer_norm", dtype, vec, n, call.device), rows, False)
+    plan = _plan("layer_norm", dtype, vec, n, call.device)
+    ring = _long_rows_ring("layer_norm", plan, dtype, vec, n, rows, call.device)
+    if ring is not None:
+        ring, grid = ring
+        ws, counters, partials, stats = _split_workspace(call, rows, ring.C, 3,
+                                                         2 * rows if mean is None else 0)
+        mp, rp = (stats, stats + 4 * rows) if mean is None else (mean.ptr, rstd.ptr)
+        ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
+                           _ptr(w), _ptr(b), mp, rp, partials, counters, rows, n, ring.C,
+                           ring.depth, eps, smem=ring.smem)
+        return y, mean, rstd
+    plan, grid, phases = _grid(plan, rows, False)
     mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0
     if plan.C > 1:     # split rows carry their statistics in mean/rstd, or in the workspace
         extra = 2 * rows if mean is None else 0
@@ -456,7 +602,18 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     operands = [(x.ptr, xs), (y.ptr, ys)] + ([(r.ptr, rs), (h.ptr, hs)] if r is not None else [])
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, operands, (w,)) else 1
     kind = "add_rms_norm" if residual is not None else "rms_norm"
-    plan, grid, phases = _grid(_plan(kind, dtype, vec, n, call.device), rows, False)
+    plan = _plan(kind, dtype, vec, n, call.device)
+    ring = _long_rows_ring(kind, plan, dtype, vec, n, rows, call.device)
+    if ring is not None:
+        ring, grid = ring
+        ws, counters, partials, stats = _split_workspace(call, rows, ring.C, 1,
+                                                         rows if rstd is None else 0)
+        rp = stats if rstd is None else rstd.ptr
+        ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
+                           rs, y.ptr, ys, _ptr(h), hs, _ptr(w), rp, partials, counters, rows, n,
+                           ring.C, ring.depth, eps, smem=ring.smem)
+        return y, h, rstd
+    plan, grid, phases = _grid(plan, rows, False)
     rp, partials, counters = _ptr(rstd), 0, 0
     if plan.C > 1:
         extra = rows if rstd is None else 0

@@ -4,7 +4,8 @@
 // thread of a block is a fiber; __syncthreads() is a barrier of the block, warp intrinsics
 // (shuffles, votes, REDUX) exchange values through a barrier of the warp; __shared__ variables are
 // function statics (one copy: blocks run one after another, unless the concurrent schedule is
-// on). Threads that return early drop out of their barriers, as exited threads do on the GPU.
+// on), dynamic shared memory (extern __shared__) is one buffer per block. Threads that return
+// early drop out of their barriers, as exited threads do on the GPU.
 //
 // Tensor-core kernels (cuda_src/common/mma.cuh's host branch): ldmatrix and mma.sync exchange
 // their operands through a per-warp scratch at the warp barrier (warp_collective); shared
@@ -64,8 +65,10 @@ namespace emu {
 //   in order (default): the blocks of a grid run one after another, in blockIdx order;
 //   concurrent (emu_set_schedule(1, seed)): all blocks at once, fibers resumed in a random order
 //     each pass, so warps of different blocks interleave at every warp intrinsic: look-back then
-//     meets predecessors that published only their aggregate, or nothing yet. Only for kernels
-//     without __shared__ memory (a function static is one copy for all blocks).
+//     meets predecessors that published only their aggregate, or nothing yet; blocks that poll
+//     for each other (co-resident grids) need it. Only for kernels without static __shared__
+//     variables (a function static is one copy for all blocks); dynamic shared memory is per
+//     block.
 inline dim3 grid_dim, block_dim;
 inline dim3 thread_idx, block_idx;           // of the running fiber
 inline unsigned char* dynamic_smem = nullptr;  // of the running fiber's block
@@ -510,3 +513,5 @@ inline int __clzll(unsigned long long v) { return v ? __builtin_clzll(v) : 64; }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline int __ffsll(unsigned long long v) { return __builtin_ffsll(static_cast<long long>(v)); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __fmul_rn(float a, float b) { return a * b; }   // (host C++ does not contract)

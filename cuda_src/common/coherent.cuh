@@ -1,0 +1,77 @@
+// Global-memory accesses for values that blocks of one running grid hand to each other (partial
+// statistics, per-row results, arrival counters): data written and read through L2 only (.cg),
+// since L1 is not coherent between SMs, and counters with release/acquire semantics. The data a
+// counter publishes is written by the thread that releases it, and read by the acquiring
+// thread's block after a __syncthreads() that follows the acquire (the pattern of CUTLASS's
+// semaphore). sm_70+: the PTX memory model's .acq_rel / .release / .acquire operations (a
+// MEMBAR.ALL or an L1 invalidate, not the full fence.sc of __threadfence() on either side);
+// sm_61, which has none: full fences. Kept apart from the protocols that use them
+// (row_split.cuh) so that the CPU emulator (tests/emu.py) can replace the PTX here and run those
+// protocols unchanged (its stand-in yields the polling fiber instead of sleeping).
+#pragma once
+
+namespace gpuops {
+
+__device__ __forceinline__ float load_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void store_cg(float* p, float v) {
+  asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
+// Adds v to *p and returns the old value: the caller's earlier writes are visible to whoever
+// acquires the counter after this, and the writes released before the values it passed are
+// visible to the caller.
+__device__ __forceinline__ unsigned counter_add_acq_rel(unsigned* p, unsigned v) {
+#if __CUDA_ARCH__ >= 700
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v)
+               : "memory");
+  return old;
+#else
+  __threadfence();
+  const unsigned old = atomicAdd(p, v);
+  __threadfence();
+  return old;
+#endif
+}
+
+// Adds v to *p; the caller's earlier writes are visible to whoever acquires the new value.
+__device__ __forceinline__ void counter_add_release(unsigned* p, unsigned v) {
+#if __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, v);
+#endif
+}
+
+// One step of a polling loop: a short sleep (sm_70+) that leaves the issue slots to the SM's
+// other warps; a plain re-poll before.
+__device__ __forceinline__ void poll_pause() {
+#if __CUDA_ARCH__ >= 700
+  asm volatile("nanosleep.u32 %0;" ::"r"(64u));
+#endif
+}
+
+// Polls until *counter >= target; then what was released before that value is visible to this
+// thread (sm_70+: acquire loads, which cost no fence; sm_61: volatile loads, then a full fence).
+__device__ __forceinline__ void wait_counter(const unsigned* counter, unsigned target) {
+#if __CUDA_ARCH__ >= 700
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    if (v >= target) break;
+    poll_pause();
+  }
+#else
+  while (*reinterpret_cast<const volatile unsigned*>(counter) < target) {
+  }
+  __threadfence();
+#endif
+}
+
+}  // namespace gpuops
