@@ -432,6 +432,59 @@ def test_wgmma_refuses_what_tma_cannot_read_naming_the_operand():
             G._wgmma_maps(op, p, L, dt.bfloat16)
 
 
+def test_wgmma_launch_packs_its_arguments(monkeypatch):
+    """The host path of a wgmma call down to cuLaunchKernel, without a GPU: the driver's encoder
+    and the kernel are stand-ins; the arguments must pack into the kernel's ArgSpec (two 128-byte
+    maps, then GemmArgs), with the persistent grid, 384 threads and the kernel's shared memory."""
+    launches, encoded = [], []
+
+    class FakeKernel:
+        def launch(self, grid, block, stream, *args, smem=0):
+            buf = bytearray(G.WGMMA_ARGS.size)
+            G.WGMMA_ARGS.struct.pack_into(buf, 0, *args)
+            launches.append((grid, block, stream, args, smem))
+
+    def fake_encode(ptr, dtype, dims, strides, box, *rest):
+        encoded.append((ptr, dims, strides, box))
+        return bytes([len(encoded)]) * 128
+
+    class FakeCall:
+        result_dtype, device, stream = dt.bfloat16, 0, 1234
+
+        def empty(self, shape, dtype):
+            return _view(shape, ptr=1 << 30, dtype=dtype)
+
+    monkeypatch.setattr(G.tma, "encode_tiled", fake_encode)
+    monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
+    monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
+        launches.append(("kernel", module.name, expr)), FakeKernel())[1])
+    G._wgmma_map_cache.clear()
+    a = _view((4096, 2048), dtype=dt.bfloat16)
+    b = _view((2048, 6144), ptr=1 << 24, dtype=dt.bfloat16)
+    bias = _view((6144,), ptr=1 << 28, dtype=dt.bfloat16)
+    out = G.gemm(FakeCall(), "matmul", a, b, bias=bias, activation="gelu", variant="wgmma")
+    assert out.shape == (4096, 6144)
+    (_, name, expr), (grid, block, stream, args, smem) = launches
+    assert name == "gemm.wgmma_bf16"
+    assert expr == "gpuops::gemm::gemm_wgmma<gpuops::bfloat16_t, false, true>"   # B N-major
+    assert grid == (132, 1, 1) and block == (384, 1, 1) and stream == 1234
+    assert smem == G.WGMMA_SMEM
+    assert args[0] == b"\x01" * 128 and args[1] == b"\x02" * 128
+    assert encoded == [(1 << 20, (2048, 4096), (4096,), (64, 128)),
+                       (1 << 24, (6144, 2048), (12288,), (64, 64))]
+    assert args[2:6] == (1 << 20, 1 << 24, 0, 1 << 30) and args[6] == 1 << 28
+    # a repeated call takes the maps from the cache
+    G.gemm(FakeCall(), "matmul", a, b, variant="wgmma")
+    assert len(encoded) == 2
+    # fewer tiles than SMs: one block per tile (2 x 2 tiles of 128 x 256)
+    launches.clear()
+    G.gemm(FakeCall(), "matmul", _view((200, 64), dtype=dt.bfloat16),
+           _view((64, 264), ptr=1 << 24, dtype=dt.bfloat16), variant="wgmma")
+    assert launches[1][0] == (4, 1, 1)
+    G._wgmma_map_cache.clear()
+
+
 def test_wgmma_constants_match_the_kernel():
     """ops/gemm.py's tile, threads and shared-memory size mirror cuda_src/gemm/wgmma.cu."""
     text = (ROOT / "cuda_src/gemm/wgmma.cu").read_text()
@@ -482,6 +535,8 @@ def test_wgmma_module_compiles_for_sm90a(dtype):
     # nvdisasm prints fp16 inputs as the default type (no suffix), bf16 as .BF16
     hgmma = "HGMMA.64x256x16.F32.BF16 " if dtype is dt.bfloat16 else "HGMMA.64x256x16.F32 "
     assert sass.count(hgmma) == 4 * 4, hgmma                  # 4 k16 steps x 4 kernels
+    # the transpose bits: A M-major in 2 of the 4 kernels, B N-major in 2
+    assert sass.count(".tnspA") == 8 and sass.count(".tnspB") == 8
     for op in ("UTMALDG.2D", "UTMALDG.5D", "SYNCS.ARRIVE", "USETMAXREG.DEALLOC",
                "USETMAXREG.TRY_ALLOC", "WARPGROUP.ARRIVE"):
         assert op in sass, op

@@ -153,6 +153,15 @@ def correctness():
     bf = torch.bfloat16
     a = torch.randn(256, 64, device="cuda", dtype=bf)
     b = torch.randn(64, 256, device="cuda", dtype=bf)
+    for name, args in (("a", (256, 64, a.stride(0), a.stride(1), (1, 1, 1), (0, 0, 0),
+                              a.data_ptr(), 2, G.WGMMA_BM)),
+                       ("b", (256, 64, b.stride(1), b.stride(0), (1, 1, 1), (0, 0, 0),
+                              b.data_ptr(), 2, G.WGMMA_BN))):
+        plan = G._wgmma_operand(*args)
+        print(f"     tensor map of {name}: M/N-major={plan[0]} dims={plan[1]} byte strides="
+              f"{plan[2]} box={plan[3] if len(plan) > 3 else ''}", flush=True)
+    print(f"     launch: grid min(tiles, SMs), {G.WGMMA_THREADS} threads, {G.WGMMA_SMEM} B "
+          "dynamic shared memory", flush=True)
     out = run(a, b, "256x256x64 bf16 a @ b")
     if not diagnose(out, a.double() @ b.double(), "256x256x64 bf16 a @ b"):
         guess_pattern(a, b, out)

@@ -653,10 +653,26 @@ def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box):
     return None, "; ".join(reasons)
 
 
+_wgmma_map_cache: dict = {}
+
+
 def _wgmma_maps(op, p: _Plan, L: _Launch, dtype):
-    """The two tensor maps and layouts of a wgmma launch: ((a_mn, map_a), (b_mn, map_b)).
-    Raises ValueError naming the operand TMA cannot read (the caller falls back to 'mma' when
-    the variant was not asked for)."""
+    """The two tensor maps and layouts of a wgmma launch: ((a_mn, map_a), (b_mn, map_b)),
+    remembered per pointers, extents and strides (a model repeats the same GEMMs). Raises
+    ValueError naming the operand TMA cannot read (the caller falls back to 'mma' when the
+    variant was not asked for)."""
+    key = (L.a, L.b, p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.bshape, p.a_sb, p.b_sb,
+           dtype.itemsize)
+    hit = _wgmma_map_cache.get(key)
+    if hit is None:
+        hit = _wgmma_maps_uncached(op, p, L, dtype)
+        if len(_wgmma_map_cache) >= 4096:
+            _wgmma_map_cache.clear()
+        _wgmma_map_cache[key] = hit
+    return hit
+
+
+def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
     names = _OPERAND_NAMES.get(op, ("a", "b"))
     tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
     if tiles >= 2 ** 31 or max(p.M, p.N, p.K) >= 2 ** 31:
