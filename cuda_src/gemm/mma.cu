@@ -459,8 +459,9 @@ struct GemmMma {
     int wr = (STAGES - 1) * kStageBytes;       // the stage being loaded
     // VEC: fragments double-buffered across k steps, the loads of step kk + 1 issued before the
     // mma of step kk (the last step's: after the next stage's barrier). The checked path loads
-    // each step's fragments just before its mma (its loads need the registers).
-    constexpr bool kDB = VEC;
+    // each step's fragments just before its mma (its loads need the registers), and so does TF32
+    // (its fragments take conversions, and scalar loads for M/N-major tiles: spills otherwise).
+    constexpr bool kDB = VEC && sizeof(T) != 4;
     if constexpr (kDB) load_frags(af[0], bf[0], rd, 0);
 #pragma unroll 1
     for (int kt = 0; kt < ktiles; ++kt) {
