@@ -1032,7 +1032,8 @@ def varlen_attention(call, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
       ``max_seqlen_q`` / ``max_seqlen_k`` (Python ints) size the grid: a sequence longer than
       them is not fully computed (unchecked on the GPU; the CPU path raises), shorter ones cost
       nothing past their end. ``cu_seqlens_q`` must run from 0 to total_q: rows of q outside
-      every sequence are not written. Empty sequences are fine (their rows, if any, see no key).
+      every sequence are not written. Empty sequences are fine (a query sequence without keys
+      gives 0 and lse -inf).
     * ``is_causal``: **bottom-right aligned**, as FlashAttention's varlen: query i of a sequence
       with sq queries and sk keys sees keys j <= i + sk - sq (the queries are the last sq tokens,
       e.g. a chunk of new tokens against its cached prefix). With sq == sk this is the usual
