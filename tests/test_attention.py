@@ -1,5 +1,11 @@
 """scaled_dot_product_attention (flash forward) against float64 references.
 
+Also varlen_attention, block_sparse_attention and RoPE fused into the loads (rotary_cos /
+rotary_sin): references against dense attention per sequence / with the expanded mask / after
+apply_rotary, argument errors, the kernel in the emulator (random lengths incl. 0 and 1, sq != sk,
+block sizes that do and do not match the tiles, NaN in skipped tiles, vector and element loads
+with rotary, the general head-dim path), and GPU tests (CUDA graph replay with new lengths).
+
 CPU: the NumPy reference against torch's math SDPA in float64 for every option (masks bool and
 additive with broadcasting, causal with Sq == Sk and Sq != Sk, windows, GQA 1/2/8, scale,
 'bshd', lse, rows that see no key, NaN), sequence lengths 1, 17, 128, 1000; argument errors; the
@@ -64,9 +70,29 @@ def _bhsd(x, layout):
     return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
 
 
+def _rot_magnitude(x, half, interleaved):
+    """|x_d| + |x_partner(d)| on the rotated part, |x_d| on the rest: bounds the rotated value
+    (|cos|, |sin| <= 1) and, times 2u, its fp32 rounding error."""
+    a = np.abs(x)
+    if not half:
+        return a
+    out = a.copy()
+    if interleaved:
+        out[..., 0:2 * half:2] += a[..., 1:2 * half:2]
+        out[..., 1:2 * half:2] += a[..., 0:2 * half:2]
+    else:
+        out[..., :half] += a[..., half:2 * half]
+        out[..., half:2 * half] += a[..., :half]
+    return out
+
+
 def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, mma=False, **kw):
     """(reference out, reference lse, elementwise bound on |out - ref|, bound on |lse - ref|).
-    mma: the bound of the tensor-core kernel (module docstring); it also covers the SIMT one."""
+    mma: the bound of the tensor-core kernel (module docstring); it also covers the SIMT one.
+
+    With rotary tables (rotary_cos=..., real cos / sin values): the kernel rotates q and k in
+    fp32 (fma(x, c, +-p s): error <= 2u (|x| + |p|) per element), so the score bound uses the
+    magnitudes |x| + |partner| and adds 4u scale sum_d (|q|+|q'|)(|k|+|k'|)."""
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
     m64 = None if mask is None else (np.asarray(mask) if np.asarray(mask).dtype == bool
                                      else np.asarray(mask, np.float64))
@@ -78,14 +104,19 @@ def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, mm
     Sk = kb.shape[2]
     group = Hq // kb.shape[1]
     scale = kw.get("scale") or 1.0 / math.sqrt(D)
+    half = 0 if kw.get("rotary_cos") is None else np.shape(kw["rotary_cos"])[-1]
+    qa = _rot_magnitude(qb, half, kw.get("rotary_interleaved", False))
+    ka = _rot_magnitude(kb, half, kw.get("rotary_interleaved", False))
     g = 0.0
     for h in range(Hq):
-        a = np.abs(qb[:, h]) @ np.abs(kb[:, h // group]).transpose(0, 2, 1)
+        a = qa[:, h] @ ka[:, h // group].transpose(0, 2, 1)
         g = max(g, float(np.nanmax(a, initial=0.0)))      # NaN rows are checked as NaN
     smax = abs(scale) * g
     if m64 is not None and m64.dtype != bool:
         smax += float(np.abs(m64[np.isfinite(m64)]).max(initial=0.0))
     e_s = abs(scale) * (2 * math.sqrt(D) + 4) * U32 * g + 4 * U32 * smax
+    if half:
+        e_s += 4 * U32 * abs(scale) * g
     rel = 2 * e_s + 2.0**-21 + 3 * math.sqrt(Sk + 1) * U32
     tiny = TINY[dtype]
     if mma:
@@ -300,9 +331,10 @@ def test_flash_args_struct_matches_the_argspec():
         line = line.split("//")[0].strip()
         if not line:
             continue
-        m = re.match(r"(const void\*|void\*|float\*|long long|int|float)\s+(.*);", line)
-        code = {"const void*": "P", "void*": "P", "float*": "P", "long long": "q", "int": "i",
-                "float": "f"}[m.group(1)]
+        m = re.match(r"(const void\*|void\*|float\*|const int\*|const unsigned char\*|"
+                     r"long long|int|float)\s+(.*);", line)
+        code = {"const void*": "P", "void*": "P", "float*": "P", "const int*": "P",
+                "const unsigned char*": "P", "long long": "q", "int": "i", "float": "f"}[m.group(1)]
         for name in m.group(2).split(","):
             n = re.search(r"\[(\d+)\]", name)
             fmt.append((code, int(n.group(1)) if n else 1))
@@ -312,8 +344,16 @@ def test_flash_args_struct_matches_the_argspec():
             merged[-1] = (code, merged[-1][1] + n)
         else:
             merged.append((code, n))
-    assert "".join(f"{n}{c}" for c, n in merged) == "6P20q9i1f"
-    assert at.FLASH_ARGS.params == ("6P20q9if",) and at.FLASH_ARGS.size == 248
+    assert "".join(f"{n}{c}" for c, n in merged) == "6P20q9i1f5P11q6i"
+    assert at.FLASH_ARGS.params == ("6P20q9if5P11q6i",) and at.FLASH_ARGS.size == 400
+    # the builder fills every field, in order
+    from gpuops.tensor import Tensor  # noqa: PLC0415
+    t = Tensor(0x1000, (1, 2, 3, 32), (192, 96, 32, 1), dt.float16, 0, None)
+    p = at.check_args(t.shape, t.shape, t.shape, None, False, None, False, None, True, "bhsd",
+                      "auto")
+    args = at.flash_launch_args(p, t, t, t, None, 0, t, t, "bhsd", True)
+    assert len(args) == sum(n for _, n in merged)
+    at.FLASH_ARGS.struct.pack(*args)
 
 
 # ----------------------------------------------------------------------------- CPU: the kernel
@@ -759,3 +799,611 @@ def test_gpu_long_sequence_memory_stays_linear():
     qh, kh, vh = _host(q), _host(k), _host(v)
     exp, _, bound, _ = attn_bound(qh[:, :, rows], kh, vh, dtype="bfloat16", mma=True)
     check(_host(out)[:, :, rows], exp, bound, "S=65536")
+
+
+# =============================================================================================
+# varlen_attention, block_sparse_attention, rotary tables (issue 5)
+
+from gpuops.ops import rotary as ro  # noqa: E402
+
+ref_varlen = at.ref_varlen_attention
+ref_sparse = at.ref_block_sparse_attention
+
+
+def _tables(P, half, dtype="float32", base=10000.0):
+    """Real RoPE tables [P, half] (|cos|, |sin| <= 1), rounded to the table dtype."""
+    inv = base ** (-np.arange(half) / half)
+    ang = np.arange(P)[:, None] * inv[None, :]
+    return (np.cos(ang).astype(np.float32).astype(_np_dtype(dtype)),
+            np.sin(ang).astype(np.float32).astype(_np_dtype(dtype)))
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _bottom_right_mask(sq, sk, is_causal, window):
+    """Visibility of FlashAttention's varlen, written out with loops (independent of the op)."""
+    left, right = window if window is not None else (-1, -1)
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    m = np.ones((sq, sk), bool)
+    for i in range(sq):
+        for j in range(sk):
+            d = i + sk - sq
+            if (left >= 0 and j < d - left) or (right >= 0 and j > d + right):
+                m[i, j] = False
+    return m
+
+
+def _seq(x, cu, b):
+    """Sequence b of a packed [T, H, D] array as [1, H, L, D]."""
+    return np.asarray(x)[cu[b]:cu[b + 1]].transpose(1, 0, 2)[None]
+
+
+# ----------------------------------------------------------------------------- CPU: references
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("half", [8, 5])                  # full rotary (D = 16), partial
+def test_reference_rotary_is_apply_rotary_then_attention(interleaved, layout, half, rng):
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 9, 13, 16
+    q, k, v = (rng.standard_normal(s) for s in ((B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D)))
+    cos, sin = (rng.standard_normal((20, half)) for _ in range(2))   # any table values
+    if layout == "bshd":
+        q, k, v = (x.transpose(0, 2, 1, 3).copy() for x in (q, k, v))
+    got, lse = ref(q, k, v, is_causal=True, enable_gqa=True, layout=layout, return_lse=True,
+                   rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    qs, ks = (x if layout == "bshd" else x.transpose(0, 2, 1, 3) for x in (q, k))
+    # apply_rotary takes q and k with the same heads: rotate k's heads on their own
+    qr, _ = ro.ref_apply_rotary(qs, qs, cos, sin, interleaved, rotary_dim=2 * half)
+    kr, _ = ro.ref_apply_rotary(ks, ks, cos, sin, interleaved, rotary_dim=2 * half)
+    if layout == "bhsd":
+        qr, kr = (x.transpose(0, 2, 1, 3) for x in (qr, kr))
+    exp, exp_lse = ref(qr, kr, v, is_causal=True, enable_gqa=True, layout=layout,
+                       return_lse=True)
+    np.testing.assert_allclose(got, exp, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, exp_lse, rtol=1e-12, atol=1e-13)
+    plain = ref(q, k, v, is_causal=True, enable_gqa=True, layout=layout)
+    assert not np.allclose(got, plain)                        # the rotation did something
+
+
+VARLEN_REF_CASES = [
+    # (lengths q, lengths k, Hq, Hkv, options)
+    ([5, 0, 1, 17, 3], None, 2, 2, {}),
+    ([5, 0, 1, 17, 3], None, 4, 2, {"is_causal": True}),
+    ([4, 9, 1, 6], [10, 3, 1, 0], 2, 1, {"is_causal": True}),     # sq > sk and sq < sk
+    ([7, 12], [12, 7], 2, 2, {"window_size": (3, 1)}),
+    ([7, 12, 2], [9, 12, 5], 4, 4, {"window_size": (2, -1), "is_causal": True, "scale": 0.4}),
+    ([6, 11], None, 4, 2, {"rotary": (4, False), "is_causal": True}),
+    ([6, 1, 11], [8, 4, 11], 2, 2, {"rotary": (3, True)}),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_REF_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{sorted(c[4])}")
+def test_varlen_reference_is_dense_attention_per_sequence(case, rng):
+    lq, lk, Hq, Hkv, opt = case
+    lk = lq if lk is None else lk
+    opt = dict(opt)
+    D = 8
+    cq, ck = _cu(lq), _cu(lk)
+    q = rng.standard_normal((cq[-1], Hq, D))
+    k, v = (rng.standard_normal((ck[-1], Hkv, D)) for _ in range(2))
+    rot = opt.pop("rotary", None)
+    rkw = {}
+    if rot is not None:
+        cos, sin = (rng.standard_normal((max(lq + lk), rot[0])) for _ in range(2))
+        rkw = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rot[1])
+    got, lse = ref_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **opt, **rkw)
+    assert got.shape == q.shape and lse.shape == (Hq, cq[-1])
+    if rot is not None:
+        # apply_rotary on the packed tensors with positions = index within the sequence
+        pos_q = np.concatenate([np.arange(n) for n in lq]).astype(np.int64)
+        pos_k = np.concatenate([np.arange(n) for n in lk]).astype(np.int64)
+        q, _ = ro.ref_apply_rotary(q, q, cos, sin, rot[1], positions=pos_q, rotary_dim=2 * rot[0])
+        k, _ = ro.ref_apply_rotary(k, k, cos, sin, rot[1], positions=pos_k, rotary_dim=2 * rot[0])
+    for b in range(len(lq)):
+        mask = _bottom_right_mask(lq[b], lk[b], opt.get("is_causal", False),
+                                  opt.get("window_size"))
+        exp, exp_lse = ref(_seq(q, cq, b), _seq(k, ck, b), _seq(v, ck, b), mask,
+                           scale=opt.get("scale"), enable_gqa=True, return_lse=True)
+        np.testing.assert_allclose(got[cq[b]:cq[b + 1]], exp[0].transpose(1, 0, 2), rtol=1e-12,
+                                   atol=1e-13)
+        np.testing.assert_array_equal(lse[:, cq[b]:cq[b + 1]], exp_lse[0])
+    if opt.get("is_causal"):
+        # bottom-right: a sequence with more queries than keys has rows that see nothing
+        for b in (i for i in range(len(lq)) if lq[i] > lk[i]):
+            assert np.all(got[cq[b]:cq[b] + lq[b] - lk[b]] == 0)
+            assert np.all(np.isneginf(lse[:, cq[b]:cq[b] + lq[b] - lk[b]]))
+
+
+@needs_torch
+def test_varlen_and_block_sparse_references_match_torch_math(rng):
+    lengths = [3, 1, 30]
+    cu = _cu(lengths)
+    q, k, v = (rng.standard_normal((cu[-1], 4, 8)) for _ in range(3))
+    got = ref_varlen(q, k, v, cu, cu, 30, 30, True)
+    for b in range(3):
+        exp = torch.nn.functional.scaled_dot_product_attention(
+            *(torch.from_numpy(_seq(x, cu, b).copy()) for x in (q, k, v)), is_causal=True)
+        np.testing.assert_allclose(got[cu[b]:cu[b + 1]], exp[0].numpy().transpose(1, 0, 2),
+                                   rtol=1e-11, atol=1e-12)
+    q, k, v = (rng.standard_normal((2, 4, 37, 8)) for _ in range(3))
+    bm = rng.random((2, 1, 5, 5)) > 0.4
+    bm[..., 0, :] = True                                  # no empty rows (torch gives NaN there
+    got = ref_sparse(q, k, v, bm, 8, is_causal=True)      # before 2.5, 0 after)
+    emask = torch.from_numpy(np.repeat(np.repeat(bm, 8, 2), 8, 3)[:, :, :37, :37]).tril()
+    emask |= ~emask.any(-1, keepdim=True)                 # rows with no key: compared below
+    exp = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), attn_mask=emask)
+    seen = np.asarray(at.expand_block_mask(bm, 8, 37, 37) & np.tril(np.ones((37, 37), bool)))
+    rows = np.broadcast_to(seen.any(-1, keepdims=True), got.shape)
+    np.testing.assert_allclose(got[rows], exp.numpy()[rows], rtol=1e-11, atol=1e-12)
+    assert np.all(got[~rows] == 0)
+
+
+def test_block_sparse_reference_is_dense_with_the_expanded_mask(rng):
+    q = rng.standard_normal((2, 4, 21, 8))
+    k, v = (rng.standard_normal((2, 2, 30, 8)) for _ in range(2))
+    for bs, shape in ((4, (1, 1, 6, 8)), (7, (2, 4, 3, 5)), (64, (2, 1, 1, 1))):
+        bm = rng.random(shape) > 0.5
+        got, lse = ref_sparse(q, k, v, bm, bs, is_causal=True, return_lse=True)
+        full = np.zeros((shape[0], shape[1], 21, 30), bool)
+        for i in range(21):
+            for j in range(30):
+                full[:, :, i, j] = bm[:, :, i // bs, j // bs]
+        exp, exp_lse = ref(q, k, v, full, is_causal=True, enable_gqa=True, return_lse=True)
+        np.testing.assert_array_equal(got, exp)
+        np.testing.assert_array_equal(lse, exp_lse)
+
+
+def test_varlen_and_block_sparse_argument_errors():
+    f = go.varlen_attention
+    q = np.zeros((10, 4, 8), np.float32)
+    kv = np.zeros((12, 2, 8), np.float32)
+    cq, ck = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
+    with pytest.raises(ValueError, match="'q' must be 3-d"):
+        f(q[None], kv, kv, cq, ck, 6, 7)
+    with pytest.raises(ValueError, match="'q' heads \\(4\\) must be a multiple of 'k' heads"):
+        f(q, kv[:, :1].repeat(3, 1), kv[:, :1].repeat(3, 1), cq, ck, 6, 7)
+    with pytest.raises(ValueError, match="'v' has shape"):
+        f(q, kv, kv[:, :, :4], cq, ck, 6, 7)
+    with pytest.raises(ValueError, match="'cu_seqlens_q' has shape \\(3,\\) but 'cu_seqlens_k'"):
+        f(q, kv, kv, cq, np.array([0, 12], np.int32), 6, 12)
+    with pytest.raises(ValueError, match="'cu_seqlens_k' must be 1-d"):
+        f(q, kv, kv, cq, ck[None], 6, 7)
+    with pytest.raises(TypeError, match="'cu_seqlens_q' has dtype int64"):
+        f(q, kv, kv, cq.astype(np.int64), ck, 6, 7)
+    with pytest.raises(TypeError, match="'max_seqlen_q' must be a Python int"):
+        f(q, kv, kv, cq, ck, 6.0, 7)
+    with pytest.raises(ValueError, match="'max_seqlen_k' must be >= 0"):
+        f(q, kv, kv, cq, ck, 6, -1)
+    with pytest.raises(ValueError, match="max_seqlen_q = 5"):
+        f(q, kv, kv, cq, ck, 5, 7)
+    with pytest.raises(ValueError, match="'cu_seqlens_q' = \\[0, 4, 9\\] must start at 0 and end"):
+        f(q, kv, kv, np.array([0, 4, 9], np.int32), ck, 6, 7)
+    with pytest.raises(ValueError, match="'cu_seqlens_k' = \\[0, 13, 12\\] must be non-decreasing"):
+        f(q, kv, kv, cq, np.array([0, 13, 12], np.int32), 6, 13)
+    with pytest.raises(ValueError, match="'rotary_cos' given without 'rotary_sin'"):
+        f(q, kv, kv, cq, ck, 6, 7, rotary_cos=np.zeros((7, 4), np.float32))
+    with pytest.raises(ValueError, match="'rotary_cos' has 6 rows but positions go up to 6"):
+        f(q, kv, kv, cq, ck, 6, 7, rotary_cos=np.zeros((6, 4), np.float32),
+          rotary_sin=np.zeros((6, 4), np.float32))
+    with pytest.raises(ValueError, match="the rotary dim 2 x 5 must be in \\[2, 8\\]"):
+        f(q, kv, kv, cq, ck, 6, 7, rotary_cos=np.zeros((7, 5), np.float32),
+          rotary_sin=np.zeros((7, 5), np.float32))
+    with pytest.raises(TypeError, match="'rotary_interleaved' must be a bool"):
+        f(q, kv, kv, cq, ck, 6, 7, rotary_interleaved=1)
+    with pytest.raises(ValueError, match="'variant' must be one of"):
+        f(q, kv, kv, cq, ck, 6, 7, variant="fast")
+    g = go.block_sparse_attention
+    q4 = np.zeros((2, 4, 10, 8), np.float32)
+    kv4 = np.zeros((2, 2, 12, 8), np.float32)
+    bm = np.ones((1, 4, 3, 3), bool)
+    with pytest.raises(ValueError, match="'block_mask' has shape \\(1, 4, 3, 2\\); expected"):
+        g(q4, kv4, kv4, bm[..., :2], 4)
+    with pytest.raises(ValueError, match="'block_mask' has shape"):
+        g(q4, kv4, kv4, np.ones((1, 2, 3, 3), bool), 4)
+    with pytest.raises(TypeError, match="'block_mask' has dtype float32"):
+        g(q4, kv4, kv4, bm.astype(np.float32), 4)
+    with pytest.raises(ValueError, match="'block_size' must be >= 1"):
+        g(q4, kv4, kv4, bm, 0)
+    with pytest.raises(TypeError, match="'block_size' must be an int"):
+        g(q4, kv4, kv4, bm, 4.0)
+    with pytest.raises(ValueError, match="'k' has batch 1"):
+        g(q4, kv4[:1], kv4[:1], bm, 4)
+    with pytest.raises(TypeError, match="'is_causal' must be a bool"):
+        g(q4, kv4, kv4, bm, 4, is_causal=None)
+    s = go.scaled_dot_product_attention
+    with pytest.raises(ValueError, match="'rotary_cos' has shape \\(12, 4\\) but 'rotary_sin'"):
+        s(q4, kv4, kv4, enable_gqa=True, rotary_cos=np.zeros((12, 4), np.float32),
+          rotary_sin=np.zeros((12, 3), np.float32))
+    with pytest.raises(ValueError, match="'rotary_cos' must be 2-d"):
+        s(q4, kv4, kv4, enable_gqa=True, rotary_cos=np.zeros((1, 12, 4), np.float32),
+          rotary_sin=np.zeros((1, 12, 4), np.float32))
+
+
+@needs_torch
+def test_cpu_fallback_varlen_and_block_sparse_torch(rng):
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    q, k, v = (torch.randn(10, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = go.varlen_attention(q, k, v, cu, cu, 7, 7, is_causal=True, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (2, 10)
+    exp = ref_varlen(q.double().numpy(), k.double().numpy(), v.double().numpy(), cu.numpy(),
+                     cu.numpy(), 7, 7, True)
+    np.testing.assert_allclose(out.double().numpy(), exp, rtol=8e-3, atol=1e-5)
+    q4, k4, v4 = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    bm = torch.rand(1, 1, 3, 3) > 0.5
+    out = go.block_sparse_attention(q4, k4, v4, bm, 8)
+    exp = ref_sparse(q4.double().numpy(), k4.double().numpy(), v4.double().numpy(), bm.numpy(), 8)
+    np.testing.assert_allclose(out.double().numpy(), exp, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_sends_extras_to_simt_and_other_variants_refuse_them(monkeypatch):
+    """A tensor-core variant added to _VARIANTS without support for the appended fields: 'auto'
+    still reaches it for plain calls, but varlen / block-sparse / rotary calls go to 'simt', and
+    naming it for them is an error."""
+    def fake(*args):
+        raise AssertionError("not expected")
+    monkeypatch.setattr(at, "VARIANTS", at.VARIANTS + ("mma",))
+    monkeypatch.setattr(at, "_VARIANTS", {"auto": fake, "simt": at._launch_simt, "mma": fake})
+    assert at._variant_launcher(at.OP, "auto", at.NO_EXTRAS) is fake
+    for ext in (at.FlashExtras(cu_q=1, cu_k=1), at.FlashExtras(block_mask=1, block_size=64),
+                at.FlashExtras(rot_half=4)):
+        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_simt
+        assert at._variant_launcher(at.OP, "simt", ext) is at._launch_simt
+        with pytest.raises(ValueError, match="variant='mma' does not support varlen"):
+            at._variant_launcher(at.VARLEN_OP, "mma", ext)
+
+
+def test_vec_flag_with_rotary_needs_whole_packs():
+    ext = at.FlashExtras(rot_half=8)
+    assert at._rotary_vec_ok(dt.bfloat16, ext) and at._rotary_vec_ok(dt.float32, ext)
+    assert not at._rotary_vec_ok(dt.bfloat16, at.FlashExtras(rot_half=4))     # partner off a pack
+    assert at._rotary_vec_ok(dt.bfloat16, at.FlashExtras(rot_half=4, rot_interleaved=True))
+    assert not at._rotary_vec_ok(dt.bfloat16, at.FlashExtras(rot_half=6, rot_interleaved=True))
+    assert at._rotary_vec_ok(dt.float32, at.FlashExtras(rot_half=6, rot_interleaved=True))
+    assert at._rotary_vec_ok(dt.float16, at.NO_EXTRAS)
+
+
+# ----------------------------------------------------------------------------- CPU: the kernel
+
+def _emu_call(dev, op, dtype):
+    from emu import Call as EmuCall  # noqa: PLC0415
+    return EmuCall(dev, op, dt.BY_NAME[dtype])
+
+
+def _emu_varlen(dev, q, k, v, cq, ck, mq, mk, *, dtype, is_causal=False, scale=None,
+                window_size=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
+    t = [dev.tensor(x) for x in (q, k, v)]
+    rc = None if rotary_cos is None else dev.tensor(rotary_cos)
+    rs = None if rotary_sin is None else dev.tensor(rotary_sin)
+    out, lse = at._varlen_forward(_emu_call(dev, at.VARLEN_OP, dtype), *t,
+                                  dev.tensor(np.asarray(cq, np.int32)),
+                                  dev.tensor(np.asarray(ck, np.int32)), mq, mk, is_causal, scale,
+                                  window_size, True, rc, rs, rotary_interleaved, "auto")
+    return out.obj, lse.obj
+
+
+def varlen_bound(q, k, v, cq, ck, *, dtype, is_causal=False, window_size=None, **kw):
+    """Reference and error bounds of a packed batch: attn_bound per sequence, with the
+    bottom-right visibility as an explicit mask."""
+    T, Hq, D = q.shape
+    exp, bound = np.zeros((T, Hq, D)), np.zeros((T, Hq, D))
+    lse, lbound = np.full((Hq, T), -np.inf), np.zeros((Hq, T))
+    for b in range(len(cq) - 1):
+        sq, sk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if sq == 0:
+            continue
+        mask = _bottom_right_mask(sq, sk, is_causal, window_size)
+        o, l, bo, bl = attn_bound(_seq(q, cq, b), _seq(k, ck, b), _seq(v, ck, b), mask,
+                                  dtype=dtype, enable_gqa=True, **kw)
+        exp[cq[b]:cq[b + 1]] = o[0].transpose(1, 0, 2)
+        bound[cq[b]:cq[b + 1]] = np.broadcast_to(bo, o.shape)[0].transpose(1, 0, 2)
+        lse[:, cq[b]:cq[b + 1]] = l[0]
+        lbound[:, cq[b]:cq[b + 1]] = np.broadcast_to(bl, l.shape)[0]
+    return exp, lse, bound, lbound
+
+
+# (lengths q, lengths k or None (= q), Hq, Hkv, D, smem KB, max_seqlen extra, options)
+EMU_VARLEN_CASES = [
+    ([70, 0, 1, 33, 64, 5], None, 2, 2, 64, 227, 0, {"is_causal": True}),
+    ([17, 90, 1], [40, 12, 0], 4, 2, 64, 48, 30, {"is_causal": True}),      # sq != sk, grid > max
+    ([40, 7], [40, 55], 2, 1, 128, 227, 0, {"window_size": (9, 3)}),
+    ([33, 20, 0, 2], None, 2, 2, 32, 227, 0, {"window_size": (5, -1), "is_causal": True,
+                                              "scale": 0.3}),
+    ([30, 45], [50, 45], 4, 2, 40, 48, 0, {"is_causal": True}),             # general head dim
+    ([65, 3, 12], None, 2, 1, 64, 227, 0, {"is_causal": True, "rotary": (32, False, "same")}),
+    ([20, 41], [41, 41], 2, 2, 96, 48, 0, {"rotary": (16, True, "float32")}),
+    ([36, 9], None, 2, 2, 40, 48, 0, {"rotary": (20, False, "same"), "is_causal": True}),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_VARLEN_CASES,
+                         ids=lambda c: f"D{c[4]}-{c[5]}k-{c[0]}-{c[1]}-{sorted(c[7])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_varlen(case, dtype, rng, monkeypatch):
+    lq, lk, Hq, Hkv, D, kb, extra, opt = case
+    lk = lq if lk is None else lk
+    opt = dict(opt)
+    monkeypatch.setattr(at, "smem_limit", lambda dev: kb * 1024)
+    cq, ck = _cu(lq), _cu(lk)
+    q = _rand(rng, (cq[-1], Hq, D), dtype)
+    k, v = (_rand(rng, (ck[-1], Hkv, D), dtype) for _ in range(2))
+    rot = opt.pop("rotary", None)
+    if rot is not None:
+        cos, sin = _tables(max(lq + lk) + 3, rot[0], dtype if rot[2] == "same" else rot[2])
+        opt.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rot[1])
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_varlen(dev, q, k, v, cq, ck, max(lq) + extra, max(lk) + extra,
+                               dtype=dtype, **opt)
+    exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cq, ck, dtype=dtype, **opt)
+    check(out, exp, bound, f"out {case} {dtype}")
+    check(lse, exp_lse, lbound, f"lse {case} {dtype}")
+
+
+# (B, Hq, Hkv, Sq, Sk, D, smem KB, block_size, mask batch, mask heads, options)
+EMU_SPARSE_CASES = [
+    (1, 2, 2, 130, 130, 64, 227, 64, 1, 2, {}),                 # tile = block: skip per tile
+    (2, 4, 2, 70, 100, 64, 227, 16, 2, 1, {"is_causal": True}),  # 16 blocks per tile: mixed
+    (1, 2, 1, 77, 90, 128, 48, 48, 1, 1, {}),                   # tiles 32: straddle blocks
+    (1, 2, 2, 50, 140, 32, 227, 100, 1, 2, {"is_causal": True}),
+    (1, 1, 1, 40, 75, 40, 48, 8, 1, 1, {}),                      # general head dim
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_SPARSE_CASES,
+                         ids=lambda c: f"D{c[5]}-bs{c[7]}-{sorted(c[10])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_block_sparse(case, dtype, rng, monkeypatch):
+    B, Hq, Hkv, Sq, Sk, D, kb, bs, mb, mh, opt = case
+    monkeypatch.setattr(at, "smem_limit", lambda dev: kb * 1024)
+    q = _rand(rng, (B, Hq, Sq, D), dtype)
+    k, v = (_rand(rng, (B, Hkv, Sk, D), dtype) for _ in range(2))
+    nq, nk = -(-Sq // bs), -(-Sk // bs)
+    bm = rng.random((mb, mh, nq, nk)) > 0.5
+    bm[..., nq // 2, :] = False                                # a block row that sees nothing
+    with emu.Device(sms=2) as dev:
+        out, lse = at._sparse_forward(_emu_call(dev, at.SPARSE_OP, dtype),
+                                      *(dev.tensor(x) for x in (q, k, v, bm)), bs,
+                                      opt.get("is_causal", False), None, True, "auto")
+        out, lse = out.obj, lse.obj
+    mask = at.expand_block_mask(bm, bs, Sq, Sk)
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, enable_gqa=True, **opt)
+    check(out, exp, bound, f"out {case} {dtype}")
+    check(lse, exp_lse, lbound, f"lse {case} {dtype}")
+    dead = nq // 2 * bs
+    assert np.all(out[:, :, dead:dead + bs] == 0) and np.all(np.isneginf(lse[:, :, dead:dead + bs]))
+
+
+@needs_emu
+@pytest.mark.parametrize("bs", [64, 32])
+def test_emulated_block_sparse_skips_tiles_without_loading_them(bs, rng, monkeypatch):
+    """NaN in the keys and values of a key block that is off everywhere: a tile that were loaded
+    would spread it (0 x NaN in P V); skipped tiles leave every output finite."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)      # 64 x 64 tiles
+    q, k, v = (_rand(rng, (1, 2, 128, 64), "float32") for _ in range(3))
+    bm = np.ones((1, 1, 128 // bs, 128 // bs), bool)
+    off = slice(64, 128)                                    # the second 64-key tile
+    bm[..., off.start // bs:] = False
+    k[:, :, off], v[:, :, off] = np.nan, np.nan
+    with emu.Device(sms=2) as dev:
+        out = at._sparse_forward(_emu_call(dev, at.SPARSE_OP, "float32"),
+                                 *(dev.tensor(x) for x in (q, k, v, bm)), bs, False, None, False,
+                                 "auto").obj
+    exp, _, bound, _ = attn_bound(q, k[:, :, :64], v[:, :, :64], dtype="float32")
+    check(out, exp, bound, "skipped tiles")
+
+
+EMU_ROTARY_CASES = [
+    # (Sq, Sk, Hq, Hkv, D, smem KB, half, interleaved, table dtype, layout / view)
+    (37, 37, 2, 2, 64, 227, 32, False, "same", "bhsd"),          # vector loads, partner pack
+    (20, 45, 4, 2, 128, 48, 32, True, "float32", "bshd"),         # partial rotary, GPT-J
+    (33, 33, 2, 2, 64, 227, 12, False, "same", "bhsd"),           # half % 8 != 0: element loads
+    (29, 40, 2, 1, 96, 227, 24, False, "float32", "offset"),      # misaligned rows
+    (21, 30, 2, 2, 40, 48, 20, False, "same", "bhsd"),            # general: partner in other chunk
+    (21, 30, 2, 2, 40, 48, 16, True, "same", "bhsd"),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_ROTARY_CASES,
+                         ids=lambda c: f"D{c[4]}-R{2 * c[6]}-{c[7]}-{c[9]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_sdpa_with_rotary(case, dtype, rng, monkeypatch):
+    Sq, Sk, Hq, Hkv, D, kb, half, interleaved, tdt, view = case
+    monkeypatch.setattr(at, "smem_limit", lambda dev: kb * 1024)
+    layout = "bshd" if view == "bshd" else "bhsd"
+    shp = (lambda h, s: (1, h, s, D)) if layout == "bhsd" else (lambda h, s: (1, s, h, D))
+    q, k, v = _rand(rng, shp(Hq, Sq), dtype), _rand(rng, shp(Hkv, Sk), dtype), \
+        _rand(rng, shp(Hkv, Sk), dtype)
+    if view == "offset":
+        q, k, v = (emu.strided(x, "offset") for x in (q, k, v))
+    cos, sin = _tables(max(Sq, Sk) + 5, half, dtype if tdt == "same" else tdt)
+    kw = dict(is_causal=True, enable_gqa=Hq != Hkv, layout=layout, rotary_cos=cos,
+              rotary_sin=sin, rotary_interleaved=interleaved)
+    with emu.Device(sms=2) as dev:
+        t = [dev.tensor(x) for x in (q, k, v)]
+        out, lse = at._forward(_emu_call(dev, at.OP, dtype), *t, None, True, None,
+                               kw["enable_gqa"], None, True, layout, "auto", dev.tensor(cos),
+                               dev.tensor(sin), interleaved)
+        out, lse = out.obj, lse.obj
+        vec = dev.launches[-1]
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, dtype=dtype, **kw)
+    check(out, exp, bound, f"out {case} {dtype}")
+    check(lse, exp_lse, lbound, f"lse {case} {dtype}")
+    plain, _, _, _ = attn_bound(q, k, v, dtype=dtype, is_causal=True, enable_gqa=Hq != Hkv,
+                                layout=layout)
+    assert np.abs(plain - exp).max() > 1e-2                  # the tables mattered
+    assert vec[0].startswith("gpuops::flash_fwd<")
+
+
+@needs_emu
+def test_emulated_varlen_odd_row_stride_takes_element_loads(rng, monkeypatch):
+    """Packed rows start at device offsets times the row stride: with an odd row stride no row
+    but the first is 16-byte aligned, even when max_seqlen_q = 1 (one row per sequence)."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    seen = []
+    builder = at.flash_launch_args
+    monkeypatch.setattr(at, "flash_launch_args", lambda *a, **k: (seen.append(a[9]),
+                                                                  builder(*a, **k))[1])
+    T, H, D = 5, 2, 64
+    buf = _rand(rng, (T * (H * D + 1),), "float16")
+    q = np.lib.stride_tricks.as_strided(buf, (T, H, D), ((H * D + 1) * 2, D * 2, 2))
+    k, v = (_rand(rng, (T, H, D), "float16") for _ in range(2))
+    cu = _cu([1] * T)
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_varlen(dev, q, k, v, cu, cu, 1, 1, dtype="float16")
+        assert seen == [False]
+        _emu_varlen(dev, np.ascontiguousarray(q), k, v, cu, cu, 1, 1, dtype="float16")
+        assert seen == [False, True]
+    exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cu, cu, dtype="float16")
+    check(out, exp, bound, "odd row stride")
+
+
+@needs_emu
+def test_emulated_varlen_rotary_past_the_table_reads_nan(rng, monkeypatch):
+    """A key sequence longer than max_seqlen_k (a broken precondition the GPU cannot see) runs
+    past the rotary table: those keys' rotated elements are NaN, so the rows that see them are
+    NaN, not silently wrong; rows that see only keys inside the table are unaffected."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    q = _rand(rng, (8, 2, 32), "float32")
+    k, v = (_rand(rng, (12, 2, 32), "float32") for _ in range(2))
+    cq, ck = _cu([8]), _cu([12])
+    cos, sin = _tables(8, 16)                              # rows 0..7: keys 8..11 are past it
+    with emu.Device(sms=2) as dev:
+        out, _ = _emu_varlen(dev, q, k, v, cq, ck, 8, 8, dtype="float32", is_causal=True,
+                             rotary_cos=cos, rotary_sin=sin)
+    # bottom-right causal with sq = 8, sk = 12: row i sees keys j <= i + 4, i.e. key 8 from row 4
+    assert np.all(np.isfinite(out[:4])) and np.all(np.isnan(out[4:]))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+GPU_VARLEN_CASES = [
+    # (lengths q, lengths k or None, Hq, Hkv, D, options)
+    ([1, 0, 513, 2000, 64, 17, 1200], None, 8, 2, 128, {"is_causal": True}),
+    ([300, 1, 0, 4097], [900, 5, 7, 4097], 4, 4, 64, {"is_causal": True}),
+    ([1000, 20, 333], None, 4, 1, 96, {"window_size": (128, 0)}),
+    ([700, 65], [1000, 64], 2, 2, 80, {}),
+    ([513, 1000, 1], None, 8, 2, 128, {"is_causal": True, "rotary": (64, False)}),
+    ([257, 900], [300, 900], 4, 4, 64, {"rotary": (16, True)}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_VARLEN_CASES,
+                         ids=lambda c: f"D{c[4]}-{sorted(c[5])}-{len(c[0])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_varlen_against_reference(case, dtype, rng):
+    lq, lk, Hq, Hkv, D, opt = case
+    lk = lq if lk is None else lk
+    opt = dict(opt)
+    cq, ck = _cu(lq), _cu(lk)
+    q = _rand(rng, (cq[-1], Hq, D), dtype)
+    k, v = (_rand(rng, (ck[-1], Hkv, D), dtype) for _ in range(2))
+    rot = opt.pop("rotary", None)
+    targs = {}
+    if rot is not None:
+        cos, sin = _tables(max(lq + lk), rot[0], "float32")
+        opt.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rot[1])
+        targs = dict(rotary_cos=_cuda(cos, "float32"), rotary_sin=_cuda(sin, "float32"),
+                     rotary_interleaved=rot[1])
+    dev_cu = [torch.from_numpy(c).cuda() for c in (cq, ck)]
+    out, lse = go.varlen_attention(_cuda(q, dtype), _cuda(k, dtype), _cuda(v, dtype), *dev_cu,
+                                   max(lq), max(lk), return_lse=True,
+                                   **{k_: v_ for k_, v_ in opt.items() if not k_.startswith("rot")},
+                                   **targs)
+    exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cq, ck, dtype=dtype, **opt)
+    check(_host(out), exp, bound, f"out {case} {dtype}")
+    assert lse.dtype == torch.float32 and lse.shape == (Hq, cq[-1])
+    check(_host(lse), exp_lse, lbound, f"lse {case} {dtype}")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng):
+    """One packed call equals gpuops SDPA per sequence (same kernel, so bit-equal); a captured
+    call replayed after the lengths changed in place (same total) follows the new lengths."""
+    lengths = [300, 1, 77, 1024]
+    cu = torch.from_numpy(_cu(lengths)).cuda()
+    q, k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    out = go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)
+    c = _cu(lengths)
+    for b in range(4):
+        one = go.scaled_dot_product_attention(*(x[c[b]:c[b + 1]][None] for x in (q, k, v)),
+                                              is_causal=True, layout="bshd")
+        assert torch.equal(out[c[b]:c[b + 1]], one[0])
+    go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)       # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)
+    new = [700, 702]
+    cu.copy_(torch.from_numpy(_cu(new + [0, 0])).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    exp = go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)
+    assert torch.equal(g_out, exp) and not torch.equal(g_out, out)
+
+
+GPU_SPARSE_CASES = [
+    # (B, Hq, Hkv, Sq, Sk, D, block_size, density, options)
+    (2, 8, 8, 1024, 1024, 128, 64, 0.5, {}),
+    (1, 8, 2, 2000, 2000, 64, 128, 0.3, {"is_causal": True}),
+    (1, 4, 4, 777, 1500, 96, 32, 0.5, {}),
+    (1, 4, 4, 600, 600, 80, 16, 0.2, {"is_causal": True}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_SPARSE_CASES, ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_block_sparse_against_reference(case, dtype, rng):
+    B, Hq, Hkv, Sq, Sk, D, bs, density, opt = case
+    q = _rand(rng, (B, Hq, Sq, D), dtype)
+    k, v = (_rand(rng, (B, Hkv, Sk, D), dtype) for _ in range(2))
+    bm = rng.random((1, Hq, -(-Sq // bs), -(-Sk // bs))) < density
+    out, lse = go.block_sparse_attention(_cuda(q, dtype), _cuda(k, dtype), _cuda(v, dtype),
+                                         torch.from_numpy(bm).cuda(), bs, return_lse=True, **opt)
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, at.expand_block_mask(bm, bs, Sq, Sk),
+                                             dtype=dtype, enable_gqa=Hq != Hkv, **opt)
+    check(_host(out), exp, bound, f"out {case} {dtype}")
+    check(_host(lse), exp_lse, lbound, f"lse {case} {dtype}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng):
+    """Fused RoPE against the float64 reference (derived bound), and against gpuops.apply_rotary
+    followed by gpuops SDPA, which rounds the rotated q and k to the storage dtype once: the two
+    differ by at most that rounding's effect."""
+    B, S, Hq, Hkv, D, half = 2, 1000, 8, 2, 128, 32         # partial rotary (R = 64)
+    q = _rand(rng, (B, S, Hq, D), dtype)
+    k, v = (_rand(rng, (B, S, Hkv, D), dtype) for _ in range(2))
+    cos, sin = _tables(S, half, dtype)
+    tq, tk, tv, tc, ts = (_cuda(x, dtype) for x in (q, k, v, cos, sin))
+    out = go.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True,
+                                          layout="bshd", rotary_cos=tc, rotary_sin=ts,
+                                          rotary_interleaved=interleaved)
+    exp, _, bound, _ = attn_bound(q, k, v, dtype=dtype, is_causal=True, enable_gqa=True,
+                                  layout="bshd", rotary_cos=cos, rotary_sin=sin,
+                                  rotary_interleaved=interleaved)
+    check(_host(out), exp, bound, f"rotary {dtype} {interleaved}")
+    qr, _ = go.apply_rotary(tq, tq, tc, ts, interleaved, rotary_dim=2 * half)
+    kr, _ = go.apply_rotary(tk, tk, tc, ts, interleaved, rotary_dim=2 * half)
+    two_step = go.scaled_dot_product_attention(qr, kr, tv, is_causal=True, enable_gqa=True,
+                                               layout="bshd")
+    exp_t = torch.from_numpy(exp).cuda()
+    e_fused = float((out.double() - exp_t).norm() / exp_t.norm())
+    e_two = float((two_step.double() - exp_t).norm() / exp_t.norm())
+    if dtype == "float32":          # the same roundings up to order: both at fp32 level
+        assert e_fused < 1e-5 and e_two < 1e-5, (e_fused, e_two)
+    else:                           # apply_rotary's storage rounding of q and k shows
+        assert e_fused < e_two, (e_fused, e_two)

@@ -17,27 +17,49 @@ struct __align__(16) AttnF4 {
 
 // Everything one flash-forward launch needs, passed by value (no device-side argument buffer,
 // so the launch can be captured in a CUDA graph). Layout mirrored by FLASH_ARGS in
-// gpuops/ops/attention.py ("6P20q8if"); strides in elements, logical [batch, head, seq, dim].
+// gpuops/ops/attention.py ("6P20q9if5P11q6i"); strides in elements, logical [batch, head, seq,
+// dim]. Fields after scale_log2 were appended for varlen, block-sparse and rotary attention
+// (issue 5); null / 0 switches each off, and a kernel that does not support one leaves it alone.
 struct FlashFwdArgs {
   const void* q;          // [B, Hq, Sq, hd]
   const void* k;          // [B, Hkv, Sk, hd]
   const void* v;          // [B, Hkv, Sk, hd]
   const void* mask;       // broadcast to [B, Hq, Sq, Sk]: bool (1 byte) or T (additive); or null
   void* o;                // [B, Hq, Sq, hd]
-  float* lse;             // [B * Hq, Sq] contiguous, natural log; or null (not wanted)
+  float* lse;             // natural log, strides ls; or null (not wanted)
   // strides (b, h, s, d); ms: (b, h, i, j) with 0 where the mask broadcasts
   long long qs[4], ks[4], vs[4], os[4], ms[4];
   int hq;                 // query heads
   int group;              // query heads per key/value head (GQA); 1 = MHA
-  int sq, sk;             // query and key lengths
+  int sq, sk;             // query and key lengths (varlen: the maxima, for information)
   int hd;                 // head dim
-  int left, right;        // row i sees key j iff i - left <= j <= i + right; -1 = unbounded
+  int left, right;        // row i sees key j iff d - left <= j <= d + right (d: the row's
+                          // diagonal, see bottom_right); -1 = unbounded
   int mask_kind;          // 0 none, 1 bool (keep where true), 2 additive (T)
   int vec;                // 1: q, k, v rows are 16-byte aligned with unit d stride (16-byte loads)
   float scale_log2;       // softmax scale * log2(e)
+  // --- varlen: packed sequences. Sequence b is rows [cu_q[b], cu_q[b + 1]) of q / o / lse and
+  // [cu_k[b], cu_k[b + 1]) of k / v (the b strides are then 0); blocks past its end exit.
+  const int* cu_q;        // [B + 1] on the device, or null (dense)
+  const int* cu_k;        // [B + 1], or null
+  // --- block sparsity: key tiles whose (query block, key block) entries are all off are skipped
+  const unsigned char* block_mask;  // bool [B|1, H|1, ceil(Sq/bs), ceil(Sk/bs)], or null
+  // --- rotary embedding of q and k as they are loaded (positions = sequence index)
+  const void* rot_cos;    // [rows, rot_half] in T or float32, or null
+  const void* rot_sin;    // same shape and dtype
+  long long ls[3];        // lse strides (b, h, i)
+  long long bms[4];       // block_mask strides (b, h, query block, key block), 0 = broadcast
+  long long rcs[2], rss[2];  // cos / sin strides (row, frequency)
+  int bottom_right;       // 1: row i's diagonal is i + sk - sq (FlashAttention's varlen); 0: i
+  int block_size;         // block edge of block_mask in rows and keys (> 0 when block_mask set)
+  int rot_half;           // rotary_dim / 2 (pairs per head); 0 = no rotary
+  int rot_interleaved;    // 0: GPT-NeoX pairs (f, f + rot_half); 1: GPT-J pairs (2f, 2f + 1)
+  int rot_f32;            // 1: the tables are float32; 0: they are T
+  int rot_rows;           // rows of the tables (a position past them reads NaN)
 };
 
-static_assert(sizeof(FlashFwdArgs) == 6 * 8 + 20 * 8 + 9 * 4 + 4, "FlashFwdArgs layout");
+static_assert(sizeof(FlashFwdArgs) == 6 * 8 + 20 * 8 + 9 * 4 + 4 + 5 * 8 + 11 * 8 + 6 * 4,
+              "FlashFwdArgs layout");
 
 __device__ __forceinline__ int attn_imin(int x, int y) { return x < y ? x : y; }
 __device__ __forceinline__ int attn_imax(int x, int y) { return x > y ? x : y; }
@@ -57,6 +79,46 @@ __device__ __forceinline__ float attn_exp2(float x) {
 #else
   return exp2f(x);   // host C++ (the CPU emulator of tests/emu.py has no PTX)
 #endif
+}
+
+// cos and sin of frequency f at position pos, from the launch's rotary tables (read straight
+// from the kernel parameters: no registers held for them); NaN past the table (the host cannot
+// check varlen lengths against it without reading them: a bad position shows in the output, as
+// in apply_rotary)
+template <class T>
+__device__ __forceinline__ void attn_rope_cs(const FlashFwdArgs& a, int pos, int f, float& c,
+                                             float& s) {
+  if (pos >= a.rot_rows) {
+    c = s = __int_as_float(0x7fc00000);
+    return;
+  }
+  const long long oc = pos * a.rcs[0] + f * a.rcs[1], os = pos * a.rss[0] + f * a.rss[1];
+  if (a.rot_f32) {
+    c = static_cast<const float*>(a.rot_cos)[oc];
+    s = static_cast<const float*>(a.rot_sin)[os];
+  } else {
+    c = to_float(static_cast<const T*>(a.rot_cos)[oc]);
+    s = to_float(static_cast<const T*>(a.rot_sin)[os]);
+  }
+}
+
+// Frequency, partner column and sign of element col (< 2 rot_half) of a rotated row: pair (x, y)
+// of frequency f becomes (x cos - y sin, y cos + x sin), as gpuops.apply_rotary.
+__device__ __forceinline__ void attn_rope_pair(const FlashFwdArgs& a, int col, int& f,
+                                               int& partner, float& sign) {
+  if (a.rot_interleaved) {
+    f = col >> 1;
+    partner = col ^ 1;
+    sign = (col & 1) ? 1.0f : -1.0f;
+  } else if (col < a.rot_half) {
+    f = col;
+    partner = col + a.rot_half;
+    sign = -1.0f;
+  } else {
+    f = col - a.rot_half;
+    partner = f;
+    sign = 1.0f;
+  }
 }
 
 }  // namespace gpuops

@@ -23,6 +23,18 @@
 // shared memory), and blockIdx.z picks the 32 output columns this block accumulates (the scores
 // are recomputed per output chunk: correct for any head dim, not fast).
 //
+// Options carried by the appended FlashFwdArgs fields (each off when null / 0; none touches the
+// Q K^T or P V loops):
+// * varlen: blockIdx.x = (sequence, head); the sequence's rows come from cu_q / cu_k on the
+//   device (the grid is sized by the longest), and a block past its sequence's end exits at once.
+//   bottom_right puts row i's causal / window diagonal at key i + sk - sq.
+// * block sparsity (SPARSE = true): before each key tile every thread reads the block_mask
+//   entries the tile covers (one byte when block_size is a multiple of BR and BC); a tile whose
+//   entries are all off is skipped (no loads, no math); in a tile that covers on and off blocks
+//   each thread gathers one bit per score it owns (blocks_on) and masks with it.
+// * rotary: q and k are rotated as they are loaded into shared memory (element c with its pair's
+//   partner, cos / sin of the row's sequence index); v is not.
+//
 // Tensor-core variants (mma.sync for sm_80+, wgmma for sm_90a) are separate kernels selected by
 // `variant=` in gpuops/ops/attention.py; this one is the SIMT variant.
 #include "attention/attn_common.cuh"
@@ -34,11 +46,14 @@ constexpr int kFlashThreads = 128;
 
 // rows [r0, r0 + ROWS) x columns [c0, c0 + D) of a [rows_total, cols_total] operand (strides rs,
 // cs) -> shared [ROWS][D + 4] in fp32, zeros outside the operand. vec: 16-byte loads (the host
-// guarantees c0 = 0, cols_total = D, cs = 1 and 16-byte aligned rows).
+// guarantees c0 = 0, cols_total = D, cs = 1 and 16-byte aligned rows, and with rotary that a
+// 16-byte pack and its partner pack line up). rotate: RoPE of row r0 + r at position r0 + r (the
+// rows are sequence indices), its partner elements read from global memory (L1).
 template <class T, int ROWS, int D>
 __device__ __forceinline__ void flash_load_tile(float* dst, const T* src, int r0, int rows_total,
                                                 long long rs, int c0, int cols_total,
-                                                long long cs, bool vec) {
+                                                long long cs, bool vec,
+                                                const FlashFwdArgs& a, bool rotate) {
   constexpr int kLd = D + 4;
   if (vec) {
     constexpr int N = Vec16<T>::size, kPer = D / N;   // values per 16 bytes, packs per row
@@ -48,7 +63,28 @@ __device__ __forceinline__ void flash_load_tile(float* dst, const T* src, int r0
       const int gr = r0 + r;
       float f[N];
       if (gr < rows_total) {
-        Vec16<T>::unpack(load16(src + gr * rs + c), f);
+        const T* row = src + gr * rs;
+        Vec16<T>::unpack(load16(row + c), f);
+        if (rotate && c < 2 * a.rot_half) {
+          float g[N];                                   // the partners of f
+          int f0, pc;
+          float sign;
+          attn_rope_pair(a, c, f0, pc, sign);
+          if (a.rot_interleaved) {
+#pragma unroll
+            for (int e = 0; e < N; ++e) g[e] = f[e ^ 1];
+          } else {
+            Vec16<T>::unpack(load16(row + pc), g);
+          }
+#pragma unroll
+          for (int e = 0; e < N; ++e) {
+            const int fe = a.rot_interleaved ? f0 + (e >> 1) : f0 + e;
+            const float se = a.rot_interleaved ? ((e & 1) ? 1.0f : -1.0f) : sign;
+            float cv, sv;
+            attn_rope_cs<T>(a, gr, fe, cv, sv);
+            f[e] = fmaf(f[e], cv, se * (g[e] * sv));
+          }
+        }
       } else {
 #pragma unroll
         for (int e = 0; e < N; ++e) f[e] = 0.0f;
@@ -64,13 +100,71 @@ __device__ __forceinline__ void flash_load_tile(float* dst, const T* src, int r0
     const int r = idx / D, c = idx - (idx / D) * D;
     const int gr = r0 + r, gc = c0 + c;
     float val = 0.0f;
-    if (gr < rows_total && gc < cols_total) val = to_float(src[gr * rs + gc * cs]);
+    if (gr < rows_total && gc < cols_total) {
+      const T* row = src + gr * rs;
+      val = to_float(row[gc * cs]);
+      if (rotate && gc < 2 * a.rot_half) {
+        int f, pc;
+        float sign, cv, sv;
+        attn_rope_pair(a, gc, f, pc, sign);
+        attn_rope_cs<T>(a, gr, f, cv, sv);
+        val = fmaf(val, cv, sign * (to_float(row[pc * cs]) * sv));
+      }
+    }
     dst[r * kLd + c] = val;
   }
 }
 
-template <class T, int D, int BR, int BC, bool GENERAL>
-__global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs a) {
+// Does key tile [k0, k1) of query rows [q0, q1] touch a block that is on? *mixed: it also touches
+// one that is off (then the scores are masked one by one). Every thread reads the same bytes.
+__device__ __forceinline__ bool flash_tile_on(const unsigned char* bm, long long sqb,
+                                              long long skb, int bs, int q0, int q1, int k0,
+                                              int k1, bool* mixed) {
+  const int qb0 = q0 / bs, qb1 = q1 / bs, kb0 = k0 / bs, kb1 = (k1 - 1) / bs;
+  bool any = false, all = true;
+  for (int qb = qb0; qb <= qb1; ++qb)
+    for (int kb = kb0; kb <= kb1; ++kb) {
+      const bool on = bm[qb * sqb + kb * skb] != 0;
+      any = any || on;
+      all = all && on;
+    }
+  *mixed = !all;
+  return any;
+}
+
+// Bit r * CN + c: is score (row i0 + 16 r, key j0 + 8 c) in a block that is on? Rows and keys
+// past ilast / jlast (invisible anyway) read the last ones' entries, inside the mask. A rolled
+// loop (few registers), run only for tiles that mix on and off blocks.
+template <int RM, int CN>
+__device__ __forceinline__ unsigned flash_blocks_on(const unsigned char* bm, long long sqb,
+                                                   long long skb, int bs, int i0, int ilast,
+                                                   int j0, int jlast) {
+  static_assert(RM * CN <= 32, "one bit per score of the thread");
+  unsigned bits = 0;
+#pragma unroll 1
+  for (int e = 0; e < RM * CN; ++e) {
+    const int r = e / CN, c = e - (e / CN) * CN;
+    const long long o = (attn_imin(i0 + 16 * r, ilast) / bs) * sqb +
+                        (attn_imin(j0 + 8 * c, jlast) / bs) * skb;
+    bits |= static_cast<unsigned>(bm[o] != 0) << e;
+  }
+  return bits;
+}
+
+// Blocks per SM the register allocation must allow: 3 for head dims up to 64 (their 64 x 64 tiles
+// leave shared memory for 3-4 blocks on sm_70+; ptxas would otherwise take up to 224 registers
+// and fit only 2), else 1 (ptxas may use up to 255 registers; shared memory allows 2 blocks).
+// The block-sparse instantiations do not fit 168 registers without spills: 2 blocks for them.
+template <int D, bool GENERAL, bool SPARSE>
+struct FlashMinBlocks {
+  static constexpr int value = (!GENERAL && !SPARSE && D <= 64) ? 3 : 1;
+};
+
+// SPARSE: block_mask is read (block-sparse attention); a separate instantiation (in its own
+// kernel module) so that the dense kernels keep their registers and compile time.
+template <class T, int D, int BR, int BC, bool GENERAL, bool SPARSE = false>
+__global__ void __launch_bounds__(kFlashThreads, FlashMinBlocks<D, GENERAL, SPARSE>::value)
+    flash_fwd(const FlashFwdArgs a) {
   constexpr int RM = BR / 16, CN = BC / 8, DK = D / 32;
   constexpr int kLd = D + 4, kLdp = BC + 4;
   static_assert(BR % 16 == 0 && BC % 8 == 0 && D % 32 == 0 && BC % 4 == 0, "tile shape");
@@ -85,16 +179,31 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;   // the longest causal rows start first
   const int dv0 = GENERAL ? blockIdx.z * D : 0;       // first output column of this block
 
-  const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1];
-  const T* k = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
-  const T* v = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
+  // this block's sequence: dense, or rows [cu[b], cu[b + 1]) of the packed tensors (varlen)
+  int sq = a.sq, sk = a.sk;
+  long long qrow0 = 0, krow0 = 0;
+  if (a.cu_q != nullptr) {
+    const int qs0 = a.cu_q[b], ks0 = a.cu_k[b];
+    sq = a.cu_q[b + 1] - qs0;
+    sk = a.cu_k[b + 1] - ks0;
+    qrow0 = qs0;
+    krow0 = ks0;
+  }
+  if (q0 >= sq) return;   // past the end of its sequence (varlen): the whole block leaves
+  const int diag = a.bottom_right ? sk - sq : 0;   // row i's diagonal is key i + diag
+
+  const T* q = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + qrow0 * a.qs[2];
+  const T* k = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1] + krow0 * a.ks[2];
+  const T* v = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1] + krow0 * a.vs[2];
   const long long mbase = b * a.ms[0] + h * a.ms[1];
+  const unsigned char* bm = SPARSE ? a.block_mask + b * a.bms[0] + h * a.bms[1] : nullptr;
+  const bool rot = a.rot_half > 0;
 
   // keys any row of this block may see
-  const int qlast = attn_imin(q0 + BR, a.sq) - 1;
-  int jlo = 0, jhi = a.sk;
-  if (a.left >= 0) jlo = attn_imax(0, q0 - a.left);
-  if (a.right >= 0) jhi = attn_imin(a.sk, qlast + a.right + 1);
+  const int qlast = attn_imin(q0 + BR, sq) - 1;
+  int jlo = 0, jhi = sk;
+  if (a.left >= 0) jlo = attn_imax(0, q0 + diag - a.left);
+  if (a.right >= 0) jhi = attn_imin(sk, qlast + diag + a.right + 1);
 
   float o[RM][DK][4];
   float m[RM], l[RM];
@@ -107,10 +216,22 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
   }
 
   if (!GENERAL) {
-    flash_load_tile<T, BR, D>(Qs, q, q0, a.sq, a.qs[2], 0, a.hd, a.qs[3], a.vec != 0);
+    flash_load_tile<T, BR, D>(Qs, q, q0, sq, a.qs[2], 0, a.hd, a.qs[3], a.vec != 0, a, rot);
   }
 
   for (int k0 = jlo; k0 < jhi; k0 += BC) {
+    // block sparsity: bit r * CN + c of `blocks_on` says whether score (r, c) of this thread
+    // lies in a block that is on (all ones unless the tile mixes on and off blocks)
+    unsigned blocks_on = ~0u;
+    if (SPARSE) {
+      bool mixed;
+      if (!flash_tile_on(bm, a.bms[2], a.bms[3], a.block_size, q0, qlast, k0,
+                         attn_imin(k0 + BC, jhi), &mixed))
+        continue;         // every block of the tile is off: no loads, no math
+      if (mixed)
+        blocks_on = flash_blocks_on<RM, CN>(bm, a.bms[2], a.bms[3], a.block_size, q0 + ty,
+                                            qlast, k0 + tx, attn_imin(k0 + BC, jhi) - 1);
+    }
     float s[RM][CN];
 #pragma unroll
     for (int r = 0; r < RM; ++r)
@@ -122,9 +243,10 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
     for (int dc = 0; dc < nchunks; ++dc) {
       __syncthreads();   // the previous P V (or chunk) is done with KVs / Qs
       if (GENERAL)
-        flash_load_tile<T, BR, D>(Qs, q, q0, a.sq, a.qs[2], dc * D, a.hd, a.qs[3], false);
-      flash_load_tile<T, BC, D>(KVs, k, k0, a.sk, a.ks[2], dc * D, a.hd, a.ks[3],
-                                !GENERAL && a.vec != 0);
+        flash_load_tile<T, BR, D>(Qs, q, q0, sq, a.qs[2], dc * D, a.hd, a.qs[3], false, a,
+                                  rot);
+      flash_load_tile<T, BC, D>(KVs, k, k0, sk, a.ks[2], dc * D, a.hd, a.ks[3],
+                                !GENERAL && a.vec != 0, a, rot);
       __syncthreads();
 #pragma unroll 4
       for (int d = 0; d < D; d += 4) {
@@ -156,8 +278,9 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
 #pragma unroll
       for (int c = 0; c < CN; ++c) {
         const int j = k0 + tx + 8 * c;
-        bool keep = i < a.sq && j < a.sk && (a.left < 0 || j >= i - a.left) &&
-                    (a.right < 0 || j <= i + a.right);
+        bool keep = i < sq && j < sk && (a.left < 0 || j >= i + diag - a.left) &&
+                    (a.right < 0 || j <= i + diag + a.right);
+        if (SPARSE) keep = keep && ((blocks_on >> (r * CN + c)) & 1u);
         float x = s[r][c] * a.scale_log2;
         if (keep && a.mask_kind != 0) {
           const long long mo = mbase + i * a.ms[2] + j * a.ms[3];
@@ -196,8 +319,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
     }
 
     __syncthreads();   // everyone is done with K; P is complete
-    flash_load_tile<T, BC, D>(KVs, v, k0, a.sk, a.vs[2], dv0, a.hd, a.vs[3],
-                             !GENERAL && a.vec != 0);
+    flash_load_tile<T, BC, D>(KVs, v, k0, sk, a.vs[2], dv0, a.hd, a.vs[3],
+                              !GENERAL && a.vec != 0, a, false);
     __syncthreads();
 
     // O += P V
@@ -227,7 +350,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
   }
 
   // O / l; lse = (m + log2 l) ln 2; rows that saw no key: 0 and -inf
-  T* out = static_cast<T*>(a.o) + b * a.os[0] + h * a.os[1];
+  T* out = static_cast<T*>(a.o) + b * a.os[0] + h * a.os[1] + qrow0 * a.os[2];
 #pragma unroll
   for (int r = 0; r < RM; ++r) {
     float lt = l[r];
@@ -235,7 +358,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
     lt += __shfl_xor_sync(0xffffffffu, lt, 4);
     const int i = q0 + ty + 16 * r;
-    if (i >= a.sq) continue;
+    if (i >= sq) continue;
     const float inv = lt == 0.0f ? 0.0f : 1.0f / lt;
     T* orow = out + i * a.os[2];
 #pragma unroll
@@ -248,7 +371,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1) flash_fwd(const FlashFwdArgs
     }
     if (a.lse != nullptr && tx == 0 && (!GENERAL || blockIdx.z == 0)) {
       const float lse = m[r] == attn_neg_inf() ? attn_neg_inf() : (m[r] + log2f(lt)) * kAttnLn2;
-      a.lse[static_cast<long long>(bh) * a.sq + i] = lse;
+      a.lse[b * a.ls[0] + h * a.ls[1] + (qrow0 + i) * a.ls[2]] = lse;
     }
   }
 }
