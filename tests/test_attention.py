@@ -503,13 +503,19 @@ def test_emulated_mma_kernel(case, dtype, rng, monkeypatch):
 @needs_emu
 @pytest.mark.parametrize("cfg", at.MMA_ALTERNATES[128], ids=str)
 def test_emulated_mma_alternate_schedules(cfg, rng, monkeypatch):
-    """The schedules compiled for timing next to MMA_TILES[128] (8 warps; 2 m16 tiles per warp
-    with Q re-read from shared memory) are correct too."""
+    """The schedules compiled for timing next to MMA_TILES[128] (32 rows x 64 keys per warp, two
+    K/V stages, 8 warps, Q in registers) are correct too: causal + GQA over 3-9 key tiles (both
+    stages reused), window + key tail, a negative scale (no folded scale). Masked calls take
+    the masked instantiation of MMA_MASK_TILES[128] whatever MMA_TILES says."""
     monkeypatch.setitem(at.MMA_TILES, 128, cfg)
-    for case in ((1, 2, 1, 130, 130, 128, {"enable_gqa": True, "is_causal": True}),
-                 (1, 1, 1, 17, 70, 128, {"mask": "bool", "window_size": (9, 3)})):
+    for case in ((1, 2, 1, 130, 260, 128, {"enable_gqa": True, "is_causal": True}),
+                 (1, 1, 1, 17, 70, 128, {"window_size": (9, 3), "layout": "bshd"}),
+                 (1, 1, 1, 70, 130, 128, {"scale": -0.1})):
         names = _emu_mma_case(case, "bfloat16", rng, monkeypatch)
         assert names == [at.mma_expr(dt.bfloat16, 128, cfg)]
+    names = _emu_mma_case((1, 1, 1, 17, 70, 128, {"mask": "bool", "window_size": (9, 3)}),
+                          "bfloat16", rng, monkeypatch)
+    assert names == [at.mma_expr(dt.bfloat16, 128, at.MMA_MASK_TILES[128], True)]
 
 
 @needs_emu
@@ -567,9 +573,16 @@ def test_mma_configs_and_modules():
     """Every mma schedule fits the smallest opt-in shared memory of sm_80+ (99 KB on sm_86/89),
     tiles the head dim, and the modules are built for sm_80+ only (no sm_61/70/75 build)."""
     for d, cfg in at.MMA_TILES.items():
-        warps, mt, bc, qreg, minb = cfg
-        assert d % 32 == 0 and bc % 16 == 0 and warps * 32 * minb <= 2048
+        warps, mt, bc, qreg, minb, stages = cfg
+        assert d % 32 == 0 and bc % 16 == 0 and warps * 32 * minb <= 2048 and stages in (1, 2)
         assert at.mma_smem(d, cfg) <= 99 * 1024
+    for cfg in (*at.MMA_ALTERNATES[128], *at.MMA_MASK_TILES.values()):
+        assert at.mma_smem(128, cfg) <= 99 * 1024
+    for d in at.MMA_TILES:      # every schedule a call can take is compiled
+        exprs = set(at.MMA_MODULES[dt.bfloat16].kernels)
+        assert at.mma_expr(dt.bfloat16, d, at.mma_config(d, False)) in exprs
+        assert at.mma_expr(dt.bfloat16, d, at.mma_config(d, True), True) in exprs
+    assert at.mma_smem(128, (4, 2, 64, False, 2, 2)) == (128 + 2 * 2 * 64) * 128 * 2
     for m in at.MMA_MODULES.values():
         assert m.min_arch == 80 and not m.supports(75) and m.supports(80) and m.supports(90)
         assert set(m.kernels.values()) == {at.FLASH_ARGS}
@@ -683,6 +696,7 @@ def test_gpu_mma_against_reference(case, dtype, rng, mma_only):
 def test_gpu_mma_alternate_schedules(cfg, rng, mma_only, monkeypatch):
     monkeypatch.setitem(at.MMA_TILES, 128, cfg)
     for case in ((1, 4, 2, 4097, 4097, 128, {"is_causal": True}),
+                 (2, 2, 2, 1000, 777, 128, {"layout": "bshd"}),
                  (2, 2, 2, 1000, 777, 128, {"mask": "bool", "layout": "bshd"})):
         _gpu_case(case, "bfloat16", rng, "mma", True)
 

@@ -38,6 +38,7 @@
 // the SIMT kernel (flash_fwd.cu). Same argument struct (FlashFwdArgs); `vec` is always 1 here.
 #include "attention/attn_common.cuh"
 #include "common/mma.cuh"
+#include "common/opaque.cuh"
 #include "common/vec.cuh"
 
 namespace gpuops {
@@ -67,6 +68,18 @@ __device__ __forceinline__ int attn_swz_k(int off0, int r, int c0, int kk) {
   } else {
     return attn_swz<D>(r, 2 * kk + c0);
   }
+}
+
+// attn_swz(r, c) for the ldmatrix addresses of one key tile. FRESH: hidden from the optimizer
+// (opaque) so that it is taken afresh at every tile: otherwise the compiler hoists every k step's
+// offset (attn_swz_k: one LOP3 each) out of the key loop and keeps them all in registers across
+// it, 24 registers at D = 128, the difference between spilling and not at 32 rows x 64 keys per
+// warp. (With 16 rows per warp the hoisted offsets fit, and ptxas allocates D = 256 better so.)
+template <int D, bool FRESH>
+__device__ __forceinline__ int attn_swz_tile(int r, int c) {
+  unsigned int off = static_cast<unsigned int>(attn_swz<D>(r, c));
+  if (FRESH) opaque(off);
+  return static_cast<int>(off);
 }
 
 // Rows r0 .. r0 + ROWS - 1 of a [rows_total][D] operand (row stride rs elements, unit d stride,
@@ -101,19 +114,64 @@ __device__ __forceinline__ void attn_tile_async(unsigned int dst, const T* src, 
   }
 }
 
-template <class T, int D, int WARPS, int MT, int BC, bool QREG, int MINB>
+// Scores of one key tile on an edge tile (lane (g, t), rows g, g + 8 of the warp's m16 tile mt,
+// first row wq0, first key k0): scaled to the log2 domain, hidden ones (-inf) by visibility
+// (window/causal bounds, the key tail, rows past the queries) and, with MASK, by attn_mask
+// (a.mask_kind 1: bool, 2: additive, T). Mask entries are read only for visible scores (the
+// branch keeps the reads in bounds; clamped branch-free reads let the compiler hoist all of them
+// at once: 64+ registers, spills).
+template <bool MASK, class T, int BC, int MT, int NS>
+__device__ __forceinline__ void attn_mma_hide(float (&s)[MT][NS][4], const FlashFwdArgs& a,
+                                              int wq0, int k0, int g, int t, long long mbase) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = wq0 + mt * 16 + g + 8 * hr;
+      // key k0 + 2t + c (c = 8n + e, a constant) is visible iff lo <= c <= hi
+      int lo = -2 * t, hi = a.sk - 1 - k0 - 2 * t;
+      if (a.left >= 0) lo = attn_imax(lo, i - a.left - k0 - 2 * t);
+      if (a.right >= 0) hi = attn_imin(hi, i + a.right - k0 - 2 * t);
+      if (i >= a.sq) hi = -1 - BC;
+      // attn_mask: walked by pointer from column k0 + 2t (8 columns per n8 tile)
+      const long long ms3 = a.ms[3];
+      const long long mrow = mbase + i * a.ms[2] + (k0 + 2 * t) * ms3;
+#pragma unroll
+      for (int n = 0; n < NS; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * n + e;
+          bool keep = c >= lo && c <= hi;
+          float x = s[mt][n][2 * hr + e] * a.scale_log2;
+          if (MASK && keep && a.mask_kind != 0) {
+            const long long mo = mrow + c * ms3;
+            if (a.mask_kind == 1)
+              keep = static_cast<const unsigned char*>(a.mask)[mo] != 0;
+            else
+              x = fmaf(to_float(static_cast<const T*>(a.mask)[mo]), kAttnLog2e, x);
+          }
+          s[mt][n][2 * hr + e] = keep ? x : attn_neg_inf();
+        }
+      }
+    }
+  }
+}
+
+template <class T, int D, int WARPS, int MT, int BC, bool QREG, int MINB, int STAGES, bool MASK>
 __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwdArgs a) {
   constexpr int kThreads = WARPS * 32, BR = 16 * MT * WARPS;
   constexpr int KD = D / 16;    // mma k steps of Q K^T
   constexpr int NO = D / 8;     // n8 tiles of O
   constexpr int NS = BC / 8;    // n8 tiles of S
   constexpr int KP = BC / 16;   // mma k steps of P V
+  constexpr int kTileBytes = BC * D * 2;   // one K or V tile
   static_assert(sizeof(T) == 2 && D % 32 == 0 && BC % 16 == 0, "tile shape");
+  static_assert(STAGES == 1 || STAGES == 2, "one or two K/V buffers");
   extern __shared__ AttnF4 flash_mma_smem[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(flash_mma_smem);
   const unsigned int q_s = smem_addr(smem);          // [BR][D]; the output staging at the end
-  const unsigned int k_s = q_s + BR * D * 2;         // [BC][D]
-  const unsigned int v_s = k_s + BC * D * 2;         // [BC][D]
+  const unsigned int kv_s = q_s + BR * D * 2;        // stage s: K [BC][D] at kv_s + 2 s kTileBytes,
+                                                     // V [BC][D] right after it
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int bh = blockIdx.x;
@@ -147,20 +205,37 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
 
   if (ntiles > 0) {
     attn_tile_async<T, BR, D, kThreads>(q_s, q, q0, a.sq, a.qs[2]);
-    attn_tile_async<T, BC, D, kThreads>(k_s, k, jlo, a.sk, a.ks[2]);
+    attn_tile_async<T, BC, D, kThreads>(kv_s, k, jlo, a.sk, a.ks[2]);
+    if (STAGES == 2) attn_tile_async<T, BC, D, kThreads>(kv_s + kTileBytes, v, jlo, a.sk, a.vs[2]);
     cp_async_commit();
   }
 
+  // ldmatrix row addresses (constant over the key loop). A (Q): matrix i = lane / 8 is rows
+  // +8 (i & 1), k +8 (i >> 1). B (K, n8 tiles 2np, 2np + 1): matrix i is keys +8 (i >> 1), k +8
+  // (i & 1). B (V, .trans, n8 tiles 2dp, 2dp + 1): matrix i is keys +8 (i & 1), dims +8 (i >> 1).
+  const int a_row = wr0 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_chunk = (lane >> 3) & 1;
+  const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_chunk = lane >> 4;
+
   for (int it = 0; it < ntiles; ++it) {
     const int k0 = jlo + it * BC;
+    const unsigned int k_t = kv_s + (STAGES == 2 ? (it & 1) * 2 * kTileBytes : 0);
+    const unsigned int v_t = k_t + kTileBytes;
     cp_async_wait<0>();
-    __syncthreads();   // K (and Q) landed; every warp is done with the previous V
-    attn_tile_async<T, BC, D, kThreads>(v_s, v, k0, a.sk, a.vs[2]);
-    cp_async_commit();
+    // STAGES 1: K_it (and Q) landed; every warp is done with V_{it-1}. STAGES 2: K_it and V_it
+    // landed; every warp is done with tile it - 1, whose buffers take tile it + 1 now.
+    __syncthreads();
+    if (STAGES == 1) {
+      attn_tile_async<T, BC, D, kThreads>(v_t, v, k0, a.sk, a.vs[2]);
+      cp_async_commit();
+    } else if (it + 1 < ntiles) {
+      const unsigned int n_t = kv_s + ((it + 1) & 1) * 2 * kTileBytes;
+      attn_tile_async<T, BC, D, kThreads>(n_t, k, k0 + BC, a.sk, a.ks[2]);
+      attn_tile_async<T, BC, D, kThreads>(n_t + kTileBytes, v, k0 + BC, a.sk, a.vs[2]);
+      cp_async_commit();
+    }
 
-    // A fragment rows of m16 tile mt, k step kk: matrix i = lane / 8 is rows +8 (i & 1), k +8 (i >> 1)
-    const int a_row = wr0 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
-    const int a_off = attn_swz<D>(a_row, a_chunk);
+    const int a_off = attn_swz_tile<D, (MT > 1)>(a_row, a_chunk);
     if (QREG && it == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -181,9 +256,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
 #pragma unroll
         for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
 
-      // S = Q K^T. B fragments of n8 tiles 2np, 2np + 1: matrix i is keys +8 (i >> 1), k +8 (i & 1)
-      const int b_row = (lane & 7) + (lane >> 4) * 8, b_chunk = (lane >> 3) & 1;
-      const int b_off = attn_swz<D>(b_row, b_chunk);
+      // S = Q K^T
+      const int b_off = attn_swz_tile<D, (MT > 1)>(b_row, b_chunk);
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) {
         unsigned int af[MT][4];
@@ -197,7 +271,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
                         q_s + mt * 16 * D * 2 + attn_swz_k<D>(a_off, a_row, a_chunk, kk));
           }
         }
-        const unsigned int k_kk = k_s + attn_swz_k<D>(b_off, b_row, b_chunk, kk);
+        const unsigned int k_kk = k_t + attn_swz_k<D>(b_off, b_row, b_chunk, kk);
 #pragma unroll
         for (int np = 0; np < NS / 2; ++np) {
           unsigned int bf[4];
@@ -210,88 +284,98 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
         }
       }
 
-      // Visibility and mask only where some score of the warp's rows may be hidden.
-      const bool edge = a.mask_kind != 0 || k0 + BC > a.sk ||
+      // Scores in the log2 domain. Edge tiles (some score of the warp's rows may be hidden:
+      // the diagonal of a causal mask, a window's borders, the key tail, any attn_mask) and a
+      // non-positive scale: scale first, then visibility and mask (cs = 1). Every other tile
+      // keeps the raw scores: the row max is taken on them (a positive scale commutes with max)
+      // and the scale is folded into the exponent, p = exp2(fma(s, scale_log2, -m)): one FFMA
+      // per score. The branch is per warp and per tile, outside the row loops, so the softmax
+      // below is straight-line code over all 2 MT rows of the lane: their max/shuffle/exp2/sum
+      // chains interleave instead of running one row after the other.
+      const bool edge = (MASK && a.mask_kind != 0) || k0 + BC > a.sk ||
                         (a.right >= 0 && k0 + BC - 1 > wq0 + a.right) ||
                         (a.left >= 0 && k0 < wq1 - a.left);
+      const bool fold = !edge && a.scale_log2 > 0.0f;
+      const float cs = fold ? a.scale_log2 : 1.0f;
+      if (edge) {
+        attn_mma_hide<MASK, T, BC>(s, a, wq0, k0, g, t, mbase);
+      } else if (!fold) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {   // rows g and g + 8 of the m16 tile
-          const int i = wq0 + mt * 16 + g + 8 * hr;
-          float tmax = attn_neg_inf();
-          float cs = 1.0f;   // factor of s in the exponent (s already scaled: 1)
-          if (edge) {
-            // key k0 + 2t + c (c = 8n + e, a constant) is visible iff lo <= c <= hi
-            int lo = -2 * t, hi = a.sk - 1 - k0 - 2 * t;
-            if (a.left >= 0) lo = attn_imax(lo, i - a.left - k0 - 2 * t);
-            if (a.right >= 0) hi = attn_imin(hi, i + a.right - k0 - 2 * t);
-            if (i >= a.sq) hi = -1 - BC;
-            // attn_mask: walked by pointer from column k0 + 2t (8 columns per n8 tile)
-            const long long ms3 = a.ms[3];
-            const long long mrow = mbase + i * a.ms[2] + (k0 + 2 * t) * ms3;
+          for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int n = 0; n < NS; ++n) {
+            for (int e = 0; e < 4; ++e) s[mt][n][e] *= a.scale_log2;
+      }
+
+      // Online softmax over the lane's rows g, g + 8 of each m16 tile (index 2 mt + hr): row
+      // max (pairwise tree, then the quad's 4 lanes by 2 shuffles); a row that has seen only
+      // -inf subtracts 0 (exp2(-inf) = 0, no NaN); NaN scores keep NaN (attn_max).
+      float mx[MT][2];
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int c = 8 * n + e;
-                bool keep = c >= lo && c <= hi;
-                float x = s[mt][n][2 * hr + e] * a.scale_log2;
-                if (keep && a.mask_kind != 0) {
-                  const long long mo = mrow + (8 * n + e) * ms3;
-                  if (a.mask_kind == 1)
-                    keep = static_cast<const unsigned char*>(a.mask)[mo] != 0;
-                  else
-                    x = fmaf(to_float(static_cast<const T*>(a.mask)[mo]), kAttnLog2e, x);
-                }
-                x = keep ? x : attn_neg_inf();
-                s[mt][n][2 * hr + e] = x;
-                tmax = attn_max(tmax, x);
-              }
-            }
-          } else if (a.scale_log2 > 0.0f) {
-            // max of the raw scores (the positive scale commutes with max); the scale is folded
-            // into the exponent below: p = exp2(s * scale_log2 - m), one FFMA per score
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NS; ++n)
+        for (int hr = 0; hr < 2; ++hr) {
+          float w[NS];
 #pragma unroll
-              for (int e = 0; e < 2; ++e) tmax = attn_max(tmax, s[mt][n][2 * hr + e]);
-            tmax *= a.scale_log2;
-            cs = a.scale_log2;
-          } else {
+          for (int n = 0; n < NS; ++n) w[n] = attn_max(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]);
 #pragma unroll
-            for (int n = 0; n < NS; ++n) {
+          for (int step = 1; step < NS; step *= 2)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float x = s[mt][n][2 * hr + e] * a.scale_log2;
-                s[mt][n][2 * hr + e] = x;
-                tmax = attn_max(tmax, x);
-              }
-            }
-          }
-          tmax = attn_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-          tmax = attn_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-          const float mnew = attn_max(m[mt][hr], tmax);
-          const float base = mnew == attn_neg_inf() ? 0.0f : mnew;
-          const float alpha = attn_exp2(m[mt][hr] - base);
-          m[mt][hr] = mnew;
-          float psum = 0.0f;
-#pragma unroll
-          for (int n = 0; n < NS; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float p = attn_exp2(fmaf(s[mt][n][2 * hr + e], cs, -base));
-              s[mt][n][2 * hr + e] = p;
-              psum += p;
-            }
-          }
-          l[mt][hr] = fmaf(l[mt][hr], alpha, psum);   // the quad's partial sums meet at the end
-#pragma unroll
-          for (int n = 0; n < NO; ++n) {
-            o[mt][n][2 * hr] *= alpha;
-            o[mt][n][2 * hr + 1] *= alpha;
-          }
+            for (int n = 0; n + step < NS; n += 2 * step) w[n] = attn_max(w[n], w[n + step]);
+          mx[mt][hr] = w[0] * cs;
         }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          mx[mt][hr] = attn_max(mx[mt][hr], __shfl_xor_sync(0xffffffffu, mx[mt][hr], 1));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          mx[mt][hr] = attn_max(mx[mt][hr], __shfl_xor_sync(0xffffffffu, mx[mt][hr], 2));
+      float alpha[MT][2], nbase[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const float mnew = attn_max(m[mt][hr], mx[mt][hr]);
+          const float base = mnew == attn_neg_inf() ? 0.0f : mnew;
+          alpha[mt][hr] = attn_exp2(m[mt][hr] - base);
+          nbase[mt][hr] = -base;
+          m[mt][hr] = mnew;
+        }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][n][e] = attn_exp2(fmaf(s[mt][n][e], cs, nbase[mt][e >> 1]));
+      // l sums the fp32 p (pairwise; the quad's partial sums meet at the end)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float w[NS];
+#pragma unroll
+          for (int n = 0; n < NS; ++n) w[n] = s[mt][n][2 * hr] + s[mt][n][2 * hr + 1];
+#pragma unroll
+          for (int step = 1; step < NS; step *= 2)
+#pragma unroll
+            for (int n = 0; n + step < NS; n += 2 * step) w[n] += w[n + step];
+          l[mt][hr] = fmaf(l[mt][hr], alpha[mt][hr], w[0]);
+        }
+      // O rescale, once per tile (alpha = 1 when the row max did not move)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mt][n][e] *= alpha[mt][e >> 1];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int kp = 0; kp < KP; ++kp) {
           pf[mt][kp][0] = pack_b16x2<T>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
@@ -299,27 +383,30 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
           pf[mt][kp][2] = pack_b16x2<T>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
           pf[mt][kp][3] = pack_b16x2<T>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
         }
-      }
     }
 
-    cp_async_wait<0>();
-    __syncthreads();   // V landed; every warp is done with K
-    if (it + 1 < ntiles) {
-      attn_tile_async<T, BC, D, kThreads>(k_s, k, k0 + BC, a.sk, a.ks[2]);
-      cp_async_commit();
+    if (STAGES == 1) {
+      cp_async_wait<0>();
+      __syncthreads();   // V landed; every warp is done with K
+      if (it + 1 < ntiles) {
+        attn_tile_async<T, BC, D, kThreads>(k_t, k, k0 + BC, a.sk, a.ks[2]);
+        cp_async_commit();
+      }
+    } else {
+      // No barrier here: __syncwarp keeps the compiler from hoisting the V fragment loads
+      // into the softmax, where S, P and O are all live (spills at 32 rows x 64 keys).
+      __syncwarp();
     }
 
     if (active) {
-      // O += P V. B fragments of n8 tiles 2dp, 2dp + 1 (.trans): matrix i is keys +8 (i & 1),
-      // dims +8 (i >> 1)
-      const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_chunk = lane >> 4;
-      const int v_off = attn_swz<D>(v_row, v_chunk);
+      // O += P V (V through ldmatrix.trans)
+      const int v_off = attn_swz_tile<D, (MT > 1)>(v_row, v_chunk);
 #pragma unroll
       for (int kp = 0; kp < KP; ++kp) {
 #pragma unroll
         for (int dp = 0; dp < NO / 2; ++dp) {
           unsigned int bf[4];
-          ldmatrix_x4_trans(bf, v_s + kp * 16 * D * 2 + attn_swz_k<D>(v_off, v_row, v_chunk, dp));
+          ldmatrix_x4_trans(bf, v_t + kp * 16 * D * 2 + attn_swz_k<D>(v_off, v_row, v_chunk, dp));
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             Mma<T>::run(o[mt][2 * dp], pf[mt][kp], bf[0], bf[1]);
@@ -330,8 +417,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
     }
   }
 
-  // O / l -> T, staged in the warp's own Q rows (its reads of them ended before the last
-  // barrier); lse = (m + log2 l) ln 2. Rows that saw no key: l = 0 -> 0 and -inf.
+  // O / l -> T, staged in the warp's own Q rows (no other warp reads them; the warp's own
+  // ldmatrix reads of them are done: O depends on their results); lse = (m + log2 l) ln 2. Rows that saw no key: l = 0 -> 0 and -inf.
   T* out = static_cast<T*>(a.o) + b * a.os[0] + h * a.os[1];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {

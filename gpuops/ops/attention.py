@@ -98,43 +98,62 @@ assert flash_smem(GENERAL_D, *GENERAL_TILE) <= 48 * 1024
 
 # Tensor-core kernel (flash_fwd_mma.cu): one module per 16-bit dtype, built for sm_80+ only.
 # head dim -> (warps, m16 tiles per warp (MT), BC, Q fragments kept in registers, min blocks per
-# SM for __launch_bounds__); BR = 16 * warps * MT. Chosen for no spills at the most blocks per SM
-# (ptxas -v, NVRTC 12.9, sm_80/sm_90: D32 ~120 registers, D64 ~158, D96 ~220, D128 ~222,
-# D256 255; benchmarks/notes_attention.md).
-MMA_TILES = {32: (8, 1, 64, True, 2), 64: (4, 1, 64, True, 3), 96: (4, 1, 64, True, 2),
-             128: (4, 2, 32, False, 2), 256: (4, 1, 64, False, 2)}
+# SM for __launch_bounds__, K/V stages); BR = 16 * warps * MT. Stages 1: one K and one V buffer,
+# two barriers per key tile; 2: K and V double-buffered, one barrier per key tile, the next tile's
+# loads in flight during the whole current one. Chosen for no spills at the most blocks per SM
+# (ptxas -v, NVRTC 12.9, sm_80/sm_90; benchmarks/notes_attention.md).
+MMA_TILES = {32: (8, 1, 64, True, 2, 1), 64: (4, 1, 64, True, 3, 1), 96: (4, 1, 64, True, 2, 1),
+             128: (4, 2, 32, False, 2, 1), 256: (4, 1, 64, False, 2, 1)}
 # D = 128: 4 warps x 32 rows, BC 32 measured fastest (run 18: 0.70x / 0.71x SDPA-FLASH against
 # 0.63x / 0.61x for 4 x 16 rows, BC 64, non-causal / causal). Other schedules compiled too, so one
-# GPU session can time them against MMA_TILES (swap one in
-# with MMA_TILES[128] = MMA_ALTERNATES[128][i]): 8 warps x 16 rows (BR = 128: half the K/V
-# traffic from L2 per FLOP, one block per SM), and FlashAttention-2's own 4 warps x 32 rows with
-# Q re-read from shared memory (BC = 32 to stay within 255 registers).
-MMA_ALTERNATES = {128: ((8, 1, 64, True, 1), (4, 1, 64, True, 2))}
+# GPU session can time them against MMA_TILES (benchmarks/experiments/attention_mma_schedules.py;
+# swap one in with MMA_TILES[128] = cfg): FlashAttention-2's own tile (4 warps x 32 rows, BC 64,
+# Q re-read from shared memory), each with two K/V stages, and the 16-rows-per-warp schedules of
+# run 18 (8 x 16: BR 128, one block per SM; 4 x 16, BC 64: Q in registers).
+MMA_ALTERNATES = {128: ((4, 2, 64, False, 2, 1), (4, 2, 32, False, 2, 2), (4, 2, 64, False, 2, 2),
+                        (8, 1, 64, True, 1, 1), (4, 1, 64, True, 2, 1))}
+# Calls with an attn_mask take an instantiation with the mask code compiled in (MASK = true; the
+# others leave it out and ignore mask_kind) and, where the fast schedule has no registers to spare
+# for it (32 rows x 64 keys per warp sits at 254-255), a lighter schedule.
+MMA_MASK_TILES = {128: (4, 2, 32, False, 2, 1)}
 _MMA_ARCHS = ("80", "86", "89", "90")
 _SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
 
 
-def mma_expr(dtype, d: int, cfg) -> str:
-    warps, mt, bc, qreg, minb = cfg
+def mma_expr(dtype, d: int, cfg, masked: bool = False) -> str:
+    warps, mt, bc, qreg, minb, stages = cfg
     return (f"gpuops::flash_fwd_mma<{dtype.ctype}, {d}, {warps}, {mt}, {bc}, {_B[qreg]}, "
-            f"{minb}>")
+            f"{minb}, {stages}, {_B[masked]}>")
+
+
+def mma_config(d: int, masked: bool):
+    """The schedule of a call: MMA_TILES[d], or MMA_MASK_TILES[d] (if any) for masked calls."""
+    return MMA_MASK_TILES.get(d, MMA_TILES[d]) if masked else MMA_TILES[d]
 
 
 def mma_smem(d: int, cfg) -> int:
-    """Bytes of dynamic shared memory: Q [BR][D], K and V [BC][D] in the 16-bit storage dtype."""
-    warps, mt, bc = cfg[:3]
-    return (16 * warps * mt + 2 * bc) * d * 2
+    """Bytes of dynamic shared memory: Q [BR][D], K and V [BC][D] per stage, in the 16-bit storage
+    dtype."""
+    warps, mt, bc, stages = cfg[0], cfg[1], cfg[2], cfg[5]
+    return (16 * warps * mt + 2 * bc * stages) * d * 2
 
 
 def _mma_configs():
-    return [(d, (cfg, *MMA_ALTERNATES.get(d, ()))) for d, cfg in MMA_TILES.items()]
+    return [(d, (cfg, *MMA_ALTERNATES.get(d, ()), MMA_MASK_TILES.get(d, cfg)))
+            for d, cfg in MMA_TILES.items()]
+
+
+def _mma_exprs(dtype):
+    """Unmasked: MMA_TILES and MMA_ALTERNATES; masked: mma_config(d, True)."""
+    out = [mma_expr(dtype, d, cfg) for d, cfg in MMA_TILES.items()]
+    out += [mma_expr(dtype, d, cfg) for d, cfgs in MMA_ALTERNATES.items() for cfg in cfgs]
+    out += [mma_expr(dtype, d, mma_config(d, True), True) for d in MMA_TILES]
+    return out
 
 
 MMA_MODULES = {
     dtype: KernelModule(f"attention.flash_mma_{short}", "attention/flash_fwd_mma.cu",
-                        {mma_expr(dtype, d, cfg): FLASH_ARGS
-                         for d, cfgs in _mma_configs() for cfg in cfgs},
-                        archs=_MMA_ARCHS)
+                        dict.fromkeys(_mma_exprs(dtype), FLASH_ARGS), archs=_MMA_ARCHS)
     for dtype, short in _SHORT.items()}
 _MMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in MMA_MODULES.items()}
 
@@ -759,11 +778,13 @@ def mma_applies(call, p, query, key, value, out, layout) -> bool:
 
 def _launch_mma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
                 ext: FlashExtras = NO_EXTRAS):
-    cfg = MMA_TILES[p.D]
+    masked = mask_kind != 0
+    cfg = mma_config(p.D, masked)
     warps, mt = cfg[:2]
     grid = (p.B * p.Hq, -(-p.Sq // (16 * warps * mt)), 1)
     _check_grid(call.op.name, grid)
-    kernel = _MMA_KERNELS[call.result_dtype].get(call.device, mma_expr(call.result_dtype, p.D, cfg))
+    kernel = _MMA_KERNELS[call.result_dtype].get(call.device,
+                                                 mma_expr(call.result_dtype, p.D, cfg, masked))
     kernel.launch(grid, (32 * warps, 1, 1), call.stream,
                   *flash_launch_args(p, query, key, value, attn_mask, mask_kind, out, lse, layout,
                                      True),
