@@ -167,7 +167,8 @@ def hot_path(insns, lo, hi, trips, cold):
         is_bra = op.startswith("BRA")
         tg = _target(t) if is_bra else None
         backedge = is_bra and tg is not None and tg <= a
-        conditional = t.startswith("@")
+        # BRA.DIV (a __syncwarp's divergence test) falls through on a converged warp
+        conditional = t.startswith("@") or op.startswith("BRA.DIV")
         if i == len(body) - 1 and backedge and tg == lo:
             succ = [len(body)]                      # the loop's own back edge: iteration ends
         elif backedge:
@@ -205,6 +206,10 @@ def main_loops(insns, trips, cold):
             with_tc.append((lo, hi))
     outer = [(lo, hi) for lo, hi in with_tc
              if not any((l2, h2) != (lo, hi) and l2 <= lo and hi <= h2 for l2, h2 in with_tc)]
+    # not a loop: a jump back from an out-of-line path (a __syncwarp's diverged-warp path after
+    # BRA.DIV) into the middle of a loop it overlaps
+    outer = [(lo, hi) for lo, hi in outer
+             if not any(l2 < lo < h2 < hi for l2, h2 in outer)]
     out = []
     for lo, hi in sorted(outer):
         path = hot_path(insns, lo, hi, trips, cold)

@@ -3,8 +3,11 @@ with torch's FLASH (FlashAttention-2) and cuDNN backends, bf16, H=32, S=4096, D=
 
 Schedules (gpuops.ops.attention): MMA_TILES[128] (the default, what 'auto' runs) and each entry of
 MMA_ALTERNATES[128] (compiled in the same module), as (warps, m16 tiles per warp, BC, Q in
-registers, min blocks per SM). Kernel time = median of CUDA events around single calls after
-warm-up (each call is milliseconds: host time is noise). TFLOP/s = 4 B H S^2 D (halved for causal).
+registers, min blocks per SM, K/V stages): 4 x 32 rows BC 32 (default), 4 x 32 BC 64 (FA2's
+tile), both with two K/V stages, and the 16-rows-per-warp schedules of run 18 (8 x 16, 4 x 16).
+Predictions per schedule: benchmarks/notes_attention.md. Kernel time = median of CUDA events
+around single calls after warm-up (each call is milliseconds: host time is noise). TFLOP/s =
+4 B H S^2 D (halved for causal). One module compile (NVRTC, all schedules) on the first call.
 
     python benchmarks/experiments/attention_mma_schedules.py [--json F] [--batch 4] [--simt]
 """
@@ -71,7 +74,7 @@ def main():
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             results[name] = time_ms(lambda: go.scaled_dot_product_attention(q, k, v,
                                                                             is_causal=causal))
-            print(f"  {name}: rel. error vs torch {err:.2e}")
+            print(f"  {name}: rel. error vs torch {err:.2e}, smem {at.mma_smem(D, cfg) // 1024} KB")
         at.MMA_TILES[D] = default
         if args.simt:
             results["simt"] = time_ms(lambda: go.scaled_dot_product_attention(

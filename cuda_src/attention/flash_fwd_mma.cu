@@ -6,9 +6,10 @@
 //   * Q [BR][D], K [BC][D], V [BC][D] in shared memory in the storage dtype, rows of 16-byte
 //     chunks XOR-swizzled (attn_swz) so every ldmatrix phase and every cp.async hits 8 distinct
 //     16-byte bank groups; loaded by cp.async (16 bytes per thread, no registers), rows past the
-//     sequence zero-filled. One buffer each, overlapped as in FlashAttention-2: the load of V_j
-//     runs during S = Q K_j^T and the softmax, the load of K_{j+1} during O += P V_j; two
-//     barriers per key tile.
+//     sequence zero-filled. STAGES = 1: one buffer each, overlapped as in FlashAttention-2: the
+//     load of V_j runs during S = Q K_j^T and the softmax, the load of K_{j+1} during
+//     O += P V_j; two barriers per key tile. STAGES = 2: K and V double-buffered, K_{j+1} and
+//     V_{j+1} issued right after the one barrier of tile j, a whole tile ahead of their use.
 //   * QREG: the warp's Q fragments are loaded once (ldmatrix) and stay in registers; otherwise
 //     (big head dims or MT = 2, where registers go to the accumulators) they are re-read from
 //     shared memory at every key tile.
@@ -19,9 +20,15 @@
 //     (window/causal, key tail) and attn_mask applied only on tiles that need them (edge tiles:
 //     the diagonal of a causal mask, a window's borders, the last key tile, every tile with a
 //     mask); row max and sum over the 4 lanes of a quad (2 shuffles); a row that has seen only
-//     -inf subtracts 0 (exp2(-inf) = 0, no NaN); NaN scores keep NaN (attn_max). On tiles
-//     without masking (and a positive scale) the row max is taken on the raw scores and the
-//     scale folded into the exponent: p = exp2(fma(s, scale_log2, -m)), one FFMA per score.
+//     -inf subtracts 0 (exp2(-inf) = 0, no NaN); NaN scores keep NaN (attn_max: FMNMX.NAN). On
+//     tiles without masking (and a positive scale) the row max is taken on the raw scores and
+//     the scale folded into the exponent: p = exp2(fma(s, scale_log2, -m)), one FFMA per score.
+//     The edge/fold decision is one branch per warp and tile; the softmax after it is
+//     straight-line code over all 2 MT rows of a lane (pairwise max and sum trees), so the rows'
+//     dependency chains (max, 2 shuffles, exp2, sum) overlap instead of running one after the
+//     other (the per-row branches of the first version serialized them: ~1200 cycles a tile).
+//   * MASK: attn_mask support compiled in (the host picks MASK = true only for masked calls; the
+//     MASK = false instantiations ignore mask_kind and have no mask loads).
 //   * P = exp2(s - m) rounded to the storage dtype in registers is directly the A operand of
 //     O += P V (the m16n8 accumulator layout of two n8 tiles is the m16n8k16 A layout); V
 //     through ldmatrix.trans (V rows are k-major for P V). l sums the fp32 p (FlashAttention's
