@@ -11,10 +11,10 @@ Kernels (cuda_src/attention/flash_fwd.cu), fp32 math for fp32/fp16/bf16 storage:
   memory); any other head dim goes through the general instantiation, which loops over the head
   dim in chunks of 32 and gives each block 32 output columns (scores recomputed per chunk).
 * variant ``'mma'`` (cuda_src/attention/flash_fwd_mma.cu, sm_80+, fp16/bf16): FlashAttention-2's
-  forward on tensor cores (mma.sync m16n8k16, fp32 accumulators): Q fragments in registers, K/V
-  tiles through XOR-swizzled shared memory by cp.async (V_j loads during Q K_j^T, K_{j+1} during
-  P V_j), online softmax on the accumulator fragments, P reused in registers as the A operand of
-  P V. Head dims in ``MMA_TILES`` (32, 64, 96, 128, 256) with q, k, v (and out) rows 16-byte
+  forward on tensor cores (mma.sync m16n8k16, fp32 accumulators): Q fragments in registers or
+  re-read from shared memory, K/V tiles through XOR-swizzled shared memory by cp.async (one stage:
+  V_j loads during Q K_j^T, K_{j+1} during P V_j; two stages: tile j+1 during tile j), online
+  softmax on the accumulator fragments, P reused in registers as the A operand of P V. Head dims in ``MMA_TILES`` (32, 64, 96, 128, 256) with q, k, v (and out) rows 16-byte
   aligned with unit d stride; anything else takes the SIMT kernel. ``'auto'`` = ``'mma'`` where
   it applies, else ``'simt'``.
 * ``'wgmma'`` (sm_90a, FlashAttention-3's schedule) is the next step.
