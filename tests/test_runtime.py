@@ -420,6 +420,33 @@ def test_bundle_rejects_other_source_and_missing_modules(small_bundle, tmp_path)
         assert b.find(get_module("elementwise.gated"), LOW, "", True) is None
 
 
+def test_bundle_rebuild_only_stale_keeps_current_images(small_bundle, tmp_path, monkeypatch):
+    root = _copy(small_bundle, tmp_path / "b")
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["modules"]["elementwise.activations"]["targets"][f"sm_{LOW}"]["sha256"] = "0" * 64
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    m = get_module("elementwise.activations")
+    compiled = []
+    real = nvrtc.compile_source
+
+    def counting(*args, **kw):
+        compiled.append(args[3].label)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(nvrtc, "compile_source", counting)
+    out = bundle.build(root, [Target(LOW, "ptx"), Target(LOW, "cubin")], [m],
+                       show_progress=False, only_stale=True)
+    # the PTX is current and kept; the cubin whose recorded hash no longer matches is rebuilt
+    assert compiled == [f"sm_{LOW}"]
+    assert set(out["modules"][m.name]["targets"]) == {f"compute_{LOW}", f"sm_{LOW}"}
+    b = bundle.Bundle(root)
+    assert b.find(m, LOW, "", exact_cubin=True).target == Target(LOW, "cubin")
+    compiled.clear()
+    bundle.build(root, [Target(LOW, "ptx"), Target(LOW, "cubin")], [m], show_progress=False,
+                 only_stale=True)
+    assert compiled == []
+
+
 def test_bundle_without_manifest_is_an_error(tmp_path):
     from gpuops.runtime.errors import BundleError
     with pytest.raises(BundleError, match="manifest.json"):
