@@ -169,6 +169,16 @@ def _wgmma_expr(d, a_mn, b_mn):
 WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", lambda d: {
     _wgmma_expr(d, a_mn, b_mn): WGMMA_ARGS for a_mn in (False, True) for b_mn in (False, True)},
     dtypes=_HALFS, archs=(f"{WGMMA_ARCH}a",))
+# Probes of the wgmma building blocks (parameters, TMA + mbarrier, wgmma descriptors), one kernel
+# each, for benchmarks/experiments/wgmma_bisect.py; no op launches them.
+WGMMA_PROBE = KernelModule("gemm.wgmma_probe", "gemm/wgmma_probe.cu", {
+    "gpuops::gemm::wgmma_probe_params": WGMMA_ARGS,
+    "gpuops::gemm::wgmma_probe_tma": ArgSpec("tensormap", "ptr", "ptr", "i32", "i32", "i32", "i32",
+                                       "i32"),
+    **{_kname("wgmma_probe_mma", d.ctype, _b(a_mn), _b(b_mn)):
+       ArgSpec("ptr", "ptr", "ptr", "i32", "i32", "i32")
+       for d in _HALFS for a_mn in (False, True) for b_mn in (False, True)}},
+    archs=(f"{WGMMA_ARCH}a",))
 # variant=None picks 'wgmma' (fp16/bf16, sm_90, M > 16, operands TMA can read, not SwiGLU) only
 # when this is True: set it once the kernel has passed the GPU tests and its timings beat 'mma'.
 WGMMA_AUTO = False
