@@ -244,7 +244,9 @@ def test_variant_choice():
     assert c("t", None, dt.float32, 90, 4096, False, True) == "warp_tiled"
     assert c("t", None, dt.float32, 90, 4096, True, True) == "mma"
     assert c("t", None, dt.float32, 75, 4096, True, True) == "warp_tiled"
-    assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "mma"
+    assert c("t", None, dt.bfloat16, 90, 4096, False, True) == ("wgmma" if G.WGMMA_AUTO else "mma")
+    assert c("t", None, dt.bfloat16, 90, 4096, False, True, dual=True) == "mma"   # SwiGLU
+    assert c("t", None, dt.bfloat16, 89, 4096, False, True) == "mma"
     assert c("t", None, dt.bfloat16, 61, 4096, False, True) == "warp_tiled"
     assert c("t", None, dt.bfloat16, 90, 1, False, True) == "gemv"
     assert c("t", None, dt.bfloat16, 90, 16, False, True) == "gemv_mma"
@@ -356,10 +358,10 @@ def test_mma_residual_vector_flag():
 
 
 def test_wgmma_auto_is_behind_its_flag(monkeypatch):
-    """variant=None picks wgmma only with WGMMA_AUTO (set once it is proven on the GPU), only on
-    sm_90, for fp16/bf16 beyond decode sizes and not for the dual (SwiGLU) product."""
+    """variant=None picks wgmma only with WGMMA_AUTO (on since run 21 proved it on the GPU),
+    only on sm_90, for fp16/bf16 beyond decode sizes and not for the dual (SwiGLU) product."""
     c = G._choose
-    assert G.WGMMA_AUTO is False
+    monkeypatch.setattr(G, "WGMMA_AUTO", False)
     assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "mma"
     monkeypatch.setattr(G, "WGMMA_AUTO", True)
     assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "wgmma"
