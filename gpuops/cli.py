@@ -48,6 +48,9 @@ def main(argv=None) -> int:
                          "arch), or both (default)")
     bl.add_argument("--modules", type=_csv, help="module names (default: all)")
     bl.add_argument("--out", required=True, help="output directory")
+    bl.add_argument("--stale", action="store_true",
+                    help="keep the images of an existing bundle in --out that are still current "
+                         "(same NVRTC, module unchanged); compile only the others")
     bl.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1,
                     help="parallel compile processes (default: all cores)")
 
@@ -90,7 +93,7 @@ def _build(args) -> int:
     targets = [Target(Target.parse(a).arch, k, Target.parse(a).suffix)
                for a in args.arch for k in kinds]
     mods = [modules.get_module(n) for n in args.modules] if args.modules else None
-    manifest = bundle.build(args.out, targets, mods, jobs=args.jobs)
+    manifest = bundle.build(args.out, targets, mods, jobs=args.jobs, only_stale=args.stale)
     worst = []
     for name, entry in manifest["modules"].items():
         for label, info in entry["targets"].items():

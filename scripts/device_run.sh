@@ -7,6 +7,7 @@
 #   tests      the whole test suite on the device's arch
 #   gputests   only the GPU tests on the device's arch ($TEST_ARGS appended to pytest)
 #   tests61    the GPU tests again on the compute_61 bundle (.bundle61, carried)
+#   alltests   gputests and tests61 together, one pool of $JOBS pytest processes
 #   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
 #   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
@@ -66,34 +67,38 @@ for stage in $stages; do
       # the whole suite: CPU tests also run their NumPy inputs through the GPU path here
       $PY -m pytest tests -q -rfEs --junitxml="$DETAIL/tests_native.xml" 2>&1 \
         | tee "$DETAIL/tests_native.log" | tail -25 || status=1 ;;
-    gputests|tests61)
+    gputests|tests61|alltests)
       # one pytest per test file, $JOBS files at once (NVRTC compiles are CPU-bound), each under
-      # $FILE_TIMEOUT seconds: a kernel that hangs costs its own file (named in the log), not the run
-      tag=native; envs=()
-      if [ "$stage" = tests61 ]; then
-        if [ ! -f .bundle61/manifest.json ]; then
-          echo "no .bundle61: build it off-device: bash scripts/prepare_device_run.sh"; status=1; continue
-        fi
-        tag=sm61; envs=(GPUOPS_KERNEL_BUNDLE="$PWD/.bundle61" GPUOPS_ARCH=61)
+      # $FILE_TIMEOUT seconds: a kernel that hangs costs its own file (named in the log), not the run.
+      # alltests: the native and the compute_61 files share one pool of $JOBS (one stage's wall time)
+      case $stage in gputests) tags="native";; tests61) tags="sm61";; *) tags="native sm61";; esac
+      if [[ " $tags " == *" sm61 "* ]] && [ ! -f .bundle61/manifest.json ]; then
+        echo "no .bundle61: build it off-device: bash scripts/prepare_device_run.sh"; status=1; continue
       fi
-      for f in ${TEST_FILES:-tests/test_*.py}; do
-        while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-6}" ]; do sleep 0.5; done
-        (
-          name=$(basename "$f" .py); start=$(date +%s)
-          env "${envs[@]}" timeout -k 5 "${FILE_TIMEOUT:-240}" $PY -m pytest -m gpu "$f" -q -rfE --tb=short \
-            -p no:cacheprovider --junitxml="$DETAIL/${tag}_${name}.xml" ${TEST_ARGS:-} > "$DETAIL/${tag}_${name}.log" 2>&1
-          rc=$?; [ $rc -eq 5 ] && rc=0   # 5: no GPU tests in the file
-          echo "$tag $name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$DETAIL/${tag}_${name}.log")"
-        ) &
+      for tag in $tags; do
+        envs=()
+        [ "$tag" = sm61 ] && envs=(GPUOPS_KERNEL_BUNDLE="$PWD/.bundle61" GPUOPS_ARCH=61)
+        for f in ${TEST_FILES:-tests/test_*.py}; do
+          while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-6}" ]; do sleep 0.5; done
+          (
+            name=$(basename "$f" .py); start=$(date +%s)
+            env "${envs[@]}" timeout -k 5 "${FILE_TIMEOUT:-240}" $PY -m pytest -m gpu "$f" -q -rfE --tb=short \
+              -p no:cacheprovider --junitxml="$DETAIL/${tag}_${name}.xml" ${TEST_ARGS:-} > "$DETAIL/${tag}_${name}.log" 2>&1
+            rc=$?; [ $rc -eq 5 ] && rc=0   # 5: no GPU tests in the file
+            echo "$tag $name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$DETAIL/${tag}_${name}.log")"
+          ) &
+        done
       done
       wait
       sleep 0.2
-      # the summary lines, then every failure's short traceback in one file
-      grep -h "^FAILED\|^ERROR" "$DETAIL"/${tag}_*.log > "$OUT/failures_${tag}.txt" 2>/dev/null
-      for l in "$DETAIL"/${tag}_*.log; do
-        grep -q "^FAILED\|^ERROR\|rc=1[23]" "$l" && { echo "##### $l"; sed -n '/= FAILURES =/,$p;/= ERRORS =/,$p' "$l" | head -c 60000; }
-      done >> "$OUT/failures_${tag}.txt"
-      grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1 ;;
+      for tag in $tags; do
+        # the summary lines, then every failure's short traceback in one file
+        grep -h "^FAILED\|^ERROR" "$DETAIL"/${tag}_*.log > "$OUT/failures_${tag}.txt" 2>/dev/null
+        for l in "$DETAIL"/${tag}_*.log; do
+          grep -q "^FAILED\|^ERROR\|rc=1[23]" "$l" && { echo "##### $l"; sed -n '/= FAILURES =/,$p;/= ERRORS =/,$p' "$l" | head -c 60000; }
+        done >> "$OUT/failures_${tag}.txt"
+        grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1
+      done ;;
     bench)
       prebuild
       $T $PY -m gpuops bench ${BENCH_ARGS:---runtime} --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;

@@ -3,5 +3,5 @@
 # with NVRTC 12 here because the device's NVRTC 13 cannot target sm_61. Carry .bundle61.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf .bundle61
-python3 -m gpuops build --arch 61 --kind ptx --out .bundle61
+# --stale: images still current (same NVRTC, module unchanged) are kept; only changed modules compile
+python3 -m gpuops build --arch 61 --kind ptx --out .bundle61 --stale

@@ -1340,8 +1340,9 @@ def test_gpu_varlen_against_reference(case, dtype, rng):
 @gpu
 @needs_torch_cuda
 def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng):
-    """One packed call equals gpuops SDPA per sequence (same kernel, so bit-equal); a captured
-    call replayed after the lengths changed in place (same total) follows the new lengths."""
+    """One packed call equals gpuops SDPA per sequence on the same kernel ('simt': the only one
+    that takes packed sequences yet), so bit-equal; a captured call replayed after the lengths
+    changed in place (same total) follows the new lengths."""
     lengths = [300, 1, 77, 1024]
     cu = torch.from_numpy(_cu(lengths)).cuda()
     q, k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -1350,7 +1351,7 @@ def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng)
     c = _cu(lengths)
     for b in range(4):
         one = go.scaled_dot_product_attention(*(x[c[b]:c[b + 1]][None] for x in (q, k, v)),
-                                              is_causal=True, layout="bshd")
+                                              is_causal=True, layout="bshd", variant="simt")
         assert torch.equal(out[c[b]:c[b + 1]], one[0])
     go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)       # warm
     graph = torch.cuda.CUDAGraph()

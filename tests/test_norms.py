@@ -841,15 +841,32 @@ def test_emulated_ring_nan_rows_in_place_and_falls_back(emulated, rng, monkeypat
 
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_emulated_whole_rows(emulated, dtype, rng):
+@pytest.mark.parametrize("whole_rows", ["persistent", "per_row"])
+def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
     """Rows in one block (the [*, 4096] kernels: w and b loaded ahead, one exchange for the
-    statistics), in one warp, odd rows of single elements; rows far from zero mean."""
+    statistics; WHOLE_ROWS="persistent": layer_norm on a grid of 4 resident blocks, each taking
+    several rows and loading the next while it finishes one), in one warp, odd rows of single
+    elements; rows far from zero mean."""
+    monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
     dev = emulated
-    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24)):
+    persistent = 0
+    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24), (11, 2048), (1, 4096)):
         x, w, b, r = _emu_case(rng, shape, dtype)
         emu.Device.launches = []
-        _emu_check_all(dev, x, w, b, r, dtype, f"{shape}")
-        assert all("_fwd<" in name for name, *_ in emu.Device.launches)
+        _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {whole_rows}")
+        names = [name for name, *_ in emu.Device.launches]
+        rows_kernels = [name for name in names if "layer_norm_rows<" in name]
+        assert len(rows_kernels) + sum("_fwd<" in name for name in names) == len(names)
+        # layer_norm and layer_norm_forward take the persistent kernel where it applies: block
+        # rows of 16-byte units, at most 2 per thread
+        vec = _vec_width_of(x, dt.BY_NAME[dtype])
+        threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, shape[-1])
+        applies = whole_rows == "persistent" and vec > 1 and threads > 32 and packs <= 2
+        assert len(rows_kernels) == (2 if applies else 0), (shape, names)
+        persistent += len(rows_kernels)
+        grids = [launch[1][0] for launch in emu.Device.launches if "_rows<" in launch[0]]
+        assert all(g == min(shape[0], 4) for g in grids), grids   # 2 SMs x 2 resident blocks
+    assert persistent >= (4 if whole_rows == "persistent" else 0)
     far = (rng.standard_normal((4, 4096)) + 300.0).astype(_np_dtype(dtype))
     y, mean, rstd = _emu_run(dev, "layer_norm_forward", dtype, far, 4096)
     _, rm, rr = N.ref_layer_norm_forward(_f64(far), 4096, None, None, 1e-5)

@@ -15,6 +15,9 @@ add_rms_norm twice those; [8, 393216] bf16 12.6 MB -> 4.2 us, fp32 25.2 MB -> 8.
 Predictions (notes_norms.md, "Run 13 follow-up"): ring [16, 1M] bf16 rms_norm 24-28 us
 (80-93% of copy), fp32 47-52 us (86-95%); [8, 393216] bf16 6-8.5 us (50-70%), fp32 9.5-11 us
 (76-88%); layer_norm [32768, 4096] bf16 >= 1.0x Liger.
+[32768, 4096]: layer_norm under WHOLE_ROWS="persistent" (layer_norm_rows: persistent grid, w and b
+held in shared memory, next row's x in flight) and "per_row" (layer_norm_fwd, run 20: 206 us);
+prediction for persistent bf16: 180-186 us (96-99.7% of copy), >= 0.97x Liger, per_row unchanged.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ class _Plan:
 
     def __enter__(self):
         self.saved = {k: getattr(N, k) for k in ("LONG_ROWS", "ONE_LAUNCH_MAX_WAVES",
-                                                 "FORCE_TWO_LAUNCHES")}
+                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS")}
         self.tuning = dict(N.TUNING)
         for k, v in self.settings.items():
             if hasattr(N, k):
@@ -116,18 +119,23 @@ def _rows_4096(fw, copy, rows):
         x = fw.randn(shape, d)
         w, b = fw.randn(shape[-1:], d), fw.randn(shape[-1:], d)
         moved = 2 * x.numel() * d.itemsize
-        cases = {"layer_norm": lambda: go.layer_norm(x, shape[-1:], w, b),
-                 "rms_norm": lambda: go.rms_norm(x, shape[-1:], w)}
+        # layer_norm under both WHOLE_ROWS plans (persistent: layer_norm_rows; per_row: run 20's
+        # layer_norm_fwd), each in its own graph
+        cases = {"layer_norm": (lambda: go.layer_norm(x, shape[-1:], w, b), "persistent"),
+                 "layer_norm per_row": (lambda: go.layer_norm(x, shape[-1:], w, b), "per_row"),
+                 "rms_norm": (lambda: go.rms_norm(x, shape[-1:], w), "persistent")}
         if LigerLayerNormFunction is not None:
-            cases["liger layer_norm"] = lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5)
-            cases["liger rms_norm"] = lambda: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama",
-                                                                         False)
-        for name, fn in cases.items():
-            fn()
-            us = graph_replay_us(fn, calls=5)
+            cases["liger layer_norm"] = (lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5),
+                                         "-")
+            cases["liger rms_norm"] = (lambda: LigerRMSNormFunction.apply(
+                x, w, 1e-6, 0.0, "llama", False), "-")
+        for name, (fn, whole_rows) in cases.items():
+            with _Plan({"WHOLE_ROWS": whole_rows} if whole_rows != "-" else {}):
+                fn()
+                us = graph_replay_us(fn, calls=5)
             gbps = moved / (us * 1e-6) / 1e9
-            rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan="-", us=us, gbps=gbps,
-                             pct_copy=100 * gbps / copy))
+            rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=whole_rows, us=us,
+                             gbps=gbps, pct_copy=100 * gbps / copy))
             print(f"{name:<18}{str(shape):<14}{d.name:<9}{us:9.1f} us {gbps:7.0f} GB/s "
                   f"{100 * gbps / copy:5.1f}%", flush=True)
 

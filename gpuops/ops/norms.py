@@ -113,6 +113,15 @@ ONE_LAUNCH_MAX_WAVES = 1
 # FORCE_TWO_LAUNCHES decide one launch or two). Both stay selectable for A/B runs
 # (benchmarks/experiments/norms_long_rows.py).
 LONG_ROWS = "ring"
+# Whole rows of layer_norm (one block per row, 16-byte units, at most 2 per thread: e.g. [*, 4096]
+# 16-bit): "persistent" (layer_norm_rows: a grid of one resident wave, w and b in registers, the
+# next row's x loaded while this one is reduced and stored) or "per_row" (layer_norm_fwd: a block
+# per row, as before run 20; 56 registers at 4096 bf16, 4 blocks/SM, nothing in flight between a
+# row's landing and the next block's start: 86.8% of copy in run 20). Both stay selectable for
+# A/B runs (benchmarks/experiments/norms_long_rows.py). Run 21, [32768, 4096] bf16: persistent
+# 215.9 us (82.8%; predicted 180-186: missed), per_row 205.9 us (86.8%), Liger 179.4; per_row is
+# the default until a whole-row kernel beats it (run 14's pre-rewrite kernel: ~0.97x Liger).
+WHOLE_ROWS = "per_row"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 
@@ -158,14 +167,18 @@ def _ring_exprs(kind: Kind) -> dict:
 
 
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
+# layer_norm_rows (persistent whole rows, w and b held in registers): 16-byte units, PACKS <= 2.
+_ROWS_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_rows<{d.ctype}, {_vec_width(d)}, {p}>"
+               for d in dt.FLOATS for p in (1, 2)}
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
-    {e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
-     for e in table["layer_norm"].values()})
+    {**{e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
+        for e in table["layer_norm"].values()},
+     **{e: LN_FWD_ARGS for e in _ROWS_EXPRS.values()}})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
     {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
@@ -365,6 +378,31 @@ def _ring_grid(ring, rows: int):
     if -(-ring.C // grid) > ring.depth or grid > (1 << 31) - 1:
         return None
     return grid
+
+
+def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int):
+    """The Plan of layer_norm_rows for the row length of `plan` (a layer_norm_fwd plan), or None
+    where it does not apply: split or warp rows, single-element units, more than 2 packs, or
+    WHOLE_ROWS != "persistent"."""
+    threads = plan.block[0]
+    if (WHOLE_ROWS != "persistent" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
+            or vec == 1 or plan.packs > 2 or _held_wb_bytes(plan) > 48 * 1024):
+        return None
+    key = ("rows", dtype, vec, plan.packs, threads, dev)
+    hit = _plans.get(key)
+    if hit is None:
+        kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(
+            _ROWS_EXPRS[(dtype, vec, plan.packs)])
+        per_sm = loader.blocks_per_sm(kernel, threads, _held_wb_bytes(plan))
+        hit = Plan(kernel, (threads, 1, 1), plan.packs, 1,
+                   per_sm * device.device_info(dev).sm_count)
+        _plans[key] = hit
+    return hit
+
+
+def _held_wb_bytes(plan: Plan) -> int:
+    """Dynamic shared memory of layer_norm_rows: w and b, 16 bytes per unit."""
+    return 2 * plan.packs * plan.block[0] * 16
 
 
 def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
@@ -568,6 +606,12 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
                            _ptr(w), _ptr(b), mp, rp, partials, counters, rows, n, ring.C,
                            ring.depth, eps, smem=ring.smem)
+        return y, mean, rstd
+    whole = _whole_rows_plan(plan, dtype, vec, call.device)
+    if whole is not None:
+        whole.kernel.launch((min(rows, whole.capacity), 1, 1), whole.block, call.stream, x.ptr,
+                            xs, y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows,
+                            n, 1, FUSED, eps, smem=_held_wb_bytes(whole))
         return y, mean, rstd
     plan, grid, phases = _grid(plan, rows, False)
     mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0

@@ -88,18 +88,17 @@ def _reduce_expr(c):
 ROPE_MODULE = KernelModule("rotary.rope", "rotary/rope.cu", {
     _rope_expr(d, c, v): ROPE_ARGS for d, c in _PAIRS for v in (_vec(d), 1)})
 NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
-    **{_norm_expr(kind, d, c, v): NORM_KERNEL_ARGS for kind in ("fwd", "bwd")
-       for d, c in _PAIRS for v in (_vec(d), 1)},
+    # element-wise kernels (v = 1: unaligned or odd head dims) and 16-byte-pack kernels (fwd2 /
+    # bwd2: loads issued before the row's reduction, 16-byte weight and table words). The first
+    # 16-byte versions of fwd / bwd lost to these on all four measurements of run 13 (fwd bf16
+    # 163.1 vs 132.8 us, bwd 227.6 vs 192.4 us) and are no longer instantiated.
+    **{_norm_expr(kind, d, c, 1): NORM_KERNEL_ARGS for kind in ("fwd", "bwd")
+       for d, c in _PAIRS},
     **{_norm_expr(kind, d, c, _vec(d)): NORM_KERNEL_ARGS for kind in ("fwd2", "bwd2")
        for d, c in _PAIRS},
     **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}})
 
 _bwd_grids: dict = {}
-# Kernel variants of the fused norm kernels with 16-byte packs: 2 = loads issued before the row's
-# reduction, 16-byte weight/table words (qk_norm_rope_fwd2 / _bwd2), 1 = the first version
-# (qk_norm_rope_fwd / _bwd). Benchmarks switch them (benchmarks/experiments/qk_norm_variants.py);
-# part of the plan cache key.
-NORM_VARIANT = {"fwd": 2, "bwd": 2}
 
 
 def _kernel(module, dev, expr):
@@ -785,8 +784,7 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
     aligned = _aligned(q, k, q_out, k_out)
     key = (op, call.result_dtype, _key(q), _key(k), _key(q_weight), _key(k_weight), _key(cos),
            _key(sin), _key(positions), float(eps),
-           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned,
-           NORM_VARIANT["fwd"])
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
 
     def build():
         p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
@@ -798,7 +796,7 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
         rows = p.batch * p.seq * (p.hq + p.hk)
         if rows == 0:
             return None
-        kind = "fwd2" if v > 1 and NORM_VARIANT["fwd"] == 2 else "fwd"
+        kind = "fwd2" if v > 1 else "fwd"
         return (_norm_expr(kind, dtype, tdtype, v), (-(-rows // (THREADS // group)), 1, 1),
                 (*st[0], *st[1], *st[2], *st[3], p.seq, rows, p.hq, p.hk, p.d, p.r,
                  int(bool(interleaved)), 1.0),
@@ -842,8 +840,7 @@ def qk_norm_rotary_backward(call, grad_q: Tensor, grad_k: Tensor, q: Tensor, k: 
     aligned = _aligned(grad_q, grad_k, dq, dk, q, k)
     key = (op, call.device, call.result_dtype, _key(grad_q), _key(grad_k), _key(q), _key(k),
            _key(q_weight), _key(k_weight), _key(cos), _key(sin), _key(positions), float(eps),
-           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned,
-           NORM_VARIANT["bwd"])
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
 
     def build():
         p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
@@ -855,7 +852,7 @@ def qk_norm_rotary_backward(call, grad_q: Tensor, grad_k: Tensor, q: Tensor, k: 
         tokens = p.batch * p.seq
         slots = THREADS // group
         rows_q, rows_k = tokens * p.hq, tokens * p.hk
-        v2 = v > 1 and NORM_VARIANT["bwd"] == 2
+        v2 = v > 1
         budget = _bwd2_grid(call.device) if v2 else _bwd_grid(call.device)
         share_q = round(budget * rows_q / max(1, rows_q + rows_k))
         nbq = min(-(-rows_q // slots), max(1, share_q)) if rows_q else 0

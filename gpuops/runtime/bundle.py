@@ -38,21 +38,50 @@ def _compile_job(module_name: str, target: Target):
                                 m.options, m.name_expressions, verbose=True)
 
 
-def build(out_dir, targets, modules=None, show_progress: bool = True, jobs: int = 1) -> dict:
+def _current_entries(out: Path, nvrtc_version: str) -> dict:
+    """The manifest entries of an existing bundle in ``out`` that are still current: same format
+    and NVRTC, the module's identity unchanged, the image present with its recorded sha256."""
+    from gpuops.runtime.modules import all_modules  # noqa: PLC0415
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("format") != FORMAT or old.get("nvrtc_version") != nvrtc_version:
+        return {}
+    now = {m.name: m.identity for m in all_modules()}
+    kept = {}
+    for name, entry in old.get("modules", {}).items():
+        if now.get(name) != entry.get("identity"):
+            continue
+        targets = {label: info for label, info in entry.get("targets", {}).items()
+                   if (out / info["file"]).is_file() and hashlib.sha256(
+                       (out / info["file"]).read_bytes()).hexdigest() == info["sha256"]}
+        if targets:
+            kept[name] = dict(entry, targets=targets)
+    return kept
+
+
+def build(out_dir, targets, modules=None, show_progress: bool = True, jobs: int = 1,
+          only_stale: bool = False) -> dict:
     """Compile ``modules`` (default: all) for every target a module supports; returns the
     manifest. Cubins are compiled with ptxas -v and their register/spill counts recorded.
-    ``jobs`` > 1 compiles in that many worker processes (registered modules only)."""
+    ``jobs`` > 1 compiles in that many worker processes (registered modules only).
+    ``only_stale``: keep the images of an existing bundle in ``out_dir`` that are still current
+    (same NVRTC, module unchanged) and compile only the rest."""
     from gpuops import __version__  # noqa: PLC0415
     from gpuops.runtime.modules import all_modules  # noqa: PLC0415
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     modules = list(modules) if modules is not None else all_modules()
-    jobs_list = [(m, t) for m in modules for t in targets if _wants(m, t)]
+    nvrtc_version = ".".join(map(str, nvrtc.version()))
+    kept = _current_entries(out, nvrtc_version) if only_stale else {}
+    jobs_list = [(m, t) for m in modules for t in targets if _wants(m, t)
+                 and t.label not in kept.get(m.name, {}).get("targets", {})]
     bar = progress.Bar(len(jobs_list), "gpuops build", enabled=show_progress)
     manifest = {"format": FORMAT, "gpuops_version": __version__,
-                "nvrtc_version": ".".join(map(str, nvrtc.version())),
+                "nvrtc_version": nvrtc_version,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "modules": {}}
+                "modules": kept}
 
     def record(module, target, compiled):
         fname = f"{module.name}.{target.label}{target.extension}"
