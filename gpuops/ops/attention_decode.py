@@ -627,6 +627,12 @@ def decode_attention(call, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     on the CPU path). fp32 math for fp16/bf16/fp32 storage; head dims 64/128/256 with 16-byte
     aligned, last-dim-contiguous caches take the 16-byte path, any other head dim (up to 1024)
     or layout the one-element path. On the CPU path the lse comes back in q's dtype.
+
+    One launch: the splits over the keys are merged by the last block of each kv head to finish
+    (``attention_decode.COMBINE = "separate"``: a second kernel), with a few counters per CUDA
+    stream kept by gpuops (allocated at the first call on a device outside graph capture). Calls
+    on different streams may overlap; a captured graph uses its capture stream's counters, so two
+    graphs captured on one stream must not be replayed at the same time.
     """
     s_max = _check_decode(q.shape, k_cache.shape, v_cache.shape, cache_seqlens.shape)
     return _attend(call, "decode_attention", q, k_cache, v_cache, cache_seqlens, None, s_max,
