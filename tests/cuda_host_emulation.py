@@ -32,7 +32,9 @@ SHIM = r'''
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <atomic>
 #include <barrier>
+#include <random>
 #include <thread>
 #include <vector>
 #include <memory>
@@ -80,6 +82,25 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
   return r;
 }
 inline void __syncthreads() { emu_block->arrive_and_wait(); }
+// atomics and fences (sm_61's forms; the sm_70+ PTX of common/coherent.cuh is compiled out)
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return std::atomic_ref<unsigned>(*p).fetch_add(v);
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// Block order of the next launches: blockIdx order (seed 0) or a random permutation (blocks still
+// run one after another), so that "last block done" protocols meet other arrival orders.
+unsigned long long emu_order_seed = 0;
+extern "C" void emu_set_block_order(unsigned long long seed) { emu_order_seed = seed; }
+inline std::vector<unsigned> emu_block_order(unsigned nblocks) {
+  std::vector<unsigned> order(nblocks);
+  for (unsigned i = 0; i < nblocks; ++i) order[i] = i;
+  if (emu_order_seed != 0) {
+    std::mt19937_64 gen(emu_order_seed);
+    for (unsigned i = nblocks; i > 1; --i) std::swap(order[i - 1], order[gen() % i]);
+  }
+  return order;
+}
 // Cooperative kernels run each block on a pool of worker threads, one per CUDA thread of the
 // block, started once per launch (thread creation per block would dominate).
 template <class F>
@@ -87,14 +108,14 @@ void emu_launch(unsigned gx, unsigned gy, unsigned bx, unsigned by, bool coop, F
   gridDim = {gx, gy, 1};
   blockDim = {bx, by, 1};
   const unsigned n = bx * by;
+  const std::vector<unsigned> order = emu_block_order(gx * gy);
   if (!coop) {
-    for (unsigned y = 0; y < gy; ++y)
-      for (unsigned x = 0; x < gx; ++x)
-        for (unsigned t = 0; t < n; ++t) {
-          blockIdx = {x, y, 0};
-          threadIdx = {t % bx, t / bx, 0};
-          f();
-        }
+    for (unsigned blk : order)
+      for (unsigned t = 0; t < n; ++t) {
+        blockIdx = {blk % gx, blk / gx, 0};
+        threadIdx = {t % bx, t / bx, 0};
+        f();
+      }
     return;
   }
   std::barrier<> block(n);
@@ -107,15 +128,14 @@ void emu_launch(unsigned gx, unsigned gy, unsigned bx, unsigned by, bool coop, F
       emu_lane = t % 32;
       emu_warp = warps[t / 32].get();
       emu_block = &block;
-      for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x) {
-          blockIdx = {x, y, 0};
-          threadIdx = {t % bx, t / bx, 0};
-          f();
-          // a thread that returned early still takes part in the barriers of the next block
-          // (its lanes' shuffles of this block were all before its return: see the kernels)
-          block.arrive_and_wait();
-        }
+      for (unsigned blk : order) {
+        blockIdx = {blk % gx, blk / gx, 0};
+        threadIdx = {t % bx, t / bx, 0};
+        f();
+        // a thread that returned early still takes part in the barriers of the next block
+        // (its lanes' shuffles of this block were all before its return: see the kernels)
+        block.arrive_and_wait();
+      }
     });
   for (auto& th : threads) th.join();
 }
@@ -132,6 +152,17 @@ _ASM = [
     ('asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));', ''),
 ]
 _ASM_RE = [
+    # common/coherent.cuh: .cg loads and stores -> volatile accesses; its sm_70+ branches
+    # (acquire/release atomics, nanosleep) are compiled out on the host
+    (re.compile(r'asm volatile\("ld\.global\.cg\.f32 .*?\);', re.S),
+     'v = *reinterpret_cast<const volatile float*>(p);'),
+    (re.compile(r'asm volatile\("ld\.global\.cg\.v4\.f32 .*?\);', re.S),
+     'v = make_float4(((const volatile float*)p)[0], ((const volatile float*)p)[1], '
+     '((const volatile float*)p)[2], ((const volatile float*)p)[3]);'),
+    (re.compile(r'asm volatile\("st\.global\.cg\.f32 .*?\);', re.S),
+     '*reinterpret_cast<volatile float*>(p) = v;'),
+    (re.compile(r'asm volatile\("(atom\.acq_rel|red\.release|nanosleep|ld\.acquire).*?\);', re.S),
+     ''),
     (re.compile(r'asm\("\{\.reg \.b16 lo, hi;.*?: "r"\(w\[i\]\)\);', re.S),
      'f[2 * i] = emu_half_to_float(w[i] & 0xffffu); f[2 * i + 1] = emu_half_to_float(w[i] >> 16);'),
     (re.compile(r'asm\("\{\.reg \.b16 l, h;.*?: "f"\(lo\), "f"\(hi\)\);', re.S),
@@ -228,6 +259,10 @@ class EmuModule:
             spec.struct.pack_into(buf, 0, *args)
             fn(buf, grid[0], grid[1], block[0], block[1])
         return types.SimpleNamespace(launch=launch)
+
+    def set_block_order(self, seed: int):
+        """Blocks of later launches in blockIdx order (0) or a random permutation (seed)."""
+        self.lib.emu_set_block_order(ctypes.c_ulonglong(seed))
 
 
 def available() -> bool:

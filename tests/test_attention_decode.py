@@ -237,8 +237,9 @@ def _emu_param_types(orig):
         m = re.search(r"decode_split<([^,]+), ", expr)
         if m:
             t = m.group(1)
-            return ([f"const {t}*"] * 3 + ["const int*"] * 2 + ["float*"] * 2 + ["long long"] * 15
-                    + ["int"] * 12 + ["float"]), True
+            return ([f"const {t}*"] * 3 + ["const int*"] * 2 + ["float*"] * 2
+                    + ["unsigned*", f"{t}*", "float*"] + ["long long"] * 15 + ["int"] * 13
+                    + ["float"]), True
         m = re.search(r"decode_combine<(.+)>$", expr)
         if m:
             t = m.group(1)
@@ -273,17 +274,30 @@ def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_sm_count", lambda dev: 3)
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 3 * 4)
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
+    # the fused merge's counters: host arrays (zeroed, as _alloc_counters gives them), fresh
+    # bookkeeping per test
+    buffers = []
+
+    def alloc(dev, stream, nbytes):
+        buffers.append(np.zeros(nbytes // 4, np.uint32))
+        return buffers[-1].ctypes.data
+    monkeypatch.setattr(A, "_alloc_counters", alloc)
+    for name in ("_counter_chunks", "_counter_slices", "_counter_free"):
+        monkeypatch.setattr(A, name, {})
     A._plans.clear()
 
-    def run(op_name, dtype, *args, **kwargs):
+    def run(op_name, dtype, *args, stream=0, **kwargs):
         op = registry.get(op_name)
         call = emu.Call(op_name, dt.BY_NAME[dtype])
+        call.stream = stream
         conv = lambda a: emu.view(a) if isinstance(a, np.ndarray) else a  # noqa: E731
         out = op.impl(call, *[conv(a) for a in args], **kwargs)
         out = out if isinstance(out, tuple) else (out,)
         return tuple(np.asarray(o.obj).astype(np.float64) for o in out)
+    run.counters = buffers
     yield run
     A._plans.clear()
+    emulated[A.SPLIT_MODULE.name].set_block_order(0)
 
 
 def _f64(a):
@@ -347,6 +361,117 @@ def test_emulated_paged_and_append(emu_ops, rng, dtype, page_size):
     v[np.arange(b)[:, None], lens[:, None] + np.arange(2)] = nv
     out2 = emu_ops("paged_attention", dtype, q, kp, vp, table, lens + 2)[0]
     assert_close(out2, A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens + 2), dtype, "app")
+
+
+def _assert_lse(lse, ref_lse):
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("combine", ["fused", "separate"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hq,hkv,sq,d", [(8, 2, 1, 64), (4, 4, 2, 64), (6, 2, 1, 40)])
+def test_emulated_merge_paths(emu_ops, emulated, monkeypatch, rng, combine, dtype, hq, hkv, sq, d):
+    """Several splits, B = 3, GQA, contiguous and paged, merged in the split kernel's last block
+    ("fused") or by decode_combine ("separate"). Called three times on the same counters with
+    other lengths and queries (as graph replays are) and other block orders (the last block to
+    arrive is then not the last split): each result right, every counter back to 0."""
+    monkeypatch.setattr(A, "COMBINE", combine)
+    monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 64)   # 3 .. 6 splits here
+    b, s_max, ps = 3, 96, 16
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    kp, vp, table = _paged_from(rng, k, v, ps)
+    for seed, lens in ((0, [1, 40, 96]), (11, [96, 0, 57]), (12, [17, 96, 2])):
+        emulated[A.SPLIT_MODULE.name].set_block_order(seed)
+        lens = np.array(lens, np.int32)
+        q = _arr(rng, (b, sq, hq, d), dtype)
+        out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+        assert A.LAST_COMBINE == combine
+        nsplit = next(p for key, p in A._plans.items() if key[0] == "decode_attention")[3]
+        assert nsplit >= 3
+        ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+        assert_close(out, ref, dtype, f"out {lens}")
+        _assert_lse(lse, ref_lse)
+        pout, plse = emu_ops("paged_attention", dtype, q, kp, vp, table, lens, return_lse=True)
+        np.testing.assert_array_equal(pout, out)      # same S_max: same splits, same arithmetic
+        np.testing.assert_array_equal(plse, lse)
+        if combine == "fused":
+            assert len(emu_ops.counters) == 1 and not emu_ops.counters[0].any()
+        else:
+            assert not emu_ops.counters
+
+
+def test_emulated_merge_many_columns(emu_ops, emulated, monkeypatch, rng):
+    """fp32 D 256 with 8 q rows per block: 512 (row, 4-column) items, more than the block's
+    threads (several passes of one thread per item)."""
+    monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 8)
+    emulated[A.SPLIT_MODULE.name].set_block_order(5)
+    b, s_max, hq, hkv, d, dtype = 2, 64, 8, 1, 256, "float32"
+    q = _arr(rng, (b, 1, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    lens = np.array([64, 23], np.int32)
+    out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+    assert A.LAST_COMBINE == "fused"
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(out, ref, dtype, "out")
+    _assert_lse(lse, ref_lse)
+    assert not emu_ops.counters[0].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_emulated_one_split_writes_the_output(emu_ops, monkeypatch, rng, dtype):
+    """One split (the sequences fill the slots): the split kernel writes out and lse itself, bit
+    for bit what decode_combine writes for one split (weight exp(0) = 1); no counters."""
+    b, s_max, hq, hkv, d, sq = 3, 40, 8, 8, 64, 2
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    lens = np.array([40, 1, 0], np.int32)
+    out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+    assert A.LAST_COMBINE == "direct" and not emu_ops.counters
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(out, ref, dtype, "out")
+    _assert_lse(lse, ref_lse)
+    monkeypatch.setattr(A, "COMBINE", "separate")
+    out2, lse2 = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+    assert A.LAST_COMBINE == "separate"
+    np.testing.assert_array_equal(out2, out)
+    np.testing.assert_array_equal(lse2, lse)
+
+
+def test_emulated_counter_slices(emu_ops, monkeypatch, rng):
+    """Each stream its own counter slice; no slice (too many block rows, too many streams, first
+    use inside a capture): the separate merge, same results."""
+    monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 32)
+    monkeypatch.setattr(A, "COUNTER_CHUNK", 2)
+    monkeypatch.setattr(A, "COUNTER_MAX_SLICES", 3)
+    b, s_max, hq, hkv, d, dtype = 2, 64, 4, 2, 64, "float32"
+    q = _arr(rng, (b, 1, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    lens = np.array([64, 30], np.int32)
+    ref = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens)
+
+    def check(stream, path):
+        out = emu_ops("decode_attention", dtype, q, k, v, lens, stream=stream)[0]
+        assert A.LAST_COMBINE == path, (stream, path)
+        assert_close(out, ref, dtype, f"stream {stream}")
+
+    for stream in (0, 5, 0, 7, 5):                    # slices 0, 1, 0, 2 (a second chunk), 1
+        check(stream, "fused")
+    assert len(emu_ops.counters) == 2
+    assert A._counter_slices[(0, 5)] - A._counter_slices[(0, 0)] == A.COUNTER_CAP * 4
+    check(9, "separate")                              # a fourth stream: past COUNTER_MAX_SLICES
+    monkeypatch.setattr(A, "COUNTER_CAP", 3)          # 4 block rows > 3 counters
+    check(0, "separate")
+    monkeypatch.setattr(A, "COUNTER_CAP", 2048)
+    for name in ("_counter_chunks", "_counter_slices", "_counter_free"):
+        monkeypatch.setattr(A, name, {})
+    monkeypatch.setattr(A, "_alloc_counters", lambda dev, stream, nbytes: None)   # capturing
+    check(0, "separate")
+    monkeypatch.setattr(A, "COMBINE", "both")
+    with pytest.raises(ValueError, match="COMBINE"):
+        emu_ops("decode_attention", dtype, q, k, v, lens)
+    assert all(not c.any() for c in emu_ops.counters)
 
 
 # ------------------------------------------------------------------ GPU
@@ -463,3 +588,107 @@ def test_gpu_append_then_attend_in_a_cuda_graph(rng):
         for i, n in enumerate(new_lens):
             p = n - 1
             assert torch.equal(kp[tab[i, p // ps], p % ps], nk[i, 0])
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("shape", [(1, 8192, 16, 8, 128), (16, 4096, 16, 8, 128),
+                                   (3, 5000, 32, 4, 64), (2, 3000, 8, 8, 80)])
+def test_gpu_fused_merge_matches_separate(rng, monkeypatch, shape):
+    """The bench shapes (and GQA 8, a one-element head dim): the split kernel's last-block merge
+    against the reference and against the decode_combine launch (same partials, another
+    summation order: within an ulp of the storage dtype)."""
+    b, s, hq, hkv, d = shape
+    dtype = "bfloat16"
+    q = _arr(rng, (b, 1, hq, d), dtype)
+    k, v = _arr(rng, (b, s, hkv, d), dtype), _arr(rng, (b, s, hkv, d), dtype)
+    lens = np.array(([s] + list(rng.integers(0, s + 1, b - 1)))[:b], np.int32)
+    args = (_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
+    out, lse = go.decode_attention(*args, return_lse=True)
+    assert A.LAST_COMBINE == "fused"
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(_host(out), ref, dtype, "fused")
+    _assert_lse(_host(lse), ref_lse)
+    monkeypatch.setattr(A, "COMBINE", "separate")
+    out_s, lse_s = go.decode_attention(*args, return_lse=True)
+    assert A.LAST_COMBINE == "separate"
+    torch.testing.assert_close(out, out_s, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(lse, lse_s, rtol=1e-5, atol=1e-5)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
+def test_gpu_fused_merge_in_a_cuda_graph(rng, op):
+    """Captured once, replayed with other lengths (empty splits, an empty sequence, full caches):
+    every replay right (the counters reset themselves: no memset node in the graph) and equal bit
+    for bit to an eager call on another stream (another counter slice, the same arithmetic)."""
+    b, s_max, hq, hkv, d, ps = 2, 4096, 16, 8, 128, 16
+    k = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
+    table = torch.arange(b * s_max // ps, device="cuda", dtype=torch.int32).flip(0).reshape(b, -1)
+    kp = torch.empty(b * s_max // ps, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    kp[table.reshape(-1).long()] = k.reshape(-1, ps, hkv, d)
+    vp[table.reshape(-1).long()] = v.reshape(-1, ps, hkv, d)
+    q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
+    lens = torch.tensor([s_max, 100], dtype=torch.int32, device="cuda")
+
+    def step():
+        if op == "paged_attention":
+            return go.paged_attention(q, kp, vp, table, lens, return_lse=True)
+        return go.decode_attention(q, k, v, lens, return_lse=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = step()
+    assert A.LAST_COMBINE == "fused"
+    kh, vh = _host(k), _host(v)
+    for new_lens in ([s_max, 1], [0, 333], [17, s_max], [4000, 4001], [s_max, s_max], [129, 0]):
+        for _ in range(2):                   # the same lengths again: the reset counters
+            lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+            q.normal_()
+            g.replay()
+            torch.cuda.synchronize()
+            ref, ref_lse = A.ref_decode_attention(_host(q), kh, vh, np.array(new_lens),
+                                                  return_lse=True)
+            assert_close(_host(out), ref, "bfloat16", f"graph {new_lens}")
+            _assert_lse(_host(lse), ref_lse)
+        with torch.cuda.stream(s):
+            eager, eager_lse = step()
+        s.synchronize()
+        assert torch.equal(eager, out) and torch.equal(eager_lse, lse)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_fused_merge_on_two_streams_at_once(rng):
+    """Decode calls on two streams that overlap on the GPU (small grids: 16 splits x 8 kv heads
+    each), many times without a synchronize: each stream has its own counters, so every result
+    is right (with one shared counter array the last-block counts of the two would mix)."""
+    b, s, hq, hkv, d = 1, 2048, 16, 8, 128
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    work = []
+    for _ in streams:
+        work.append(dict(q=torch.randn(b, 1, hq, d, device="cuda").bfloat16(),
+                         k=torch.randn(b, s, hkv, d, device="cuda").bfloat16(),
+                         v=torch.randn(b, s, hkv, d, device="cuda").bfloat16(),
+                         lens=torch.tensor([s - 7], dtype=torch.int32, device="cuda")))
+    torch.cuda.synchronize()
+    outs = [[], []]
+    for _ in range(50):
+        for i, (st, w) in enumerate(zip(streams, work)):
+            with torch.cuda.stream(st):
+                outs[i].append(go.decode_attention(w["q"], w["k"], w["v"], w["lens"]))
+    assert A.LAST_COMBINE == "fused"
+    torch.cuda.synchronize()
+    for i, w in enumerate(work):
+        ref = A.ref_decode_attention(_host(w["q"]), _host(w["k"]), _host(w["v"]), _host(w["lens"]))
+        assert_close(_host(outs[i][0]), ref, "bfloat16", f"stream {i}")
+        for o in outs[i][1:]:
+            assert torch.equal(o, outs[i][0])

@@ -13,7 +13,11 @@ Kernels (cuda_src/attention/):
   K/V for head dims 64/128/256 (template), one-element loads for any other head dim or layout.
   fp32 math (online softmax in the log2 domain), fp16/bf16/fp32 storage. Each split writes its
   normalised partial output and log-sum-exp to an fp32 workspace (``call.empty``).
-* ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp.
+* ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp (the
+  "separate" combine). By default (``COMBINE = "fused"``) there is no second launch: with one
+  split the split kernel writes the output itself, with several the last block of each (b, kv
+  head, row chunk) to finish merges them (a per-block-row counter in a small per-device, per-stream
+  buffer of zeroed counters that the kernel resets itself: see :func:`_counters`).
 * ``decode_append.cu``: the paged-cache writer.
 
 The lengths (``cache_seqlens``, int32 on the device) are read by the kernels, never by the host:
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 
 import numpy as np
 
@@ -48,12 +53,26 @@ RTS = (1, 2, 4, 8)            # q rows per block on the 16-byte path
 # Whole waves matter: run 14 measured B16 S4096 at 640 blocks with 528 resident (1.2 waves)
 # 16% slower than at 384 blocks (one wave). Experiments may change these; part of the plan key.
 SPLIT = {"waves": 1, "min_chunk": 128}
+# How the splits are merged: "fused" (in the split kernel: the last block of each (b, kv head,
+# row chunk) merges, or the only split writes the output; one launch) or "separate" (the
+# decode_combine kernel, a second launch; kept for A/B timing). Read at every call.
+COMBINE = "fused"
+# Counters of the fused merge: one unsigned per split-kernel block row (grid x), zeroed once when
+# allocated and reset to 0 by the kernel that used them. Each CUDA stream gets its own slice
+# (COUNTER_CAP counters) so that decode calls running at the same time on different streams never
+# share a counter; slices are handed out from chunks of COUNTER_CHUNK slices per device, allocated
+# (cudaMalloc + cudaMemset + one synchronize) outside stream capture only. A call that finds no
+# slice (first use of the device inside a capture, more than COUNTER_CAP block rows, more than
+# COUNTER_MAX_SLICES streams) takes the "separate" path: slower, never wrong.
+COUNTER_CAP = 2048            # split kernel block rows (B x Hkv x row chunks) per slice
+COUNTER_CHUNK = 64            # slices per allocation (64 x 8 KB)
+COUNTER_MAX_SLICES = 1024     # per device (8 MB)
 
 INT_DTYPES = (dt.int32,)
 _B = {True: "true", False: "false"}
 
-SPLIT_ARGS = ArgSpec(*["ptr"] * 7, *["i64"] * 4, *["i64"] * 4, *["i64"] * 4, "i64", "i64", "i64",
-                     *["i32"] * 12, "f32")
+SPLIT_ARGS = ArgSpec(*["ptr"] * 10, *["i64"] * 4, *["i64"] * 4, *["i64"] * 4, "i64", "i64",
+                     "i64", *["i32"] * 13, "f32")
 COMBINE_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32")
 APPEND_ARGS = ArgSpec(*["ptr"] * 6, *["i64"] * 16, "i64", "i64", "i64", "i64", *["i32"] * 7,
                       "i64")
@@ -117,6 +136,66 @@ def _split_slots(expr, dev):
     """Resident blocks of the split kernel on the device: SMs x blocks per SM."""
     kernel = _kernel(SPLIT_MODULE, dev, expr)
     return _sm_count(dev) * loader.blocks_per_sm(kernel, DECODE_THREADS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counters of the fused merge.
+
+_counter_chunks: dict = {}    # device -> [base pointers of its chunks]
+_counter_slices: dict = {}    # (device, stream) -> counter pointer
+_counter_free: dict = {}      # device -> slices handed out so far
+_counter_lock = threading.Lock()
+
+
+def _capturing(stream) -> bool:
+    cp = device.cupy_or_none()
+    return cp.cuda.runtime.streamIsCapturing(stream) != cp.cuda.runtime.streamCaptureStatusNone
+
+
+def _alloc_counters(dev, stream, nbytes):
+    """A zeroed device buffer of nbytes that lives as long as the process, or None inside a
+    stream capture (cudaMalloc and a host synchronize are not capturable). The memset runs on the
+    call's stream and the host waits for it, so the zeros are in place for every stream that
+    later gets a slice of the chunk: one host synchronize per COUNTER_CHUNK streams of a device,
+    outside any capture."""
+    if _capturing(stream):
+        return None
+    rt = device.cupy_or_none().cuda.runtime
+    ptr = rt.malloc(nbytes)
+    rt.memsetAsync(ptr, 0, nbytes, stream)
+    rt.streamSynchronize(stream)
+    return ptr
+
+
+def _counters(call, n):
+    """The counters (pointer) of the call's stream, or None: then the caller merges in a second
+    launch. Slices are per stream because a counter may be used by one launch at a time: launches
+    on one stream are ordered, launches on different streams may overlap. A CUDA graph keeps the
+    slice of the stream it was captured on: two graphs captured on one stream must not be
+    replayed at the same time (nor one alongside eager decode calls on its capture stream); set
+    COMBINE = "separate" for that."""
+    if n > COUNTER_CAP:
+        return None
+    key = (call.device, call.stream)
+    ptr = _counter_slices.get(key)
+    if ptr is not None:
+        return ptr
+    with _counter_lock:
+        if key in _counter_slices:
+            return _counter_slices[key]
+        used = _counter_free.get(call.device, 0)
+        chunks = _counter_chunks.setdefault(call.device, [])
+        if used >= COUNTER_MAX_SLICES:
+            return None
+        if used >= len(chunks) * COUNTER_CHUNK:
+            base = _alloc_counters(call.device, call.stream, COUNTER_CHUNK * COUNTER_CAP * 4)
+            if base is None:
+                return None
+            chunks.append(base)
+        ptr = chunks[used // COUNTER_CHUNK] + (used % COUNTER_CHUNK) * COUNTER_CAP * 4
+        _counter_free[call.device] = used + 1
+        _counter_slices[key] = ptr
+        return ptr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,6 +446,7 @@ def _fast(dtype, dim, k: Tensor, v: Tensor) -> bool:
 
 
 _plans: dict = {}
+LAST_COMBINE = None           # how the last call merged: "direct" / "fused" / "separate" (tests)
 
 
 def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
@@ -400,6 +480,7 @@ def _st(t: Tensor, i):
 
 
 def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return_lse):
+    global LAST_COMBINE
     dtype = call.result_dtype
     b, sq, hq, dim = q.shape
     hkv = k.shape[2]
@@ -412,23 +493,37 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     expr, rows, row_chunks, nsplit, chunk = _plan(op, dtype, q, k, v, s_max,
                                                   _fast(dtype, dim, k, v), call.device)
     nrows = b * hq * sq
-    ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
-    ws_lse = call.empty((nrows * nsplit,), dt.float32)
+    block_rows = b * hkv * row_chunks
+    if COMBINE not in ("fused", "separate"):
+        raise ValueError(f"gpuops.{op}: attention_decode.COMBINE = {COMBINE!r}; expected "
+                         "'fused' or 'separate'")
+    fuse, counters = COMBINE == "fused", 0
+    if fuse and nsplit > 1:
+        ptr = _counters(call, block_rows)
+        fuse, counters = ptr is not None, ptr or 0
+    LAST_COMBINE = ("direct" if nsplit == 1 else "fused") if fuse else "separate"
+    ws_o = ws_lse = None
+    if not (fuse and nsplit == 1):
+        ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
+        ws_lse = call.empty((nrows * nsplit,), dt.float32)
     if table is None:
         tab_ptr, ts0, ts1, page_size, num_pages = 0, 0, 0, 0, 0
     else:
         tab_ptr, ts0, ts1 = table.ptr, _st(table, 0), _st(table, 1)
         page_size, num_pages = k.shape[1], k.shape[0]
+    lse_ptr = 0 if lse is None else lse.ptr
     _kernel(SPLIT_MODULE, call.device, expr).launch(
-        (b * hkv * row_chunks, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
-        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, ws_o.ptr, ws_lse.ptr,
+        (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
+        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, 0 if ws_o is None else ws_o.ptr,
+        0 if ws_lse is None else ws_lse.ptr, counters, out.ptr, lse_ptr,
         *(_st(q, i) for i in range(4)), *(_st(k, i) for i in range(4)),
         *(_st(v, i) for i in range(4)), _st(seqlens, 0), ts0, ts1,
         page_size, num_pages, s_max, sq, hq, hkv, dim, rows, row_chunks, chunk, nsplit, left,
-        sc * 1.4426950408889634)
-    _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
-        (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
-        ws_o.ptr, ws_lse.ptr, out.ptr, 0 if lse is None else lse.ptr, nsplit, dim, sq, hq)
+        int(fuse), sc * 1.4426950408889634)
+    if not fuse:
+        _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
+            (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
+            ws_o.ptr, ws_lse.ptr, out.ptr, lse_ptr, nsplit, dim, sq, hq)
     return (out, lse) if return_lse else out
 
 
@@ -532,6 +627,12 @@ def decode_attention(call, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     on the CPU path). fp32 math for fp16/bf16/fp32 storage; head dims 64/128/256 with 16-byte
     aligned, last-dim-contiguous caches take the 16-byte path, any other head dim (up to 1024)
     or layout the one-element path. On the CPU path the lse comes back in q's dtype.
+
+    One launch: the splits over the keys are merged by the last block of each kv head to finish
+    (``attention_decode.COMBINE = "separate"``: a second kernel), with a few counters per CUDA
+    stream kept by gpuops (allocated at the first call on a device outside graph capture). Calls
+    on different streams may overlap; a captured graph uses its capture stream's counters, so two
+    graphs captured on one stream must not be replayed at the same time.
     """
     s_max = _check_decode(q.shape, k_cache.shape, v_cache.shape, cache_seqlens.shape)
     return _attend(call, "decode_attention", q, k_cache, v_cache, cache_seqlens, None, s_max,
