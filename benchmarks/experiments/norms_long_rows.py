@@ -2,6 +2,10 @@
 same run's copy bandwidth; and layer_norm / rms_norm at [32768, 4096] against Liger.
 
 Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
+  ring2         LONG_ROWS="ring2": the ring's tiles, each tile's partial published as
+                self-validating 64-bit words (tag = a launch epoch kept on the device): no
+                memset, no atomics, no merger, no statistics read back (norm_ring.cuh ring2_rows)
+  ring2_t256    the same with 256-thread tiles
   ring          LONG_ROWS="ring": one launch (+ the counters' memset), the grid resident, each
                 block holding its tiles of the rows in a ring of shared memory until their rows'
                 statistics are in: x read once (norm_ring.cuh)
@@ -12,7 +16,9 @@ Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
 
 Floors (bytes / 3000 GB/s): [16, 1048576] bf16 in + out 67 MB -> 22.4 us, fp32 134 MB -> 44.7 us,
 add_rms_norm twice those; [8, 393216] bf16 12.6 MB -> 4.2 us, fp32 25.2 MB -> 8.4 us.
-Predictions (notes_norms.md, "Run 13 follow-up"): ring [16, 1M] bf16 rms_norm 24-28 us
+Predictions for ring2 (notes_norms.md, "ring2"): [16, 1M] bf16 rms_norm 26-29 us (77-86% of
+copy), fp32 48-53 us; [8, 393216] bf16 6.5-7.5 us.
+Predictions (notes_norms.md, "Run 13 follow-up"; ring measured 35.1 us in run 20): ring [16, 1M] bf16 rms_norm 24-28 us
 (80-93% of copy), fp32 47-52 us (86-95%); [8, 393216] bf16 6-8.5 us (50-70%), fp32 9.5-11 us
 (76-88%); layer_norm [32768, 4096] bf16 >= 1.0x Liger.
 [32768, 4096]: layer_norm under WHOLE_ROWS="persistent" (layer_norm_rows: persistent grid, w and b
@@ -35,6 +41,8 @@ from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
 PLANS = {
+    "ring2": dict(LONG_ROWS="ring2"),
+    "ring2_t256": dict(LONG_ROWS="ring2", ring_threads=256),
     "ring": dict(LONG_ROWS="ring"),
     "ring_t256": dict(LONG_ROWS="ring", ring_threads=256),
     "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
@@ -77,14 +85,14 @@ def _describe(op, d, shape):
     ring = N._long_rows_ring(kind, plan, d, vec, n, shape[0], 0)
     if ring is not None:
         r, grid = ring
-        return (f"ring grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
+        return (f"{N.LONG_ROWS} grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
                 f"{r.smem // 1024} KiB smem, capacity {r.capacity}")
     used, grid, phases = N._grid(plan, shape[0], False)
     return (f"{len(phases)} launch(es) of {used.kernel.name.split('::')[-1]}: grid {grid} x "
             f"{used.block[0]} thr, C {used.C}, capacity {used.capacity}")
 
 
-def _long_rows(fw, copy, rows):
+def _long_rows(fw, copy, rows, plans):
     for shape in ((16, 1048576), (8, 393216)):
         for d in (dt.bfloat16, dt.float32):
             x = fw.randn(shape, d)
@@ -95,7 +103,8 @@ def _long_rows(fw, copy, rows):
                      "layer_norm": (lambda: go.layer_norm(x, shape[-1:], w, b), moved),
                      "add_rms_norm": (lambda: go.add_rms_norm(x, r, w), 2 * moved)}
             for name, (fn, nbytes) in cases.items():
-                for plan, settings in PLANS.items():
+                for plan in plans:
+                    settings = PLANS[plan]
                     with _Plan(settings):
                         fn()
                         what = _describe(name, d, shape)
@@ -143,13 +152,21 @@ def _rows_4096(fw, copy, rows):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--plans", default=",".join(PLANS),
+                    help=f"comma-separated long-row plans to time (default: all of {list(PLANS)})")
+    ap.add_argument("--skip-4096", action="store_true", help="only the long-row shapes")
     args = ap.parse_args()
+    plans = [p for p in args.plans.split(",") if p]
+    unknown = [p for p in plans if p not in PLANS]
+    if unknown:
+        ap.error(f"unknown plans {unknown}; known: {list(PLANS)}")
     fw = _Framework()
     copy = fw.copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
-    _long_rows(fw, copy, rows)
-    _rows_4096(fw, copy, rows)
+    _long_rows(fw, copy, rows, plans)
+    if not args.skip_4096:
+        _rows_4096(fw, copy, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": rows}, f,

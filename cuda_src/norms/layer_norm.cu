@@ -370,26 +370,36 @@ layer_norm_split(const T* x, long long x_stride, T* y, long long y_stride,
 }
 
 // Split rows in one pass over memory, tiles held in a ring of shared memory (norms/norm_ring.cuh):
-// the policy of ring_rows for layer_norm. A tile's partial is its (count, mean, M2): two passes
-// over each pack, Chan merges of the packs, of the block's threads, and (the row's last block)
-// of the row's C tiles in a fixed order.
+// the policy of ring_rows / ring2_rows for layer_norm. A tile's partial is its (count, mean,
+// M2): two passes over each pack, Chan merges of the packs, of the block's threads, and of the
+// row's C tiles in a fixed order (ring: by the row's last block; ring2: by every draining warp,
+// from the published (mean, M2) words, the count being known from the chunk).
 template <class T, int VEC, int PACKS>
-struct LayerNormRing {
+struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)> {
   using Elem = T;
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
-  static constexpr int kVec = VEC, kPacks = PACKS, K = 3;
-  static constexpr int kDrainGroup = PACKS <= 2 ? PACKS : 2;   // packs per round of w, b loads
+  static constexpr int kVec = VEC, kPacks = PACKS, K = 3, kWords = 2, kPollBatch = 1;
+  static constexpr bool kPrefetch = false;   // w, b after the poll (ring2): no room for both
+  using Acc = MeanM2;
   const T* x;
   long long xs;
-  T* y;
-  long long ys;
-  const T* w;
-  const T* b;
-  float* mean;
-  float* rstd;
-  float inv_n, eps;
   RawTile<T, VEC, PACKS> xt;
+
+  __device__ __forceinline__ LayerNormRing(const T* x_, long long xs_, T* y_, long long ys_,
+                                           const T* w_, const T* b_, float* mean_, float* rstd_,
+                                           int n, float eps_) {
+    x = x_;
+    xs = xs_;
+    this->y = y_;
+    this->ys = ys_;
+    this->w = w_;
+    this->b = b_;
+    this->mean = mean_;
+    this->rstd = rstd_;
+    this->inv_n = 1.0f / static_cast<float>(n);
+    this->eps = eps_;
+  }
 
   __device__ __forceinline__ void issue(long long row, int u0, int units) {
     xt.load(x + row * xs, u0, units);
@@ -431,44 +441,35 @@ struct LayerNormRing {
     part[2] = s.m2;
   }
 
+  // ring: the row's last block merges the partials and stores mean and rstd; drains read them.
   __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,
                                         float* scratch) {
-    merge_row_stats(row_partials, C, inv_n, eps, mean + row, rstd + row, scratch);
+    merge_row_stats(row_partials, C, this->inv_n, this->eps, this->mean + row, this->rstd + row,
+                    scratch);
+  }
+  __device__ __forceinline__ void load_stats(long long row, float& mu, float& s) const {
+    mu = load_cg(this->mean + row);
+    s = load_cg(this->rstd + row);
   }
 
-  __device__ __forceinline__ void drain(const Raw* slot, long long row, int u0, int units) {
-    const float mu = load_cg(mean + row);
-    const float s = load_cg(rstd + row);
-    T* y_row = y + row * ys;
-#pragma unroll
-    for (int p0 = 0; p0 < PACKS; p0 += kDrainGroup) {
-      Raw wr[kDrainGroup], br[kDrainGroup];
-      if (w != nullptr) load_params<T, VEC, kDrainGroup>(w, u0, p0, units, wr);
-      if (b != nullptr) load_params<T, VEC, kDrainGroup>(b, u0, p0, units, br);
-#pragma unroll
-      for (int g = 0; g < kDrainGroup; ++g) {
-        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
-        if (unit < units) {
-          float f[VEC];
-          R::unpack(slot[(p0 + g) * blockDim.x], f);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) f[j] = (f[j] - mu) * s;
-          if (w != nullptr) {
-            float wf[VEC];
-            R::unpack(wr[g], wf);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
-          }
-          if (b != nullptr) {
-            float bf[VEC];
-            R::unpack(br[g], bf);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] += bf[j];
-          }
-          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
-        }
-      }
-    }
+  // ring2: (mean, M2) published; the count of a tile is its valid units times VEC (exactly the
+  // block_welford count: integers < 2^24 in float).
+  __device__ __forceinline__ void words(const float (&part)[3], float (&v)[2]) const {
+    v[0] = part[1];
+    v[1] = part[2];
+  }
+  static __device__ __forceinline__ Acc acc_zero() { return MeanM2{0.0f, 0.0f, 0.0f}; }
+  __device__ __forceinline__ Acc acc_add(const Acc& a, const float (&v)[2], float count) const {
+    return welford_merge(a, MeanM2{count, v[0], v[1]});
+  }
+  static __device__ __forceinline__ Acc acc_warp(const Acc& a) { return warp_welford(a); }
+  __device__ __forceinline__ void stats(const Acc& a, float& mu, float& s) const {
+    mu = a.mean;
+    s = rsqrtf(a.m2 * this->inv_n + this->eps);
+  }
+  __device__ __forceinline__ void write_stats(long long row, float mu, float s) const {
+    if (this->mean != nullptr) this->mean[row] = mu;
+    if (this->rstd != nullptr) this->rstd[row] = s;
   }
 };
 
@@ -483,19 +484,22 @@ layer_norm_ring(const T* x, long long x_stride, T* y, long long y_stride, const 
                 float* __restrict__ partials, unsigned* __restrict__ counters, long long rows,
                 int n, int C, int D, float eps) {
   extern __shared__ uint4 ring_smem[];
-  LayerNormRing<T, VEC, PACKS> pol;
-  pol.x = x;
-  pol.xs = x_stride;
-  pol.y = y;
-  pol.ys = y_stride;
-  pol.w = w;
-  pol.b = b;
-  pol.mean = mean_out;
-  pol.rstd = rstd_out;
-  pol.inv_n = 1.0f / static_cast<float>(n);
-  pol.eps = eps;
+  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
   ring_rows(pol, rows, n / VEC, C, D, partials, counters,
             reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// The same with ring2's exchange (norm_ring.cuh): mean_out and rstd_out may be null; `state`:
+// the host's per-stream ring2 state (launch counter, exit counter, rows * C * 2 words).
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(512, 2)
+layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
+                 const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                 float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
+                 float eps) {
+  extern __shared__ uint4 ring_smem[];
+  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
+  ring2_rows(pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

@@ -44,6 +44,11 @@ RMS_FWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "
 BWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64",
                    "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32")
 WGRAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32")
+# The ring2 kernels: the forward arguments with one `state` pointer for partials and counters.
+LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
+                        "i32", "i32", "i32", "f32")
+RMS_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
+                         "ptr", "i64", "i32", "i32", "i32", "f32")
 
 FUSED, PARTIALS, APPLY = 0, 1, 2          # launch phases, as in norm_rows.cuh
 MAX_N = (1 << 31) - (1 << 20)             # units are int32 in the kernels
@@ -81,18 +86,22 @@ class Kind:
     ring_template: str | None = None
     ring_packs: int = 4
     ring_threads: int = 512
+    ring2_template: str | None = None    # the same tiles, ring2's exchange (norm_ring.cuh)
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
                   True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>",
-                  ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>")
+                  ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>",
+                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
                 True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>",
-                ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>")
+                ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>",
+                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>")
 # (x and r in flight: half the packs per tile)
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
                     256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>",
-                    ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2)
+                    ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2,
+                    ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, true>")
 LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
                       512, False, True, 2)
 RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
@@ -108,11 +117,15 @@ FORCE_TWO_LAUNCHES = False
 # copy); two launches (partials, then apply re-reading the rows, last-read first, from L2) keep
 # the whole device streaming. None: the old rule (one launch whenever C <= capacity).
 ONE_LAUNCH_MAX_WAVES = 1
-# Split rows of the forward ops: "ring" (one pass over memory, norm_ring.cuh; the split rules
-# below where it does not fit) or "split" (the run-6 plans only: ONE_LAUNCH_MAX_WAVES and
-# FORCE_TWO_LAUNCHES decide one launch or two). Both stay selectable for A/B runs
-# (benchmarks/experiments/norms_long_rows.py).
+# Split rows of the forward ops: "ring2" or "ring" (one pass over memory, norm_ring.cuh; the
+# split rules below where it does not fit; ring2 publishes self-validating partials, no memset,
+# no atomics: ring2_rows; ring arrives at counters zeroed by a memset, the row's last block
+# merges: ring_rows) or "split" (the run-6 plans only: ONE_LAUNCH_MAX_WAVES and
+# FORCE_TWO_LAUNCHES decide one launch or two). All stay selectable for A/B runs
+# (benchmarks/experiments/norms_long_rows.py). "ring" stays the default until ring2 has been
+# measured on the GPU (benchmarks/notes_norms.md: predictions).
 LONG_ROWS = "ring"
+LONG_ROWS_PLANS = ("ring2", "ring", "split")
 # Whole rows of layer_norm (one block per row, 16-byte units, at most 2 per thread: e.g. [*, 4096]
 # 16-bit): "persistent" (layer_norm_rows: a grid of one resident wave, w and b in registers, the
 # next row's x loaded while this one is reduced and stored) or "per_row" (layer_norm_fwd: a block
@@ -157,10 +170,10 @@ def _split_exprs(kind: Kind) -> dict:
             for d in dt.FLOATS for v in (_vec_width(d), 1)}
 
 
-def _ring_exprs(kind: Kind) -> dict:
-    if kind.ring_template is None:
+def _ring_exprs(kind: Kind, template: str | None) -> dict:
+    if template is None:
         return {}
-    return {(d, v): kind.ring_template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
+    return {(d, v): template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
             for d in dt.FLOATS for v in (_vec_width(d), 1)}
 
 
@@ -169,18 +182,22 @@ _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
 _ROWS_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_rows<{d.ctype}, {_vec_width(d)}, {p}>"
                for d in dt.FLOATS for p in (1, 2)}
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
-_RING_EXPRS = {k.name: _ring_exprs(k) for k in TUNING.values()}
+_RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
+_RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
     {**{e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for e in table["layer_norm"].values()},
-     **{e: LN_FWD_ARGS for e in _ROWS_EXPRS.values()}})
+     **{e: LN_FWD_ARGS for e in _ROWS_EXPRS.values()},
+     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
-    {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
-     for k in ("rms_norm", "add_rms_norm") for e in table[k].values()})
+    {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
+        for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
+     **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
+        for e in _RING2_EXPRS[k].values()}})
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -328,18 +345,20 @@ def _resident_per_sm(kernel, threads: int, smem: int) -> int:
         return 0
 
 
-def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int):
+def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str = "ring"):
     """The RingPlan of a row length (cached), or None where no block of 2+ slots fits: two blocks
     per SM with the most slots that allow it (one streams while the other synchronizes), else
-    one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB)."""
+    one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB).
+    variant: "ring" or "ring2" (the kernel; the tiles are the same)."""
     kind = TUNING[kind_name]
-    if kind.ring_template is None:
+    exprs = (_RING2_EXPRS if variant == "ring2" else _RING_EXPRS)[kind_name]
+    if not exprs:
         return None
-    key = ("ring", kind_name, dtype, vec, n, dev)
+    key = (variant, kind_name, dtype, vec, n, dev)
     hit = _plans.get(key)
     if hit is not None and hit[0] is kind:
         return hit[1]
-    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(_RING_EXPRS[kind_name][(dtype, vec)])
+    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
     info = device.device_info(dev)
     limit = max(48 * 1024, info.max_smem_per_block_optin)
     plan = None
@@ -404,12 +423,41 @@ def _held_wb_bytes(plan: Plan) -> int:
 
 
 def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
-    """(RingPlan, grid) when split rows take the ring kernel, else None."""
-    if plan.C == 1 or LONG_ROWS != "ring":
+    """(RingPlan, grid) when split rows take a ring kernel (LONG_ROWS "ring" or "ring2"), else
+    None."""
+    if LONG_ROWS not in LONG_ROWS_PLANS:
+        raise ValueError(f"gpuops.ops.norms.LONG_ROWS = {LONG_ROWS!r}: one of {LONG_ROWS_PLANS}")
+    if plan.C == 1 or LONG_ROWS == "split":
         return None
-    ring = _ring_plan(kind_name, dtype, vec, n, dev)
+    ring = _ring_plan(kind_name, dtype, vec, n, dev, LONG_ROWS)
     grid = _ring_grid(ring, rows)
     return None if grid is None else (ring, grid)
+
+
+# ring2's state buffers (norm_ring.cuh): per (device, stream), [launch counter, exit counter, 2
+# unused, words...] as uint32, zeroed once when allocated and never reset (the kernels keep the
+# epoch themselves). A buffer that is outgrown is replaced, and kept: a captured CUDA graph may
+# still launch kernels on it.
+_ring2_states: dict = {}
+_ring2_retired: list = []
+RING2_HEADER_WORDS = 4       # uint32s before the 64-bit words (16 bytes: keeps them aligned)
+
+
+def _ring2_state(call, words: int) -> int:
+    """Address of a ring2 state buffer with room for `words` 64-bit words, for launches on
+    call.stream. A new buffer is zeroed on that stream (inside a capture, the graph zeroes it
+    on every replay: equally valid, as the zero state is a valid state between launches)."""
+    key = (call.device, call.stream)
+    held = _ring2_states.get(key)
+    if held is not None and held[1] >= words:
+        return held[0].ptr
+    if held is not None:
+        _ring2_retired.append(held)
+        words = max(words, 2 * held[1])
+    buf = call.empty((RING2_HEADER_WORDS + 2 * words,), dt.float32)
+    device.cupy_or_none().cuda.runtime.memsetAsync(buf.ptr, 0, buf.nbytes, call.stream)
+    _ring2_states[key] = (buf, words)
+    return buf.ptr
 
 
 def _split_workspace(call, rows: int, C: int, K: int, extra: int):
@@ -596,6 +644,13 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, ((x.ptr, xs), (y.ptr, ys)), (w, b)) else 1
     plan = _plan("layer_norm", dtype, vec, n, call.device)
     ring = _long_rows_ring("layer_norm", plan, dtype, vec, n, rows, call.device)
+    if ring is not None and LONG_ROWS == "ring2":
+        ring, grid = ring
+        state = _ring2_state(call, rows * ring.C * 2)
+        ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
+                           _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), state, rows, n, ring.C,
+                           ring.depth, eps, smem=ring.smem)
+        return y, mean, rstd
     if ring is not None:
         ring, grid = ring
         ws, counters, partials, stats = _split_workspace(call, rows, ring.C, 3,
@@ -646,6 +701,13 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     kind = "add_rms_norm" if residual is not None else "rms_norm"
     plan = _plan(kind, dtype, vec, n, call.device)
     ring = _long_rows_ring(kind, plan, dtype, vec, n, rows, call.device)
+    if ring is not None and LONG_ROWS == "ring2":
+        ring, grid = ring
+        state = _ring2_state(call, rows * ring.C)
+        ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
+                           rs, y.ptr, ys, _ptr(h), hs, _ptr(w), _ptr(rstd), state, rows, n,
+                           ring.C, ring.depth, eps, smem=ring.smem)
+        return y, h, rstd
     if ring is not None:
         ring, grid = ring
         ws, counters, partials, stats = _split_workspace(call, rows, ring.C, 1,
