@@ -380,7 +380,7 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
   static constexpr int kVec = VEC, kPacks = PACKS, K = 3, kWords = 2, kPollBatch = 1;
-  static constexpr bool kPrefetch = false;   // w, b after the poll (ring2): no room for both
+  static constexpr bool kPrefetch = true;    // w, b issued before the poll (ring2)
   using Acc = MeanM2;
   const T* x;
   long long xs;
