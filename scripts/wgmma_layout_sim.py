@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-# ---- mirrored from cuda_src/gemm/wgmma.cu
+# ---- mirrored from cuda_src/gemm/wgmma.cu (LBO / SBO / k16 steps: WgOperand in wgmma_common.cuh)
 BM, BN, BK = 128, 256, 64
 A_BYTES = BM * BK * 2
 BOX_BYTES = 64 * 64 * 2            # one M/N-major box

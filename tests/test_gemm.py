@@ -33,7 +33,7 @@ import pytest
 import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import gemm as G
-from gpuops.runtime import nvrtc
+from gpuops.runtime import launch, nvrtc
 from gpuops.tensor import Tensor
 from conftest import HAS_TORCH, HAS_TORCH_CUDA
 
@@ -244,7 +244,9 @@ def test_variant_choice():
     assert c("t", None, dt.float32, 90, 4096, False, True) == "warp_tiled"
     assert c("t", None, dt.float32, 90, 4096, True, True) == "mma"
     assert c("t", None, dt.float32, 75, 4096, True, True) == "warp_tiled"
-    assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "mma"
+    assert c("t", None, dt.bfloat16, 90, 4096, False, True) == ("wgmma" if G.WGMMA_AUTO else "mma")
+    assert c("t", None, dt.bfloat16, 90, 4096, False, True, dual=True) == "mma"   # SwiGLU
+    assert c("t", None, dt.bfloat16, 89, 4096, False, True) == "mma"
     assert c("t", None, dt.bfloat16, 61, 4096, False, True) == "warp_tiled"
     assert c("t", None, dt.bfloat16, 90, 1, False, True) == "gemv"
     assert c("t", None, dt.bfloat16, 90, 16, False, True) == "gemv_mma"
@@ -356,10 +358,10 @@ def test_mma_residual_vector_flag():
 
 
 def test_wgmma_auto_is_behind_its_flag(monkeypatch):
-    """variant=None picks wgmma only with WGMMA_AUTO (set once it is proven on the GPU), only on
-    sm_90, for fp16/bf16 beyond decode sizes and not for the dual (SwiGLU) product."""
+    """variant=None picks wgmma only with WGMMA_AUTO (on since run 21 proved it on the GPU),
+    only on sm_90, for fp16/bf16 beyond decode sizes and not for the dual (SwiGLU) product."""
     c = G._choose
-    assert G.WGMMA_AUTO is False
+    monkeypatch.setattr(G, "WGMMA_AUTO", False)
     assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "mma"
     monkeypatch.setattr(G, "WGMMA_AUTO", True)
     assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "wgmma"
@@ -529,6 +531,14 @@ def test_wgmma_module_compiles_for_sm90a(dtype):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
         assert r["registers"] <= 168, (name, r)         # 384 threads x 1 block at launch
     assert "serializ" not in c.log.lower() and "performance loss" not in c.log.lower(), c.log
+    # the parameter block as the driver sees it (run 15/16's bug: the maps are 64-byte aligned in
+    # constant-bank terms, so the block starts with padding and a flat launch buffer packed by the
+    # PTX offsets arrived 48 bytes off; the launch goes through kernelParams instead)
+    for expr, spec in m.kernels.items():
+        _, params = launch.cubin_params(c.image, c.lowered[expr])
+        assert [o - params[0][0] for o, _ in params] == [o for o, _, _ in spec.layout], expr
+        assert [s for _, s in params] == [s for _, s, _ in spec.layout], expr
+        assert spec.needs_pointers
     sass = _sass(c.image)
     if sass is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
@@ -541,6 +551,30 @@ def test_wgmma_module_compiles_for_sm90a(dtype):
                "USETMAXREG.TRY_ALLOC", "WARPGROUP.ARRIVE"):
         assert op in sass, op
     assert "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
+def test_wgmma_probe_module_compiles_for_sm90a():
+    """The probes of benchmarks/experiments/wgmma_bisect.py (cuda_src/gemm/wgmma_probe.cu): no
+    spills, the parameter probe has the GEMM's exact parameter list, and the mma probes issue the
+    GEMM's HGMMA with its transpose bits."""
+    m = G.WGMMA_PROBE
+    assert m.kernels["gpuops::gemm::wgmma_probe_params"] is G.WGMMA_ARGS
+    c = nvrtc.compile_source(m.assembled.text, m.assembled.main_file, m.name,
+                             nvrtc.Target(90, "cubin", "a"), m.options, m.name_expressions,
+                             verbose=True)
+    assert set(c.resources) == set(c.lowered.values())
+    for name, r in c.resources.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
+    for expr, spec in m.kernels.items():
+        _, params = launch.cubin_params(c.image, c.lowered[expr])
+        assert [o - params[0][0] for o, _ in params] == [o for o, _, _ in spec.layout], expr
+    sass = _sass(c.image)
+    if sass is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    for op in ("HGMMA.64x256x16.F32.BF16 ", "HGMMA.64x256x16.F32 ", ".tnspA", ".tnspB"):
+        assert op in sass, op
+    assert "UTMALDG.2D" in sass and "LDL" not in sass and "STL" not in sass
 
 
 def _sass(cubin: bytes):

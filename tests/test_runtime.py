@@ -15,7 +15,7 @@ import pytest
 from gpuops.runtime import bundle, config, loader, nvrtc
 from gpuops.runtime.cache import DiskCache, cache_key
 from gpuops.runtime.errors import CompileError
-from gpuops.runtime.launch import ArgSpec, ptx_params
+from gpuops.runtime.launch import ArgSpec, Kernel, cubin_params, ptx_params
 from gpuops.runtime.modules import DEFAULT_ARCHS, KernelModule, _MODULES, all_modules, get_module
 from gpuops.runtime.nvrtc import Target
 from gpuops.runtime.sources import all_source_files, assemble
@@ -206,6 +206,65 @@ def test_argspec_tensormap_parameters():
     for bad in ("@3:4i", "@64:", "@64"):
         with pytest.raises(ValueError):
             ArgSpec(bad)
+
+
+def test_overaligned_parameters_launch_through_kernel_params():
+    """A spec with a CUtensorMap (aligned to 64) launches through kernelParams: one pointer per
+    parameter into the packed struct, at the parameter's offset, and no flat buffer (whose copy
+    would land 48 bytes off in the cubin's parameter block: see cubin_params below). Specs
+    without over-aligned parameters keep the flat buffer (CU_LAUNCH_PARAM_BUFFER_POINTER)."""
+    import ctypes
+    from types import SimpleNamespace
+    calls = []
+
+    def make(spec):
+        raw = SimpleNamespace(kernel=SimpleNamespace(ptr=4321), max_dynamic_shared_size_bytes=49152)
+        k = Kernel("k", raw, spec)
+        k._launch = lambda *a: calls.append(a)
+        return k
+
+    spec = ArgSpec("tensormap", "tensormap", "9P25qf4i")
+    assert spec.needs_pointers and not ArgSpec("9P25qf4i").needs_pointers
+    args = (bytes(range(128)), bytes(range(128, 256)), *range(1, 10), *range(100, 125),
+            0.5, 1, 2, 3, 4)
+    make(spec).launch((3, 1, 1), (384, 1, 1), 77, *args, smem=1024)
+    (f, gx, gy, gz, bx, by, bz, smem, stream, params, extra), = calls
+    assert (f, gx, bx, smem, stream, extra) == (4321, 3, 384, 1024, 77, 0) and params != 0
+    ptrs = (ctypes.c_void_p * 3).from_address(params)
+    assert ctypes.string_at(ptrs[0], 128) == bytes(range(128))
+    assert ctypes.string_at(ptrs[1], 128) == bytes(range(128, 256))
+    assert ptrs[1] - ptrs[0] == 128 and ptrs[2] - ptrs[0] == 256
+    gemm_args = ctypes.string_at(ptrs[2], 296)
+    assert struct.unpack_from("<9Q", gemm_args, 0) == tuple(range(1, 10))
+    assert struct.unpack_from("<f4i", gemm_args, 272) == (0.5, 1, 2, 3, 4)
+    calls.clear()
+    make(ArgSpec("ptr", "i32")).launch((1, 1, 1), (32, 1, 1), 5, 1 << 40, 7)
+    (*_, params, extra), = calls
+    assert params == 0 and extra != 0
+
+
+@needs_nvrtc
+def test_cubin_places_overaligned_parameters_by_absolute_bank_address():
+    """What the driver goes by: the cubin's parameter records. A 64-byte aligned parameter sits
+    at a 64-byte aligned *constant-bank* address; the parameter block starts at c[0x0][0x210] on
+    sm_90, so the first CUtensorMap lands at offset 48 of the block, not 0 as in the PTX. The
+    offsets relative to the first parameter still match the ArgSpec (which is why kernelParams,
+    placed parameter by parameter by the driver, is right and a flat buffer is not)."""
+    src = """struct __align__(64) Map { unsigned long long w[16]; };
+extern "C" __global__ void k(const __grid_constant__ Map a, const __grid_constant__ Map b,
+                             unsigned long long* out, int n) {
+  out[n] = a.w[0] + b.w[1];
+}
+"""
+    c = nvrtc.compile_source(src, "k.cu", "test.overaligned", Target(90, "cubin"))
+    bank, params = cubin_params(c.image, "k")
+    spec = ArgSpec("tensormap", "tensormap", "ptr", "i32")
+    assert [size for _, size in params] == [size for _, size, _ in spec.layout]
+    assert [off - params[0][0] for off, _ in params] == [off for off, _, _ in spec.layout]
+    assert all((bank + off) % 64 == 0 for off, _ in params[:2])
+    assert spec.needs_pointers
+    if bank % 64:      # the case run 15 hit: the flat buffer would arrive shifted
+        assert params[0][0] == -bank % 64
 
 
 def test_tma_rules_are_checked_before_the_driver():

@@ -24,6 +24,9 @@ import sys
 import time
 import traceback
 
+# The checks below read NaN as "never written": that needs gpuops to poison its outputs (run 15
+# ran without it, and "all zeros" there meant untouched fresh memory, not a zero product).
+os.environ.setdefault("GPUOPS_DEBUG_POISON", "1")
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import torch  # noqa: E402
@@ -104,8 +107,12 @@ def diagnose(out, ref, what):
 def guess_pattern(a, b, out):
     """Compare against what common descriptor / pipeline mistakes would produce."""
     A, B, o = a.double(), b.double(), out.double()
+    if torch.isnan(o).all():
+        print("     the output is untouched (all NaN): the kernel wrote nothing; run "
+              "benchmarks/experiments/wgmma_bisect.py (stage params)", flush=True)
+        return
     K = A.shape[1]
-    cands = {"all zeros (no TMA data reached the MMAs, or nothing was accumulated)":
+    cands = {"all zeros (the MMAs read zeros, or nothing was accumulated)":
              torch.zeros_like(o)}
     first16 = torch.zeros_like(A)
     for k0 in range(0, K, 64):

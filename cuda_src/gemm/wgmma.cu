@@ -185,11 +185,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // this warpgroup's 64 rows inside a stage's A tile: K-major rows of 128 bytes, or the second
   // 64 x 64 box of an M-major tile; both 8192 bytes on
   const unsigned int a_off = cg * 8192;
-  // descriptor constants (bytes): K-major: LBO unused (16 -> encoded 1), SBO = 8 rows x 128 B;
-  // M/N-major: LBO = the next 64-element box, SBO = 8 k rows x 128 B. k16 steps: 32 bytes along
-  // a K-major row, 16 rows x 128 bytes in an M/N-major box.
-  constexpr unsigned int kLboA = AMN ? kWgBoxBytes : 16, kLboB = BMN ? kWgBoxBytes : 16;
-  constexpr unsigned int kStepA = AMN ? 2048 : 32, kStepB = BMN ? 2048 : 32;
+  // descriptors: WgOperand (wgmma_common.cuh) holds LBO / SBO / k16 step of each layout
+  static_assert(WgOperand<true>::kLbo == kWgBoxBytes, "M/N-major LBO = one 64 x 64 TMA box");
   float* stage_c = reinterpret_cast<float*>(smem + kWgEpiOffset + (cg * 4 + cwarp) * kWgEpiWarpBytes);
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
@@ -211,8 +208,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kWgBK / 16; ++kk)
-        wgmma_m64n256k16<T, AMN ? 1 : 0, BMN ? 1 : 0>(
-            acc, wgmma_desc(sa + kk * kStepA, kLboA, 1024), wgmma_desc(sb + kk * kStepB, kLboB, 1024));
+        wgmma_m64n256k16<T, AMN ? 1 : 0, BMN ? 1 : 0>(acc, WgOperand<AMN>::desc(sa, kk),
+                                                      WgOperand<BMN>::desc(sb, kk));
       wgmma_commit();
       reg_fence(acc);
       // the group of k-tile kt - 1 is complete: its stage goes back to the producer

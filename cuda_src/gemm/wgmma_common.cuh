@@ -49,9 +49,22 @@ __device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) 
 }
 
 // Makes the initialized barriers visible to the async proxy (TMA) and the other threads (with
-// the __syncthreads that follows).
+// the __syncthreads that follows). mbarrier.init is a generic-proxy write to shared memory and
+// TMA's complete_tx reaches the barrier through the async proxy: besides
+// fence.mbarrier_init (whose PTX scope is the cluster's view of the init), a
+// fence.proxy.async.shared::cta orders the init before any async-proxy access of this CTA's
+// shared memory ("Accessing the same memory location across multiple proxies needs a
+// cross-proxy fence", PTX ISA "Async Proxy"); CUTLASS / DeepGEMM issue both.
 __device__ __forceinline__ void mbar_fence_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Orders this thread's earlier generic-proxy writes to shared memory (st.shared) before later
+// async-proxy reads of it (wgmma operands, TMA stores): needed where shared memory that wgmma
+// reads is filled by ordinary stores instead of TMA (the probes of gemm/wgmma_probe.cu).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // The producer's arrival: one arrive, and `bytes` more expected from TMA before the phase ends.
@@ -134,6 +147,26 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned int saddr, uns
          (static_cast<unsigned long long>((sbo & 0x3FFFFu) >> 4) << 32) |
          (1ull << 62);
 }
+
+// Descriptor constants of one operand tile as TMA lays it out (128-byte swizzle, 64 k-elements
+// of 16-bit data per 128-byte row; see the top of this file), in bytes: the kernel and the probes
+// of gemm/wgmma_probe.cu use these same values.
+//  K-major (MN = false): rows of 128 bytes (one M/N index each), LBO unused by swizzled K-major
+//    layouts ("not used, assumed to be 1": the encoded 1 is 16 bytes), SBO = 8 rows x 128 B;
+//    k16 step = 16 elements x 2 bytes = 32 bytes along the row (start address offset).
+//  M/N-major (MN = true): 64 x 64 boxes, one 128-byte row per k; LBO = the next 64 M/N elements
+//    (the next box, 8192 bytes: "offset from the first (swizzle-byte-size/16) rows to the next"),
+//    SBO = the next 8 k rows (1024 bytes: "offset from the first 8 columns to the next 8");
+//    k16 step = 16 k rows x 128 bytes = 2048 bytes.
+template <bool MN>
+struct WgOperand {
+  static constexpr unsigned int kLbo = MN ? 8192u : 16u;
+  static constexpr unsigned int kSbo = 1024u;
+  static constexpr unsigned int kStep = MN ? 2048u : 32u;
+  __device__ __forceinline__ static unsigned long long desc(unsigned int tile_saddr, int kk) {
+    return wgmma_desc(tile_saddr + kk * kStep, kLbo, kSbo);
+  }
+};
 
 // Orders this warpgroup's earlier register writes (the accumulators) before wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() {

@@ -7,7 +7,7 @@ default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arc
 (tensor cores, sm_80+), which stream the weight once with 16-byte loads; ``int8_dp4a`` for
 int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA from a warp-specialized,
 persistent pipeline; operands TMA can describe, see ``_wgmma_operand``). ``variant=None`` picks
-``wgmma`` only once it is proven on the GPU: ``WGMMA_AUTO`` below.
+``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU).
 
 Conventions: torch.matmul shapes (1-D operands, broadcast batch dims), any strides (transposed
 views are read in place: every kernel takes both the M/N-contiguous and the K-contiguous layout;
@@ -169,9 +169,20 @@ def _wgmma_expr(d, a_mn, b_mn):
 WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", lambda d: {
     _wgmma_expr(d, a_mn, b_mn): WGMMA_ARGS for a_mn in (False, True) for b_mn in (False, True)},
     dtypes=_HALFS, archs=(f"{WGMMA_ARCH}a",))
-# variant=None picks 'wgmma' (fp16/bf16, sm_90, M > 16, operands TMA can read, not SwiGLU) only
-# when this is True: set it once the kernel has passed the GPU tests and its timings beat 'mma'.
-WGMMA_AUTO = False
+# Probes of the wgmma building blocks (parameters, TMA + mbarrier, wgmma descriptors), one kernel
+# each, for benchmarks/experiments/wgmma_bisect.py; no op launches them.
+WGMMA_PROBE = KernelModule("gemm.wgmma_probe", "gemm/wgmma_probe.cu", {
+    "gpuops::gemm::wgmma_probe_params": WGMMA_ARGS,
+    "gpuops::gemm::wgmma_probe_tma": ArgSpec("tensormap", "ptr", "ptr", "i32", "i32", "i32", "i32",
+                                       "i32"),
+    **{_kname("wgmma_probe_mma", d.ctype, _b(a_mn), _b(b_mn)):
+       ArgSpec("ptr", "ptr", "ptr", "i32", "i32", "i32")
+       for d in _HALFS for a_mn in (False, True) for b_mn in (False, True)}},
+    archs=(f"{WGMMA_ARCH}a",))
+# variant=None picks 'wgmma' (fp16/bf16, sm_90, M > 16, operands TMA can read, not SwiGLU) when
+# this is True. Run 21 (H100): its 32 GPU tests pass and it beats 'mma' at every measured shape
+# (8192^3 588.5 vs 370.9 TFLOP/s; 4096x6144x2048 288.6 vs 225.9; 4096x2048x6144 420.4 vs 277.1).
+WGMMA_AUTO = True
 
 # flags of GemmArgs (gemm_common.cuh)
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8

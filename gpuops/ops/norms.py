@@ -131,8 +131,10 @@ LONG_ROWS_PLANS = ("ring2", "ring", "split")
 # next row's x loaded while this one is reduced and stored) or "per_row" (layer_norm_fwd: a block
 # per row, as before run 20; 56 registers at 4096 bf16, 4 blocks/SM, nothing in flight between a
 # row's landing and the next block's start: 86.8% of copy in run 20). Both stay selectable for
-# A/B runs (benchmarks/experiments/norms_long_rows.py).
-WHOLE_ROWS = "persistent"
+# A/B runs (benchmarks/experiments/norms_long_rows.py). Run 21, [32768, 4096] bf16: persistent
+# 215.9 us (82.8%; predicted 180-186: missed), per_row 205.9 us (86.8%), Liger 179.4; per_row is
+# the default until a whole-row kernel beats it (run 14's pre-rewrite kernel: ~0.97x Liger).
+WHOLE_ROWS = "per_row"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 

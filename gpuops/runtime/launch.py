@@ -9,6 +9,17 @@ Launches go straight to ``cuLaunchKernel`` with all parameters packed into one b
 object per argument. This keeps gpuops' host overhead at a few microseconds and lets a struct
 (shapes and strides) travel by value, with no device buffer, so every launch can be captured in a
 CUDA graph.
+
+Over-aligned parameters (a CUtensorMap: ``.align 64``) are the exception: they go through
+``kernelParams`` (an array of pointers into the same packed buffer, built once per thread and
+spec), never through the flat buffer. The flat buffer is copied to the start of the kernel's
+parameter bank, but ptxas aligns an over-aligned parameter to its *absolute* constant-bank
+address, and the bank starts at c[0x0][0x210] on sm_90 (16-byte aligned only): in the cubin the
+first CUtensorMap sits at offset 48, not 0 (``.nv.info`` KPARAM_INFO: 48, 176, 304 for the wgmma
+GEMM's (map, map, GemmArgs) where the PTX says 0, 128, 256). A flat buffer packed by the PTX
+offsets reaches the kernel shifted by 48 bytes: the wgmma GEMM read batch = 0 and returned
+without writing anything, with no error (H100 run 15/16: outputs all NaN/untouched). With
+``kernelParams`` the driver places each parameter at the offset the cubin records.
 """
 from __future__ import annotations
 
@@ -85,6 +96,8 @@ class ArgSpec:
             parts.append(fmt)
             offset += size
         self.size = offset
+        # launched through kernelParams, not the flat buffer (see the module docstring)
+        self.needs_pointers = any(align > 8 for _, _, align in self.layout)
         if self.size > MAX_PARAM_BYTES:
             raise ValueError(f"kernel parameters take {self.size} bytes, more than {MAX_PARAM_BYTES}")
         self.struct = struct.Struct("<" + "".join(parts))
@@ -112,6 +125,43 @@ def ptx_params(ptx: str, mangled: str) -> list:
     return out
 
 
+def cubin_params(cubin: bytes, mangled: str):
+    """Where the cubin itself puts the parameters of kernel ``mangled`` (what the driver goes
+    by): ``(bank_offset, [(offset, size) per parameter, in order])`` from the ELF section
+    ``.nv.info.<mangled>`` (EIATTR_PARAM_CBANK: the parameter block's start in constant bank 0;
+    EIATTR_KPARAM_INFO: each parameter's offset in that block and its size). Offsets can differ
+    from the PTX's: ptxas aligns an over-aligned parameter to its absolute bank address (see the
+    module docstring). Raises KeyError if the kernel or its records are not there."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    strtab = secs[shstrndx][4]
+    want = (".nv.info." + mangled).encode()
+    for name, _typ, _flags, _addr, off, size in secs:
+        start = strtab + name
+        if cubin[start:cubin.index(b"\0", start)] != want:
+            continue
+        bank, params, p = None, {}, off
+        while p + 2 <= off + size:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt == 4:              # EIFMT_SVAL: 2-byte length, then the payload
+                length = struct.unpack_from("<H", cubin, p + 2)[0]
+                if attr == 0x17:      # EIATTR_KPARAM_INFO: index, ordinal, offset, size << 18
+                    _, ordinal, offset, bits = struct.unpack_from("<IHHI", cubin, p + 4)
+                    params[ordinal] = (offset, (bits >> 18) & 0x3FFF)
+                elif attr == 0x0A:    # EIATTR_PARAM_CBANK: symbol, bank offset, block size
+                    bank = struct.unpack_from("<IHH", cubin, p + 4)[1]
+                p += 4 + length
+            elif fmt in (2, 3):       # EIFMT_BVAL / EIFMT_HVAL: a 2-byte value
+                p += 4
+            else:                     # EIFMT_NVAL: no value
+                p += 2
+        if bank is None or not params:
+            break
+        return bank, [params[i] for i in sorted(params)]
+    raise KeyError(f"no parameter records for {mangled} in the cubin")
+
+
 _tls = threading.local()
 
 
@@ -126,10 +176,27 @@ def _scratch():
     return s
 
 
+def _param_pointers(spec: ArgSpec) -> int:
+    """Address of a ``void*[]`` with one pointer per parameter of ``spec`` into this thread's
+    scratch buffer (at the parameter's offset in the packed struct): ``kernelParams`` for a
+    launch whose parameters the flat buffer cannot carry (see the module docstring). Built once
+    per thread and spec; the packed values change, the pointers do not."""
+    buf, _, _, _ = _scratch()
+    table = getattr(_tls, "pointers", None)
+    if table is None:
+        table = _tls.pointers = {}
+    hit = table.get(spec.params)
+    if hit is None:
+        base = ctypes.addressof(buf)
+        arr = (ctypes.c_void_p * len(spec.layout))(*(base + off for off, _, _ in spec.layout))
+        hit = table[spec.params] = (ctypes.addressof(arr), arr)
+    return hit[0]
+
+
 class Kernel:
     """One loaded kernel function: ``kernel.launch(grid, block, stream, *args)``."""
 
-    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit")
+    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit", "_by_pointers")
 
     def __init__(self, name: str, raw_kernel, spec: ArgSpec):
         from cupy.cuda import driver  # noqa: PLC0415
@@ -139,6 +206,9 @@ class Kernel:
         self.spec = spec
         self._launch = driver.launchKernel
         self._smem_limit = 0             # queried at the first launch with dynamic smem
+        # a parameter aligned beyond 8 bytes (CUtensorMap: 64) may sit at another offset in the
+        # cubin than in the packed struct: kernelParams (see the module docstring)
+        self._by_pointers = spec.needs_pointers
 
     def _raise_smem_limit(self, smem: int) -> None:
         # The kernel's own limit, not 48 KiB: by default it is 48 KiB *minus its static shared
@@ -162,6 +232,10 @@ class Kernel:
         buf, size, extra, _ = _scratch()
         spec = self.spec
         spec.struct.pack_into(buf, 0, *args)
+        if self._by_pointers:
+            self._launch(self.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                         smem, stream, _param_pointers(spec), 0)
+            return
         size.value = spec.size
         self._launch(self.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                      smem, stream, 0, extra)
