@@ -374,6 +374,11 @@ def test_ring_grid_keeps_blocks_progressing():
                     if tiles <= 400:
                         assert _ring_schedule(rows, C, grid, depth), (C, capacity, depth, rows)
     assert not _ring_schedule(2, 10, 4, 2)        # 3 tiles of a row in a block, 2 slots
+    # tile indices are 32-bit in the kernels (norm_ring.cuh, RingTile): 2^31 tiles or more run
+    # the split plans
+    ring = N.RingPlan(None, 512, 4, 64, 8, 0, 264)
+    assert N._ring_grid(ring, (1 << 31) // 64 - 1) is not None
+    assert N._ring_grid(ring, (1 << 31) // 64) is None
 
 
 # ---------------------------------------------------------------- launches with a recording loader
@@ -935,34 +940,65 @@ def test_emulated_ring_nan_rows_in_place_and_falls_back(emulated, rng, monkeypat
     assert all("_fwd<" in name for name in names) and len(names) == 2 * 5   # 5 ops, 2 each
 
 
+# The kernel each WHOLE_ROWS option runs where it applies (else layer_norm_fwd).
+WHOLE_ROWS_KERNELS = {"per_row": "layer_norm_fwd<", "persistent": "layer_norm_rows<",
+                      "two_pass": "layer_norm_two_pass<", "compact": "layer_norm_compact<"}
+
+
+def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int, C: int) -> bool:
+    if option == "per_row" or vec == 1 or threads <= 32 or ty != 1 or C != 1:
+        return False
+    if option == "persistent":
+        return packs <= 2
+    if option == "compact":
+        return packs <= 2 and threads <= N.COMPACT_MAX_THREADS
+    return True
+
+
+def test_whole_rows_options_are_listed_and_checked(monkeypatch):
+    assert set(WHOLE_ROWS_KERNELS) == set(N.WHOLE_ROWS_PLANS)
+    assert N.WHOLE_ROWS in N.WHOLE_ROWS_PLANS
+    monkeypatch.setattr(N, "WHOLE_ROWS", "per-row")
+    plan = N.Plan(None, (256, 1, 1), 2, 1, 1)
+    with pytest.raises(ValueError, match="WHOLE_ROWS"):
+        N._whole_rows_plan(plan, dt.bfloat16, 8, 0)
+
+
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("whole_rows", ["persistent", "per_row"])
+@pytest.mark.parametrize("whole_rows", list(WHOLE_ROWS_KERNELS))
 def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
-    """Rows in one block (the [*, 4096] kernels: w and b loaded ahead, one exchange for the
-    statistics; WHOLE_ROWS="persistent": layer_norm on a grid of 4 resident blocks, each taking
-    several rows and loading the next while it finishes one), in one warp, odd rows of single
-    elements; rows far from zero mean."""
+    """Rows in one block under every WHOLE_ROWS option (per_row: w and b loaded ahead, one
+    exchange; persistent: layer_norm on a grid of 4 resident blocks, each taking several rows
+    and loading the next while it finishes one; two_pass: two block sums, w and b after them;
+    compact: one block per row, raw x, one exchange, w and b after it), in one warp, odd rows of
+    single elements; rows far from zero mean."""
     monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
     dev = emulated
-    persistent = 0
-    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24), (11, 2048), (1, 4096)):
+    chosen = 0
+    marker = WHOLE_ROWS_KERNELS[whole_rows]
+    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24), (11, 2048), (1, 4096),
+                  (3, 8192)):
         x, w, b, r = _emu_case(rng, shape, dtype)
         emu.Device.launches = []
         _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {whole_rows}")
         names = [name for name, *_ in emu.Device.launches]
-        rows_kernels = [name for name in names if "layer_norm_rows<" in name]
-        assert len(rows_kernels) + sum("_fwd<" in name for name in names) == len(names)
-        # layer_norm and layer_norm_forward take the persistent kernel where it applies: block
-        # rows of 16-byte units, at most 2 per thread
+        option_kernels = [name for name in names if marker in name]
+        if whole_rows != "per_row":
+            assert len(option_kernels) + sum("_fwd<" in name for name in names) == len(names)
+        # layer_norm and layer_norm_forward take the option's kernel where it applies
         vec = _vec_width_of(x, dt.BY_NAME[dtype])
         threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, shape[-1])
-        applies = whole_rows == "persistent" and vec > 1 and threads > 32 and packs <= 2
-        assert len(rows_kernels) == (2 if applies else 0), (shape, names)
-        persistent += len(rows_kernels)
-        grids = [launch[1][0] for launch in emu.Device.launches if "_rows<" in launch[0]]
-        assert all(g == min(shape[0], 4) for g in grids), grids   # 2 SMs x 2 resident blocks
-    assert persistent >= (4 if whole_rows == "persistent" else 0)
+        applies = _whole_rows_applies(whole_rows, vec, threads, ty, packs, C)
+        if whole_rows != "per_row":
+            assert len(option_kernels) == (2 if applies else 0), (shape, names)
+            chosen += len(option_kernels)
+        grids = [launch[1][0] for launch in emu.Device.launches if marker in launch[0]]
+        if whole_rows == "persistent":
+            assert all(g == min(shape[0], 4) for g in grids), grids   # 2 SMs x 2 resident blocks
+        elif whole_rows != "per_row":
+            assert all(g == shape[0] for g in grids), grids             # a block per row
+    assert chosen >= (0 if whole_rows == "per_row" else 4)
     far = (rng.standard_normal((4, 4096)) + 300.0).astype(_np_dtype(dtype))
     y, mean, rstd = _emu_run(dev, "layer_norm_forward", dtype, far, 4096)
     _, rm, rr = N.ref_layer_norm_forward(_f64(far), 4096, None, None, 1e-5)
@@ -1255,6 +1291,39 @@ def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
     r = _randn(shape, dtype)
     _poison_allocator(x, x, stats)
     _check_add(x, r, w, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("whole_rows", list(WHOLE_ROWS_KERNELS))
+def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
+    """layer_norm's whole-row kernels (WHOLE_ROWS, for A/B runs): the option's kernel where it
+    applies ([*, 4096], [*, 2048], [*, 8192] rows), layer_norm_fwd elsewhere; affine and not,
+    out=, rows far from zero mean; outputs NaN-poisoned."""
+    monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
+    dev = torch.cuda.current_device()
+    d = dt.BY_NAME[dtype]
+    used = 0
+    for shape in ((300, 4096), (37, 2048), (9, 8192), (5, 1000), (70, 64)):
+        n = shape[-1]
+        vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
+        plan = N._plan("layer_norm", d, vec, n, dev)
+        whole = N._whole_rows_plan(plan, d, vec, dev, shape[0])
+        threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, n)
+        assert (whole is not None) == _whole_rows_applies(whole_rows, vec, threads, ty, packs, C)
+        if whole is not None:
+            assert WHOLE_ROWS_KERNELS[whole_rows].rstrip("<") in whole.kernel.name, whole.kernel
+            assert whole.capacity >= N.device.device_info(dev).sm_count
+            used += 1
+        what = f"{shape} {dtype} {whole_rows}"
+        x, w, b = _ln_case(shape, dtype)
+        _poison_allocator(x, x)
+        _check_ln(x, w, b, dtype, what, out=torch.full_like(x, float("nan")))
+        _check_ln(x, None, None, dtype, what + " no affine")
+        far = _randn(shape, dtype, 1.0, 300.0)
+        _check_ln(far, w, b, dtype, what + " mean 300")
+    assert used >= (0 if whole_rows == "per_row" else 1)
 
 
 @gpu

@@ -73,7 +73,7 @@ __device__ __forceinline__ MeanM2 chunk_stats(const Src& v, int u0, int units, b
 // w and b at this thread's units. Where they take at most 16 registers (up to two 16-byte packs:
 // the [*, 4096] 16-bit case), they are loaded ahead, with the row: their L2 round trip overlaps
 // the row's DRAM one and the statistics; else in groups of two packs when applied; kTight (a
-// caller with two row buffers live): one pack at a time.
+// caller with two row buffers live, or layer_norm_compact's 32 registers): one pack at a time.
 template <class T, int VEC, int PACKS, bool kTight = false>
 struct AffineParams {
   using R = RawUnit<T, VEC>;
@@ -201,6 +201,119 @@ layer_norm_fwd(const T* x, long long x_stride, T* y, long long y_stride, const T
     }
     normalize_store<T, VEC, PACKS>(v, mean, rstd, w, b, ahead, y + row * y_stride, u0, units);
   }
+}
+
+// y = (v - mean) * rstd * w + b for this thread's units of the row, v (floats) overwritten, w
+// and b loaded pack by pack where they are used (runs 11-14: 8 fewer registers than
+// normalize_store with the same loads, as ptxas 13.0 counts for layer_norm_two_pass<bf16, 8, 2>).
+template <class T, int VEC, int PACKS>
+__device__ __forceinline__ void normalize_store_in_place(float (&v)[PACKS][VEC], float mean,
+                                                         float rstd, const T* w, const T* b,
+                                                         T* y_row, int u0, int units) {
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * static_cast<int>(blockDim.x);
+    if (u < units) {
+      const long long e = static_cast<long long>(u) * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[p][j] = (v[p][j] - mean) * rstd;
+      if (w != nullptr) {
+        float wv[VEC];
+        Unit<T, VEC>::load(w + e, wv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+      }
+      if (b != nullptr) {
+        float bv[VEC];
+        Unit<T, VEC>::load(b + e, bv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[p][j] += bv[j];
+      }
+      Unit<T, VEC>::store(y_row + e, v[p]);
+    }
+  }
+}
+
+// Whole rows, one block per row (C == 1, blockDim = (>32, 1, 1); arguments as layer_norm_fwd,
+// partials / counters / C / phase unused), the algorithm of runs 11-14 (WHOLE_ROWS =
+// "two_pass"; 94.7% of copy at [32768, 4096] bf16, 48 registers, 5 blocks/SM): x converted to
+// floats on load, a block sum for the mean, then a block sum of squared deviations from it (two
+// exchanges, four barriers), w and b loaded pack by pack after the statistics (their registers
+// are never live with the row's loads in flight).
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(1024, 1)
+layer_norm_two_pass(const T* x, long long x_stride, T* y, long long y_stride,
+                    const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                    float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
+                    int C, int phase, float eps) {
+  __shared__ float scratch[32];
+  const int units = n / VEC;
+  const int u0 = static_cast<int>(threadIdx.x);
+  const int step = static_cast<int>(blockDim.x);
+  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN, as torch
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    float v[PACKS][VEC];
+    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, v);
+    float t[1] = {0.0f};
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) t[0] += v[p][j];   // past the end: 0
+    }
+    block_sum_n<1>(t, scratch);
+    const float mean = t[0] / static_cast<float>(n);
+    t[0] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      if (u0 + p * step < units) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = v[p][j] - mean;
+          t[0] = fmaf(d, d, t[0]);
+        }
+      }
+    }
+    block_sum_n<1>(t, scratch);
+    const float rstd = rsqrtf(t[0] * inv_n + eps);
+    if (mean_out != nullptr && threadIdx.x == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+    normalize_store_in_place<T, VEC, PACKS>(v, mean, rstd, w, b, y + row * y_stride, u0, units);
+  }
+}
+
+// Whole rows, one block per row, for 8 blocks of 256 threads per SM (WHOLE_ROWS = "compact":
+// <= 32 registers; 16-byte units, blockDim.x <= 256, gridDim.x == rows; arguments as
+// layer_norm_two_pass): the row raw in registers (16-bit values: 8 registers for 2 packs,
+// converted at each use), the statistics in one exchange (chunk_stats: each warp two-pass, Chan
+// merge of the warps), then w and b loaded pack by pack after the statistics, when the row's
+// loads have landed. What it took to fit 32 (ptxas 13.0, sm_90, 2 packs): no loop over rows
+// (its 64-bit row counters: 8-36 B of spills), and w, b one pack at a time (both at once: 24-56
+// B of spills), i.e. two dependent L2 round trips per row after the statistics, against 8 rows
+// in flight per SM instead of 4-5.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(256, 8)
+layer_norm_compact(const T* x, long long x_stride, T* y, long long y_stride,
+                   const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                   float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
+                   int C, int phase, float eps) {
+  static_assert(VEC > 1, "16-byte units");
+  __shared__ float scratch[96];
+  const int units = n / VEC;
+  const int u0 = static_cast<int>(threadIdx.x);
+  const long long row = blockIdx.x;
+  RawTile<T, VEC, PACKS> xt;
+  xt.load(x + row * x_stride, u0, units);
+  const RawPacks<T, VEC, PACKS> v{xt};
+  const MeanM2 s = chunk_stats<VEC, PACKS>(v, u0, units, true, scratch);
+  const float rstd = rsqrtf(s.m2 * (1.0f / static_cast<float>(n)) + eps);   // n = 0: NaN
+  if (mean_out != nullptr && threadIdx.x == 0) {
+    mean_out[row] = s.mean;
+    rstd_out[row] = rstd;
+  }
+  AffineParams<T, VEC, PACKS, true> late;          // (pack by pack)
+  normalize_store<T, VEC, PACKS>(v, s.mean, rstd, w, b, late, y + row * y_stride, u0, units);
 }
 
 // y = (x - mean) * rstd * w + b for this thread's units of a whole row, w and b from shared
@@ -478,7 +591,7 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
 // kRingHeaderBytes + D * blockDim.x * PACKS * sizeof(unit) bytes). Every block of the grid must
 // be resident at once.
 template <class T, int VEC, int PACKS>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
 layer_norm_ring(const T* x, long long x_stride, T* y, long long y_stride, const T* __restrict__ w,
                 const T* __restrict__ b, float* mean_out, float* rstd_out,
                 float* __restrict__ partials, unsigned* __restrict__ counters, long long rows,
@@ -492,7 +605,7 @@ layer_norm_ring(const T* x, long long x_stride, T* y, long long y_stride, const 
 // The same with ring2's exchange (norm_ring.cuh): mean_out and rstd_out may be null; `state`:
 // the host's per-stream ring2 state (launch counter, exit counter, rows * C * 2 words).
 template <class T, int VEC, int PACKS>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
 layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
                  const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                  float* rstd_out, unsigned* state, long long rows, int n, int C, int D,

@@ -49,26 +49,62 @@ namespace gpuops {
 // Shared memory before the ring: the block reductions' scratch (96 floats) and the arrival flag.
 constexpr int kRingHeaderBytes = 512;
 
+// Resident blocks of 512 threads the ring kernels are compiled for (__launch_bounds__(512,
+// GPUOPS_RING_MIN_BLOCKS)): 2 (64 registers) from sm_70. Pascal's plan runs 256-thread tiles (48
+// KiB of shared memory per block: norms.py, _ring_plan), where 2 blocks per SM allow 128
+// registers; at 64, rms_norm_ring<bf16 / fp32, 4 packs> spilled 8 B on sm_61 (NVRTC 12.9).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#define GPUOPS_RING_MIN_BLOCKS 1
+#else
+#define GPUOPS_RING_MIN_BLOCKS 2
+#endif
+
 // Where this thread's units of ring slot `s` live: unit p at slot_base[p * blockDim.x].
 template <class T, int VEC, int PACKS>
 __device__ __forceinline__ typename RawUnit<T, VEC>::type* ring_slot(unsigned char* ring, int s) {
   using Raw = typename RawUnit<T, VEC>::type;
-  const size_t slot_units = static_cast<size_t>(blockDim.x) * PACKS;
-  return reinterpret_cast<Raw*>(ring) + static_cast<size_t>(s) * slot_units + threadIdx.x;
+  // (32-bit offsets: shared memory; 64-bit math here costs registers the 4-pack kernels lack)
+  return reinterpret_cast<Raw*>(ring) + (static_cast<unsigned>(s) * blockDim.x * PACKS +
+                                         threadIdx.x);
 }
 
-// Tile `first + j * step` of a block: its row, chunk, and this thread's first unit in the row.
+// A tile of a block (tile t = row * C + chunk; a block's are first, first + step, ..., step =
+// gridDim.x): its row and chunk, in 32 bits (the host launches a ring only when rows * C < 2^31:
+// norms.py, _ring_grid). The landing walks its tiles by advance() (adding step / C, step % C
+// with a carry); the drain divides once per tile, from the tile's index, and gets its slot from
+// the caller: nothing of the drained tiles is carried through the loop. The 64-bit division,
+// 64-bit slot addresses and drain counters of before made the 16-byte 4-pack kernels spill
+// under __launch_bounds__(512, 2) (ring2 8-44 B on sm_61 .. sm_90, ring 12 B on sm_70); this
+// layout was chosen by ptxas's spill counts on sm_61 .. sm_90 (benchmarks/notes_norms.md).
+// Offsets from `row` are formed in 64 bits where used.
 struct RingTile {
-  long long row;
-  int chunk, u0;
-  __device__ __forceinline__ RingTile(long long first, long long step, int j, int C,
-                                      int tile_units) {
-    const long long t = first + j * step;
-    row = t / C;
-    chunk = static_cast<int>(t - row * C);
-    u0 = chunk * tile_units + static_cast<int>(threadIdx.x);
+  int row, chunk;
+  __device__ __forceinline__ RingTile(unsigned t, unsigned C) {
+    const unsigned r = t / C;
+    row = static_cast<int>(r);
+    chunk = static_cast<int>(t - r * C);
+  }
+  __device__ __forceinline__ void advance(const RingTile& step, int C) {
+    row += step.row;
+    chunk += step.chunk;
+    if (chunk >= C) {
+      chunk -= C;
+      ++row;
+    }
+  }
+  // This thread's first unit of the tile in its row.
+  __device__ __forceinline__ int u0(int tile_units) const {
+    return chunk * tile_units + static_cast<int>(threadIdx.x);
+  }
+  // Index of this tile's first partial / word of `per_tile` (64-bit: rows * C * per_tile may
+  // pass 2^31).
+  __device__ __forceinline__ long long index(int C, int per_tile) const {
+    return (static_cast<long long>(row) * C + chunk) * per_tile;
   }
 };
+
+// The slot after `s` in a ring of D (k % D counted along, no division per tile).
+__device__ __forceinline__ int next_slot(int s, int D) { return s + 1 == D ? 0 : s + 1; }
 
 // The output side of a ring policy, the same for every op: y = (x - mu) * s (kCentered; else
 // x * s), times w, plus b (kCentered only), where present. The w (and b) units of G packs at a
@@ -164,38 +200,44 @@ __device__ __forceinline__ void ring_rows(P& pol, long long rows, int units, int
   unsigned* flag = reinterpret_cast<unsigned*>(smem + 96 * sizeof(float));
   unsigned char* ring = smem + kRingHeaderBytes;
   const int tile_units = static_cast<int>(blockDim.x) * P::kPacks;
-  const long long tiles = rows * C;
-  const long long first = blockIdx.x, step = gridDim.x;
+  const unsigned tiles = static_cast<unsigned>(rows) * C;    // < 2^31 (RingTile)
+  const unsigned first = blockIdx.x, step = gridDim.x;
   if (first >= tiles) return;                      // (the host launches at most `tiles` blocks)
   const int K = static_cast<int>((tiles - 1 - first) / step) + 1;
-  auto drain = [&](int j) {
-    const RingTile t(first, step, j, C, tile_units);
-    split_wait(counters + t.row, static_cast<unsigned>(C + 1));
+  const RingTile stride(step, C);                  // (step / C, step % C)
+  auto drain = [&](int j, int dslot) {             // tile j, in slot j % D (as ring2_rows)
+    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+    const int u0 = dr.u0(tile_units);
+    split_wait(counters + dr.row, static_cast<unsigned>(C + 1));
     float mu, s;
-    pol.load_stats(t.row, mu, s);
-    pol.template load_group<false>(t.u0, 0, units);
-    pol.template store_tile<false>(ring_slot<Elem, P::kVec, P::kPacks>(ring, j % D), t.row, t.u0,
+    pol.load_stats(dr.row, mu, s);
+    pol.template load_group<false>(u0, 0, units);
+    pol.template store_tile<false>(ring_slot<Elem, P::kVec, P::kPacks>(ring, dslot), dr.row, u0,
                                    units, mu, s);
   };
 
-  RingTile cur(first, step, 0, C, tile_units);
-  pol.issue(cur.row, cur.u0, units);
+  RingTile cur(first, C);
+  int slot = 0;
+  pol.issue(cur.row, cur.u0(tile_units), units);
   for (int k = 0; k < K; ++k) {
     float part[P::K];
-    pol.land(ring_slot<Elem, P::kVec, P::kPacks>(ring, k % D), cur.row, cur.u0, units, part);
-    const RingTile next(first, step, k + 1, C, tile_units);
-    if (k + 1 < K) pol.issue(next.row, next.u0, units);
+    pol.land(ring_slot<Elem, P::kVec, P::kPacks>(ring, slot), cur.row, cur.u0(tile_units), units,
+             part);
+    RingTile next = cur;
+    next.advance(stride, C);
+    if (k + 1 < K) pol.issue(next.row, next.u0(tile_units), units);
     pol.reduce(part, scratch);
-    float* row_partials = partials + cur.row * C * P::K;
+    float* row_partials = partials + static_cast<long long>(cur.row) * C * P::K;
     if (split_arrive<P::K>(row_partials + cur.chunk * P::K, part, counters + cur.row, flag) ==
         static_cast<unsigned>(C - 1)) {
       pol.merge(row_partials, C, cur.row, scratch);
       split_release(counters + cur.row);
     }
-    if (k + 1 - D >= 0) drain(k + 1 - D);          // frees slot (k + 1) % D
+    slot = next_slot(slot, D);                     // (k + 1) % D
+    if (k + 1 - D >= 0) drain(k + 1 - D, slot);    // frees it for tile k + 1
     cur = next;
   }
-  for (int j = max(0, K + 1 - D); j < K; ++j) drain(j);
+  for (int j = max(0, K + 1 - D); j < K; ++j) drain(j, j % D);
 }
 
 // ----------------------------------------------------------------------------------- ring2
@@ -288,40 +330,49 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
   unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
   const unsigned tag = load_relaxed(state) + 1u;
   const int tile_units = static_cast<int>(blockDim.x) * P::kPacks;
-  const long long tiles = rows * C;
-  const long long first = blockIdx.x, step = gridDim.x;
+  const unsigned tiles = static_cast<unsigned>(rows) * C;    // < 2^31 (RingTile)
+  const unsigned first = blockIdx.x, step = gridDim.x;
   const int K = first < tiles ? static_cast<int>((tiles - 1 - first) / step) + 1 : 0;
-  auto drain = [&](int j) {
-    const RingTile t(first, step, j, C, tile_units);
-    if (P::kPrefetch) pol.template load_group<true>(t.u0, 0, units);   // in flight through the poll
+  const RingTile stride(step, C);                  // (step / C, step % C)
+  // Tile j, held in slot j % D (`dslot`). Its row by a division, not by a second cursor, and
+  // no count of drained tiles kept: registers live through the landing and the poll.
+  auto drain = [&](int j, int dslot) {
+    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+    const int u0 = dr.u0(tile_units);
+    if (P::kPrefetch) pol.template load_group<true>(u0, 0, units);   // in flight through the poll
     float mu, s;
-    pol.stats(ring2_row_acc(pol, words + t.row * C * W, C, tag, tile_units, units), mu, s);
-    if (t.chunk == 0 && threadIdx.x == 0) pol.write_stats(t.row, mu, s);
-    if (!P::kPrefetch) pol.template load_group<true>(t.u0, 0, units);   // (registers: spills)
-    pol.template store_tile<true>(ring_slot<Elem, P::kVec, P::kPacks>(ring, j % D), t.row, t.u0,
+    const unsigned long long* row_words = words + static_cast<long long>(dr.row) * C * W;
+    pol.stats(ring2_row_acc(pol, row_words, C, tag, tile_units, units), mu, s);
+    if (dr.chunk == 0 && threadIdx.x == 0) pol.write_stats(dr.row, mu, s);
+    if (!P::kPrefetch) pol.template load_group<true>(u0, 0, units);   // (registers: spills)
+    pol.template store_tile<true>(ring_slot<Elem, P::kVec, P::kPacks>(ring, dslot), dr.row, u0,
                                   units, mu, s);
   };
 
   if (K > 0) {
-    RingTile cur(first, step, 0, C, tile_units);
-    pol.issue(cur.row, cur.u0, units);
+    RingTile cur(first, C);
+    int slot = 0;
+    pol.issue(cur.row, cur.u0(tile_units), units);
     for (int k = 0; k < K; ++k) {
       float part[P::K];
-      pol.land(ring_slot<Elem, P::kVec, P::kPacks>(ring, k % D), cur.row, cur.u0, units, part);
-      const RingTile next(first, step, k + 1, C, tile_units);
-      if (k + 1 < K) pol.issue(next.row, next.u0, units);
+      pol.land(ring_slot<Elem, P::kVec, P::kPacks>(ring, slot), cur.row, cur.u0(tile_units),
+               units, part);
+      RingTile next = cur;
+      next.advance(stride, C);
+      if (k + 1 < K) pol.issue(next.row, next.u0(tile_units), units);
       pol.reduce(part, scratch);
       if (threadIdx.x == 0) {
         float v[W];
         pol.words(part, v);
-        unsigned long long* dst = words + (cur.row * C + cur.chunk) * W;
+        unsigned long long* dst = words + cur.index(C, W);
 #pragma unroll
         for (int i = 0; i < W; ++i) store_word_relaxed(dst + i, ring_word(v[i], tag));
       }
-      if (k + 1 - D >= 0) drain(k + 1 - D);        // frees slot (k + 1) % D
+      slot = next_slot(slot, D);                   // (k + 1) % D
+      if (k + 1 - D >= 0) drain(k + 1 - D, slot);  // frees it for tile k + 1
       cur = next;
     }
-    for (int j = max(0, K + 1 - D); j < K; ++j) drain(j);
+    for (int j = max(0, K + 1 - D); j < K; ++j) drain(j, j % D);
   }
   // The epoch (above): the grid's last block to get here moves the launch counter on.
   __syncthreads();

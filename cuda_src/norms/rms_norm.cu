@@ -295,7 +295,7 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
 // PACKS units per row, D ring slots in the dynamic shared memory of kRingHeaderBytes + D *
 // blockDim.x * PACKS * sizeof(unit) bytes). Every block of the grid must be resident at once.
 template <class T, int VEC, int PACKS, bool kAdd>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
 rms_norm_ring(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
               long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
               float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
@@ -310,7 +310,7 @@ rms_norm_ring(const T* x, long long x_stride, const T* r, long long r_stride, T*
 // The same with ring2's exchange (norm_ring.cuh): rstd_out may be null; `state`: the host's
 // per-stream ring2 state (launch counter, exit counter, rows * C words), zeroed once.
 template <class T, int VEC, int PACKS, bool kAdd>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
 rms_norm_ring2(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
                long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
                float* rstd_out, unsigned* state, long long rows, int n, int C, int D,

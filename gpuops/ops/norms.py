@@ -70,7 +70,7 @@ class Kind:
     ``template`` (kPartials, kApply). The forward kinds also have a ``ring_template``
     (norm_ring.cuh), the first choice for split rows: tiles of up to ``ring_threads`` threads x
     ``ring_packs`` packs (2x as many single elements), which bounds its registers under
-    __launch_bounds__(512, 2).
+    __launch_bounds__(512, 2) (sm_70+; Pascal, whose tiles are 256 threads: (512, 1)).
     """
     name: str
     template: str          # format fields: t (C++ type), v (VEC), p (PACKS)
@@ -126,14 +126,24 @@ ONE_LAUNCH_MAX_WAVES = 1
 # measured on the GPU (benchmarks/notes_norms.md: predictions).
 LONG_ROWS = "ring"
 LONG_ROWS_PLANS = ("ring2", "ring", "split")
-# Whole rows of layer_norm (one block per row, 16-byte units, at most 2 per thread: e.g. [*, 4096]
-# 16-bit): "persistent" (layer_norm_rows: a grid of one resident wave, w and b in registers, the
-# next row's x loaded while this one is reduced and stored) or "per_row" (layer_norm_fwd: a block
-# per row, as before run 20; 56 registers at 4096 bf16, 4 blocks/SM, nothing in flight between a
-# row's landing and the next block's start: 86.8% of copy in run 20). Both stay selectable for
-# A/B runs (benchmarks/experiments/norms_long_rows.py). Run 21, [32768, 4096] bf16: persistent
-# 215.9 us (82.8%; predicted 180-186: missed), per_row 205.9 us (86.8%), Liger 179.4; per_row is
-# the default until a whole-row kernel beats it (run 14's pre-rewrite kernel: ~0.97x Liger).
+# Whole rows of layer_norm (one block per row, 16-byte units; e.g. [*, 4096]): which kernel.
+#   "per_row"    layer_norm_fwd: x raw in registers, w and b loaded with it (up to 2 packs), one
+#                exchange; 56 registers at 4096 bf16, 4 blocks/SM: 205.9 us in run 21 (86.8%).
+#   "persistent" layer_norm_rows (at most 2 packs per thread): a grid of one resident wave, w and
+#                b in shared memory, the next row's x loaded while this one is reduced and
+#                stored; 48 registers, 5 blocks/SM: 215.9 us in run 21 (82.8%).
+#   "two_pass"   layer_norm_two_pass: the kernel of runs 11-14 (x as floats, a block sum for the
+#                mean, then one of squared deviations, w and b pack by pack after them); 48
+#                registers, 5 blocks/SM: ~185-189 us then (94.7%, 0.97x Liger).
+#   "compact"    layer_norm_compact (at most 2 packs, <= 256 threads): x raw, one exchange, w and
+#                b pack by pack after the statistics, __launch_bounds__(256, 8): 32 registers,
+#                8 blocks/SM (64 KB of rows in flight per SM instead of 40).
+# Where an option does not apply (warp rows, split rows, single elements, too many packs or
+# threads), layer_norm_fwd runs. All stay selectable for A/B runs (benchmarks/experiments/
+# norms_long_rows.py --plans per_row,persistent,two_pass,compact --skip-long); predictions:
+# notes_norms.md. Run 21, [32768, 4096] bf16: per_row is the default until a whole-row kernel
+# beats it.
+WHOLE_ROWS_PLANS = ("per_row", "persistent", "two_pass", "compact")
 WHOLE_ROWS = "per_row"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
@@ -180,9 +190,18 @@ def _ring_exprs(kind: Kind, template: str | None) -> dict:
 
 
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
-# layer_norm_rows (persistent whole rows, w and b held in registers): 16-byte units, PACKS <= 2.
+# layer_norm_rows (persistent whole rows, w and b in shared memory): 16-byte units, PACKS <= 2.
 _ROWS_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_rows<{d.ctype}, {_vec_width(d)}, {p}>"
                for d in dt.FLOATS for p in (1, 2)}
+# The other whole-row kernels of WHOLE_ROWS (16-byte units): layer_norm_two_pass at every PACKS
+# of layer_norm_fwd, layer_norm_compact (<= 256 threads, 8 blocks/SM) at PACKS <= 2.
+_TWO_PASS_EXPRS = {(d, _vec_width(d), p):
+                   f"gpuops::layer_norm_two_pass<{d.ctype}, {_vec_width(d)}, {p}>"
+                   for d in dt.FLOATS for p in packs_options(LAYER_NORM, _vec_width(d))}
+_COMPACT_EXPRS = {(d, _vec_width(d), p):
+                  f"gpuops::layer_norm_compact<{d.ctype}, {_vec_width(d)}, {p}>"
+                  for d in dt.FLOATS for p in (1, 2)}
+COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
@@ -192,7 +211,8 @@ LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
     {**{e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for e in table["layer_norm"].values()},
-     **{e: LN_FWD_ARGS for e in _ROWS_EXPRS.values()},
+     **{e: LN_FWD_ARGS for table in (_ROWS_EXPRS, _TWO_PASS_EXPRS, _COMPACT_EXPRS)
+        for e in table.values()},
      **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
@@ -387,32 +407,45 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
 
 def _ring_grid(ring, rows: int):
     """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
-    (all resident), tiles spread evenly, and no block holding more than `depth` tiles of one row
-    (norm_ring.cuh: forward progress)."""
+    (all resident), tiles spread evenly, no block holding more than `depth` tiles of one row
+    (norm_ring.cuh: forward progress), and fewer than 2^31 tiles (32-bit tile indices)."""
     if ring is None:
         return None
     tiles = rows * ring.C
     per_block = -(-tiles // ring.capacity)
     grid = -(-tiles // per_block)
-    if -(-ring.C // grid) > ring.depth or grid > (1 << 31) - 1:
+    if -(-ring.C // grid) > ring.depth or tiles > (1 << 31) - 1:   # (tile indices are int32)
         return None
     return grid
 
 
-def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int):
-    """The Plan of layer_norm_rows for the row length of `plan` (a layer_norm_fwd plan), or None
-    where it does not apply: split or warp rows, single-element units, more than 2 packs, or
-    WHOLE_ROWS != "persistent"."""
+def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
+    """The Plan of the WHOLE_ROWS kernel for `rows` rows of the length of `plan` (a
+    layer_norm_fwd plan), or None where layer_norm_fwd runs: "per_row", split or warp rows,
+    single-element units, or rows the option's kernel does not take (persistent and compact:
+    more than 2 packs; persistent: w and b over 48 KiB; compact: more than COMPACT_MAX_THREADS
+    threads, or 2^31 rows or more: one block per row, no loop)."""
+    if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
+        raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
+                         f"{WHOLE_ROWS_PLANS}")
     threads = plan.block[0]
-    if (WHOLE_ROWS != "persistent" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
-            or vec == 1 or plan.packs > 2 or _held_wb_bytes(plan) > 48 * 1024):
+    if (WHOLE_ROWS == "per_row" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
+            or vec == 1):
         return None
-    key = ("rows", dtype, vec, plan.packs, threads, dev)
+    if WHOLE_ROWS == "persistent" and (plan.packs > 2 or _held_wb_bytes(plan) > 48 * 1024):
+        return None
+    if WHOLE_ROWS == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
+                                    or rows > (1 << 31) - 1):
+        return None
+    exprs = {"persistent": _ROWS_EXPRS, "two_pass": _TWO_PASS_EXPRS,
+             "compact": _COMPACT_EXPRS}[WHOLE_ROWS]
+    key = (WHOLE_ROWS, dtype, vec, plan.packs, threads, dev)
     hit = _plans.get(key)
     if hit is None:
         kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(
-            _ROWS_EXPRS[(dtype, vec, plan.packs)])
-        per_sm = loader.blocks_per_sm(kernel, threads, _held_wb_bytes(plan))
+            exprs[(dtype, vec, plan.packs)])
+        smem = _held_wb_bytes(plan) if WHOLE_ROWS == "persistent" else 0
+        per_sm = loader.blocks_per_sm(kernel, threads, smem)
         hit = Plan(kernel, (threads, 1, 1), plan.packs, 1,
                    per_sm * device.device_info(dev).sm_count)
         _plans[key] = hit
@@ -662,11 +695,13 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
                            _ptr(w), _ptr(b), mp, rp, partials, counters, rows, n, ring.C,
                            ring.depth, eps, smem=ring.smem)
         return y, mean, rstd
-    whole = _whole_rows_plan(plan, dtype, vec, call.device)
+    whole = _whole_rows_plan(plan, dtype, vec, call.device, rows)
     if whole is not None:
-        whole.kernel.launch((min(rows, whole.capacity), 1, 1), whole.block, call.stream, x.ptr,
-                            xs, y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows,
-                            n, 1, FUSED, eps, smem=_held_wb_bytes(whole))
+        persistent = WHOLE_ROWS == "persistent"     # (one resident wave; else a block per row)
+        grid = min(rows, whole.capacity) if persistent else min(rows, (1 << 31) - 1)
+        whole.kernel.launch((grid, 1, 1), whole.block, call.stream, x.ptr, xs, y.ptr, ys,
+                            _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows, n, 1, FUSED,
+                            eps, smem=_held_wb_bytes(whole) if persistent else 0)
         return y, mean, rstd
     plan, grid, phases = _grid(plan, rows, False)
     mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0
