@@ -374,6 +374,11 @@ def test_ring_grid_keeps_blocks_progressing():
                     if tiles <= 400:
                         assert _ring_schedule(rows, C, grid, depth), (C, capacity, depth, rows)
     assert not _ring_schedule(2, 10, 4, 2)        # 3 tiles of a row in a block, 2 slots
+    # tile indices are 32-bit in the kernels (norm_ring.cuh, RingTile): 2^31 tiles or more run
+    # the split plans
+    ring = N.RingPlan(None, 512, 4, 64, 8, 0, 264)
+    assert N._ring_grid(ring, (1 << 31) // 64 - 1) is not None
+    assert N._ring_grid(ring, (1 << 31) // 64) is None
 
 
 # ---------------------------------------------------------------- launches with a recording loader
@@ -444,6 +449,8 @@ def recording(monkeypatch, request):
     monkeypatch.setattr(N.device, "device_info", lambda dev: _Info)
     monkeypatch.setattr(N.device, "cupy_or_none", lambda: _Cupy)
     monkeypatch.setattr(N, "_plans", {})
+    monkeypatch.setattr(N, "_ring2_states", {})
+    monkeypatch.setattr(N, "_ring2_retired", [])
     return log, memsets, 4 * _Info.sm_count
 
 
@@ -460,7 +467,7 @@ def _within(call, ptr, nbytes):
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16])
 @pytest.mark.parametrize("n", [1, 4096, 4097, 20000, 1 << 20])
-@pytest.mark.parametrize("long_rows", ["ring", "split"])
+@pytest.mark.parametrize("long_rows", ["ring2", "ring", "split"])
 def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
     log, memsets, capacity = recording
     monkeypatch.setattr(N, "LONG_ROWS", long_rows)
@@ -488,6 +495,32 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
         C, phase = args[-3], args[-2]
         vec = int(name.split(",")[1])
         assert vec == (16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1)
+        if "_ring2<" in name:        # split rows, one pass, self-validating partials
+            assert long_rows == "ring2" and len(log) == 1 and n > 16384
+            D, packs = args[-2], int(name.split(",")[2].strip(" >"))
+            threads, packs_, C_, tile_bytes = N.ring_shape(N.TUNING[op], vec, n, dtype.itemsize)
+            assert (block, C, packs) == ((threads, 1, 1), C_, packs_) and D >= 2
+            assert grid[0] <= capacity and grid[0] <= rows * C and -(-C // grid[0]) <= D
+            words = rows * C * (2 if op == "layer_norm" else 1)
+            state = args[-6]                 # zeroed once, when first allocated for the stream
+            if memsets:
+                assert len(memsets) == 1 and memsets[0][:2] == (state, 0)
+                assert memsets[0][2] >= 4 * N.RING2_HEADER_WORDS + 8 * words
+            held, held_words = N._ring2_states[(0, 0)]
+            assert held.ptr == state and held_words >= words
+            stat_ptrs = args[6:8] if op == "layer_norm" else args[9:10]
+            assert all(p != 0 and _within(call, p, rows * 4) for p in stat_ptrs)
+            assert args[-5] == rows and args[-4] == n
+            log.clear()                      # stats not wanted: null pointers; same state
+            memsets.clear()
+            if op == "layer_norm":
+                N._layer_norm_launch(call, op, x, (n,), w, w, 1e-5, None, False)
+                assert log[0][3][6:8] == (0, 0)
+            else:
+                N._rms_norm_launch(call, op, x, r, (n,), w, 1e-6, None, False)
+                assert log[0][3][9] == 0
+            assert not memsets and log[0][3][-6] == state
+            continue
         if "_ring<" in name:         # split rows, one pass: grid resident, tiles of a ring
             assert long_rows == "ring" and len(log) == 1 and n > 16384
             D, packs = args[-2], int(name.split(",")[2].strip(" >"))
@@ -668,7 +701,7 @@ class _EmuKernel:
         self.inner, self.name, self.ptr = inner, inner.name, 0
 
     def launch(self, grid, block, stream, *args, smem=0):
-        emu.Device.concurrent = "_ring<" in self.name
+        emu.Device.concurrent = "_ring" in self.name    # (ring and ring2 kernels)
         try:
             self.inner.launch(grid, block, stream, *args, smem=smem)
         finally:
@@ -705,6 +738,8 @@ def emulated(monkeypatch):
         monkeypatch.setattr(N.device, "cupy_or_none", lambda: SimpleNamespace(
             cuda=SimpleNamespace(runtime=_Runtime)))
         monkeypatch.setattr(N, "_plans", {})
+        monkeypatch.setattr(N, "_ring2_states", {})     # (buffers of this emulated device)
+        monkeypatch.setattr(N, "_ring2_retired", [])
         monkeypatch.setattr(N, "FORCE_TWO_LAUNCHES", True)  # (one-launch split kernels: static
         yield dev                                           #  shared memory, not emulated)
 
@@ -791,13 +826,15 @@ def _emu_case(rng, shape, dtype, offset=0.5):
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("depth", [2, 3, 8])
-def test_emulated_long_rows_ring(emulated, dtype, depth, rng, monkeypatch):
-    """Split rows on the ring, every block running at once and waiting for its rows: tiles of
-    64 threads; blocks holding more tiles than slots (the ring wraps: 13 x 5000), one tile of a
-    row per block or several (3 x 20000: 3 per block, as many as the slots at depth 3), single
-    elements (odd and unaligned rows)."""
+@pytest.mark.parametrize("long_rows", ["ring", "ring2"])
+def test_emulated_long_rows_ring(emulated, dtype, depth, long_rows, rng, monkeypatch):
+    """Split rows on the ring (both exchanges), every block running at once and waiting for its
+    rows: tiles of 64 threads; blocks holding more tiles than slots (the ring wraps: 13 x 5000),
+    one tile of a row per block or several (3 x 20000: 3 per block, as many as the slots at
+    depth 3), single elements (odd and unaligned rows)."""
     _small_blocks(monkeypatch)
     monkeypatch.setattr(N, "RING_MAX_DEPTH", depth)
+    monkeypatch.setattr(N, "LONG_ROWS", long_rows)
     dev = emulated
     cases = [((13, 5000), "contig"), ((5, 3001), "contig"), ((4, 2056), "offset")]
     if depth > 2:
@@ -808,11 +845,75 @@ def test_emulated_long_rows_ring(emulated, dtype, depth, rng, monkeypatch):
         x = emu.strided(x, layout)
         emu.Device.launches = []
         _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {layout} depth {depth}")
-        ring = [launch for launch in emu.Device.launches if "_ring<" in launch[0]]
+        ring = [launch for launch in emu.Device.launches if f"_{long_rows}<" in launch[0]]
         assert (len(ring), len(emu.Device.launches)) == _ring_launches(x, dtype)
         assert all(launch[3] > N.RING_HEADER_BYTES for launch in ring)
         rings += len(ring)
     assert rings >= 3 * len(cases)
+
+
+def _ring2_state_words(dev_key=(0, 0)):
+    """(launch counter and exit counter, the 64-bit words) of ring2's state buffer, as views."""
+    buf, words = N._ring2_states[dev_key]
+    raw = np.asarray(buf.obj).view(np.uint32)
+    return raw[:N.RING2_HEADER_WORDS], raw[N.RING2_HEADER_WORDS:].view(np.uint64)[:words]
+
+
+@needs_emu
+def test_emulated_ring2_epochs(emulated, rng, monkeypatch):
+    """ring2 keeps its epoch on the device (norm_ring.cuh): one launch counter step per launch,
+    the exit counter back at 0 after each; repeated calls of one shape on new data (a word of
+    the previous call, which carries the previous tag, would give the previous statistics),
+    shapes that share the words, words left with every tag but this launch's (stale or never
+    written) rejected, and the counter's wrap (tag 2^32 - 1, then 1, never 0)."""
+    _small_blocks(monkeypatch)
+    monkeypatch.setattr(N, "LONG_ROWS", "ring2")
+    dev = emulated
+    launches = 0
+
+    def check(shape, what):
+        nonlocal launches
+        x, w, b, _ = _emu_case(rng, shape, "float32", offset=0.5 + 0.1 * launches)
+        emu.Device.launches = []
+        y, mean, rstd = _emu_run(dev, "layer_norm_forward", "float32", x, shape[-1], w, b, 1e-5)
+        ry, rm, rr = N.ref_layer_norm_forward(_f64(x), shape[-1], _f64(w), _f64(b), 1e-5)
+        assert_close(_f64(y), ry, "float32", f"layer_norm {what}")
+        assert_close(_f64(mean), rm, "float32", f"mean {what}")
+        assert_close(_f64(rstd), rr, "float32", f"rstd {what}")
+        y, rstd = _emu_run(dev, "rms_norm_forward", "float32", x, shape[-1], w, 1e-6)
+        ry, rr = N.ref_rms_norm_forward(_f64(x), shape[-1], _f64(w), 1e-6)
+        assert_close(_f64(y), ry, "float32", f"rms {what}")
+        assert_close(_f64(rstd), rr, "float32", f"rms rstd {what}")
+        names = [name for name, *_ in emu.Device.launches]
+        assert len(names) == 2 and all("_ring2<" in name for name in names), names
+        launches += 2
+
+    start = None
+    for i, shape in enumerate([(2, 9000), (5, 3000), (5, 3000), (3, 5000), (5, 3000)]):
+        check(shape, f"call {i} {shape}")
+        head, _ = _ring2_state_words()
+        if start is None:
+            start = int(head[0]) - 2
+        assert head[0] == start + launches and head[1] == 0, (i, head)
+    assert start == 0                       # a new buffer: zeroed, first tag 1
+    assert not N._ring2_retired              # (the first call allocated the most words)
+    head, words = _ring2_state_words()
+    nan_bits = np.uint64(np.float32(np.nan).view(np.uint32))
+    for tag in (int(head[0]), int(head[0]) + 2, 0):   # the last launch's, a later one, never
+        words[:] = (np.uint64(tag) << np.uint64(32)) | nan_bits
+        check((5, 3000), f"words left with tag {tag}")
+        head, words = _ring2_state_words()
+    head[0] = 0xFFFFFFFE                    # this launch's tag: 2^32 - 1
+    x, w, _, _ = _emu_case(rng, (5, 3000), "float32")
+    (y,) = _emu_run(dev, "rms_norm", "float32", x, 3000, w, 1e-6)
+    assert_close(_f64(y), N.ref_rms_norm(_f64(x), 3000, _f64(w), 1e-6), "float32", "tag 2^32-1")
+    head, words = _ring2_state_words()
+    assert head[0] == 0 and head[1] == 0     # next tag: 1
+    words[:] = nan_bits                      # tag 0: never valid
+    (y,) = _emu_run(dev, "rms_norm", "float32", x, 3000, w, 1e-6)
+    assert_close(_f64(y), N.ref_rms_norm(_f64(x), 3000, _f64(w), 1e-6), "float32", "tag 1")
+    head, _ = _ring2_state_words()
+    assert head[0] == 1
 
 
 @needs_emu
@@ -839,34 +940,65 @@ def test_emulated_ring_nan_rows_in_place_and_falls_back(emulated, rng, monkeypat
     assert all("_fwd<" in name for name in names) and len(names) == 2 * 5   # 5 ops, 2 each
 
 
+# The kernel each WHOLE_ROWS option runs where it applies (else layer_norm_fwd).
+WHOLE_ROWS_KERNELS = {"per_row": "layer_norm_fwd<", "persistent": "layer_norm_rows<",
+                      "two_pass": "layer_norm_two_pass<", "compact": "layer_norm_compact<"}
+
+
+def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int, C: int) -> bool:
+    if option == "per_row" or vec == 1 or threads <= 32 or ty != 1 or C != 1:
+        return False
+    if option == "persistent":
+        return packs <= 2
+    if option == "compact":
+        return packs <= 2 and threads <= N.COMPACT_MAX_THREADS
+    return True
+
+
+def test_whole_rows_options_are_listed_and_checked(monkeypatch):
+    assert set(WHOLE_ROWS_KERNELS) == set(N.WHOLE_ROWS_PLANS)
+    assert N.WHOLE_ROWS in N.WHOLE_ROWS_PLANS
+    monkeypatch.setattr(N, "WHOLE_ROWS", "per-row")
+    plan = N.Plan(None, (256, 1, 1), 2, 1, 1)
+    with pytest.raises(ValueError, match="WHOLE_ROWS"):
+        N._whole_rows_plan(plan, dt.bfloat16, 8, 0)
+
+
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("whole_rows", ["persistent", "per_row"])
+@pytest.mark.parametrize("whole_rows", list(WHOLE_ROWS_KERNELS))
 def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
-    """Rows in one block (the [*, 4096] kernels: w and b loaded ahead, one exchange for the
-    statistics; WHOLE_ROWS="persistent": layer_norm on a grid of 4 resident blocks, each taking
-    several rows and loading the next while it finishes one), in one warp, odd rows of single
-    elements; rows far from zero mean."""
+    """Rows in one block under every WHOLE_ROWS option (per_row: w and b loaded ahead, one
+    exchange; persistent: layer_norm on a grid of 4 resident blocks, each taking several rows
+    and loading the next while it finishes one; two_pass: two block sums, w and b after them;
+    compact: one block per row, raw x, one exchange, w and b after it), in one warp, odd rows of
+    single elements; rows far from zero mean."""
     monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
     dev = emulated
-    persistent = 0
-    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24), (11, 2048), (1, 4096)):
+    chosen = 0
+    marker = WHOLE_ROWS_KERNELS[whole_rows]
+    for shape in ((5, 4096), (3, 4097), (33, 128), (9, 1000), (4, 24), (11, 2048), (1, 4096),
+                  (3, 8192)):
         x, w, b, r = _emu_case(rng, shape, dtype)
         emu.Device.launches = []
         _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {whole_rows}")
         names = [name for name, *_ in emu.Device.launches]
-        rows_kernels = [name for name in names if "layer_norm_rows<" in name]
-        assert len(rows_kernels) + sum("_fwd<" in name for name in names) == len(names)
-        # layer_norm and layer_norm_forward take the persistent kernel where it applies: block
-        # rows of 16-byte units, at most 2 per thread
+        option_kernels = [name for name in names if marker in name]
+        if whole_rows != "per_row":
+            assert len(option_kernels) + sum("_fwd<" in name for name in names) == len(names)
+        # layer_norm and layer_norm_forward take the option's kernel where it applies
         vec = _vec_width_of(x, dt.BY_NAME[dtype])
         threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, shape[-1])
-        applies = whole_rows == "persistent" and vec > 1 and threads > 32 and packs <= 2
-        assert len(rows_kernels) == (2 if applies else 0), (shape, names)
-        persistent += len(rows_kernels)
-        grids = [launch[1][0] for launch in emu.Device.launches if "_rows<" in launch[0]]
-        assert all(g == min(shape[0], 4) for g in grids), grids   # 2 SMs x 2 resident blocks
-    assert persistent >= (4 if whole_rows == "persistent" else 0)
+        applies = _whole_rows_applies(whole_rows, vec, threads, ty, packs, C)
+        if whole_rows != "per_row":
+            assert len(option_kernels) == (2 if applies else 0), (shape, names)
+            chosen += len(option_kernels)
+        grids = [launch[1][0] for launch in emu.Device.launches if marker in launch[0]]
+        if whole_rows == "persistent":
+            assert all(g == min(shape[0], 4) for g in grids), grids   # 2 SMs x 2 resident blocks
+        elif whole_rows != "per_row":
+            assert all(g == shape[0] for g in grids), grids             # a block per row
+    assert chosen >= (0 if whole_rows == "per_row" else 4)
     far = (rng.standard_normal((4, 4096)) + 300.0).astype(_np_dtype(dtype))
     y, mean, rstd = _emu_run(dev, "layer_norm_forward", dtype, far, 4096)
     _, rm, rr = N.ref_layer_norm_forward(_f64(far), 4096, None, None, 1e-5)
@@ -1115,7 +1247,8 @@ def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, long_rows, monke
 
 
 # The long-row plans, selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
-LONG_ROW_PLANS = {"ring": dict(LONG_ROWS="ring"),
+LONG_ROW_PLANS = {"ring2": dict(LONG_ROWS="ring2"),
+                  "ring": dict(LONG_ROWS="ring"),
                   "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
                   "two_launches": dict(LONG_ROWS="split", FORCE_TWO_LAUNCHES=True)}
 
@@ -1144,7 +1277,7 @@ def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
     for kind in ("layer_norm", "rms_norm", "add_rms_norm"):
         split = N._plan(kind, d, vec, n, torch.cuda.current_device())
         ring = N._long_rows_ring(kind, split, d, vec, n, shape[0], torch.cuda.current_device())
-        assert (ring is not None) == (plan == "ring"), (kind, plan)
+        assert (ring is not None) == (plan in ("ring", "ring2")), (kind, plan)
     x, w, b = _ln_case(shape, dtype)
     what = f"{shape} {dtype} {plan}"
     stats = torch.empty(shape[:1], device="cuda")
@@ -1162,6 +1295,97 @@ def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
 
 @gpu
 @needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("whole_rows", list(WHOLE_ROWS_KERNELS))
+def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
+    """layer_norm's whole-row kernels (WHOLE_ROWS, for A/B runs): the option's kernel where it
+    applies ([*, 4096], [*, 2048], [*, 8192] rows), layer_norm_fwd elsewhere; affine and not,
+    out=, rows far from zero mean; outputs NaN-poisoned."""
+    monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
+    dev = torch.cuda.current_device()
+    d = dt.BY_NAME[dtype]
+    used = 0
+    for shape in ((300, 4096), (37, 2048), (9, 8192), (5, 1000), (70, 64)):
+        n = shape[-1]
+        vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
+        plan = N._plan("layer_norm", d, vec, n, dev)
+        whole = N._whole_rows_plan(plan, d, vec, dev, shape[0])
+        threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, n)
+        assert (whole is not None) == _whole_rows_applies(whole_rows, vec, threads, ty, packs, C)
+        if whole is not None:
+            assert WHOLE_ROWS_KERNELS[whole_rows].rstrip("<") in whole.kernel.name, whole.kernel
+            assert whole.capacity >= N.device.device_info(dev).sm_count
+            used += 1
+        what = f"{shape} {dtype} {whole_rows}"
+        x, w, b = _ln_case(shape, dtype)
+        _poison_allocator(x, x)
+        _check_ln(x, w, b, dtype, what, out=torch.full_like(x, float("nan")))
+        _check_ln(x, None, None, dtype, what + " no affine")
+        far = _randn(shape, dtype, 1.0, 300.0)
+        _check_ln(far, w, b, dtype, what + " mean 300")
+    assert used >= (0 if whole_rows == "per_row" else 1)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_ring2_cuda_graph_replays_and_eager_calls(monkeypatch):
+    """ring2 under CUDA graph replay: the epoch lives on the device (norm_ring.cuh), so a graph
+    of ring2 launches replayed 5 times on new inputs, with eager ring2 calls of other shapes on
+    the same stream in between (sharing the state buffer), gives fresh statistics every time;
+    the launch counter moves by exactly one per launch and the exit counter is back at 0."""
+    monkeypatch.setattr(N, "LONG_ROWS", "ring2")
+    shape, other = (16, 1 << 20), (3, 393216)
+    x, w, b = _ln_case(shape, "bfloat16")
+    r = _randn(shape, "bfloat16")
+    xo, wo, bo = _ln_case(other, "float32")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):          # warm-up outside capture: modules, state buffer
+        go.rms_norm(x, shape[-1:], w)
+        go.layer_norm(x, shape[-1:], w, b)
+        go.add_rms_norm(x, r, w)
+        go.layer_norm(xo, other[-1:], wo, bo)
+    stream.synchronize()
+    key = (torch.cuda.current_device(), stream.cuda_stream)
+    assert key in N._ring2_states
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gy = go.rms_norm(x, shape[-1:], w)
+        ly, lm, lr = go.layer_norm_forward(x, shape[-1:], w, b)
+        ay, ah = go.add_rms_norm(x, r, w)
+    state = N._ring2_states[key][0].obj
+
+    def counters():
+        torch.cuda.synchronize()
+        return [int(v) for v in state[:2].view(torch.int32).cpu()]
+
+    for i in range(5):
+        x.copy_(_randn(shape, "bfloat16") + 0.5 * i)
+        r.copy_(_randn(shape, "bfloat16"))
+        before = counters()
+        with torch.cuda.stream(stream):
+            graph.replay()
+        assert counters() == [before[0] + 3, 0], (i, before, counters())
+        what = f"graph replay {i}"
+        assert_close(_np(gy), N.ref_rms_norm(_np(x), shape[-1:], _np(w), EPS["bfloat16"]),
+                     "bfloat16", what + " rms_norm")
+        ry, rm, rr = N.ref_layer_norm_forward(_np(x), shape[-1:], _np(w), _np(b), 1e-5)
+        assert_close(_np(ly), ry, "bfloat16", what + " layer_norm")
+        assert_close(_np(lm), rm, "float32", what + " mean")
+        assert_close(_np(lr), rr, "float32", what + " rstd")
+        assert torch.equal(ah, x + r)
+        assert_close(_np(ay), N.ref_rms_norm(_np(ah), shape[-1:], _np(w), 1e-6), "bfloat16",
+                     what + " add_rms_norm")
+        xo.copy_(_randn(other, "float32"))
+        with torch.cuda.stream(stream):      # eager, between replays, on the same buffer
+            yo = go.layer_norm(xo, other[-1:], wo, bo)
+        stream.synchronize()
+        assert_close(_np(yo), N.ref_layer_norm(_np(xo), other[-1:], _np(wo), _np(bo)),
+                     "float32", what + " eager layer_norm")
+
+
+@gpu
+@needs_torch_cuda
 def test_gpu_ring_on_this_device():
     """The ring's plan here: every block resident (occupancy with its shared memory), at least two
     slots; at [16, 2^20] bf16 (the benchmark) blocks hold more tiles than slots: the ring wraps."""
@@ -1171,6 +1395,8 @@ def test_gpu_ring_on_this_device():
         for d, vec in ((dt.bfloat16, 8), (dt.float32, 4), (dt.float16, 1)):
             ring = N._ring_plan(kind, d, vec, 1 << 20, dev)
             assert ring is not None and ring.depth >= 2 and ring.capacity >= info.sm_count
+            ring2 = N._ring_plan(kind, d, vec, 1 << 20, dev, "ring2")
+            assert ring2 is not None and ring2.depth >= 2 and ring2.capacity >= info.sm_count
             assert ring.smem <= max(48 * 1024, info.max_smem_per_block_optin)
             grid = N._ring_grid(ring, 16)
             assert grid is not None and grid <= ring.capacity

@@ -2,6 +2,10 @@
 same run's copy bandwidth; and layer_norm / rms_norm at [32768, 4096] against Liger.
 
 Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
+  ring2         LONG_ROWS="ring2": the ring's tiles, each tile's partial published as
+                self-validating 64-bit words (tag = a launch epoch kept on the device): no
+                memset, no atomics, no merger, no statistics read back (norm_ring.cuh ring2_rows)
+  ring2_t256    the same with 256-thread tiles
   ring          LONG_ROWS="ring": one launch (+ the counters' memset), the grid resident, each
                 block holding its tiles of the rows in a ring of shared memory until their rows'
                 statistics are in: x read once (norm_ring.cuh)
@@ -12,12 +16,25 @@ Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
 
 Floors (bytes / 3000 GB/s): [16, 1048576] bf16 in + out 67 MB -> 22.4 us, fp32 134 MB -> 44.7 us,
 add_rms_norm twice those; [8, 393216] bf16 12.6 MB -> 4.2 us, fp32 25.2 MB -> 8.4 us.
-Predictions (notes_norms.md, "Run 13 follow-up"): ring [16, 1M] bf16 rms_norm 24-28 us
+Predictions for ring2 (notes_norms.md, "ring2"): [16, 1M] bf16 rms_norm 26-29 us (77-86% of
+copy), fp32 48-53 us; [8, 393216] bf16 6.5-7.5 us.
+Predictions (notes_norms.md, "Run 13 follow-up"; ring measured 35.1 us in run 20): ring [16, 1M] bf16 rms_norm 24-28 us
 (80-93% of copy), fp32 47-52 us (86-95%); [8, 393216] bf16 6-8.5 us (50-70%), fp32 9.5-11 us
 (76-88%); layer_norm [32768, 4096] bf16 >= 1.0x Liger.
-[32768, 4096]: layer_norm under WHOLE_ROWS="persistent" (layer_norm_rows: persistent grid, w and b
-held in shared memory, next row's x in flight) and "per_row" (layer_norm_fwd, run 20: 206 us);
-prediction for persistent bf16: 180-186 us (96-99.7% of copy), >= 0.97x Liger, per_row unchanged.
+[32768, 4096] bf16 and fp32: layer_norm under every WHOLE_ROWS option (gpuops.ops.norms), each
+line naming the kernel that ran and its resident blocks per SM; rms_norm; Liger.
+  per_row      layer_norm_fwd (w, b loaded with x, one exchange; 56 regs, 4 blocks/SM): run 21
+               205.9 us bf16
+  persistent   layer_norm_rows (one resident wave, w, b in shared memory): run 21 215.9 us
+  two_pass     layer_norm_two_pass (runs 11-14's algorithm: floats, two block sums, w, b after;
+               48 regs, 5 blocks/SM): predicted 184-190 us bf16 (runs 11/14: ~185-189)
+  compact      layer_norm_compact (raw x, one exchange, w, b pack by pack after; 32 regs,
+               8 blocks/SM): predicted 178-186 us bf16 (notes_norms.md, "Whole rows: two_pass and
+               compact")
+Liger 179.4 us (run 21). fp32 (4 packs per thread): compact does not apply (layer_norm_fwd runs).
+
+Quick runs: `--plans two_pass,compact,per_row --skip-long` (whole rows only), `--plans ring2
+--skip-4096` (one long-row plan only). --plans takes long-row plans and WHOLE_ROWS options.
 """
 from __future__ import annotations
 
@@ -35,6 +52,8 @@ from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
 PLANS = {
+    "ring2": dict(LONG_ROWS="ring2"),
+    "ring2_t256": dict(LONG_ROWS="ring2", ring_threads=256),
     "ring": dict(LONG_ROWS="ring"),
     "ring_t256": dict(LONG_ROWS="ring", ring_threads=256),
     "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
@@ -77,14 +96,14 @@ def _describe(op, d, shape):
     ring = N._long_rows_ring(kind, plan, d, vec, n, shape[0], 0)
     if ring is not None:
         r, grid = ring
-        return (f"ring grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
+        return (f"{N.LONG_ROWS} grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
                 f"{r.smem // 1024} KiB smem, capacity {r.capacity}")
     used, grid, phases = N._grid(plan, shape[0], False)
     return (f"{len(phases)} launch(es) of {used.kernel.name.split('::')[-1]}: grid {grid} x "
             f"{used.block[0]} thr, C {used.C}, capacity {used.capacity}")
 
 
-def _long_rows(fw, copy, rows):
+def _long_rows(fw, copy, rows, plans):
     for shape in ((16, 1048576), (8, 393216)):
         for d in (dt.bfloat16, dt.float32):
             x = fw.randn(shape, d)
@@ -95,7 +114,8 @@ def _long_rows(fw, copy, rows):
                      "layer_norm": (lambda: go.layer_norm(x, shape[-1:], w, b), moved),
                      "add_rms_norm": (lambda: go.add_rms_norm(x, r, w), 2 * moved)}
             for name, (fn, nbytes) in cases.items():
-                for plan, settings in PLANS.items():
+                for plan in plans:
+                    settings = PLANS[plan]
                     with _Plan(settings):
                         fn()
                         what = _describe(name, d, shape)
@@ -107,8 +127,21 @@ def _long_rows(fw, copy, rows):
                           f"{gbps:7.0f} GB/s {100 * gbps / copy:5.1f}%   {what}", flush=True)
 
 
-def _rows_4096(fw, copy, rows):
-    """[32768, 4096]: gpuops against Liger (when installed), same inputs, same run."""
+def _describe_whole(d, n, rows):
+    """The kernel layer_norm runs for whole rows of n under the current WHOLE_ROWS, and its
+    resident blocks per SM."""
+    vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
+    plan = N._plan("layer_norm", d, vec, n, 0)
+    whole = N._whole_rows_plan(plan, d, vec, 0, rows) or plan
+    sms = device.device_info(0).sm_count
+    regs = getattr(getattr(whole.kernel, "raw", None), "num_regs", "?")
+    return (f"{whole.kernel.name.split('::')[-1]}: {whole.block[0]} thr x {whole.packs} packs, "
+            f"{regs} regs, {whole.capacity // sms} blocks/SM")
+
+
+def _rows_4096(fw, copy, rows, whole_options):
+    """[32768, 4096]: layer_norm under each WHOLE_ROWS option, rms_norm, and Liger (when
+    installed), same inputs, same run, each in its own graph."""
     try:
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -119,37 +152,50 @@ def _rows_4096(fw, copy, rows):
         x = fw.randn(shape, d)
         w, b = fw.randn(shape[-1:], d), fw.randn(shape[-1:], d)
         moved = 2 * x.numel() * d.itemsize
-        # layer_norm under both WHOLE_ROWS plans (persistent: layer_norm_rows; per_row: run 20's
-        # layer_norm_fwd), each in its own graph
-        cases = {"layer_norm": (lambda: go.layer_norm(x, shape[-1:], w, b), "persistent"),
-                 "layer_norm per_row": (lambda: go.layer_norm(x, shape[-1:], w, b), "per_row"),
-                 "rms_norm": (lambda: go.rms_norm(x, shape[-1:], w), "persistent")}
+        cases = {f"layer_norm {opt}": (lambda: go.layer_norm(x, shape[-1:], w, b), opt)
+                 for opt in whole_options}
+        cases["rms_norm"] = (lambda: go.rms_norm(x, shape[-1:], w), None)
         if LigerLayerNormFunction is not None:
             cases["liger layer_norm"] = (lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5),
                                          "-")
             cases["liger rms_norm"] = (lambda: LigerRMSNormFunction.apply(
                 x, w, 1e-6, 0.0, "llama", False), "-")
         for name, (fn, whole_rows) in cases.items():
-            with _Plan({"WHOLE_ROWS": whole_rows} if whole_rows != "-" else {}):
+            with _Plan({"WHOLE_ROWS": whole_rows} if whole_rows not in (None, "-") else {}):
                 fn()
+                what = (_describe_whole(d, shape[-1], shape[0]) if whole_rows not in (None, "-")
+                        else "")
                 us = graph_replay_us(fn, calls=5)
             gbps = moved / (us * 1e-6) / 1e9
-            rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=whole_rows, us=us,
-                             gbps=gbps, pct_copy=100 * gbps / copy))
-            print(f"{name:<18}{str(shape):<14}{d.name:<9}{us:9.1f} us {gbps:7.0f} GB/s "
-                  f"{100 * gbps / copy:5.1f}%", flush=True)
+            rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=whole_rows or "-",
+                             us=us, gbps=gbps, pct_copy=100 * gbps / copy, launch=what))
+            print(f"{name:<22}{str(shape):<14}{d.name:<9}{us:9.1f} us {gbps:7.0f} GB/s "
+                  f"{100 * gbps / copy:5.1f}%   {what}", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--plans", default=",".join([*PLANS, *N.WHOLE_ROWS_PLANS]),
+                    help="comma-separated long-row plans and WHOLE_ROWS options to time "
+                         f"(default: all of {list(PLANS)} and {list(N.WHOLE_ROWS_PLANS)})")
+    ap.add_argument("--skip-4096", action="store_true", help="only the long-row shapes")
+    ap.add_argument("--skip-long", action="store_true", help="only [32768, 4096]")
     args = ap.parse_args()
+    chosen = [p for p in args.plans.split(",") if p]
+    unknown = [p for p in chosen if p not in PLANS and p not in N.WHOLE_ROWS_PLANS]
+    if unknown:
+        ap.error(f"unknown plans {unknown}; known: {list(PLANS)}, {list(N.WHOLE_ROWS_PLANS)}")
+    plans = [p for p in chosen if p in PLANS]
+    whole_options = [p for p in chosen if p in N.WHOLE_ROWS_PLANS]
     fw = _Framework()
     copy = fw.copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
-    _long_rows(fw, copy, rows)
-    _rows_4096(fw, copy, rows)
+    if not args.skip_long:
+        _long_rows(fw, copy, rows, plans)
+    if not args.skip_4096:
+        _rows_4096(fw, copy, rows, whole_options)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": rows}, f,

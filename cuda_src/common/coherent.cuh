@@ -57,6 +57,67 @@ __device__ __forceinline__ void counter_add_release(unsigned* p, unsigned v) {
 #endif
 }
 
+// 64-bit words that carry their own validity (norm_ring.cuh's ring2: a partial and the tag of
+// the launch that wrote it): an aligned 64-bit access is single-copy atomic, so a reader sees
+// the whole word of one writer or an older one, never half of each. Relaxed, through L2: the
+// word is the only thing published, so no fence orders anything around it.
+__device__ __forceinline__ unsigned long long load_word_relaxed(const unsigned long long* p) {
+  unsigned long long v;
+#if __CUDA_ARCH__ >= 700
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+#else
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
+__device__ __forceinline__ void store_word_relaxed(unsigned long long* p, unsigned long long v) {
+#if __CUDA_ARCH__ >= 700
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#else
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ unsigned load_relaxed(const unsigned* p) {
+  unsigned v;
+#if __CUDA_ARCH__ >= 700
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
+  return v;
+}
+
+__device__ __forceinline__ void store_relaxed(unsigned* p, unsigned v) {
+#if __CUDA_ARCH__ >= 700
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#else
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+// Adds v to *p and returns the old value; orders nothing else (no fence).
+__device__ __forceinline__ unsigned counter_add_relaxed(unsigned* p, unsigned v) {
+  unsigned old;
+#if __CUDA_ARCH__ >= 700
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v)
+               : "memory");
+#else
+  old = atomicAdd(p, v);
+#endif
+  return old;
+}
+
+// A 16-byte load through L2 only (ld.global.cg): read-only data (w, b) whose loads should not
+// share the non-coherent path (and, in ptxas' allocation, the scoreboard) of the tile loads.
+__device__ __forceinline__ uint4 load16_cg(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 // One step of a polling loop: a short sleep (sm_70+) that leaves the issue slots to the SM's
 // other warps; a plain re-poll before.
 __device__ __forceinline__ void poll_pause() {

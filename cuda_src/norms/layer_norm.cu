@@ -73,7 +73,7 @@ __device__ __forceinline__ MeanM2 chunk_stats(const Src& v, int u0, int units, b
 // w and b at this thread's units. Where they take at most 16 registers (up to two 16-byte packs:
 // the [*, 4096] 16-bit case), they are loaded ahead, with the row: their L2 round trip overlaps
 // the row's DRAM one and the statistics; else in groups of two packs when applied; kTight (a
-// caller with two row buffers live): one pack at a time.
+// caller with two row buffers live, or layer_norm_compact's 32 registers): one pack at a time.
 template <class T, int VEC, int PACKS, bool kTight = false>
 struct AffineParams {
   using R = RawUnit<T, VEC>;
@@ -201,6 +201,119 @@ layer_norm_fwd(const T* x, long long x_stride, T* y, long long y_stride, const T
     }
     normalize_store<T, VEC, PACKS>(v, mean, rstd, w, b, ahead, y + row * y_stride, u0, units);
   }
+}
+
+// y = (v - mean) * rstd * w + b for this thread's units of the row, v (floats) overwritten, w
+// and b loaded pack by pack where they are used (runs 11-14: 8 fewer registers than
+// normalize_store with the same loads, as ptxas 13.0 counts for layer_norm_two_pass<bf16, 8, 2>).
+template <class T, int VEC, int PACKS>
+__device__ __forceinline__ void normalize_store_in_place(float (&v)[PACKS][VEC], float mean,
+                                                         float rstd, const T* w, const T* b,
+                                                         T* y_row, int u0, int units) {
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * static_cast<int>(blockDim.x);
+    if (u < units) {
+      const long long e = static_cast<long long>(u) * VEC;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[p][j] = (v[p][j] - mean) * rstd;
+      if (w != nullptr) {
+        float wv[VEC];
+        Unit<T, VEC>::load(w + e, wv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+      }
+      if (b != nullptr) {
+        float bv[VEC];
+        Unit<T, VEC>::load(b + e, bv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[p][j] += bv[j];
+      }
+      Unit<T, VEC>::store(y_row + e, v[p]);
+    }
+  }
+}
+
+// Whole rows, one block per row (C == 1, blockDim = (>32, 1, 1); arguments as layer_norm_fwd,
+// partials / counters / C / phase unused), the algorithm of runs 11-14 (WHOLE_ROWS =
+// "two_pass"; 94.7% of copy at [32768, 4096] bf16, 48 registers, 5 blocks/SM): x converted to
+// floats on load, a block sum for the mean, then a block sum of squared deviations from it (two
+// exchanges, four barriers), w and b loaded pack by pack after the statistics (their registers
+// are never live with the row's loads in flight).
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(1024, 1)
+layer_norm_two_pass(const T* x, long long x_stride, T* y, long long y_stride,
+                    const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                    float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
+                    int C, int phase, float eps) {
+  __shared__ float scratch[32];
+  const int units = n / VEC;
+  const int u0 = static_cast<int>(threadIdx.x);
+  const int step = static_cast<int>(blockDim.x);
+  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN, as torch
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    float v[PACKS][VEC];
+    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, v);
+    float t[1] = {0.0f};
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) t[0] += v[p][j];   // past the end: 0
+    }
+    block_sum_n<1>(t, scratch);
+    const float mean = t[0] / static_cast<float>(n);
+    t[0] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      if (u0 + p * step < units) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = v[p][j] - mean;
+          t[0] = fmaf(d, d, t[0]);
+        }
+      }
+    }
+    block_sum_n<1>(t, scratch);
+    const float rstd = rsqrtf(t[0] * inv_n + eps);
+    if (mean_out != nullptr && threadIdx.x == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+    normalize_store_in_place<T, VEC, PACKS>(v, mean, rstd, w, b, y + row * y_stride, u0, units);
+  }
+}
+
+// Whole rows, one block per row, for 8 blocks of 256 threads per SM (WHOLE_ROWS = "compact":
+// <= 32 registers; 16-byte units, blockDim.x <= 256, gridDim.x == rows; arguments as
+// layer_norm_two_pass): the row raw in registers (16-bit values: 8 registers for 2 packs,
+// converted at each use), the statistics in one exchange (chunk_stats: each warp two-pass, Chan
+// merge of the warps), then w and b loaded pack by pack after the statistics, when the row's
+// loads have landed. What it took to fit 32 (ptxas 13.0, sm_90, 2 packs): no loop over rows
+// (its 64-bit row counters: 8-36 B of spills), and w, b one pack at a time (both at once: 24-56
+// B of spills), i.e. two dependent L2 round trips per row after the statistics, against 8 rows
+// in flight per SM instead of 4-5.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(256, 8)
+layer_norm_compact(const T* x, long long x_stride, T* y, long long y_stride,
+                   const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                   float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
+                   int C, int phase, float eps) {
+  static_assert(VEC > 1, "16-byte units");
+  __shared__ float scratch[96];
+  const int units = n / VEC;
+  const int u0 = static_cast<int>(threadIdx.x);
+  const long long row = blockIdx.x;
+  RawTile<T, VEC, PACKS> xt;
+  xt.load(x + row * x_stride, u0, units);
+  const RawPacks<T, VEC, PACKS> v{xt};
+  const MeanM2 s = chunk_stats<VEC, PACKS>(v, u0, units, true, scratch);
+  const float rstd = rsqrtf(s.m2 * (1.0f / static_cast<float>(n)) + eps);   // n = 0: NaN
+  if (mean_out != nullptr && threadIdx.x == 0) {
+    mean_out[row] = s.mean;
+    rstd_out[row] = rstd;
+  }
+  AffineParams<T, VEC, PACKS, true> late;          // (pack by pack)
+  normalize_store<T, VEC, PACKS>(v, s.mean, rstd, w, b, late, y + row * y_stride, u0, units);
 }
 
 // y = (x - mean) * rstd * w + b for this thread's units of a whole row, w and b from shared
@@ -370,26 +483,36 @@ layer_norm_split(const T* x, long long x_stride, T* y, long long y_stride,
 }
 
 // Split rows in one pass over memory, tiles held in a ring of shared memory (norms/norm_ring.cuh):
-// the policy of ring_rows for layer_norm. A tile's partial is its (count, mean, M2): two passes
-// over each pack, Chan merges of the packs, of the block's threads, and (the row's last block)
-// of the row's C tiles in a fixed order.
+// the policy of ring_rows / ring2_rows for layer_norm. A tile's partial is its (count, mean,
+// M2): two passes over each pack, Chan merges of the packs, of the block's threads, and of the
+// row's C tiles in a fixed order (ring: by the row's last block; ring2: by every draining warp,
+// from the published (mean, M2) words, the count being known from the chunk).
 template <class T, int VEC, int PACKS>
-struct LayerNormRing {
+struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)> {
   using Elem = T;
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
-  static constexpr int kVec = VEC, kPacks = PACKS, K = 3;
-  static constexpr int kDrainGroup = PACKS <= 2 ? PACKS : 2;   // packs per round of w, b loads
+  static constexpr int kVec = VEC, kPacks = PACKS, K = 3, kWords = 2, kPollBatch = 1;
+  static constexpr bool kPrefetch = true;    // w, b issued before the poll (ring2)
+  using Acc = MeanM2;
   const T* x;
   long long xs;
-  T* y;
-  long long ys;
-  const T* w;
-  const T* b;
-  float* mean;
-  float* rstd;
-  float inv_n, eps;
   RawTile<T, VEC, PACKS> xt;
+
+  __device__ __forceinline__ LayerNormRing(const T* x_, long long xs_, T* y_, long long ys_,
+                                           const T* w_, const T* b_, float* mean_, float* rstd_,
+                                           int n, float eps_) {
+    x = x_;
+    xs = xs_;
+    this->y = y_;
+    this->ys = ys_;
+    this->w = w_;
+    this->b = b_;
+    this->mean = mean_;
+    this->rstd = rstd_;
+    this->inv_n = 1.0f / static_cast<float>(n);
+    this->eps = eps_;
+  }
 
   __device__ __forceinline__ void issue(long long row, int u0, int units) {
     xt.load(x + row * xs, u0, units);
@@ -431,44 +554,35 @@ struct LayerNormRing {
     part[2] = s.m2;
   }
 
+  // ring: the row's last block merges the partials and stores mean and rstd; drains read them.
   __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,
                                         float* scratch) {
-    merge_row_stats(row_partials, C, inv_n, eps, mean + row, rstd + row, scratch);
+    merge_row_stats(row_partials, C, this->inv_n, this->eps, this->mean + row, this->rstd + row,
+                    scratch);
+  }
+  __device__ __forceinline__ void load_stats(long long row, float& mu, float& s) const {
+    mu = load_cg(this->mean + row);
+    s = load_cg(this->rstd + row);
   }
 
-  __device__ __forceinline__ void drain(const Raw* slot, long long row, int u0, int units) {
-    const float mu = load_cg(mean + row);
-    const float s = load_cg(rstd + row);
-    T* y_row = y + row * ys;
-#pragma unroll
-    for (int p0 = 0; p0 < PACKS; p0 += kDrainGroup) {
-      Raw wr[kDrainGroup], br[kDrainGroup];
-      if (w != nullptr) load_params<T, VEC, kDrainGroup>(w, u0, p0, units, wr);
-      if (b != nullptr) load_params<T, VEC, kDrainGroup>(b, u0, p0, units, br);
-#pragma unroll
-      for (int g = 0; g < kDrainGroup; ++g) {
-        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
-        if (unit < units) {
-          float f[VEC];
-          R::unpack(slot[(p0 + g) * blockDim.x], f);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) f[j] = (f[j] - mu) * s;
-          if (w != nullptr) {
-            float wf[VEC];
-            R::unpack(wr[g], wf);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
-          }
-          if (b != nullptr) {
-            float bf[VEC];
-            R::unpack(br[g], bf);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] += bf[j];
-          }
-          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
-        }
-      }
-    }
+  // ring2: (mean, M2) published; the count of a tile is its valid units times VEC (exactly the
+  // block_welford count: integers < 2^24 in float).
+  __device__ __forceinline__ void words(const float (&part)[3], float (&v)[2]) const {
+    v[0] = part[1];
+    v[1] = part[2];
+  }
+  static __device__ __forceinline__ Acc acc_zero() { return MeanM2{0.0f, 0.0f, 0.0f}; }
+  __device__ __forceinline__ Acc acc_add(const Acc& a, const float (&v)[2], float count) const {
+    return welford_merge(a, MeanM2{count, v[0], v[1]});
+  }
+  static __device__ __forceinline__ Acc acc_warp(const Acc& a) { return warp_welford(a); }
+  __device__ __forceinline__ void stats(const Acc& a, float& mu, float& s) const {
+    mu = a.mean;
+    s = rsqrtf(a.m2 * this->inv_n + this->eps);
+  }
+  __device__ __forceinline__ void write_stats(long long row, float mu, float s) const {
+    if (this->mean != nullptr) this->mean[row] = mu;
+    if (this->rstd != nullptr) this->rstd[row] = s;
   }
 };
 
@@ -477,25 +591,28 @@ struct LayerNormRing {
 // kRingHeaderBytes + D * blockDim.x * PACKS * sizeof(unit) bytes). Every block of the grid must
 // be resident at once.
 template <class T, int VEC, int PACKS>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
 layer_norm_ring(const T* x, long long x_stride, T* y, long long y_stride, const T* __restrict__ w,
                 const T* __restrict__ b, float* mean_out, float* rstd_out,
                 float* __restrict__ partials, unsigned* __restrict__ counters, long long rows,
                 int n, int C, int D, float eps) {
   extern __shared__ uint4 ring_smem[];
-  LayerNormRing<T, VEC, PACKS> pol;
-  pol.x = x;
-  pol.xs = x_stride;
-  pol.y = y;
-  pol.ys = y_stride;
-  pol.w = w;
-  pol.b = b;
-  pol.mean = mean_out;
-  pol.rstd = rstd_out;
-  pol.inv_n = 1.0f / static_cast<float>(n);
-  pol.eps = eps;
+  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
   ring_rows(pol, rows, n / VEC, C, D, partials, counters,
             reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// The same with ring2's exchange (norm_ring.cuh): mean_out and rstd_out may be null; `state`:
+// the host's per-stream ring2 state (launch counter, exit counter, rows * C * 2 words).
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
+layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
+                 const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                 float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
+                 float eps) {
+  extern __shared__ uint4 ring_smem[];
+  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
+  ring2_rows(pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

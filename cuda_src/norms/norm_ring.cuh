@@ -22,6 +22,17 @@
 // and one write per element; a block stalls on a row's statistics only at the end, or when the
 // grid is so uneven that a row's last tile lands more than D - 1 steps after others.
 //
+// Two exchanges of the tiles' partials (the statistics of a row = merge of its C tiles'):
+//   ring_rows  ("ring") arrival at the row's counter (atomic acq_rel), the row's last block
+//              merges the C partials and releases the row; drains poll the counter, then read
+//              the statistics it wrote. Counters zeroed by a memset before each launch.
+//   ring2_rows ("ring2") each tile's partial is published as self-validating 64-bit words
+//              {value, tag} (relaxed stores: no atomic, no fence, no merger); a draining warp
+//              reads the row's C words (one L2 round trip, which returns the data as well),
+//              re-polling the ones whose tag is not this launch's yet, and merges them itself
+//              in a fixed order: every warp of every block gets bit-identical statistics, and
+//              nothing is read back but the words. The tag is this launch's epoch (below).
+//
 // Forward progress: a block that waits on a row has published all its own tiles of that row
 // when no block holds more than D tiles of one row (then tiles k+1-D .. k+1, which span D + 1
 // steps, are never all in one row); the host checks ceil(C / gridDim.x) <= D. Then the lowest
@@ -38,72 +49,336 @@ namespace gpuops {
 // Shared memory before the ring: the block reductions' scratch (96 floats) and the arrival flag.
 constexpr int kRingHeaderBytes = 512;
 
+// Resident blocks of 512 threads the ring kernels are compiled for (__launch_bounds__(512,
+// GPUOPS_RING_MIN_BLOCKS)): 2 (64 registers) from sm_70. Pascal's plan runs 256-thread tiles (48
+// KiB of shared memory per block: norms.py, _ring_plan), where 2 blocks per SM allow 128
+// registers; at 64, rms_norm_ring<bf16 / fp32, 4 packs> spilled 8 B on sm_61 (NVRTC 12.9).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#define GPUOPS_RING_MIN_BLOCKS 1
+#else
+#define GPUOPS_RING_MIN_BLOCKS 2
+#endif
+
 // Where this thread's units of ring slot `s` live: unit p at slot_base[p * blockDim.x].
 template <class T, int VEC, int PACKS>
 __device__ __forceinline__ typename RawUnit<T, VEC>::type* ring_slot(unsigned char* ring, int s) {
   using Raw = typename RawUnit<T, VEC>::type;
-  const size_t slot_units = static_cast<size_t>(blockDim.x) * PACKS;
-  return reinterpret_cast<Raw*>(ring) + static_cast<size_t>(s) * slot_units + threadIdx.x;
+  // (32-bit offsets: shared memory; 64-bit math here costs registers the 4-pack kernels lack)
+  return reinterpret_cast<Raw*>(ring) + (static_cast<unsigned>(s) * blockDim.x * PACKS +
+                                         threadIdx.x);
 }
 
-// The loop of the file comment over a policy P (LayerNormRing in layer_norm.cu, RmsNormRing in
-// rms_norm.cu), which provides Elem, kVec, kPacks (the tile's T, VEC, PACKS) and
+// A tile of a block (tile t = row * C + chunk; a block's are first, first + step, ..., step =
+// gridDim.x): its row and chunk, in 32 bits (the host launches a ring only when rows * C < 2^31:
+// norms.py, _ring_grid). The landing walks its tiles by advance() (adding step / C, step % C
+// with a carry); the drain divides once per tile, from the tile's index, and gets its slot from
+// the caller: nothing of the drained tiles is carried through the loop. The 64-bit division,
+// 64-bit slot addresses and drain counters of before made the 16-byte 4-pack kernels spill
+// under __launch_bounds__(512, 2) (ring2 8-44 B on sm_61 .. sm_90, ring 12 B on sm_70); this
+// layout was chosen by ptxas's spill counts on sm_61 .. sm_90 (benchmarks/notes_norms.md).
+// Offsets from `row` are formed in 64 bits where used.
+struct RingTile {
+  int row, chunk;
+  __device__ __forceinline__ RingTile(unsigned t, unsigned C) {
+    const unsigned r = t / C;
+    row = static_cast<int>(r);
+    chunk = static_cast<int>(t - r * C);
+  }
+  __device__ __forceinline__ void advance(const RingTile& step, int C) {
+    row += step.row;
+    chunk += step.chunk;
+    if (chunk >= C) {
+      chunk -= C;
+      ++row;
+    }
+  }
+  // This thread's first unit of the tile in its row.
+  __device__ __forceinline__ int u0(int tile_units) const {
+    return chunk * tile_units + static_cast<int>(threadIdx.x);
+  }
+  // Index of this tile's first partial / word of `per_tile` (64-bit: rows * C * per_tile may
+  // pass 2^31).
+  __device__ __forceinline__ long long index(int C, int per_tile) const {
+    return (static_cast<long long>(row) * C + chunk) * per_tile;
+  }
+};
+
+// The slot after `s` in a ring of D (k % D counted along, no division per tile).
+__device__ __forceinline__ int next_slot(int s, int D) { return s + 1 == D ? 0 : s + 1; }
+
+// The output side of a ring policy, the same for every op: y = (x - mu) * s (kCentered; else
+// x * s), times w, plus b (kCentered only), where present. The w (and b) units of G packs at a
+// time are loaded before they are used; group 0 by the caller (load_group), before it waits for
+// the row's statistics, so that these loads are in flight through the wait.
+template <class T, int VEC, int PACKS, bool kCentered, int G>
+struct RingOutput {
+  using R = RawUnit<T, VEC>;
+  using Raw = typename R::type;
+  static constexpr int kGroup = G;
+  T* y;
+  long long ys;
+  const T* w;
+  const T* b;                          // (kCentered only)
+  float* mean;                         // per-row statistics out (kCentered), or null
+  float* rstd;                         // or null (ring2 only: ring needs it for the exchange)
+  float inv_n, eps;
+  Raw wr[G];
+  Raw br[kCentered ? G : 1];
+
+  // kCg: through L2 only (ring2: not the tile loads' path); else as the other kernels load w.
+  template <bool kCg>
+  __device__ __forceinline__ static Raw param(const T* p, int unit, int units) {
+    if (unit >= units) return R::zero();
+    if constexpr (kCg && VEC > 1) {
+      return load16_cg(p + static_cast<long long>(unit) * VEC);
+    } else {
+      return R::load(p + static_cast<long long>(unit) * VEC);
+    }
+  }
+
+  template <bool kCg>
+  __device__ __forceinline__ void load_group(int u0, int p0, int units) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
+      if (w != nullptr) wr[g] = param<kCg>(w, unit, units);
+      if (kCentered && b != nullptr) br[kCentered ? g : 0] = param<kCg>(b, unit, units);
+    }
+  }
+
+  // Normalizes this thread's units of a held tile and stores them (group 0 of w, b loaded).
+  template <bool kCg>
+  __device__ __forceinline__ void store_tile(const Raw* slot, long long row, int u0, int units,
+                                             float mu, float s) {
+    T* y_row = y + row * ys;
+#pragma unroll
+    for (int p0 = 0; p0 < PACKS; p0 += G) {
+      if (p0 > 0) load_group<kCg>(u0, p0, units);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
+        if (unit < units) {
+          float f[VEC];
+          R::unpack(slot[(p0 + g) * blockDim.x], f);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) f[j] = kCentered ? (f[j] - mu) * s : f[j] * s;
+          if (w != nullptr) {
+            float wf[VEC];
+            R::unpack(wr[g], wf);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
+          }
+          if (kCentered && b != nullptr) {
+            float bf[VEC];
+            R::unpack(br[kCentered ? g : 0], bf);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] += bf[j];
+          }
+          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
+        }
+      }
+    }
+  }
+};
+
+// "ring": the loop of the file comment over a policy P (LayerNormRing in layer_norm.cu,
+// RmsNormRing in rms_norm.cu: a RingOutput), which provides Elem, kVec, kPacks (the tile's T,
+// VEC, PACKS) and
 //   K                        floats of a tile's partial statistics
 //   issue(row, u0, units)    start the loads of a tile into registers
 //   land(slot, row, u0, units, part)   store them into the ring slot; this thread's partial
 //   reduce(part, scratch)    the block's partial (every thread gets it)
 //   merge(row_partials, C, row, scratch)   the row's last block: statistics from the C partials
-//   drain(slot, row, u0, units)   normalize the held tile (after the row's release) and store
+//   load_stats(row, mu, s)   the row's statistics, as merge stored them
 // `partials`: rows * C * K floats; `counters`: rows unsigned ints, zeroed before the launch.
 template <class P>
 __device__ __forceinline__ void ring_rows(P& pol, long long rows, int units, int C, int D,
                                           float* partials, unsigned* counters,
                                           unsigned char* smem) {
+  using Elem = typename P::Elem;
   float* scratch = reinterpret_cast<float*>(smem);
   unsigned* flag = reinterpret_cast<unsigned*>(smem + 96 * sizeof(float));
   unsigned char* ring = smem + kRingHeaderBytes;
   const int tile_units = static_cast<int>(blockDim.x) * P::kPacks;
-  const long long tiles = rows * C;
-  const long long first = blockIdx.x, step = gridDim.x;
+  const unsigned tiles = static_cast<unsigned>(rows) * C;    // < 2^31 (RingTile)
+  const unsigned first = blockIdx.x, step = gridDim.x;
   if (first >= tiles) return;                      // (the host launches at most `tiles` blocks)
   const int K = static_cast<int>((tiles - 1 - first) / step) + 1;
+  const RingTile stride(step, C);                  // (step / C, step % C)
+  auto drain = [&](int j, int dslot) {             // tile j, in slot j % D (as ring2_rows)
+    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+    const int u0 = dr.u0(tile_units);
+    split_wait(counters + dr.row, static_cast<unsigned>(C + 1));
+    float mu, s;
+    pol.load_stats(dr.row, mu, s);
+    pol.template load_group<false>(u0, 0, units);
+    pol.template store_tile<false>(ring_slot<Elem, P::kVec, P::kPacks>(ring, dslot), dr.row, u0,
+                                   units, mu, s);
+  };
 
-  long long row = first / C;
-  int chunk = static_cast<int>(first - row * C);
-  pol.issue(row, chunk * tile_units + static_cast<int>(threadIdx.x), units);
+  RingTile cur(first, C);
+  int slot = 0;
+  pol.issue(cur.row, cur.u0(tile_units), units);
   for (int k = 0; k < K; ++k) {
-    const int u0 = chunk * tile_units + static_cast<int>(threadIdx.x);
     float part[P::K];
-    pol.land(ring_slot<typename P::Elem, P::kVec, P::kPacks>(ring, k % D), row, u0, units, part);
-    const long long next = first + (k + 1) * step;
-    const long long next_row = next / C;
-    const int next_chunk = static_cast<int>(next - next_row * C);
-    if (k + 1 < K) pol.issue(next_row, next_chunk * tile_units + static_cast<int>(threadIdx.x),
-                             units);
+    pol.land(ring_slot<Elem, P::kVec, P::kPacks>(ring, slot), cur.row, cur.u0(tile_units), units,
+             part);
+    RingTile next = cur;
+    next.advance(stride, C);
+    if (k + 1 < K) pol.issue(next.row, next.u0(tile_units), units);
     pol.reduce(part, scratch);
-    float* row_partials = partials + row * C * P::K;
-    if (split_arrive<P::K>(row_partials + chunk * P::K, part, counters + row, flag) ==
+    float* row_partials = partials + static_cast<long long>(cur.row) * C * P::K;
+    if (split_arrive<P::K>(row_partials + cur.chunk * P::K, part, counters + cur.row, flag) ==
         static_cast<unsigned>(C - 1)) {
-      pol.merge(row_partials, C, row, scratch);
-      split_release(counters + row);
+      pol.merge(row_partials, C, cur.row, scratch);
+      split_release(counters + cur.row);
     }
-    const int j = k + 1 - D;                       // drain: frees slot (k + 1) % D
-    if (j >= 0) {
-      const long long t = first + j * step;
-      const long long jrow = t / C;
-      const int ju0 = static_cast<int>(t - jrow * C) * tile_units + static_cast<int>(threadIdx.x);
-      split_wait(counters + jrow, static_cast<unsigned>(C + 1));
-      pol.drain(ring_slot<typename P::Elem, P::kVec, P::kPacks>(ring, j % D), jrow, ju0, units);
-    }
-    row = next_row;
-    chunk = next_chunk;
+    slot = next_slot(slot, D);                     // (k + 1) % D
+    if (k + 1 - D >= 0) drain(k + 1 - D, slot);    // frees it for tile k + 1
+    cur = next;
   }
-  for (int j = max(0, K + 1 - D); j < K; ++j) {
-    const long long t = first + j * step;
-    const long long jrow = t / C;
-    const int ju0 = static_cast<int>(t - jrow * C) * tile_units + static_cast<int>(threadIdx.x);
-    split_wait(counters + jrow, static_cast<unsigned>(C + 1));
-    pol.drain(ring_slot<typename P::Elem, P::kVec, P::kPacks>(ring, j % D), jrow, ju0, units);
+  for (int j = max(0, K + 1 - D); j < K; ++j) drain(j, j % D);
+}
+
+// ----------------------------------------------------------------------------------- ring2
+//
+// State (one buffer per device and stream, owned by the host, zeroed once when allocated and
+// never reset): state[0] the launch counter c, state[1] the exit counter, then from byte 16 the
+// words, rows * C * kWords of them, word (row * C + chunk) * kWords + i.
+//
+// The epoch. Every thread reads c when its block starts; this launch's tag is c + 1 (1 ..
+// 2^32 - 1: a zeroed word, tag 0, is never valid). Each block, at its end, adds 1 to the exit
+// counter; the block that sees G - 1 (the grid's last to finish) stores 0 there and c + 1 in
+// state[0] (0 instead of 2^32 - 1, so the next tag is 1, never 0). Why this is right:
+//  - one tag per launch: c changes only when every block of the launch has added to the exit
+//    counter, i.e. after every block has read c (the read's value is consumed: the block's
+//    words carry it and its polls compare against it, before its __syncthreads and its add);
+//  - a new tag per launch: the next launch on the stream (kernel, graph node, graph replay)
+//    starts after this grid has completed, when state[0] = c + 1 is visible; the words of
+//    every earlier launch carry tags <= c (or a tag 2^32 - 1 launches old), so a word with
+//    tag c + 1 was written by this launch: no stale partial passes, whatever shape the
+//    earlier launches had and whatever they left in the words.
+//  - CUDA graphs: nothing comes from the host per launch (the kernel reads the counter on the
+//    device), so a graph replays correctly any number of times, interleaved with eager calls
+//    on the same stream, and replays of one graph are serialized by CUDA.
+// The one thing it needs: no two ring2 grids on one state buffer at once. The host keys the
+// buffer by stream; a graph replayed on another stream than the one it was captured on, while
+// eager ring2 calls run on that stream, would share it (like two rings running concurrently,
+// which already risk not being resident together: norm_ring.cuh's forward progress).
+
+__device__ __forceinline__ unsigned long long ring_word(float v, unsigned tag) {
+  return (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
+}
+
+// This warp's copy of a row's statistics: lane l reads the words of chunks l, l + 32, ... (the
+// first 32 * P::kPollBatch of them in one round trip), re-polls those not yet written by this launch,
+// and merges them in increasing chunk order, then across lanes (a butterfly of merges that are
+// symmetric in their arguments): the same bits in every lane, warp and block.
+template <class P>
+__device__ __forceinline__ typename P::Acc ring2_row_acc(const P& pol,
+                                                         const unsigned long long* row_words,
+                                                         int C, unsigned tag, int tile_units,
+                                                         int units) {
+  constexpr int kBatch = P::kPollBatch;      // (registers: words in flight with w, b, tile k+1)
+  constexpr int W = P::kWords;
+  const int lane = threadIdx.x & 31;
+  typename P::Acc acc = P::acc_zero();
+  for (int c0 = 0; c0 < C; c0 += 32 * kBatch) {
+    unsigned long long word[kBatch][W];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = c0 + 32 * i + lane;
+#pragma unroll
+      for (int k = 0; k < W; ++k)
+        word[i][k] = c < C ? load_word_relaxed(row_words + static_cast<size_t>(c) * W + k) : 0ull;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = c0 + 32 * i + lane;
+      if (c < C) {
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+          while (static_cast<unsigned>(word[i][k] >> 32) != tag) {
+            poll_pause();
+            word[i][k] = load_word_relaxed(row_words + static_cast<size_t>(c) * W + k);
+          }
+        }
+        float v[W];
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] = __uint_as_float(static_cast<unsigned>(word[i][k]));
+        const int valid = min(tile_units, units - c * tile_units);
+        acc = pol.acc_add(acc, v, static_cast<float>(valid * P::kVec));
+      }
+    }
+  }
+  return P::acc_warp(acc);
+}
+
+// "ring2": the loop of ring_rows with the exchange above. P as for ring_rows, with, instead of
+// K's merge / load_stats:
+//   kWords                   words (floats) a tile publishes; words(part, v) fills them
+//   Acc, acc_zero(), acc_add(acc, v, count), acc_warp(acc)   the row's merge
+//   stats(acc, mu, s)        the row's statistics from the merge
+//   write_stats(row, mu, s)  into mean / rstd (where wanted; the block holding chunk 0)
+template <class P>
+__device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, int C, int D,
+                                           unsigned* state, unsigned char* smem) {
+  using Elem = typename P::Elem;
+  constexpr int W = P::kWords;
+  float* scratch = reinterpret_cast<float*>(smem);
+  unsigned char* ring = smem + kRingHeaderBytes;
+  unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
+  const unsigned tag = load_relaxed(state) + 1u;
+  const int tile_units = static_cast<int>(blockDim.x) * P::kPacks;
+  const unsigned tiles = static_cast<unsigned>(rows) * C;    // < 2^31 (RingTile)
+  const unsigned first = blockIdx.x, step = gridDim.x;
+  const int K = first < tiles ? static_cast<int>((tiles - 1 - first) / step) + 1 : 0;
+  const RingTile stride(step, C);                  // (step / C, step % C)
+  // Tile j, held in slot j % D (`dslot`). Its row by a division, not by a second cursor, and
+  // no count of drained tiles kept: registers live through the landing and the poll.
+  auto drain = [&](int j, int dslot) {
+    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+    const int u0 = dr.u0(tile_units);
+    if (P::kPrefetch) pol.template load_group<true>(u0, 0, units);   // in flight through the poll
+    float mu, s;
+    const unsigned long long* row_words = words + static_cast<long long>(dr.row) * C * W;
+    pol.stats(ring2_row_acc(pol, row_words, C, tag, tile_units, units), mu, s);
+    if (dr.chunk == 0 && threadIdx.x == 0) pol.write_stats(dr.row, mu, s);
+    if (!P::kPrefetch) pol.template load_group<true>(u0, 0, units);   // (registers: spills)
+    pol.template store_tile<true>(ring_slot<Elem, P::kVec, P::kPacks>(ring, dslot), dr.row, u0,
+                                  units, mu, s);
+  };
+
+  if (K > 0) {
+    RingTile cur(first, C);
+    int slot = 0;
+    pol.issue(cur.row, cur.u0(tile_units), units);
+    for (int k = 0; k < K; ++k) {
+      float part[P::K];
+      pol.land(ring_slot<Elem, P::kVec, P::kPacks>(ring, slot), cur.row, cur.u0(tile_units),
+               units, part);
+      RingTile next = cur;
+      next.advance(stride, C);
+      if (k + 1 < K) pol.issue(next.row, next.u0(tile_units), units);
+      pol.reduce(part, scratch);
+      if (threadIdx.x == 0) {
+        float v[W];
+        pol.words(part, v);
+        unsigned long long* dst = words + cur.index(C, W);
+#pragma unroll
+        for (int i = 0; i < W; ++i) store_word_relaxed(dst + i, ring_word(v[i], tag));
+      }
+      slot = next_slot(slot, D);                   // (k + 1) % D
+      if (k + 1 - D >= 0) drain(k + 1 - D, slot);  // frees it for tile k + 1
+      cur = next;
+    }
+    for (int j = max(0, K + 1 - D); j < K; ++j) drain(j, j % D);
+  }
+  // The epoch (above): the grid's last block to get here moves the launch counter on.
+  __syncthreads();
+  if (threadIdx.x == 0 && counter_add_relaxed(state + 1, 1u) == gridDim.x - 1) {
+    store_relaxed(state + 1, 0u);
+    store_relaxed(state, tag == 0xffffffffu ? 0u : tag);
   }
 }
 

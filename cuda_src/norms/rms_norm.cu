@@ -191,27 +191,43 @@ rms_norm_split(const T* x, long long x_stride, const T* r, long long r_stride, T
 }
 
 // Split rows in one pass over memory, tiles held in a ring of shared memory (norms/norm_ring.cuh):
-// the policy of ring_rows for rms_norm (kAdd: add_rms_norm, h formed and stored as tiles land).
+// the policy of ring_rows / ring2_rows for rms_norm (kAdd: add_rms_norm, h formed and stored as
+// tiles land). A tile's partial is its sum of squares.
 template <class T, int VEC, int PACKS, bool kAdd>
-struct RmsNormRing {
+struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> {
   using Elem = T;
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
-  static constexpr int kVec = VEC, kPacks = PACKS, K = 1;
-  static constexpr int kDrainGroup = PACKS <= 4 ? PACKS : 4;   // packs per round of w loads
+  static constexpr int kVec = VEC, kPacks = PACKS, K = 1, kWords = 1, kPollBatch = 2;
+  static constexpr bool kPrefetch = true;    // w loads issued before the poll (ring2)
+  using Acc = float;
   const T* x;
   long long xs;
   const T* r;
   long long rs;
-  T* y;
-  long long ys;
   T* h;
   long long hs;
-  const T* w;
-  float* rstd;
-  float inv_n, eps;
   RawTile<T, VEC, PACKS> xt;
   RawTile<T, VEC, kAdd ? PACKS : 1> rt;
+
+  __device__ __forceinline__ RmsNormRing(const T* x_, long long xs_, const T* r_, long long rs_,
+                                         T* y_, long long ys_, T* h_, long long hs_, const T* w_,
+                                         float* rstd_, int n, float eps_) {
+    x = x_;
+    xs = xs_;
+    r = r_;
+    rs = rs_;
+    this->y = y_;
+    this->ys = ys_;
+    h = h_;
+    hs = hs_;
+    this->w = w_;
+    this->b = nullptr;
+    this->mean = nullptr;
+    this->rstd = rstd_;
+    this->inv_n = 1.0f / static_cast<float>(n);
+    this->eps = eps_;
+  }
 
   __device__ __forceinline__ void issue(long long row, int u0, int units) {
     xt.load(x + row * xs, u0, units);
@@ -247,36 +263,31 @@ struct RmsNormRing {
     block_sum_n<1>(part, scratch);
   }
 
+  // ring: the row's last block sums the partials and stores rstd; drains read it.
   __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,
                                         float* scratch) {
-    merge_row_rstd(row_partials, C, inv_n, eps, rstd + row, scratch);
+    merge_row_rstd(row_partials, C, this->inv_n, this->eps, this->rstd + row, scratch);
+  }
+  __device__ __forceinline__ void load_stats(long long row, float& mu, float& s) const {
+    mu = 0.0f;
+    s = load_cg(this->rstd + row);
   }
 
-  __device__ __forceinline__ void drain(const Raw* slot, long long row, int u0, int units) {
-    const float s = load_cg(rstd + row);
-    T* y_row = y + row * ys;
-#pragma unroll
-    for (int p0 = 0; p0 < PACKS; p0 += kDrainGroup) {
-      Raw wr[kDrainGroup];
-      if (w != nullptr) load_params<T, VEC, kDrainGroup>(w, u0, p0, units, wr);
-#pragma unroll
-      for (int g = 0; g < kDrainGroup; ++g) {
-        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
-        if (unit < units) {
-          float f[VEC];
-          R::unpack(slot[(p0 + g) * blockDim.x], f);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) f[j] *= s;
-          if (w != nullptr) {
-            float wf[VEC];
-            R::unpack(wr[g], wf);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
-          }
-          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
-        }
-      }
-    }
+  // ring2: every warp sums the row's published sums itself.
+  __device__ __forceinline__ void words(const float (&part)[1], float (&v)[1]) const {
+    v[0] = part[0];
+  }
+  static __device__ __forceinline__ Acc acc_zero() { return 0.0f; }
+  __device__ __forceinline__ Acc acc_add(Acc a, const float (&v)[1], float) const {
+    return a + v[0];
+  }
+  static __device__ __forceinline__ Acc acc_warp(Acc a) { return warp_sum(a); }
+  __device__ __forceinline__ void stats(Acc ss, float& mu, float& s) const {
+    mu = 0.0f;
+    s = rsqrtf(ss * this->inv_n + this->eps);
+  }
+  __device__ __forceinline__ void write_stats(long long row, float, float s) const {
+    if (this->rstd != nullptr) this->rstd[row] = s;
   }
 };
 
@@ -284,27 +295,30 @@ struct RmsNormRing {
 // PACKS units per row, D ring slots in the dynamic shared memory of kRingHeaderBytes + D *
 // blockDim.x * PACKS * sizeof(unit) bytes). Every block of the grid must be resident at once.
 template <class T, int VEC, int PACKS, bool kAdd>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
 rms_norm_ring(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
               long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
               float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
               long long rows, int n, int C, int D, float eps) {
   extern __shared__ uint4 ring_smem[];
-  RmsNormRing<T, VEC, PACKS, kAdd> pol;
-  pol.x = x;
-  pol.xs = x_stride;
-  pol.r = r;
-  pol.rs = r_stride;
-  pol.y = y;
-  pol.ys = y_stride;
-  pol.h = h;
-  pol.hs = h_stride;
-  pol.w = w;
-  pol.rstd = rstd_out;
-  pol.inv_n = 1.0f / static_cast<float>(n);
-  pol.eps = eps;
+  RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
+                                       rstd_out, n, eps);
   ring_rows(pol, rows, n / VEC, C, D, partials, counters,
             reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// The same with ring2's exchange (norm_ring.cuh): rstd_out may be null; `state`: the host's
+// per-stream ring2 state (launch counter, exit counter, rows * C words), zeroed once.
+template <class T, int VEC, int PACKS, bool kAdd>
+__global__ void __launch_bounds__(512, GPUOPS_RING_MIN_BLOCKS)
+rms_norm_ring2(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+               long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+               float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
+               float eps) {
+  extern __shared__ uint4 ring_smem[];
+  RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
+                                       rstd_out, n, eps);
+  ring2_rows(pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

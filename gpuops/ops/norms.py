@@ -44,6 +44,11 @@ RMS_FWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "
 BWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64",
                    "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32")
 WGRAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32")
+# The ring2 kernels: the forward arguments with one `state` pointer for partials and counters.
+LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
+                        "i32", "i32", "i32", "f32")
+RMS_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
+                         "ptr", "i64", "i32", "i32", "i32", "f32")
 
 FUSED, PARTIALS, APPLY = 0, 1, 2          # launch phases, as in norm_rows.cuh
 MAX_N = (1 << 31) - (1 << 20)             # units are int32 in the kernels
@@ -65,7 +70,7 @@ class Kind:
     ``template`` (kPartials, kApply). The forward kinds also have a ``ring_template``
     (norm_ring.cuh), the first choice for split rows: tiles of up to ``ring_threads`` threads x
     ``ring_packs`` packs (2x as many single elements), which bounds its registers under
-    __launch_bounds__(512, 2).
+    __launch_bounds__(512, 2) (sm_70+; Pascal, whose tiles are 256 threads: (512, 1)).
     """
     name: str
     template: str          # format fields: t (C++ type), v (VEC), p (PACKS)
@@ -81,18 +86,22 @@ class Kind:
     ring_template: str | None = None
     ring_packs: int = 4
     ring_threads: int = 512
+    ring2_template: str | None = None    # the same tiles, ring2's exchange (norm_ring.cuh)
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
                   True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>",
-                  ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>")
+                  ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>",
+                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
                 True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>",
-                ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>")
+                ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>",
+                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>")
 # (x and r in flight: half the packs per tile)
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
                     256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>",
-                    ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2)
+                    ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2,
+                    ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, true>")
 LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
                       512, False, True, 2)
 RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
@@ -108,19 +117,33 @@ FORCE_TWO_LAUNCHES = False
 # copy); two launches (partials, then apply re-reading the rows, last-read first, from L2) keep
 # the whole device streaming. None: the old rule (one launch whenever C <= capacity).
 ONE_LAUNCH_MAX_WAVES = 1
-# Split rows of the forward ops: "ring" (one pass over memory, norm_ring.cuh; the split rules
-# below where it does not fit) or "split" (the run-6 plans only: ONE_LAUNCH_MAX_WAVES and
-# FORCE_TWO_LAUNCHES decide one launch or two). Both stay selectable for A/B runs
-# (benchmarks/experiments/norms_long_rows.py).
+# Split rows of the forward ops: "ring2" or "ring" (one pass over memory, norm_ring.cuh; the
+# split rules below where it does not fit; ring2 publishes self-validating partials, no memset,
+# no atomics: ring2_rows; ring arrives at counters zeroed by a memset, the row's last block
+# merges: ring_rows) or "split" (the run-6 plans only: ONE_LAUNCH_MAX_WAVES and
+# FORCE_TWO_LAUNCHES decide one launch or two). All stay selectable for A/B runs
+# (benchmarks/experiments/norms_long_rows.py). "ring" stays the default until ring2 has been
+# measured on the GPU (benchmarks/notes_norms.md: predictions).
 LONG_ROWS = "ring"
-# Whole rows of layer_norm (one block per row, 16-byte units, at most 2 per thread: e.g. [*, 4096]
-# 16-bit): "persistent" (layer_norm_rows: a grid of one resident wave, w and b in registers, the
-# next row's x loaded while this one is reduced and stored) or "per_row" (layer_norm_fwd: a block
-# per row, as before run 20; 56 registers at 4096 bf16, 4 blocks/SM, nothing in flight between a
-# row's landing and the next block's start: 86.8% of copy in run 20). Both stay selectable for
-# A/B runs (benchmarks/experiments/norms_long_rows.py). Run 21, [32768, 4096] bf16: persistent
-# 215.9 us (82.8%; predicted 180-186: missed), per_row 205.9 us (86.8%), Liger 179.4; per_row is
-# the default until a whole-row kernel beats it (run 14's pre-rewrite kernel: ~0.97x Liger).
+LONG_ROWS_PLANS = ("ring2", "ring", "split")
+# Whole rows of layer_norm (one block per row, 16-byte units; e.g. [*, 4096]): which kernel.
+#   "per_row"    layer_norm_fwd: x raw in registers, w and b loaded with it (up to 2 packs), one
+#                exchange; 56 registers at 4096 bf16, 4 blocks/SM: 205.9 us in run 21 (86.8%).
+#   "persistent" layer_norm_rows (at most 2 packs per thread): a grid of one resident wave, w and
+#                b in shared memory, the next row's x loaded while this one is reduced and
+#                stored; 48 registers, 5 blocks/SM: 215.9 us in run 21 (82.8%).
+#   "two_pass"   layer_norm_two_pass: the kernel of runs 11-14 (x as floats, a block sum for the
+#                mean, then one of squared deviations, w and b pack by pack after them); 48
+#                registers, 5 blocks/SM: ~185-189 us then (94.7%, 0.97x Liger).
+#   "compact"    layer_norm_compact (at most 2 packs, <= 256 threads): x raw, one exchange, w and
+#                b pack by pack after the statistics, __launch_bounds__(256, 8): 32 registers,
+#                8 blocks/SM (64 KB of rows in flight per SM instead of 40).
+# Where an option does not apply (warp rows, split rows, single elements, too many packs or
+# threads), layer_norm_fwd runs. All stay selectable for A/B runs (benchmarks/experiments/
+# norms_long_rows.py --plans per_row,persistent,two_pass,compact --skip-long); predictions:
+# notes_norms.md. Run 21, [32768, 4096] bf16: per_row is the default until a whole-row kernel
+# beats it.
+WHOLE_ROWS_PLANS = ("per_row", "persistent", "two_pass", "compact")
 WHOLE_ROWS = "per_row"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
@@ -159,30 +182,44 @@ def _split_exprs(kind: Kind) -> dict:
             for d in dt.FLOATS for v in (_vec_width(d), 1)}
 
 
-def _ring_exprs(kind: Kind) -> dict:
-    if kind.ring_template is None:
+def _ring_exprs(kind: Kind, template: str | None) -> dict:
+    if template is None:
         return {}
-    return {(d, v): kind.ring_template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
+    return {(d, v): template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
             for d in dt.FLOATS for v in (_vec_width(d), 1)}
 
 
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
-# layer_norm_rows (persistent whole rows, w and b held in registers): 16-byte units, PACKS <= 2.
+# layer_norm_rows (persistent whole rows, w and b in shared memory): 16-byte units, PACKS <= 2.
 _ROWS_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_rows<{d.ctype}, {_vec_width(d)}, {p}>"
                for d in dt.FLOATS for p in (1, 2)}
+# The other whole-row kernels of WHOLE_ROWS (16-byte units): layer_norm_two_pass at every PACKS
+# of layer_norm_fwd, layer_norm_compact (<= 256 threads, 8 blocks/SM) at PACKS <= 2.
+_TWO_PASS_EXPRS = {(d, _vec_width(d), p):
+                   f"gpuops::layer_norm_two_pass<{d.ctype}, {_vec_width(d)}, {p}>"
+                   for d in dt.FLOATS for p in packs_options(LAYER_NORM, _vec_width(d))}
+_COMPACT_EXPRS = {(d, _vec_width(d), p):
+                  f"gpuops::layer_norm_compact<{d.ctype}, {_vec_width(d)}, {p}>"
+                  for d in dt.FLOATS for p in (1, 2)}
+COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
-_RING_EXPRS = {k.name: _ring_exprs(k) for k in TUNING.values()}
+_RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
+_RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
     {**{e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for e in table["layer_norm"].values()},
-     **{e: LN_FWD_ARGS for e in _ROWS_EXPRS.values()}})
+     **{e: LN_FWD_ARGS for table in (_ROWS_EXPRS, _TWO_PASS_EXPRS, _COMPACT_EXPRS)
+        for e in table.values()},
+     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
-    {e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
-     for k in ("rms_norm", "add_rms_norm") for e in table[k].values()})
+    {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
+        for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
+     **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
+        for e in _RING2_EXPRS[k].values()}})
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -330,18 +367,20 @@ def _resident_per_sm(kernel, threads: int, smem: int) -> int:
         return 0
 
 
-def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int):
+def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str = "ring"):
     """The RingPlan of a row length (cached), or None where no block of 2+ slots fits: two blocks
     per SM with the most slots that allow it (one streams while the other synchronizes), else
-    one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB)."""
+    one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB).
+    variant: "ring" or "ring2" (the kernel; the tiles are the same)."""
     kind = TUNING[kind_name]
-    if kind.ring_template is None:
+    exprs = (_RING2_EXPRS if variant == "ring2" else _RING_EXPRS)[kind_name]
+    if not exprs:
         return None
-    key = ("ring", kind_name, dtype, vec, n, dev)
+    key = (variant, kind_name, dtype, vec, n, dev)
     hit = _plans.get(key)
     if hit is not None and hit[0] is kind:
         return hit[1]
-    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(_RING_EXPRS[kind_name][(dtype, vec)])
+    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
     info = device.device_info(dev)
     limit = max(48 * 1024, info.max_smem_per_block_optin)
     plan = None
@@ -368,32 +407,45 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int):
 
 def _ring_grid(ring, rows: int):
     """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
-    (all resident), tiles spread evenly, and no block holding more than `depth` tiles of one row
-    (norm_ring.cuh: forward progress)."""
+    (all resident), tiles spread evenly, no block holding more than `depth` tiles of one row
+    (norm_ring.cuh: forward progress), and fewer than 2^31 tiles (32-bit tile indices)."""
     if ring is None:
         return None
     tiles = rows * ring.C
     per_block = -(-tiles // ring.capacity)
     grid = -(-tiles // per_block)
-    if -(-ring.C // grid) > ring.depth or grid > (1 << 31) - 1:
+    if -(-ring.C // grid) > ring.depth or tiles > (1 << 31) - 1:   # (tile indices are int32)
         return None
     return grid
 
 
-def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int):
-    """The Plan of layer_norm_rows for the row length of `plan` (a layer_norm_fwd plan), or None
-    where it does not apply: split or warp rows, single-element units, more than 2 packs, or
-    WHOLE_ROWS != "persistent"."""
+def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
+    """The Plan of the WHOLE_ROWS kernel for `rows` rows of the length of `plan` (a
+    layer_norm_fwd plan), or None where layer_norm_fwd runs: "per_row", split or warp rows,
+    single-element units, or rows the option's kernel does not take (persistent and compact:
+    more than 2 packs; persistent: w and b over 48 KiB; compact: more than COMPACT_MAX_THREADS
+    threads, or 2^31 rows or more: one block per row, no loop)."""
+    if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
+        raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
+                         f"{WHOLE_ROWS_PLANS}")
     threads = plan.block[0]
-    if (WHOLE_ROWS != "persistent" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
-            or vec == 1 or plan.packs > 2 or _held_wb_bytes(plan) > 48 * 1024):
+    if (WHOLE_ROWS == "per_row" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
+            or vec == 1):
         return None
-    key = ("rows", dtype, vec, plan.packs, threads, dev)
+    if WHOLE_ROWS == "persistent" and (plan.packs > 2 or _held_wb_bytes(plan) > 48 * 1024):
+        return None
+    if WHOLE_ROWS == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
+                                    or rows > (1 << 31) - 1):
+        return None
+    exprs = {"persistent": _ROWS_EXPRS, "two_pass": _TWO_PASS_EXPRS,
+             "compact": _COMPACT_EXPRS}[WHOLE_ROWS]
+    key = (WHOLE_ROWS, dtype, vec, plan.packs, threads, dev)
     hit = _plans.get(key)
     if hit is None:
         kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(
-            _ROWS_EXPRS[(dtype, vec, plan.packs)])
-        per_sm = loader.blocks_per_sm(kernel, threads, _held_wb_bytes(plan))
+            exprs[(dtype, vec, plan.packs)])
+        smem = _held_wb_bytes(plan) if WHOLE_ROWS == "persistent" else 0
+        per_sm = loader.blocks_per_sm(kernel, threads, smem)
         hit = Plan(kernel, (threads, 1, 1), plan.packs, 1,
                    per_sm * device.device_info(dev).sm_count)
         _plans[key] = hit
@@ -406,12 +458,41 @@ def _held_wb_bytes(plan: Plan) -> int:
 
 
 def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
-    """(RingPlan, grid) when split rows take the ring kernel, else None."""
-    if plan.C == 1 or LONG_ROWS != "ring":
+    """(RingPlan, grid) when split rows take a ring kernel (LONG_ROWS "ring" or "ring2"), else
+    None."""
+    if LONG_ROWS not in LONG_ROWS_PLANS:
+        raise ValueError(f"gpuops.ops.norms.LONG_ROWS = {LONG_ROWS!r}: one of {LONG_ROWS_PLANS}")
+    if plan.C == 1 or LONG_ROWS == "split":
         return None
-    ring = _ring_plan(kind_name, dtype, vec, n, dev)
+    ring = _ring_plan(kind_name, dtype, vec, n, dev, LONG_ROWS)
     grid = _ring_grid(ring, rows)
     return None if grid is None else (ring, grid)
+
+
+# ring2's state buffers (norm_ring.cuh): per (device, stream), [launch counter, exit counter, 2
+# unused, words...] as uint32, zeroed once when allocated and never reset (the kernels keep the
+# epoch themselves). A buffer that is outgrown is replaced, and kept: a captured CUDA graph may
+# still launch kernels on it.
+_ring2_states: dict = {}
+_ring2_retired: list = []
+RING2_HEADER_WORDS = 4       # uint32s before the 64-bit words (16 bytes: keeps them aligned)
+
+
+def _ring2_state(call, words: int) -> int:
+    """Address of a ring2 state buffer with room for `words` 64-bit words, for launches on
+    call.stream. A new buffer is zeroed on that stream (inside a capture, the graph zeroes it
+    on every replay: equally valid, as the zero state is a valid state between launches)."""
+    key = (call.device, call.stream)
+    held = _ring2_states.get(key)
+    if held is not None and held[1] >= words:
+        return held[0].ptr
+    if held is not None:
+        _ring2_retired.append(held)
+        words = max(words, 2 * held[1])
+    buf = call.empty((RING2_HEADER_WORDS + 2 * words,), dt.float32)
+    device.cupy_or_none().cuda.runtime.memsetAsync(buf.ptr, 0, buf.nbytes, call.stream)
+    _ring2_states[key] = (buf, words)
+    return buf.ptr
 
 
 def _split_workspace(call, rows: int, C: int, K: int, extra: int):
@@ -598,6 +679,13 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, ((x.ptr, xs), (y.ptr, ys)), (w, b)) else 1
     plan = _plan("layer_norm", dtype, vec, n, call.device)
     ring = _long_rows_ring("layer_norm", plan, dtype, vec, n, rows, call.device)
+    if ring is not None and LONG_ROWS == "ring2":
+        ring, grid = ring
+        state = _ring2_state(call, rows * ring.C * 2)
+        ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
+                           _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), state, rows, n, ring.C,
+                           ring.depth, eps, smem=ring.smem)
+        return y, mean, rstd
     if ring is not None:
         ring, grid = ring
         ws, counters, partials, stats = _split_workspace(call, rows, ring.C, 3,
@@ -607,11 +695,13 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
                            _ptr(w), _ptr(b), mp, rp, partials, counters, rows, n, ring.C,
                            ring.depth, eps, smem=ring.smem)
         return y, mean, rstd
-    whole = _whole_rows_plan(plan, dtype, vec, call.device)
+    whole = _whole_rows_plan(plan, dtype, vec, call.device, rows)
     if whole is not None:
-        whole.kernel.launch((min(rows, whole.capacity), 1, 1), whole.block, call.stream, x.ptr,
-                            xs, y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows,
-                            n, 1, FUSED, eps, smem=_held_wb_bytes(whole))
+        persistent = WHOLE_ROWS == "persistent"     # (one resident wave; else a block per row)
+        grid = min(rows, whole.capacity) if persistent else min(rows, (1 << 31) - 1)
+        whole.kernel.launch((grid, 1, 1), whole.block, call.stream, x.ptr, xs, y.ptr, ys,
+                            _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows, n, 1, FUSED,
+                            eps, smem=_held_wb_bytes(whole) if persistent else 0)
         return y, mean, rstd
     plan, grid, phases = _grid(plan, rows, False)
     mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0
@@ -648,6 +738,13 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     kind = "add_rms_norm" if residual is not None else "rms_norm"
     plan = _plan(kind, dtype, vec, n, call.device)
     ring = _long_rows_ring(kind, plan, dtype, vec, n, rows, call.device)
+    if ring is not None and LONG_ROWS == "ring2":
+        ring, grid = ring
+        state = _ring2_state(call, rows * ring.C)
+        ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
+                           rs, y.ptr, ys, _ptr(h), hs, _ptr(w), _ptr(rstd), state, rows, n,
+                           ring.C, ring.depth, eps, smem=ring.smem)
+        return y, h, rstd
     if ring is not None:
         ring, grid = ring
         ws, counters, partials, stats = _split_workspace(call, rows, ring.C, 1,

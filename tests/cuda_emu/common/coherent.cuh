@@ -13,6 +13,23 @@ inline float4 load_cg4(const float* p) {
 inline void store_cg(float* p, float v) { *reinterpret_cast<volatile float*>(p) = v; }
 inline unsigned counter_add_acq_rel(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline void counter_add_release(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline unsigned long long load_word_relaxed(const unsigned long long* p) {
+  return std::atomic_ref<unsigned long long>(*const_cast<unsigned long long*>(p)).load(std::memory_order_relaxed);
+}
+inline void store_word_relaxed(unsigned long long* p, unsigned long long v) {
+  std::atomic_ref<unsigned long long>(*p).store(v, std::memory_order_relaxed);
+}
+inline unsigned load_relaxed(const unsigned* p) {
+  return std::atomic_ref<unsigned>(*const_cast<unsigned*>(p)).load(std::memory_order_relaxed);
+}
+inline void store_relaxed(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).store(v, std::memory_order_relaxed); }
+inline unsigned counter_add_relaxed(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v, std::memory_order_relaxed); }
+inline uint4 load16_cg(const void* p) {
+  uint4 v{0, 0, 0, 0};
+  if (reinterpret_cast<unsigned long long>(p) & 15u) { emu::fail("misaligned 16-byte load"); return v; }
+  std::memcpy(&v, p, 16);
+  return v;
+}
 inline void poll_pause() { emu::yield(); }
 inline void wait_counter(const unsigned* p, unsigned target) {
   while (std::atomic_ref<unsigned>(*const_cast<unsigned*>(p)).load() < target) poll_pause();
