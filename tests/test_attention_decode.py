@@ -405,6 +405,7 @@ def test_emulated_merge_paths(emu_ops, emulated, monkeypatch, rng, combine, dtyp
 def test_emulated_merge_many_columns(emu_ops, emulated, monkeypatch, rng):
     """fp32 D 256 with 8 q rows per block: 512 (row, 4-column) items, more than the block's
     threads (several passes of one thread per item)."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 8)
     emulated[A.SPLIT_MODULE.name].set_block_order(5)
     b, s_max, hq, hkv, d, dtype = 2, 64, 8, 1, 256, "float32"
@@ -423,6 +424,7 @@ def test_emulated_merge_many_columns(emu_ops, emulated, monkeypatch, rng):
 def test_emulated_one_split_writes_the_output(emu_ops, monkeypatch, rng, dtype):
     """One split (the sequences fill the slots): the split kernel writes out and lse itself, bit
     for bit what decode_combine writes for one split (weight exp(0) = 1); no counters."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
     b, s_max, hq, hkv, d, sq = 3, 40, 8, 8, 64, 2
     q = _arr(rng, (b, sq, hq, d), dtype)
     k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
@@ -442,6 +444,7 @@ def test_emulated_one_split_writes_the_output(emu_ops, monkeypatch, rng, dtype):
 def test_emulated_counter_slices(emu_ops, monkeypatch, rng):
     """Each stream its own counter slice; no slice (too many block rows, too many streams, first
     use inside a capture): the separate merge, same results."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev: 32)
     monkeypatch.setattr(A, "COUNTER_CHUNK", 2)
     monkeypatch.setattr(A, "COUNTER_MAX_SLICES", 3)
@@ -598,6 +601,7 @@ def test_gpu_fused_merge_matches_separate(rng, monkeypatch, shape):
     """The bench shapes (and GQA 8, a one-element head dim): the split kernel's last-block merge
     against the reference and against the decode_combine launch (same partials, another
     summation order: within an ulp of the storage dtype)."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
     b, s, hq, hkv, d = shape
     dtype = "bfloat16"
     q = _arr(rng, (b, 1, hq, d), dtype)
@@ -619,10 +623,11 @@ def test_gpu_fused_merge_matches_separate(rng, monkeypatch, shape):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
-def test_gpu_fused_merge_in_a_cuda_graph(rng, op):
+def test_gpu_fused_merge_in_a_cuda_graph(rng, op, monkeypatch):
     """Captured once, replayed with other lengths (empty splits, an empty sequence, full caches):
     every replay right (the counters reset themselves: no memset node in the graph) and equal bit
     for bit to an eager call on another stream (another counter slice, the same arithmetic)."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
     b, s_max, hq, hkv, d, ps = 2, 4096, 16, 8, 128, 16
     k = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
     v = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
@@ -667,10 +672,11 @@ def test_gpu_fused_merge_in_a_cuda_graph(rng, op):
 
 @gpu
 @needs_torch_cuda
-def test_gpu_fused_merge_on_two_streams_at_once(rng):
+def test_gpu_fused_merge_on_two_streams_at_once(rng, monkeypatch):
     """Decode calls on two streams that overlap on the GPU (small grids: 16 splits x 8 kv heads
     each), many times without a synchronize: each stream has its own counters, so every result
     is right (with one shared counter array the last-block counts of the two would mix)."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
     b, s, hq, hkv, d = 1, 2048, 16, 8, 128
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     work = []

@@ -103,14 +103,15 @@ assert flash_smem(GENERAL_D, *GENERAL_TILE) <= 48 * 1024
 # loads in flight during the whole current one. Chosen for no spills at the most blocks per SM
 # (ptxas -v, NVRTC 12.9, sm_80/sm_90; benchmarks/notes_attention.md).
 MMA_TILES = {32: (8, 1, 64, True, 2, 1), 64: (4, 1, 64, True, 3, 1), 96: (4, 1, 64, True, 2, 1),
-             128: (4, 2, 32, False, 2, 1), 256: (4, 1, 64, False, 2, 1)}
-# D = 128: 4 warps x 32 rows, BC 32 measured fastest (run 18: 0.70x / 0.71x SDPA-FLASH against
-# 0.63x / 0.61x for 4 x 16 rows, BC 64, non-causal / causal). Other schedules compiled too, so one
-# GPU session can time them against MMA_TILES (benchmarks/experiments/attention_mma_schedules.py;
-# swap one in with MMA_TILES[128] = cfg): FlashAttention-2's own tile (4 warps x 32 rows, BC 64,
-# Q re-read from shared memory), each with two K/V stages, and the 16-rows-per-warp schedules of
-# run 18 (8 x 16: BR 128, one block per SM; 4 x 16, BC 64: Q in registers).
-MMA_ALTERNATES = {128: ((4, 2, 64, False, 2, 1), (4, 2, 32, False, 2, 2), (4, 2, 64, False, 2, 2),
+             128: (4, 2, 64, False, 2, 1), 256: (4, 1, 64, False, 2, 1)}
+# D = 128: FlashAttention-2's own tile (4 warps x 32 rows, BC 64, Q re-read from shared memory,
+# one K/V stage) measured fastest after the softmax rework (run 22, B4 H32 S4096 bf16: 0.91x /
+# 1.02x SDPA-FLASH non-causal / causal; 4 x 32 rows BC 32: 0.78x / 0.86x; two stages: 0.89x /
+# 1.00x). Other schedules compiled too, so one GPU session can time them against MMA_TILES
+# (benchmarks/experiments/attention_mma_schedules.py; swap one in with MMA_TILES[128] = cfg):
+# 4 x 32 rows BC 32, each with two K/V stages, and the 16-rows-per-warp schedules of run 18
+# (8 x 16: BR 128, one block per SM; 4 x 16, BC 64: Q in registers).
+MMA_ALTERNATES = {128: ((4, 2, 32, False, 2, 1), (4, 2, 32, False, 2, 2), (4, 2, 64, False, 2, 2),
                         (8, 1, 64, True, 1, 1), (4, 1, 64, True, 2, 1))}
 # Calls with an attn_mask take an instantiation with the mask code compiled in (MASK = true; the
 # others leave it out and ignore mask_kind) and, where the fast schedule has no registers to spare

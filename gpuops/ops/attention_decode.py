@@ -55,8 +55,10 @@ RTS = (1, 2, 4, 8)            # q rows per block on the 16-byte path
 SPLIT = {"waves": 1, "min_chunk": 128}
 # How the splits are merged: "fused" (in the split kernel: the last block of each (b, kv head,
 # row chunk) merges, or the only split writes the output; one launch) or "separate" (the
-# decode_combine kernel, a second launch; kept for A/B timing). Read at every call.
-COMBINE = "fused"
+# decode_combine kernel, a second launch). Read at every call. Run 22 (rotated caches, CUDA graph):
+# B1 S8192 fused 22.4 us vs separate 20.3 (the last block's serial merge costs more than the
+# launch it saves; predicted ~18: missed), B16 S4096 98.0 vs 98.9 us: "separate" stays the default.
+COMBINE = "separate"
 # Counters of the fused merge: one unsigned per split-kernel block row (grid x), zeroed once when
 # allocated and reset to 0 by the kernel that used them. Each CUDA stream gets its own slice
 # (COUNTER_CAP counters) so that decode calls running at the same time on different streams never
