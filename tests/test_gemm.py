@@ -490,6 +490,21 @@ def test_wgmma_launch_packs_its_arguments(monkeypatch):
     G._wgmma_map_cache.clear()
 
 
+def test_wgmma_grid_counts_units_and_resident_clusters():
+    """Persistent grid: whole clusters, at most one CTA per SM, at most as many clusters as the
+    driver says can be resident (cuOccupancyMaxActiveClusters), never more than the work."""
+    from types import SimpleNamespace
+    p = SimpleNamespace(M=4096, N=6144, batch=1)               # 32 x 24 tiles
+    assert G._wgmma_grid(p, 1, 132) == 132
+    assert G._wgmma_grid(p, 2, 132) == 132
+    assert G._wgmma_grid(p, 2, 132, 60) == 120                 # 60 clusters fit: not 66
+    assert G._wgmma_grid(p, 2, 133, None) == 132               # whole clusters only
+    small = SimpleNamespace(M=300, N=520, batch=2)             # 3 x 3 tiles, 2 x 3 pairs
+    assert G._wgmma_grid(small, 1, 132) == 18
+    assert G._wgmma_grid(small, 2, 132) == 24
+    assert G._wgmma_grid(small, 2, 132, 5) == 10
+
+
 @pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
 def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     """PLAN['wgmma'] picks the module, kernel, grid and B box of each configuration: clusters of 2
@@ -1297,9 +1312,12 @@ def test_gpu_wgmma_errors():
 
 @gpu
 @needs_torch_cuda
-def test_gpu_wgmma_in_cuda_graph():
-    """Tensor maps travel by value in the launch: captured once, replayed with new data."""
+@pytest.mark.parametrize("config", WG_CONFIGS)
+def test_gpu_wgmma_in_cuda_graph(config, monkeypatch):
+    """Tensor maps travel by value in the launch: captured once, replayed with new data (the
+    cluster configurations' occupancy query is made, and cached, before the capture)."""
     _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     a, b = _randn((512, 136), "bfloat16"), _randn((136, 776), "bfloat16")
     bias = _randn((776,), "bfloat16")
     side = torch.cuda.Stream()

@@ -174,6 +174,13 @@ def correctness_one(cfg):
                   f"{time.time() - t0:.1f} s): {k.raw.num_regs} registers, "
                   f"max dynamic smem {device.device_info(0).max_smem_per_block_optin} B "
                   f"(needs {G.WGMMA_SMEM})", flush=True)
+            if G.WGMMA_CONFIGS[cfg][1] > 1:
+                n = k.max_active_clusters(G.WGMMA_THREADS, G.WGMMA_SMEM)
+                cl = G.WGMMA_CONFIGS[cfg][1]
+                sms = device.device_info(0).sm_count
+                print(f"     clusters of {cl}: {n} resident at once (cuOccupancyMaxActiveClusters"
+                      f"; {sms // cl} would use every SM)", flush=True)
+                RESULTS.setdefault("resident_clusters", {})[cfg] = n
     except Exception as exc:
         fail(f"loading the module: {type(exc).__name__}: {exc}\n{getattr(exc, 'log', '')}", 2)
 

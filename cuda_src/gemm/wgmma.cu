@@ -26,6 +26,14 @@
 // only __syncwarp), then stores rows in 64-byte runs (coalesced), with the next chunk's bias and
 // residual loaded before the current chunk's math. The chunk loop is rolled: the accumulators
 // shift down by 16 registers per chunk, so the activation code exists once.
+//
+// Configurations (template EPI / CL; ops/gemm.py WGMMA_CONFIGS, PLAN["wgmma"]), for A/B runs:
+//  * EPI = 1 'direct' epilogue (wg_epilogue_direct): whole tiles of a 16-bit C go from the
+//    fragments to global memory without staging (the tensor cores idle during the epilogue,
+//    since both consumer warpgroups finish a tile together: it must be short);
+//  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
+//    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
+//    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
 #include "gemm/gemm_common.cuh"
 #include "gemm/wgmma_common.cuh"
 
@@ -237,8 +245,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         const bool a_live = t.m0 < p.M;
         const int a_boxes = !a_live ? 0 : AMN ? (t.m0 + 64 < p.M ? 2 : 1) : 1;
         const int b_boxes = BMN ? (int)min(4LL, (p.N - t.n0 + 63) / 64) : 1;
+        // K-major B with CL = 2: half boxes of 128 rows; a half wholly past N is not loaded (no
+        // box starts outside the tensor), the same count in both CTAs of the pair
+        constexpr int kRows = kWgBN / CL;
+        const int b_halves = (int)min((long long)CL, (p.N - t.n0 + kRows - 1) / kRows);
         const unsigned int a_bytes = AMN ? a_boxes * kWgBoxBytes : (a_live ? kWgABytes : 0);
-        const unsigned int bytes = a_bytes + (BMN ? b_boxes * kWgBoxBytes : kWgBBytes);
+        const unsigned int bytes =
+            a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_halves * (kWgBBytes / CL));
         for (int kt = 0; kt < sh.ktiles; ++kt) {
           if constexpr (CL > 1) mbar_wait_cluster(empty_bar + 8 * stage, phase ^ 1);
           else mbar_wait(empty_bar + 8 * stage, phase ^ 1);
@@ -259,9 +272,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
             for (int i = rank; i < b_boxes; i += CL)
               tma_load_all<CL>(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0,
                                sh.batched, cb);
-          } else {
+          } else if (rank < b_halves) {
             // one box of kWgBN / CL rows (the host encodes B's map with that box)
-            constexpr int kRows = kWgBN / CL;
             tma_load_all<CL>(sb + rank * kRows * 128, &tma_b, fb, k0, (int)t.n0 + kRows * rank,
                              sh.batched, cb);
           }

@@ -740,20 +740,27 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, cluster=1):
     return tuple(out)
 
 
-def _wgmma_grid(p: _Plan, cluster, sms):
-    """Persistent grid: one CTA per SM at most, in whole clusters; work units are `cluster`
-    tiles stacked along M (the kernel's WgShape)."""
+def _wgmma_grid(p: _Plan, cluster, sms, resident_clusters=None):
+    """Persistent grid: one CTA per SM at most, in whole clusters, and no more clusters than
+    can be resident at once (when the driver says); work units are `cluster` tiles stacked
+    along M (the kernel's WgShape)."""
     units = _cdiv(_cdiv(p.M, WGMMA_BM), cluster) * _cdiv(p.N, WGMMA_BN) * p.batch
-    return cluster * min(units, max(sms // cluster, 1))
+    slots = max(sms // cluster, 1)
+    if resident_clusters:
+        slots = min(slots, resident_clusters)
+    return cluster * min(units, slots)
 
 
 def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     """One persistent launch: min(tiles, SMs) blocks (whole clusters) walk every output tile."""
     (a_mn, map_a), (b_mn, map_b) = maps
     cluster = WGMMA_CONFIGS[config][1]
-    blocks = _wgmma_grid(p, cluster, device.sm_count(call.device))
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
+    resident = None
+    if cluster > 1 and hasattr(kernel, "max_active_clusters"):
+        resident = kernel.max_active_clusters(WGMMA_THREADS, WGMMA_SMEM)
+    blocks = _wgmma_grid(p, cluster, device.sm_count(call.device), resident)
     kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b,
                   *_gemm_args(p, L, 0), smem=WGMMA_SMEM)
 
