@@ -584,7 +584,7 @@ def test_wgmma_layout_simulation():
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
 @pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
-@pytest.mark.parametrize("dtype", [dt.bfloat16, dt.float16])
+@pytest.mark.parametrize("dtype", [dt.bfloat16, dt.float16], ids=["bfloat16", "float16"])
 def test_wgmma_module_compiles_for_sm90a(dtype, config):
     """The wgmma module of each configuration for sm_90a: no spills, no 'wgmma serialized'
     warning from ptxas, the register split (setmaxnreg) and, in the SASS when nvdisasm is
