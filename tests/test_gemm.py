@@ -84,9 +84,12 @@ def test_every_gemm_module_declares_its_archs():
         assert "61" in m.archs, m.name
     assert set(G.GEMV) == set(dt.FLOATS) and set(G.MMA) == set(dt.FLOATS) | {dt.int8}
     assert set(G.GEMV_MMA) == {dt.float16, dt.bfloat16}
-    for m in G.WGMMA.values():
-        assert m.archs == ("90a",) and m.arch_specific and m.supports(90) and not m.supports(80)
-    assert set(G.WGMMA) == {dt.float16, dt.bfloat16}
+    for mods in G.WGMMA_MODULES.values():
+        assert set(mods) == {dt.float16, dt.bfloat16}
+        for m in mods.values():
+            assert m.archs == ("90a",) and m.arch_specific and m.supports(90) \
+                and not m.supports(80)
+    assert G.WGMMA_MODULES["base"] is G.WGMMA
     for f in sorted((ROOT / "cuda_src/gemm").glob("*.cu")):
         assert f.read_text().startswith("// "), f"{f.name} must open with what it adds"
 
@@ -286,7 +289,7 @@ def test_decode_plans():
     assert G._l1_split(8, 4096, 4, 1, 0) == (2, 2048)
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
-    assert set(G.PLAN) == {"decode", "mma_tiles"}
+    assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma"}
 
 
 class _Info:
@@ -469,7 +472,7 @@ def test_wgmma_launch_packs_its_arguments(monkeypatch):
     assert out.shape == (4096, 6144)
     (_, name, expr), (grid, block, stream, args, smem) = launches
     assert name == "gemm.wgmma_bf16"
-    assert expr == "gpuops::gemm::gemm_wgmma<gpuops::bfloat16_t, false, true>"   # B N-major
+    assert expr == "gpuops::gemm::gemm_wgmma<gpuops::bfloat16_t, false, true, 0>"   # B N-major
     assert grid == (132, 1, 1) and block == (384, 1, 1) and stream == 1234
     assert smem == G.WGMMA_SMEM
     assert args[0] == b"\x01" * 128 and args[1] == b"\x02" * 128
@@ -484,6 +487,69 @@ def test_wgmma_launch_packs_its_arguments(monkeypatch):
     G.gemm(FakeCall(), "matmul", _view((200, 64), dtype=dt.bfloat16),
            _view((64, 264), ptr=1 << 24, dtype=dt.bfloat16), variant="wgmma")
     assert launches[1][0] == (4, 1, 1)
+    G._wgmma_map_cache.clear()
+
+
+def test_wgmma_grid_counts_units_and_resident_clusters():
+    """Persistent grid: whole clusters, at most one CTA per SM, at most as many clusters as the
+    driver says can be resident (cuOccupancyMaxActiveClusters), never more than the work."""
+    from types import SimpleNamespace
+    p = SimpleNamespace(M=4096, N=6144, batch=1)               # 32 x 24 tiles
+    assert G._wgmma_grid(p, 1, 132) == 132
+    assert G._wgmma_grid(p, 2, 132) == 132
+    assert G._wgmma_grid(p, 2, 132, 60) == 120                 # 60 clusters fit: not 66
+    assert G._wgmma_grid(p, 2, 133, None) == 132               # whole clusters only
+    small = SimpleNamespace(M=300, N=520, batch=2)             # 3 x 3 tiles, 2 x 3 pairs
+    assert G._wgmma_grid(small, 1, 132) == 18
+    assert G._wgmma_grid(small, 2, 132) == 24
+    assert G._wgmma_grid(small, 2, 132, 5) == 10
+
+
+@pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
+def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
+    """PLAN['wgmma'] picks the module, kernel, grid and B box of each configuration: clusters of 2
+    take pairs of tiles along M (grid even, at most one CTA per SM) and a K-major B box of 128
+    rows (each CTA of a pair loads half of B and multicasts it)."""
+    launches, encoded = [], []
+
+    class FakeKernel:
+        def launch(self, grid, block, stream, *args, smem=0):
+            G.WGMMA_ARGS.struct.pack_into(bytearray(G.WGMMA_ARGS.size), 0, *args)
+            launches.append((grid, block, smem))
+
+    class FakeCall:
+        result_dtype, device, stream = dt.bfloat16, 0, 1
+
+        def empty(self, shape, dtype):
+            return _view(shape, ptr=1 << 30, dtype=dtype)
+
+    monkeypatch.setattr(G.tma, "encode_tiled", lambda ptr, dtype, dims, strides, box, *r: (
+        encoded.append(box), bytes(128))[1])
+    monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
+    monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
+        launches.append((module.name, expr)), FakeKernel())[1])
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
+    G._wgmma_map_cache.clear()
+    epi, cl = G.WGMMA_CONFIGS[config]
+    x, w = _view((4096, 2048), dtype=dt.bfloat16), _view((6144, 2048), ptr=1 << 24,
+                                                           dtype=dt.bfloat16)
+    G.gemm(FakeCall(), "linear", x, G._transposed(w), variant="wgmma")
+    (name, expr), (grid, block, smem) = launches
+    assert name == ("gemm.wgmma_bf16" if config == "base" else f"gemm.wgmma_{config}_bf16")
+    fn = "gemm_wgmma" if cl == 1 else "gemm_wgmma_mc2"
+    assert expr == f"gpuops::gemm::{fn}<gpuops::bfloat16_t, false, false, {epi}>"
+    assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
+    assert grid == (132, 1, 1) and block == (384, 1, 1) and smem == G.WGMMA_SMEM
+    assert encoded == [(64, 128), (64, 256 // cl)]
+    # 3 x 3 tiles: 2 units of 2 tiles along M (the last tile row alone) per column -> 6 clusters
+    launches.clear()
+    G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
+           _view((64, 520), ptr=1 << 24, dtype=dt.bfloat16), variant="wgmma")
+    assert launches[1][0] == ((9, 1, 1) if cl == 1 else (12, 1, 1))
+    monkeypatch.setitem(G.PLAN, "wgmma", "nope")
+    with pytest.raises(ValueError, match="PLAN\\['wgmma'\\]"):
+        G.gemm(FakeCall(), "matmul", x, G._transposed(w), variant="wgmma")
     G._wgmma_map_cache.clear()
 
 
@@ -517,12 +583,16 @@ def test_wgmma_layout_simulation():
 
 
 @pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
-@pytest.mark.parametrize("dtype", [dt.bfloat16, dt.float16])
-def test_wgmma_module_compiles_for_sm90a(dtype):
-    """The wgmma module for sm_90a: no spills, no 'wgmma serialized' warning from ptxas, the
-    register split (setmaxnreg) and, in the SASS when nvdisasm is installed, HGMMA.64x256x16
-    fed by TMA (UTMALDG) and mbarriers (SYNCS)."""
-    m = G.WGMMA[dtype]
+@pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
+@pytest.mark.parametrize("dtype", [dt.bfloat16, dt.float16], ids=["bfloat16", "float16"])
+def test_wgmma_module_compiles_for_sm90a(dtype, config):
+    """The wgmma module of each configuration for sm_90a: no spills, no 'wgmma serialized'
+    warning from ptxas, the register split (setmaxnreg) and, in the SASS when nvdisasm is
+    installed, HGMMA.64x256x16 fed by TMA (UTMALDG, multicast with clusters) and mbarriers."""
+    if config != "base" and dtype is dt.float16:
+        pytest.skip("configurations are compiled for bf16 here (the kernel is the same code)")
+    m = G.WGMMA_MODULES[config][dtype]
+    cluster = G.WGMMA_CONFIGS[config][1]
     c = nvrtc.compile_source(m.assembled.text, m.assembled.main_file, m.name,
                              nvrtc.Target(90, "cubin", "a"), m.options, m.name_expressions,
                              verbose=True)
@@ -550,6 +620,7 @@ def test_wgmma_module_compiles_for_sm90a(dtype):
     for op in ("UTMALDG.2D", "UTMALDG.5D", "SYNCS.ARRIVE", "USETMAXREG.DEALLOC",
                "USETMAXREG.TRY_ALLOC", "WARPGROUP.ARRIVE"):
         assert op in sass, op
+    assert ("UTMALDG.2D.MULTICAST" in sass) == (cluster > 1)
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -1105,6 +1176,8 @@ def test_gpu_linear_gradients_match_torch(act, dtype):
 
 WG_TILE = (G.WGMMA_BM, G.WGMMA_BN)
 WG_DTYPES = ["bfloat16", "float16"]
+# every kernel configuration (PLAN['wgmma']: epilogue staged / direct, clusters of 1 / 2)
+WG_CONFIGS = sorted(G.WGMMA_CONFIGS)
 
 
 def _skip_unless_hopper():
@@ -1126,10 +1199,12 @@ def _padded(rows, cols, dtype):
 @pytest.mark.parametrize("shape", [(128, 256, 64), (256, 512, 128), (2048, 4096, 512),
                                    (1, 1, 1), (17, 33, 65), (130, 259, 77), (4097, 4095, 1000),
                                    (64, 80, 65536)], ids=lambda s: "x".join(map(str, s)))
-def test_gpu_wgmma_shapes(shape, dtype):
+@pytest.mark.parametrize("config", WG_CONFIGS)
+def test_gpu_wgmma_shapes(shape, dtype, config, monkeypatch):
     """Tile multiples, one tile, ragged M / N / K tails (zero-filled by TMA; NaN padding past
     them must not leak in), more tiles than SMs (the persistent loop), K up to 65536."""
     _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     M, N, K = shape
     a, b = _padded(M, K, dtype), _padded(K, N, dtype)
     out = go.matmul(a, b, variant="wgmma")
@@ -1140,10 +1215,12 @@ def test_gpu_wgmma_shapes(shape, dtype):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", WG_DTYPES)
-def test_gpu_wgmma_layouts(dtype, monkeypatch):
+@pytest.mark.parametrize("config", WG_CONFIGS)
+def test_gpu_wgmma_layouts(dtype, config, monkeypatch):
     """All four operand layouts (the transpose bits of wgmma); layouts TMA cannot read raise
     ValueError naming the operand, and fall back to 'mma' under WGMMA_AUTO."""
     _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     for name, a, b in _layouts(200, 264, 136, dtype):
         if name in ("sliced", "unaligned"):
             with pytest.raises(ValueError, match="cannot read 'a' with TMA"):
@@ -1160,10 +1237,12 @@ def test_gpu_wgmma_layouts(dtype, monkeypatch):
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", WG_DTYPES)
 @pytest.mark.parametrize("act", ACTS)
-def test_gpu_wgmma_fused_epilogue(act, dtype):
+@pytest.mark.parametrize("config", WG_CONFIGS)
+def test_gpu_wgmma_fused_epilogue(act, dtype, config, monkeypatch):
     """act(alpha * acc + bias) + residual in fp32 with ragged edges, residual broadcast over
     rows, a transposed residual (no L2 prefetch), fp32 output of 16-bit inputs."""
     _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     for M, N, K in ((70, 72, 304), (300, 520, 320)):
         a, b = _randn((M, K), dtype), _randn((K, N), dtype)
         bias, res = _randn((N,), dtype), _randn((M, N), dtype)
@@ -1189,10 +1268,12 @@ def test_gpu_wgmma_fused_epilogue(act, dtype):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", WG_DTYPES)
-def test_gpu_wgmma_batched_and_linear(dtype):
+@pytest.mark.parametrize("config", WG_CONFIGS)
+def test_gpu_wgmma_batched_and_linear(dtype, config, monkeypatch):
     """Batches (folded into M, broadcast, transposed per matrix, expanded, many small matrices:
     5-D tensor maps, the persistent loop over the batch) and linear (a K-major weight)."""
     _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     cases = {
         "fold": (_randn((3, 2, 37, 48), dtype), _randn((48, 40), dtype)),
         "broadcast": (_randn((3, 1, 37, 48), dtype), _randn((2, 48, 40), dtype)),
@@ -1231,9 +1312,12 @@ def test_gpu_wgmma_errors():
 
 @gpu
 @needs_torch_cuda
-def test_gpu_wgmma_in_cuda_graph():
-    """Tensor maps travel by value in the launch: captured once, replayed with new data."""
+@pytest.mark.parametrize("config", WG_CONFIGS)
+def test_gpu_wgmma_in_cuda_graph(config, monkeypatch):
+    """Tensor maps travel by value in the launch: captured once, replayed with new data (the
+    cluster configurations' occupancy query is made, and cached, before the capture)."""
     _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     a, b = _randn((512, 136), "bfloat16"), _randn((136, 776), "bfloat16")
     bias = _randn((776,), "bfloat16")
     side = torch.cuda.Stream()

@@ -17,13 +17,18 @@ first stage that fails:
   gemm    the full kernel (go.matmul variant='wgmma', outputs poisoned with NaN) at 64x256x16,
           128x256x64, 256x256x64 with readable patterns (A = identity with B = row index / column
           index, ones, small random integers), all four operand layouts at 128x256x64.
+  gemm_direct, gemm_mc2, gemm_mc2_direct
+          the same for the other kernel configurations (gemm.WGMMA_CONFIGS: the direct epilogue,
+          2-CTA clusters with B multicast), plus 384x512x128 (3 tile rows: a cluster's second
+          tile past M) and a linear (K-major B: half boxes per CTA); each its own process, so a
+          hang in one configuration does not hide the others.
 
 Each stage prints PASS / FAIL / ERROR with a short diagnosis and runs in its own process (a
 sticky CUDA error or a hang in one stage cannot take the others down; --inline runs them in this
-process). The whole run takes well under a minute (the first use compiles gemm.wgmma_probe and
-gemm.wgmma_bf16, about 5 s each).
+process). The whole run takes about a minute and a half (the first use compiles gemm.wgmma_probe
+and one gemm.wgmma*_bf16 module per configuration, about 5-10 s each).
 
-    python benchmarks/experiments/wgmma_bisect.py [--json out.json] [--stages params,tma,mma,gemm]
+    python benchmarks/experiments/wgmma_bisect.py [--json out.json] [--stages params,tma,mma,gemm,...]
 """
 from __future__ import annotations
 
@@ -43,8 +48,9 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import numpy as np  # noqa: E402
 
-STAGES = ("params", "tma", "mma", "gemm")
-STAGE_TIMEOUT_S = {"params": 40, "tma": 30, "mma": 30, "gemm": 45}
+STAGES = ("params", "tma", "mma", "gemm", "gemm_direct", "gemm_mc2", "gemm_mc2_direct")
+STAGE_TIMEOUT_S = {"params": 40, "tma": 30, "mma": 30, "gemm": 45, "gemm_direct": 40,
+                   "gemm_mc2": 40, "gemm_mc2_direct": 40}
 HINTS = {
     "params": "the launch path: kernel parameters do not reach the kernel as packed "
               "(runtime/launch.py: kernelParams for over-aligned parameters)",
@@ -54,6 +60,11 @@ HINTS = {
            "bits, or the accumulator fragment mapping",
     "gemm": "the pipeline of wgmma.cu (stage ring, mbarrier phases, persistent tile loop, "
             "epilogue), given that params / tma / mma pass",
+    "gemm_direct": "the direct epilogue of wgmma.cu (wg_epilogue_direct), given that gemm passes",
+    "gemm_mc2": "the 2-CTA cluster path of wgmma.cu (cluster_sync_all, remote empty arrives "
+                "(count 16), multicast B halves, expect_tx bytes, work units of 2 tiles), given "
+                "that gemm passes",
+    "gemm_mc2_direct": "clusters + direct epilogue; compare gemm_mc2 and gemm_direct",
 }
 
 
@@ -357,8 +368,10 @@ def stage_mma(out):
     return False, "; ".join(c["what"] + ": " + c["diagnosis"] for c in checks if not c["ok"])
 
 
-def stage_gemm(out):
+def stage_gemm(out, config="base"):
     torch = _torch()
+    from gpuops.ops import gemm as G  # noqa: PLC0415
+    G.PLAN["wgmma"] = config
     import gpuops as go  # noqa: PLC0415
     rng = np.random.default_rng(1)
     checks, ok_all = [], True
@@ -383,13 +396,20 @@ def stage_gemm(out):
             yield "a.T @ b (A M-major, B N-major)", a.T.contiguous().T, b
             yield "a.T @ W.T (A M-major, B K-major)", a.T.contiguous().T, b.T.contiguous().T
 
-    for M, N, K in ((64, 256, 16), (128, 256, 64), (256, 256, 64)):
+    shapes = ((64, 256, 16), (128, 256, 64), (256, 256, 64))
+    if config != "base":
+        shapes += ((384, 512, 128),)
+    for M, N, K in shapes:
         for pname, A, B in patterns(M, N, K):
             want = A @ B              # integers below 256 in magnitude: exact in bf16
-            for lname, a, b in layouts(A, B, (M, N, K) == (128, 256, 64) and "random" in pname):
+            for lname, a, b in layouts(A, B, (M, N, K) in ((128, 256, 64), (384, 512, 128))
+                                       and "random" in pname):
                 what = f"{M}x{N}x{K} {pname}, {lname}"
                 try:
-                    got = go.matmul(a, b, variant="wgmma")
+                    if lname.startswith("x @ W.T") and config != "base":
+                        got = go.linear(a, b.T, variant="wgmma")     # the same K-major B
+                    else:
+                        got = go.matmul(a, b, variant="wgmma")
                     torch.cuda.synchronize()
                 except Exception as exc:      # launch / argument errors: report, go on
                     checks.append({"what": what, "ok": False,
@@ -430,7 +450,10 @@ def stage_gemm(out):
     return False, "; ".join(c["what"] + ": " + c["diagnosis"] for c in checks if not c["ok"])[:600]
 
 
-RUNNERS = {"params": stage_params, "tma": stage_tma, "mma": stage_mma, "gemm": stage_gemm}
+RUNNERS = {"params": stage_params, "tma": stage_tma, "mma": stage_mma, "gemm": stage_gemm,
+           "gemm_direct": lambda out: stage_gemm(out, "direct"),
+           "gemm_mc2": lambda out: stage_gemm(out, "mc2"),
+           "gemm_mc2_direct": lambda out: stage_gemm(out, "mc2_direct")}
 
 
 def run_stage(name):
@@ -490,7 +513,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--inline", action="store_true", help="run the stages in this process")
-    ap.add_argument("--budget", type=float, default=58.0, help="seconds for all stages")
+    ap.add_argument("--budget", type=float, default=110.0, help="seconds for all stages")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--stage-json", help=argparse.SUPPRESS)
     args = ap.parse_args()

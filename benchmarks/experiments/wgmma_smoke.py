@@ -9,10 +9,19 @@ Steps (each prints one line, or a diagnosis and stops):
    rows / columns / k blocks look wrong) are reported;
 3. the same for all four operand layouts (K- or M/N-major A and B: the transpose bits and the
    M/N-major descriptors), fp16, a ragged 300x520x200, the fused epilogue, a batch;
-4. timings (CUDA events, median) at 8192^3 and the two LLM shapes: wgmma against torch.matmul
-   (cuBLAS) and gpuops' mma, in TFLOP/s and % of cuBLAS.
+   Steps 2-3 run for every kernel configuration of gemm.WGMMA_CONFIGS (PLAN['wgmma']:
+   epilogue staged / direct, clusters of 1 / 2 CTAs with B multicast);
+4. timings (CUDA events, median of `REPS` back-to-back calls per event pair, outputs NOT
+   poisoned: run 21 timed one call per event pair with the NaN memset of the output included,
+   so host time and a memset of up to 128 MiB sat in every gpuops row but not in cuBLAS's):
+   a. 8192^3 and the two LLM shapes, a @ b and linear: cuBLAS, mma, every wgmma configuration;
+   b. the per-tile cost model: 4096x6144xK for K = 512..4096 (6 rounds of 128x256 tiles on 132
+      SMs): a least-squares line per configuration gives the cost per 64-wide k-tile (slope)
+      and the fixed cost per round (epilogue, pipeline fill, launch: intercept / 6);
+   c. fused epilogues at 4096x6144x2048 (linear: bias, bias+gelu, residual) over the bare GEMM,
+      per epilogue configuration.
 
-    python benchmarks/experiments/wgmma_smoke.py [--no-bench] [--json out.json]
+    python benchmarks/experiments/wgmma_smoke.py [--no-bench] [--json out.json] [--configs a,b]
 """
 from __future__ import annotations
 
@@ -127,6 +136,7 @@ def guess_pattern(a, b, out):
 
 
 def run(a, b, what, **kw):
+    what = f"[{G.PLAN['wgmma']}] {what}"
     try:
         out = go.matmul(a, b, variant="wgmma", **kw)
     except Exception as exc:  # compile, load or argument errors
@@ -136,7 +146,22 @@ def run(a, b, what, **kw):
     return out
 
 
-def correctness():
+def correctness(configs):
+    """The configurations whose checks all pass (a wrong one is reported and left out of the
+    timings; a hang or a CUDA error stops the script: fail())."""
+    good = []
+    for cfg in configs:
+        G.PLAN["wgmma"] = cfg
+        print(f"--- configuration {cfg}: (epilogue, cluster) = {G.WGMMA_CONFIGS[cfg]}", flush=True)
+        if correctness_one(cfg):
+            good.append(cfg)
+        else:
+            print(f"correctness FAILED for {cfg}: not timed", flush=True)
+    G.PLAN["wgmma"] = "base"
+    return good
+
+
+def correctness_one(cfg):
     cc = torch.cuda.get_device_capability()
     print(f"device: {torch.cuda.get_device_name()} sm_{cc[0]}{cc[1]}", flush=True)
     if cc != (9, 0):
@@ -145,13 +170,22 @@ def correctness():
     from gpuops.runtime import loader, device  # noqa: PLC0415
     from gpuops import dtypes as dt  # noqa: PLC0415
     try:
-        for d in (dt.bfloat16, dt.float16):
-            lm = loader.load(G.WGMMA[d], 0)
-            k = lm.kernel(G._wgmma_expr(d, False, True))
-            print(f"ok   module {G.WGMMA[d].name} ({lm.origin}, {lm.target.label}, "
+        # fp16 only for 'base' here (same kernel code; the GPU tests cover fp16 per config):
+        # each module costs seconds of NVRTC at first use
+        for d in (dt.bfloat16, dt.float16) if cfg == "base" else (dt.bfloat16,):
+            lm = loader.load(G.WGMMA_MODULES[cfg][d], 0)
+            k = lm.kernel(G._wgmma_expr(d, False, True, cfg))
+            print(f"ok   module {G.WGMMA_MODULES[cfg][d].name} ({lm.origin}, {lm.target.label}, "
                   f"{time.time() - t0:.1f} s): {k.raw.num_regs} registers, "
                   f"max dynamic smem {device.device_info(0).max_smem_per_block_optin} B "
                   f"(needs {G.WGMMA_SMEM})", flush=True)
+            if G.WGMMA_CONFIGS[cfg][1] > 1:
+                n = k.max_active_clusters(G.WGMMA_THREADS, G.WGMMA_SMEM)
+                cl = G.WGMMA_CONFIGS[cfg][1]
+                sms = device.device_info(0).sm_count
+                print(f"     clusters of {cl}: {n} resident at once (cuOccupancyMaxActiveClusters"
+                      f"; {sms // cl} would use every SM)", flush=True)
+                RESULTS.setdefault("resident_clusters", {})[cfg] = n
     except Exception as exc:
         fail(f"loading the module: {type(exc).__name__}: {exc}\n{getattr(exc, 'log', '')}", 2)
 
@@ -183,9 +217,10 @@ def correctness():
             torch.randn(K, N, device="cuda", dtype=bf)
         out = run(a, b, name)
         ok &= diagnose(out, a.double() @ b.double(), f"{M}x{N}x{K} {name}")
-    a = torch.randn(256, 128, device="cuda", dtype=torch.float16)
-    b = torch.randn(128, 256, device="cuda", dtype=torch.float16)
-    ok &= diagnose(run(a, b, "fp16"), a.double() @ b.double(), "256x256x128 fp16")
+    if cfg == "base":
+        a = torch.randn(256, 128, device="cuda", dtype=torch.float16)
+        b = torch.randn(128, 256, device="cuda", dtype=torch.float16)
+        ok &= diagnose(run(a, b, "fp16"), a.double() @ b.double(), "256x256x128 fp16")
     a = torch.randn(300, 200, device="cuda", dtype=bf)
     b = torch.randn(200, 520, device="cuda", dtype=bf)
     ok &= diagnose(run(a, b, "ragged"), a.double() @ b.double(), "300x520x200 ragged bf16")
@@ -201,69 +236,167 @@ def correctness():
     b = torch.randn(1024, 4096, device="cuda", dtype=bf)
     ok &= diagnose(run(a, b, "persistent"), a.double() @ b.double(),
                    "2048x4096x1024 (256 tiles on 132 SMs)")
+    # linear: K-major B (with clusters: two 128-row half boxes, one per CTA, multicast), 5 tile
+    # rows (the last cluster's second tile lies past M), bias + gelu on whole tiles (direct)
+    x = torch.randn(640, 512, device="cuda", dtype=bf)
+    w = torch.randn(768, 512, device="cuda", dtype=bf)
+    bias = torch.randn(768, device="cuda", dtype=bf)
+    what = f"[{cfg}] linear 640x768x512 bias+gelu"
+    try:
+        out = go.linear(x, w, bias, "gelu", variant="wgmma")
+    except Exception as exc:
+        fail(f"{what}: {type(exc).__name__}: {exc}", code=2)
+    wait_or_diagnose(what)
+    ref = torch.nn.functional.gelu(x.double() @ w.double().T + bias.double())
+    ok &= diagnose(out, ref, what)
     return ok
 
 
-def time_ms(fn, iters=20):
-    for _ in range(3):
+REPS = 3      # back-to-back calls per event pair: the host time of one call overlaps the GPU
+
+
+def time_ms(fn, iters=15, reps=REPS):
+    for _ in range(2):
         fn()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
         s.record()
-        fn()
+        for _ in range(reps):
+            fn()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(s.elapsed_time(e) / reps)
     return statistics.median(times)
 
 
-def bench():
+def with_config(cfg, fn):
+    def call():
+        G.PLAN["wgmma"] = cfg
+        return fn()
+    return call
+
+
+def _report(shape, ms, flops):
+    M, N, K = shape
+    for name, t in ms.items():
+        peer = ms.get("cublas F.linear" if "linear" in name else "cublas a @ b")
+        pct = f"{100 * peer / t:5.1f}% of cuBLAS" if peer else ""
+        print(f"{M}x{N}x{K} {name:26s} {t:8.4f} ms {flops / t / 1e9:7.1f} TFLOP/s {pct}",
+              flush=True)
+        RESULTS["timings"].append({"shape": [M, N, K], "name": name, "ms": t,
+                                   "tflops": flops / t / 1e9})
+
+
+def _time_rows(rows):
+    ms = {}
+    for name, fn in rows.items():
+        try:
+            ms[name] = time_ms(fn)
+        except Exception as exc:
+            print(f"{name}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+    return ms
+
+
+def bench(configs):
     bf = torch.bfloat16
+    # (a) the three shapes: cuBLAS, mma, every configuration
     for M, N, K in ((8192, 8192, 8192), (4096, 6144, 2048), (4096, 2048, 6144)):
-        flops = 2.0 * M * N * K
         a = torch.randn(M, K, device="cuda", dtype=bf)
         b = torch.randn(K, N, device="cuda", dtype=bf)
         w = torch.randn(N, K, device="cuda", dtype=bf)
-        rows = {
-            "cublas a @ b": lambda: torch.matmul(a, b),
-            "wgmma a @ b": lambda: go.matmul(a, b, variant="wgmma"),
-            "mma a @ b": lambda: go.matmul(a, b, variant="mma"),
-            "cublas F.linear": lambda: torch.nn.functional.linear(a, w),
-            "wgmma linear": lambda: go.linear(a, w, variant="wgmma"),
-        }
-        ms = {}
-        for name, fn in rows.items():
-            try:
-                ms[name] = time_ms(fn)
-            except Exception as exc:
-                print(f"{name} {M}x{N}x{K}: {type(exc).__name__}: {exc}")
-                traceback.print_exc()
-                continue
-        for name, t in ms.items():
-            peer = ms.get("cublas F.linear" if "linear" in name else "cublas a @ b")
-            pct = f"{100 * peer / t:5.1f}% of cuBLAS" if peer else ""
-            print(f"{M}x{N}x{K} {name:18s} {t:8.3f} ms {flops / t / 1e9:7.1f} TFLOP/s {pct}",
-                  flush=True)
-            RESULTS["timings"].append({"shape": [M, N, K], "name": name, "ms": t,
-                                       "tflops": flops / t / 1e9})
+        rows = {"cublas a @ b": lambda: torch.matmul(a, b),
+                "mma a @ b": lambda: go.matmul(a, b, variant="mma"),
+                "cublas F.linear": lambda: torch.nn.functional.linear(a, w)}
+        for cfg in configs:
+            rows[f"wgmma[{cfg}] a @ b"] = with_config(cfg, lambda: go.matmul(a, b, variant="wgmma"))
+            rows[f"wgmma[{cfg}] linear"] = with_config(
+                cfg, lambda: go.linear(a, w, variant="wgmma"))
+        _report((M, N, K), _time_rows(rows), 2.0 * M * N * K)
+        del a, b, w
+    # (b) per-tile cost model: 6 rounds of tiles at 4096x6144, K varies
+    M, N = 4096, 6144
+    rounds = -(-(-(-M // 128) * -(-N // 256)) // 132)
+    fits = {}
+    for cfg in configs + ["cublas"]:
+        pts = []
+        for K in (512, 1024, 2048, 4096):
+            a = torch.randn(M, K, device="cuda", dtype=bf)
+            w = torch.randn(N, K, device="cuda", dtype=bf)
+            fn = (lambda: torch.nn.functional.linear(a, w)) if cfg == "cublas" else \
+                with_config(cfg, lambda: go.linear(a, w, variant="wgmma"))
+            pts.append((K / 64, time_ms(fn) * 1e3))
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        icpt = my - slope * mx
+        fits[cfg] = (slope / rounds, icpt / rounds)
+        print(f"model {cfg:12s} linear {M}x{N}xK: per k-tile {slope / rounds:6.3f} us "
+              f"(MMA floor at 989 TFLOP/s: {2 * 128 * 256 * 64 / (989e12 / 132) * 1e6:.3f}), "
+              f"fixed per round {icpt / rounds:6.2f} us; points (k-tiles, us) "
+              f"{[(int(x), round(y, 1)) for x, y in pts]}", flush=True)
+        RESULTS.setdefault("model", {})[cfg] = {"us_per_ktile": slope / rounds,
+                                                "us_fixed_per_round": icpt / rounds,
+                                                "points": pts}
+    # (c) fused epilogues over the bare GEMM (linear 4096x6144x2048)
+    M, N, K = 4096, 6144, 2048
+    x = torch.randn(M, K, device="cuda", dtype=bf)
+    w = torch.randn(N, K, device="cuda", dtype=bf)
+    bias = torch.randn(N, device="cuda", dtype=bf)
+    res = torch.randn(M, N, device="cuda", dtype=bf)
+    for cfg in [c for c in configs if G.WGMMA_CONFIGS[c][1] == 1] or configs[:1]:
+        rows = {"bare": lambda: go.linear(x, w, variant="wgmma"),
+                "bias": lambda: go.linear(x, w, bias, variant="wgmma"),
+                "bias+gelu": lambda: go.linear(x, w, bias, "gelu", variant="wgmma"),
+                "residual": lambda: go.matmul(x, w.T, residual=res, variant="wgmma")}
+        ms = _time_rows({k: with_config(cfg, f) for k, f in rows.items()})
+        base = ms.get("bare")
+        line = ", ".join(f"{k} {v * 1e3:.1f} us ({100 * (v / base - 1):+.1f}%)"
+                         for k, v in ms.items() if base)
+        print(f"epilogue [{cfg}] linear {M}x{N}x{K}: {line}", flush=True)
+        RESULTS.setdefault("epilogue", {})[cfg] = ms
+    G.PLAN["wgmma"] = "base"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--configs", default=",".join(G.WGMMA_CONFIGS),
+                    help="wgmma configurations to check and time (gemm.WGMMA_CONFIGS)")
     args = ap.parse_args()
     RESULTS["json_path"] = args.json
-    ok = correctness()
-    if not ok:
-        print("correctness FAILED: timings skipped", flush=True)
+    configs = [c for c in args.configs.split(",") if c]
+    for c in configs:
+        if c not in G.WGMMA_CONFIGS:
+            ap.error(f"unknown configuration {c!r}; known: {sorted(G.WGMMA_CONFIGS)}")
+    t0 = time.time()
+    from gpuops.runtime import config  # noqa: PLC0415
+    # two phases: the configurations without clusters are checked and timed first, so that a
+    # cluster configuration that hangs (fail() stops the script) leaves their timings behind
+    failed = []
+    for phase in ([c for c in configs if G.WGMMA_CONFIGS[c][1] == 1],
+                  [c for c in configs if G.WGMMA_CONFIGS[c][1] > 1]):
+        if not phase:
+            continue
+        os.environ["GPUOPS_DEBUG_POISON"] = "1"       # checks: unwritten outputs read as NaN
+        config.refresh()
+        good = correctness(phase)
+        failed += [c for c in phase if c not in good]
+        RESULTS["failed_configs"] = failed
+        if good and not args.no_bench:
+            # timings without the NaN memset of every output (see the docstring)
+            os.environ["GPUOPS_DEBUG_POISON"] = "0"
+            config.refresh()
+            bench(good)
         _dump()
-        sys.exit(1)
-    if not args.no_bench:
-        bench()
+    print(f"total {time.time() - t0:.1f} s; configurations that failed their checks: "
+          f"{failed or 'none'}", flush=True)
     _dump()
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

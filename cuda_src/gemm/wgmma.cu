@@ -26,6 +26,14 @@
 // only __syncwarp), then stores rows in 64-byte runs (coalesced), with the next chunk's bias and
 // residual loaded before the current chunk's math. The chunk loop is rolled: the accumulators
 // shift down by 16 registers per chunk, so the activation code exists once.
+//
+// Configurations (template EPI / CL; ops/gemm.py WGMMA_CONFIGS, PLAN["wgmma"]), for A/B runs:
+//  * EPI = 1 'direct' epilogue (wg_epilogue_direct): whole tiles of a 16-bit C go from the
+//    fragments to global memory without staging (the tensor cores idle during the epilogue,
+//    since both consumer warpgroups finish a tile together: it must be short);
+//  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
+//    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
+//    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
 #include "gemm/gemm_common.cuh"
 #include "gemm/wgmma_common.cuh"
 
@@ -51,33 +59,37 @@ constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 static_assert((2 * kWgConsumerRegs + kWgProducerRegs) * 128 <= 65536, "register file");
 
 // The work of one launch: batch x tiles_m x tiles_n output tiles (the host keeps the count below
-// 2^31), ktiles steps of K each. Computed by each warpgroup after its setmaxnreg: a value live
-// across setmaxnreg would be spilled by ptxas.
+// 2^31), ktiles steps of K each, walked in units of CL tiles stacked along M (CL = cluster size:
+// the CTAs of a cluster take the CL tiles of one unit, which share their B columns). Computed by
+// each warpgroup after its setmaxnreg: a value live across setmaxnreg would be spilled by ptxas.
+template <int CL>
 struct WgShape {
-  int tiles_m, tiles_n, tiles, work, ktiles;
+  int tiles_m, tiles_n, units_m, units_per_z, work, ktiles;
   bool batched;
   __device__ __forceinline__ explicit WgShape(const GemmArgs& p) {
     tiles_m = (int)((p.M + kWgBM - 1) / kWgBM);
     tiles_n = (int)((p.N + kWgBN - 1) / kWgBN);
-    tiles = tiles_m * tiles_n;
-    work = tiles * (int)p.batch;
+    units_m = (tiles_m + CL - 1) / CL;
+    units_per_z = units_m * tiles_n;
+    work = units_per_z * (int)p.batch;
     ktiles = (int)((p.K + kWgBK - 1) / kWgBK);
     batched = p.batch > 1;
   }
 };
 
-// The output tile and batch matrix of work item w.
+// The output tile and batch matrix of work unit u, for the CTA of cluster rank `rank`.
 struct WgTile {
   long long z, m0, n0;
 };
 
-__device__ __forceinline__ WgTile wg_tile(const WgShape& sh, int w) {
+template <int CL>
+__device__ __forceinline__ WgTile wg_tile(const WgShape<CL>& sh, int u, int rank) {
   WgTile t;
-  const int z = w / sh.tiles;
-  int tm, tn;
-  tile_coords(w - z * sh.tiles, sh.tiles_m, sh.tiles_n, tm, tn);
+  const int z = u / sh.units_per_z;
+  int um, tn;
+  tile_coords(u - z * sh.units_per_z, sh.units_m, sh.tiles_n, um, tn);
   t.z = z;
-  t.m0 = (long long)tm * kWgBM;
+  t.m0 = (long long)(um * CL + rank) * kWgBM;
   t.n0 = (long long)tn * kWgBN;
   return t;
 }
@@ -101,14 +113,95 @@ __device__ __forceinline__ void tma_load(unsigned int dst, const TmaDesc* desc, 
   else tma_load_2d(dst, desc, bar, c0, c1);
 }
 
-// AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]). Otherwise K-major.
-template <class T, bool AMN, bool BMN>
-__global__ void __launch_bounds__(kWgThreads, 1)
-    gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
-               const GemmArgs p) {
+// tma_load into the same offset of every CTA of the cluster (a plain load when CL == 1).
+template <int CL>
+__device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* desc,
+                                             unsigned int bar, int c0, int c1, bool batched,
+                                             const int (&bc)[3]) {
+  if constexpr (CL == 1) {
+    tma_load(dst, desc, bar, c0, c1, batched, bc);
+  } else {
+    constexpr unsigned short kMask = (1u << CL) - 1;
+    if (batched) tma_load_5d_mc(dst, desc, bar, c0, c1, bc[0], bc[1], bc[2], kMask);
+    else tma_load_2d_mc(dst, desc, bar, c0, c1, kMask);
+  }
+}
+
+// Epilogue 'direct' (EPI = 1), for tiles wholly inside N of a 16-bit C with even N (others take
+// the staged epilogue below): straight from the accumulator fragments to global memory, no
+// shared-memory staging and no rolled chunk loop (the staged one shifts 112 accumulator
+// registers per 32-column chunk). Thread (warp w, g = lane / 4, t = lane % 4) holds rows m_lo
+// (= .. + g) and m_lo + 8, columns n0 + 8j + 2t, + 1 (j < 32): stored as packed pairs (4 bytes:
+// a warp writes 8 rows x 16 bytes per instruction; the L2 merges the two halves of each 32-byte
+// sector). kFused = false: no bias / residual / activation (the bare product: alpha only).
+// kFused: the bias and residual of the next 16 columns are loaded before the current 16 are
+// computed (24 registers of lookahead); the activation A is chosen once per tile (one
+// instantiation per activation: straight-line code, no per-element jump table).
+template <class T, bool kFused, Act A>
+__device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const BatchOffsets& o,
+                                                   const float (&acc)[128], long long m_lo,
+                                                   long long n0, int tq) {
+  if (m_lo >= p.M) return;
+  const long long m_hi = m_lo + 8, n_t = n0 + 2 * tq;
+  const bool hi_live = m_hi < p.M;
+  T* c_lo = static_cast<T*>(p.c) + o.c + m_lo * p.N + n_t;
+  T* c_hi = c_lo + 8 * p.N;
+  const bool has_bias = kFused && p.bias != nullptr, has_res = kFused && p.residual != nullptr;
+  const T* bias = static_cast<const T*>(p.bias) + n_t * p.bias_s;
+  const T* res_lo = static_cast<const T*>(p.residual) + o.r + m_lo * p.r_sm + n_t * p.r_sn;
+  const T* res_hi = res_lo + 8 * p.r_sm;
+  float bz[2][4], rs[2][8];
+  auto load = [&](int grp, float (&b)[4], float (&r)[8]) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const long long dn = 8 * (2 * grp + jj) + e;
+        b[2 * jj + e] = has_bias ? to_float(bias[dn * p.bias_s]) : 0.0f;
+        r[4 * jj + e] = has_res ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
+        r[4 * jj + 2 + e] = (has_res && hi_live) ? to_float(res_hi[dn * p.r_sn]) : 0.0f;
+      }
+    }
+  };
+  if constexpr (kFused) load(0, bz[0], rs[0]);
+#pragma unroll
+  for (int grp = 0; grp < 16; ++grp) {
+    if constexpr (kFused) {
+      if (grp + 1 < 16) load(grp + 1, bz[(grp + 1) & 1], rs[(grp + 1) & 1]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int j = 2 * grp + jj;
+      float lo[2], hi[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = p.alpha * acc[4 * j + e], y = p.alpha * acc[4 * j + 2 + e];
+        if constexpr (kFused) {
+          x = activate<A>(x + bz[grp & 1][2 * jj + e]) + rs[grp & 1][4 * jj + e];
+          y = activate<A>(y + bz[grp & 1][2 * jj + e]) + rs[grp & 1][4 * jj + 2 + e];
+        }
+        lo[e] = x;
+        hi[e] = y;
+      }
+      *reinterpret_cast<unsigned int*>(c_lo + 8 * j) = Vec16<T>::pack2(lo[0], lo[1]);
+      if (hi_live) *reinterpret_cast<unsigned int*>(c_hi + 8 * j) = Vec16<T>::pack2(hi[0], hi[1]);
+    }
+  }
+}
+
+// The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
+// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct.
+// CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
+// stage and multicasts it to both, halving B's L2 -> SM traffic).
+template <class T, bool AMN, bool BMN, int EPI, int CL>
+__device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaDesc& tma_b,
+                                                const GemmArgs& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(CL == 1 || CL == 2, "clusters of 1 or 2 CTAs along M");
   extern __shared__ __align__(16) unsigned char smem_raw[];   // aligned to 1024 by hand below
   const unsigned int raw = smem_u32(smem_raw);
+  // the same padding in every CTA (the same kernel, the same static layout): multicast writes
+  // and remote arrives use CTA-relative offsets
   const unsigned int pad = (1024u - (raw & 1023u)) & 1023u;
   const unsigned int sbase = raw + pad;                    // 1024-aligned shared address
   unsigned char* smem = smem_raw + pad;
@@ -116,69 +209,88 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const unsigned int empty_bar = full_bar + 8 * kWgStages;
 
   const int tid = threadIdx.x, wg = tid / 128;
+  const int rank = CL > 1 ? (int)cluster_ctarank() : 0;
 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kWgStages; ++s) {
-      mbar_init(full_bar + 8 * s, 1);     // the producer's arrive.expect_tx (+ TMA's bytes)
-      mbar_init(empty_bar + 8 * s, 8);    // one arrive per consumer warp
+      mbar_init(full_bar + 8 * s, 1);       // the producer's arrive.expect_tx (+ TMA's bytes)
+      mbar_init(empty_bar + 8 * s, 8 * CL); // one arrive per consumer warp of every CTA
     }
     mbar_fence_init();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
   }
   __syncthreads();
+  if constexpr (CL > 1) cluster_sync_all();   // the peers' barriers exist before any multicast
 
   if (wg == 0) {
     // ------------------------------------------------------------------ producer warpgroup
     setmaxnreg_dec<kWgProducerRegs>();
-    if (tid != 0) return;
-    const WgShape sh(p);
-    int stage = 0;
-    unsigned int phase = 0;
-    for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
-      const WgTile t = wg_tile(sh, w);
-      int ca[3] = {0, 0, 0}, cb[3] = {0, 0, 0};
-      if (sh.batched) {
-        batch_coords(p, t.z, p.a_sb, ca);
-        batch_coords(p, t.z, p.b_sb, cb);
-      }
-      // M/N-major operands come as 64-wide boxes; boxes wholly past M / N are not loaded (their
-      // rows / columns of the product are never stored, so stale shared memory there is moot).
-      const int a_boxes = AMN ? (t.m0 + 64 < p.M ? 2 : 1) : 1;
-      const int b_boxes = BMN ? (int)min(4LL, (p.N - t.n0 + 63) / 64) : 1;
-      const unsigned int bytes =
-          (AMN ? a_boxes * kWgBoxBytes : kWgABytes) + (BMN ? b_boxes * kWgBoxBytes : kWgBBytes);
-      for (int kt = 0; kt < sh.ktiles; ++kt) {
-        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-        const unsigned int fb = full_bar + 8 * stage;
-        mbar_arrive_expect_tx(fb, bytes);
-        const unsigned int sa = sbase + stage * kWgStageBytes, sb = sa + kWgABytes;
-        const int k0 = kt * kWgBK;
-        if (AMN) {
-          for (int i = 0; i < a_boxes; ++i)
-            tma_load(sa + i * kWgBoxBytes, &tma_a, fb, (int)t.m0 + 64 * i, k0, sh.batched, ca);
-        } else {
-          tma_load(sa, &tma_a, fb, k0, (int)t.m0, sh.batched, ca);
+    if (tid == 0) {
+      const WgShape<CL> sh(p);
+      int stage = 0;
+      unsigned int phase = 0;
+      for (int u = blockIdx.x / CL; u < sh.work; u += gridDim.x / CL) {
+        const WgTile t = wg_tile(sh, u, rank);
+        int ca[3] = {0, 0, 0}, cb[3] = {0, 0, 0};
+        if (sh.batched) {
+          batch_coords(p, t.z, p.a_sb, ca);
+          batch_coords(p, t.z, p.b_sb, cb);
         }
-        if (BMN) {
-          for (int i = 0; i < b_boxes; ++i)
-            tma_load(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0, sh.batched, cb);
-        } else {
-          tma_load(sb, &tma_b, fb, k0, (int)t.n0, sh.batched, cb);
-        }
-        if (++stage == kWgStages) {
-          stage = 0;
-          phase ^= 1;
+        // M/N-major operands come as 64-wide boxes; boxes wholly past M / N are not loaded
+        // (their rows / columns of the product are never stored, so stale shared memory there is
+        // moot). With CL = 2 the second tile of a unit may lie wholly past M: no A at all (its
+        // CTA still loads and multicasts its half of B).
+        const bool a_live = t.m0 < p.M;
+        const int a_boxes = !a_live ? 0 : AMN ? (t.m0 + 64 < p.M ? 2 : 1) : 1;
+        const int b_boxes = BMN ? (int)min(4LL, (p.N - t.n0 + 63) / 64) : 1;
+        // K-major B with CL = 2: half boxes of 128 rows; a half wholly past N is not loaded (no
+        // box starts outside the tensor), the same count in both CTAs of the pair
+        constexpr int kRows = kWgBN / CL;
+        const int b_halves = (int)min((long long)CL, (p.N - t.n0 + kRows - 1) / kRows);
+        const unsigned int a_bytes = AMN ? a_boxes * kWgBoxBytes : (a_live ? kWgABytes : 0);
+        const unsigned int bytes =
+            a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_halves * (kWgBBytes / CL));
+        for (int kt = 0; kt < sh.ktiles; ++kt) {
+          if constexpr (CL > 1) mbar_wait_cluster(empty_bar + 8 * stage, phase ^ 1);
+          else mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+          const unsigned int fb = full_bar + 8 * stage;
+          mbar_arrive_expect_tx(fb, bytes);
+          const unsigned int sa = sbase + stage * kWgStageBytes, sb = sa + kWgABytes;
+          const int k0 = kt * kWgBK;
+          if (AMN) {
+#pragma unroll 1
+            for (int i = 0; i < a_boxes; ++i)
+              tma_load(sa + i * kWgBoxBytes, &tma_a, fb, (int)t.m0 + 64 * i, k0, sh.batched, ca);
+          } else if (a_live) {
+            tma_load(sa, &tma_a, fb, k0, (int)t.m0, sh.batched, ca);
+          }
+          if (BMN) {
+            // 64-column boxes; with CL = 2, rank r loads boxes r, r + 2 for both CTAs
+#pragma unroll 1
+            for (int i = rank; i < b_boxes; i += CL)
+              tma_load_all<CL>(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0,
+                               sh.batched, cb);
+          } else if (rank < b_halves) {
+            // one box of kWgBN / CL rows (the host encodes B's map with that box)
+            tma_load_all<CL>(sb + rank * kRows * 128, &tma_b, fb, k0, (int)t.n0 + kRows * rank,
+                             sh.batched, cb);
+          }
+          if (++stage == kWgStages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
     }
+    if constexpr (CL > 1) cluster_sync_all();
     return;
   }
 
   // -------------------------------------------------------------------- consumer warpgroups
   setmaxnreg_inc<kWgConsumerRegs>();
-  const WgShape sh(p);
+  const WgShape<CL> sh(p);
   const int cg = wg - 1;                         // rows 64 cg .. 64 cg + 63 of the tile
   const int ctid = tid - 128 * wg;               // thread in the warpgroup
   const int cwarp = ctid / 32, lane = tid % 32;
@@ -191,11 +303,22 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
 
+  // a stage is free again once every consumer warp of every CTA that reads it is done with it
+  auto release = [&](int s) {
+    if (lane == 0) {
+      mbar_arrive(empty_bar + 8 * s);
+      if constexpr (CL > 1) {
+#pragma unroll
+        for (int r = 1; r < CL; ++r) mbar_arrive_remote(empty_bar + 8 * s, (rank + r) % CL);
+      }
+    }
+  };
+
   float acc[128];
   int stage = 0;
   unsigned int phase = 0;
-  for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
-    const WgTile t = wg_tile(sh, w);
+  for (int u = blockIdx.x / CL; u < sh.work; u += gridDim.x / CL) {
+    const WgTile t = wg_tile(sh, u, rank);
     const BatchOffsets o = batch_offsets(p, t.z);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -212,11 +335,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                                                       WgOperand<BMN>::desc(sb, kk));
       wgmma_commit();
       reg_fence(acc);
-      // the group of k-tile kt - 1 is complete: its stage goes back to the producer
+      // the group of k-tile kt - 1 is complete: its stage goes back to the producer(s)
       wgmma_wait<1>();
       reg_fence(acc);
-      if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
-      if (prefetch_res && kt == pf_kt)
+      if (kt > 0) release(prev);
+      if (prefetch_res && kt == pf_kt && t.m0 < p.M)
         prefetch_residual_l2<T, 64, kWgBN, 128>(p, o, t.m0 + 64 * cg, t.n0, ctid);
       prev = stage;
       if (++stage == kWgStages) {
@@ -226,12 +349,28 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     wgmma_wait<0>();
     reg_fence(acc);
-    if (sh.ktiles > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev);
+    if (sh.ktiles > 0) release(prev);
 
     // ---------------------------------------------------------------- epilogue
     // Warp cwarp holds rows 16 cwarp + g and + 8 (g = lane / 4) of this warpgroup's 64; its 32
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
+    if (EPI == 1 && !p.out_f32 && p.N % 2 == 0 && t.n0 + kWgBN <= p.N) {
+      const long long m_lo = m_base + (lane >> 2);
+      const int tq = lane & 3;
+      if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
+        wg_epilogue_direct<T, false, Act::kIdentity>(p, o, acc, m_lo, t.n0, tq);
+      } else {
+        switch (p.act) {
+          case 1: wg_epilogue_direct<T, true, Act::kRelu>(p, o, acc, m_lo, t.n0, tq); break;
+          case 2: wg_epilogue_direct<T, true, Act::kSilu>(p, o, acc, m_lo, t.n0, tq); break;
+          case 3: wg_epilogue_direct<T, true, Act::kGeluErf>(p, o, acc, m_lo, t.n0, tq); break;
+          case 4: wg_epilogue_direct<T, true, Act::kGeluTanh>(p, o, acc, m_lo, t.n0, tq); break;
+          default: wg_epilogue_direct<T, true, Act::kIdentity>(p, o, acc, m_lo, t.n0, tq); break;
+        }
+      }
+      continue;
+    }
     const int g = lane >> 2, tq = lane & 3;
     const int r0 = lane >> 3, my_c = (lane & 7) * 4;     // read side: rows r0 + 4 i, 4 columns
     const bool has_bias = p.bias != nullptr, has_res = p.residual != nullptr;
@@ -298,9 +437,26 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
+  if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only
 #endif
+}
+
+template <class T, bool AMN, bool BMN, int EPI>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
+               const GemmArgs p) {
+  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, p);
+}
+
+// Clusters of 2 CTAs along M (compile-time cluster shape: a plain cuLaunchKernel launches
+// clusters; the grid must be even), B multicast.
+template <class T, bool AMN, bool BMN, int EPI>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kWgThreads, 1)
+    gemm_wgmma_mc2(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
+                   const GemmArgs p) {
+  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, p);
 }
 
 }  // namespace gemm

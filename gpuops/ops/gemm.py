@@ -97,8 +97,9 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
-#             the rule.
-PLAN = {"decode": "balanced", "mma_tiles": "auto"}
+#             the rule;
+#   "wgmma": a key of WGMMA_CONFIGS (the wgmma kernel's epilogue and cluster configuration).
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "base"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -162,13 +163,30 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
     + 2 * WGMMA_STAGES * 8 + 1024
 
 
-def _wgmma_expr(d, a_mn, b_mn):
-    return _kname("gemm_wgmma", d.ctype, _b(a_mn), _b(b_mn))
+# Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
+# the chosen one is compiled): (epilogue, cluster size). Epilogue 0 'staged' (shared memory,
+# rolled 32-column chunks), 1 'direct' (fragments straight to global memory, activation chosen
+# per tile). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
+# (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
+WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "mc2": (0, 2), "mc2_direct": (1, 2)}
 
 
-WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", lambda d: {
-    _wgmma_expr(d, a_mn, b_mn): WGMMA_ARGS for a_mn in (False, True) for b_mn in (False, True)},
-    dtypes=_HALFS, archs=(f"{WGMMA_ARCH}a",))
+def _wgmma_expr(d, a_mn, b_mn, config="base"):
+    epi, cl = WGMMA_CONFIGS[config]
+    return _kname("gemm_wgmma" if cl == 1 else f"gemm_wgmma_mc{cl}", d.ctype, _b(a_mn), _b(b_mn),
+                  epi)
+
+
+def _wgmma_kernels(config):
+    return lambda d: {_wgmma_expr(d, a_mn, b_mn, config): WGMMA_ARGS
+                      for a_mn in (False, True) for b_mn in (False, True)}
+
+
+WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", _wgmma_kernels("base"), dtypes=_HALFS,
+                   archs=(f"{WGMMA_ARCH}a",))
+WGMMA_MODULES = {"base": WGMMA, **{
+    cfg: _per_dtype(f"wgmma_{cfg}", "gemm/wgmma.cu", _wgmma_kernels(cfg), dtypes=_HALFS,
+                    archs=(f"{WGMMA_ARCH}a",)) for cfg in WGMMA_CONFIGS if cfg != "base"}}
 # Probes of the wgmma building blocks (parameters, TMA + mbarrier, wgmma descriptors), one kernel
 # each, for benchmarks/experiments/wgmma_bisect.py; no op launches them.
 WGMMA_PROBE = KernelModule("gemm.wgmma_probe", "gemm/wgmma_probe.cu", {
@@ -623,9 +641,9 @@ def _round16(n):
     return (n + 15) // 16 * 16
 
 
-def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box):
+def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box, dim=None):
     """How the wgmma kernel reads an operand X[r][k] (A: r = m, 128-row box; B seen as B^T: r = n,
-    256-row box) through a TMA tensor map: ``(mn_major, dims, byte strides, box)``, or
+    256-row box, 128 with 2-CTA clusters: each CTA loads half) through a TMA tensor map: ``(mn_major, dims, byte strides, box)``, or
     ``(None, reason)``. K-major: dims (K, R, batch...), one box of 64 k x rows_box rows;
     M/N-major: dims (R, K, batch...), boxes of 64 r x 64 k (the kernel issues 2 or 4 per stage).
     The innermost dim needs unit stride, every other byte stride a positive multiple of 16, the
@@ -639,7 +657,7 @@ def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box):
         candidates.append(True)
     if not candidates:
         return None, (f"neither of its two last dims has unit stride (strides {sr} along "
-                      f"{'M' if rows_box == WGMMA_BM else 'N'}, {sk} along K)")
+                      f"{dim or ('M' if rows_box == WGMMA_BM else 'N')}, {sk} along K)")
     for mn_major in candidates:
         inner, outer, so = (R, K, sk) if mn_major else (K, R, sr)
         inner, outer = max(inner, 1), max(outer, 1)
@@ -667,23 +685,32 @@ def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box):
 _wgmma_map_cache: dict = {}
 
 
-def _wgmma_maps(op, p: _Plan, L: _Launch, dtype):
+def _wgmma_config():
+    cfg = PLAN["wgmma"]
+    if cfg not in WGMMA_CONFIGS:
+        raise ValueError(f"gpuops: PLAN['wgmma'] must be one of {sorted(WGMMA_CONFIGS)}, "
+                         f"got {cfg!r}")
+    return cfg
+
+
+def _wgmma_maps(op, p: _Plan, L: _Launch, dtype, cluster=1):
     """The two tensor maps and layouts of a wgmma launch: ((a_mn, map_a), (b_mn, map_b)),
     remembered per pointers, extents and strides (a model repeats the same GEMMs). Raises
     ValueError naming the operand TMA cannot read (the caller falls back to 'mma' when the
-    variant was not asked for)."""
+    variant was not asked for). cluster: CTAs per cluster (a K-major B box has 256 / cluster
+    rows: each CTA of a pair loads half of B's stage)."""
     key = (L.a, L.b, p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.bshape, p.a_sb, p.b_sb,
-           dtype.itemsize)
+           dtype.itemsize, cluster)
     hit = _wgmma_map_cache.get(key)
     if hit is None:
-        hit = _wgmma_maps_uncached(op, p, L, dtype)
+        hit = _wgmma_maps_uncached(op, p, L, dtype, cluster)
         if len(_wgmma_map_cache) >= 4096:
             _wgmma_map_cache.clear()
         _wgmma_map_cache[key] = hit
     return hit
 
 
-def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
+def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, cluster=1):
     names = _OPERAND_NAMES.get(op, ("a", "b"))
     tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
     if tiles >= 2 ** 31 or max(p.M, p.N, p.K) >= 2 ** 31:
@@ -691,9 +718,9 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
                          f"extents below 2^31 (M={p.M}, N={p.N}, K={p.K}, batch={p.batch})")
     plans = []
     for name, ptr, args in ((names[0], L.a, (p.M, p.K, p.a_sm, p.a_sk, p.bshape, p.a_sb, L.a,
-                                            dtype.itemsize, WGMMA_BM)),
+                                            dtype.itemsize, WGMMA_BM, "M")),
                             (names[1], L.b, (p.N, p.K, p.b_sn, p.b_sk, p.bshape, p.b_sb, L.b,
-                                            dtype.itemsize, WGMMA_BN))):
+                                            dtype.itemsize, WGMMA_BN // cluster, "N"))):
         plan = _wgmma_operand(*args)
         if plan[0] is None:
             raise ValueError(
@@ -713,12 +740,27 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
     return tuple(out)
 
 
-def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps):
-    """One persistent launch: min(tiles, SMs) blocks walk every output tile of the batch."""
+def _wgmma_grid(p: _Plan, cluster, sms, resident_clusters=None):
+    """Persistent grid: one CTA per SM at most, in whole clusters, and no more clusters than
+    can be resident at once (when the driver says); work units are `cluster` tiles stacked
+    along M (the kernel's WgShape)."""
+    units = _cdiv(_cdiv(p.M, WGMMA_BM), cluster) * _cdiv(p.N, WGMMA_BN) * p.batch
+    slots = max(sms // cluster, 1)
+    if resident_clusters:
+        slots = min(slots, resident_clusters)
+    return cluster * min(units, slots)
+
+
+def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
+    """One persistent launch: min(tiles, SMs) blocks (whole clusters) walk every output tile."""
     (a_mn, map_a), (b_mn, map_b) = maps
-    tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
-    blocks = min(tiles, device.sm_count(call.device))
-    kernel = _kernels.get(WGMMA[dtype], _wgmma_expr(dtype, a_mn, b_mn), call.device)
+    cluster = WGMMA_CONFIGS[config][1]
+    kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
+                          call.device)
+    resident = None
+    if cluster > 1 and hasattr(kernel, "max_active_clusters"):
+        resident = kernel.max_active_clusters(WGMMA_THREADS, WGMMA_SMEM)
+    blocks = _wgmma_grid(p, cluster, device.sm_count(call.device), resident)
     kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b,
                   *_gemm_args(p, L, 0), smem=WGMMA_SMEM)
 
@@ -795,14 +837,15 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         if p.K == 0:    # no product, only the epilogue: any kernel gives the same; no TMA needed
             v = "mma"
         else:
+            config = _wgmma_config()
             try:
-                maps = _wgmma_maps(op, p, L, dtype)
+                maps = _wgmma_maps(op, p, L, dtype, WGMMA_CONFIGS[config][1])
             except ValueError:
                 if variant == "wgmma":
                     raise
                 v = "mma"
             else:
-                _launch_wgmma(call, p, L, dtype, maps)
+                _launch_wgmma(call, p, L, dtype, maps, config)
                 return out
     if v in ("gemv", "gemv_mma"):
         _launch_gemv(call, p, L, dtype, dual, v == "gemv_mma")

@@ -193,10 +193,20 @@ def _param_pointers(spec: ArgSpec) -> int:
     return hit[0]
 
 
+class _CuLaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h): grid, block, dynamic shared memory, stream, attributes."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
 class Kernel:
     """One loaded kernel function: ``kernel.launch(grid, block, stream, *args)``."""
 
-    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit", "_by_pointers")
+    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit", "_by_pointers",
+                 "_clusters")
 
     def __init__(self, name: str, raw_kernel, spec: ArgSpec):
         from cupy.cuda import driver  # noqa: PLC0415
@@ -209,6 +219,7 @@ class Kernel:
         # a parameter aligned beyond 8 bytes (CUtensorMap: 64) may sit at another offset in the
         # cubin than in the packed struct: kernelParams (see the module docstring)
         self._by_pointers = spec.needs_pointers
+        self._clusters = {}              # (block, smem) -> max co-resident clusters, or None
 
     def _raise_smem_limit(self, smem: int) -> None:
         # The kernel's own limit, not 48 KiB: by default it is 48 KiB *minus its static shared
@@ -219,6 +230,31 @@ class Kernel:
                 return
         self.raw.max_dynamic_shared_size_bytes = smem
         self._smem_limit = smem
+
+    def max_active_clusters(self, block: int, smem: int):
+        """How many clusters of this kernel (compiled with a fixed cluster shape,
+        ``__cluster_dims__``) can be resident at once with `block` threads and `smem` bytes of
+        dynamic shared memory: cuOccupancyMaxActiveClusters (not wrapped by CuPy: ctypes on
+        libcuda). A persistent kernel must not launch more (the rest would run after the
+        others, not beside them). None when the driver cannot say; remembered per shape."""
+        key = (block, smem)
+        if key in self._clusters:
+            return self._clusters[key]
+        if smem > self._smem_limit:
+            self._raise_smem_limit(smem)
+        value = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+        except (OSError, AttributeError):
+            fn = None
+        if fn is not None:
+            # the grid only has to be a whole number of clusters (the compiled shape, <= 8 CTAs)
+            config = _CuLaunchConfig(8, 1, 1, block, 1, 1, smem, None, None, 0)
+            count = ctypes.c_int(0)
+            rc = fn(ctypes.byref(count), ctypes.c_void_p(self.ptr), ctypes.byref(config))
+            value = count.value if rc == 0 and count.value > 0 else None
+        self._clusters[key] = value
+        return value
 
     def launch(self, grid, block, stream: int, *args, smem: int = 0) -> None:
         """Enqueue on the raw CUDA stream handle ``stream`` (an int). ``grid``/``block`` are
