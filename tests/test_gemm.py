@@ -462,6 +462,7 @@ def test_wgmma_launch_packs_its_arguments(monkeypatch):
     monkeypatch.setattr(G.tma, "encode_tiled", fake_encode)
     monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
     monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(G, "PLAN", {**G.PLAN, "wgmma": "base"})   # the packing of one module
     monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
         launches.append(("kernel", module.name, expr)), FakeKernel())[1])
     G._wgmma_map_cache.clear()

@@ -99,7 +99,11 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #             configuration that needs more shared memory than the device has falls back to
 #             the rule;
 #   "wgmma": a key of WGMMA_CONFIGS (the wgmma kernel's epilogue and cluster configuration).
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "base"}
+#             Run 23 (H100, bf16, % of cuBLAS a @ b): "direct" (registers straight to global in
+#             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
+#             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
+#             understood yet). "direct" is the default.
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "direct"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
