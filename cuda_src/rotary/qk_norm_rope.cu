@@ -88,13 +88,14 @@ __device__ __forceinline__ T* row_ptr(const void* base, const long long (&st)[4]
   return static_cast<T*>(const_cast<void*>(base)) + (b * st[0] + s * st[1] + h * st[2]);
 }
 
-// One head row per group of G lanes: a.total = tokens * (hq + hk) rows, one per group.
-//   V > 1: one item per lane (per_head <= G, host-checked), kept in registers: read once.
-//   V = 1: any number of items per lane, two passes (sum of squares, then the output); the second
-//          reads the row again (from L1/L2). For strided or unaligned heads.
+// One head row per group of G lanes: a.total = tokens * (hq + hk) rows, one per group. Element
+// by element (V = 1; 16-byte packs take qk_norm_rope_fwd2): any number of items per lane, two
+// passes (sum of squares, then the output); the second reads the row again (from L1/L2). For
+// strided or unaligned heads and odd head dims.
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, 4)
 qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
+  static_assert(V == 1, "16-byte packs: qk_norm_rope_fwd2");
   const int G = n.group;
   const int lane = threadIdx.x & (G - 1);
   const int slots = kRopeThreads / G;
@@ -114,20 +115,10 @@ qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
 
   float v[2][V];
   float ss = 0.0f;
-  if constexpr (V > 1) {
-    if (valid && lane < per_head) {
-      load_item<T, V>(x, xsd, lane, units, a.r, inter, v);
-#pragma unroll
-      for (int p = 0; p < 2; ++p)
-#pragma unroll
-        for (int e = 0; e < V; ++e) ss = fmaf(v[p][e], v[p][e], ss);
-    }
-  } else {
-    if (valid) {
-      for (int it = lane; it < per_head; it += G) {
-        load_item<T, V>(x, xsd, it, units, a.r, inter, v);
-        ss = fmaf(v[0][0], v[0][0], fmaf(v[1][0], v[1][0], ss));
-      }
+  if (valid) {
+    for (int it = lane; it < per_head; it += G) {
+      load_item<T, V>(x, xsd, it, units, a.r, inter, v);
+      ss = fmaf(v[0][0], v[0][0], fmaf(v[1][0], v[1][0], ss));
     }
   }
   ss = group_sum(ss, G);
@@ -142,7 +133,7 @@ qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
   bool ok;
   token_rows(tb, b, s, r0, r1, r2, ok);
   for (int it = lane; it < per_head; it += G) {
-    if constexpr (V == 1) load_item<T, V>(x, xsd, it, units, a.r, inter, v);
+    load_item<T, V>(x, xsd, it, units, a.r, inter, v);
     float wv[2][V];
     load_item_weights<TC, V>(w, ws, it, units, a.r, inter, wv);
 #pragma unroll
@@ -151,7 +142,6 @@ qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
       for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
     if (it < units) rotate_unit<TC, V>(tb, b, r0, r1, r2, ok, it, inter, a.sign, v);
     store_item<T, V>(o, osd, it, units, a.r, inter, v);
-    if constexpr (V > 1) break;                 // one item per lane
   }
 }
 
@@ -216,7 +206,7 @@ __device__ __forceinline__ bool table_words(const RopeTables& tb, long long b, l
   return aligned16(ct) && aligned16(st);
 }
 
-// Forward, 16-byte packs only (V > 1), variant 2: the same math as qk_norm_rope_fwd, but every
+// Forward, 16-byte packs only (V > 1): the same math as qk_norm_rope_fwd, but every
 // load of a row (x, its weights, its cos/sin) is issued before the row's sum of squares, as
 // 16-byte words where aligned (weights at unit stride, tables as above), so a lane's reads are
 // all in flight at once and nothing but shuffles and arithmetic separates the read from the
@@ -348,8 +338,8 @@ __device__ __forceinline__ void load_grad_item(const RopeTables& tb, const T* g,
   if (it < units) rotate_unit<TC, V>(tb, b, r0, r1, r2, ok, it, inter, sign, gy);
 }
 
-// Backward, one pass per row with the row in registers (V > 1) or two passes (V = 1), as the
-// forward. Per row: S_xx = sum x^2, S_gwx = sum gy w x; rstd = 1/sqrt(S_xx/D + eps); with
+// Backward, element by element (V = 1; 16-byte packs take qk_norm_rope_bwd2): two passes per
+// row, as the forward. Per row: S_xx = sum x^2, S_gwx = sum gy w x; rstd = 1/sqrt(S_xx/D + eps); with
 // n = x rstd, dn = gy w: mean(dn n) = rstd S_gwx / D and dx = rstd (dn - n mean(dn n)).
 // a: q/k = the output gradients, oq/ok = the input gradients (written), sign = -1,
 //    total = tokens. n: xq/xk = the forward's q and k, partial = [gridDim.x, D] floats.
@@ -365,6 +355,7 @@ constexpr int kNormBwdMinBlocks = 3;
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, kNormBwdMinBlocks)
 qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
+  static_assert(V == 1, "16-byte packs: qk_norm_rope_bwd2");
   // Column sums of gy * n per slot (each (slot, column) belongs to one lane): slots * D <= 4096
   // (host-checked).
   __shared__ __align__(16) float red[4096];
@@ -421,7 +412,6 @@ qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
             sxx = fmaf(xv[p][e], xv[p][e], sxx);
             sgwx = fmaf(gy[p][e] * wv[p][e], xv[p][e], sgwx);
           }
-        if constexpr (V > 1) break;               // one item per lane, kept in gy / xv
       }
     }
     sxx = group_sum(sxx, G);
@@ -431,9 +421,8 @@ qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
     const float mean_dn_n = rstd * sgwx * inv_d;
     T* o = row_ptr<T>(o0, is_q ? a.oq_s : a.ok_s, b, s, hh);
     for (int it = lane; it < per_head; it += G) {
-      if constexpr (V == 1)
-        load_grad_item<T, TC, V>(tb, g, gsd, x, xsd, it, units, a.r, inter, a.sign, b, r0, r1,
-                                 r2, ok, gy, xv);
+      load_grad_item<T, TC, V>(tb, g, gsd, x, xsd, it, units, a.r, inter, a.sign, b, r0, r1, r2,
+                               ok, gy, xv);
       int off0, off1;
       item_offsets<V>(it, units, a.r, inter, off0, off1);
 #pragma unroll
@@ -451,7 +440,6 @@ qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
         smem_add<V>(my_red, p ? off1 : off0, prod);
       }
       store_item<T, V>(o, osd, it, units, a.r, inter, gy);
-      if constexpr (V > 1) break;
     }
   }
 
@@ -465,7 +453,7 @@ qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
   }
 }
 
-// Backward, 16-byte packs only (V > 1), variant 2: the math, grid and weight-gradient tables of
+// Backward, 16-byte packs only (V > 1): the math, grid and weight-gradient tables of
 // qk_norm_rope_bwd, with (1) the lane's weights read once per block (a block walks only q rows
 // or only k rows and a lane always holds the same item), kept as raw words; (2) the gradient and
 // x of the block's next row read into raw words while the current row is reduced and finished
