@@ -27,6 +27,7 @@
 //  * mbarrier phases: try_wait.parity(P) succeeds once the phase with parity P has completed; a
 //    fresh barrier is in phase 0, so waiting for parity 1 passes at once ("previous phase done").
 #pragma once
+#include "common/cluster.cuh"
 #include "common/dtypes.cuh"
 
 namespace gpuops {
@@ -128,11 +129,7 @@ __device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* des
 // TMA load can write one box into the shared memory of several CTAs at once (multicast), each at
 // the same CTA-relative address, signalling each destination CTA's mbarrier at the same offset.
 
-__device__ __forceinline__ unsigned int cluster_ctarank() {
-  unsigned int r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
+// cluster_ctarank(): common/cluster.cuh.
 
 // Every thread of every CTA of the cluster (not .aligned: the producer warpgroup arrives from
 // divergent code); release/acquire orders the mbarrier inits before the peers' first remote
