@@ -103,14 +103,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine(
         }
     }
     if (active && g == 0) {
-      if (vec4) {
-        orow[4 * c] = from_float<T>(acc.x * inv);
-        orow[4 * c + 1] = from_float<T>(acc.y * inv);
-        orow[4 * c + 2] = from_float<T>(acc.z * inv);
-        orow[4 * c + 3] = from_float<T>(acc.w * inv);
-      } else {
-        orow[c] = from_float<T>(acc.x * inv);
-      }
+      store_merged<T>(orow, c, acc, inv, vec4);
     }
   }
   if (lse_out != nullptr && threadIdx.x == 0)

@@ -49,4 +49,19 @@ template <class T> struct KvLoad<T, 1> {              // one element (any stride
   static __device__ __forceinline__ void unpack(const Raw& r, float* f) { f[0] = r; }
 };
 
+// Output columns of one merged row: acc * inv, as 4 columns (4c..4c+3) when vec4, else column c.
+// Shared by decode_combine and the split kernel's in-kernel merge, so both round alike.
+template <class T>
+__device__ __forceinline__ void store_merged(T* orow, int c, const float4& acc, float inv,
+                                             bool vec4) {
+  if (vec4) {
+    orow[4 * c] = from_float<T>(acc.x * inv);
+    orow[4 * c + 1] = from_float<T>(acc.y * inv);
+    orow[4 * c + 2] = from_float<T>(acc.z * inv);
+    orow[4 * c + 3] = from_float<T>(acc.w * inv);
+  } else {
+    orow[c] = from_float<T>(acc.x * inv);
+  }
+}
+
 }  // namespace gpuops

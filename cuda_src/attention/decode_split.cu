@@ -106,14 +106,7 @@ __device__ __forceinline__ void decode_merge_splits(
       const long long b = bh / hq, h = bh - b * hq;
       T* orow = out + ((b * sq + i) * hq + h) * static_cast<long long>(d);
       const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: 0; NaN stays NaN
-      if (vec4) {
-        orow[4 * c] = from_float<T>(acc.x * inv);
-        orow[4 * c + 1] = from_float<T>(acc.y * inv);
-        orow[4 * c + 2] = from_float<T>(acc.z * inv);
-        orow[4 * c + 3] = from_float<T>(acc.w * inv);
-      } else {
-        orow[c] = from_float<T>(acc.x * inv);
-      }
+      store_merged<T>(orow, c, acc, inv, vec4);
       if (lse_out != nullptr && c == 0)
         lse_out[row] = l == 0.f ? -__int_as_float(0x7f800000) : m + logf(l);
     }
