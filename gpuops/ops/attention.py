@@ -191,6 +191,11 @@ class Problem:
     __slots__ = ("B", "Hq", "Hkv", "Sq", "Sk", "D", "group", "scale", "left", "right",
                  "bottom_right")
 
+    def __init__(self, B, Hq, Hkv, Sq, Sk, D, scale, left, right, bottom_right):
+        self.B, self.Hq, self.Hkv, self.Sq, self.Sk, self.D = B, Hq, Hkv, Sq, Sk, D
+        self.group = Hq // Hkv if Hkv else 1
+        self.scale, self.left, self.right, self.bottom_right = scale, left, right, bottom_right
+
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -289,11 +294,7 @@ def check_args(q_shape, k_shape, v_shape, m_shape, is_causal, scale, enable_gqa,
         left = -1
     if right >= Sk:
         right = -1
-    p = Problem()
-    p.B, p.Hq, p.Hkv, p.Sq, p.Sk, p.D = B, Hq, Hkv, Sq, Sk, D
-    p.group = Hq // Hkv if Hkv else 1
-    p.scale, p.left, p.right, p.bottom_right = scale, left, right, False
-    return p
+    return Problem(B, Hq, Hkv, Sq, Sk, D, scale, left, right, bottom_right=False)
 
 
 def check_varlen_args(q_shape, k_shape, v_shape, cq_shape, ck_shape, max_seqlen_q, max_seqlen_k,
@@ -346,11 +347,8 @@ def check_varlen_args(q_shape, k_shape, v_shape, cq_shape, ck_shape, max_seqlen_
         left = -1
     if right >= max_seqlen_q:
         right = -1
-    p = Problem()
-    p.B, p.Hq, p.Hkv, p.Sq, p.Sk, p.D = cq[0] - 1, Hq, Hkv, int(max_seqlen_q), int(max_seqlen_k), D
-    p.group = Hq // Hkv
-    p.scale, p.left, p.right, p.bottom_right = _scale(op, scale, D), left, right, True
-    return p
+    return Problem(cq[0] - 1, Hq, Hkv, int(max_seqlen_q), int(max_seqlen_k), D,
+                   _scale(op, scale, D), left, right, bottom_right=True)
 
 
 def check_sparse_args(q_shape, k_shape, v_shape, bm_shape, block_size, is_causal, scale,
@@ -392,11 +390,8 @@ def check_sparse_args(q_shape, k_shape, v_shape, bm_shape, block_size, is_causal
     left, right = _window(op, None, is_causal)
     if right >= Sk:
         right = -1
-    p = Problem()
-    p.B, p.Hq, p.Hkv, p.Sq, p.Sk, p.D = B, Hq, Hkv, Sq, Sk, D
-    p.group = Hq // Hkv
-    p.scale, p.left, p.right, p.bottom_right = _scale(op, scale, D), left, right, False
-    return p
+    return Problem(B, Hq, Hkv, Sq, Sk, D, _scale(op, scale, D), left, right,
+                   bottom_right=False)
 
 
 def check_rotary(op, cos_shape, sin_shape, D, rows_needed, interleaved) -> int:
