@@ -97,7 +97,7 @@ def row(shape, name, fn, flops):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="direct,base")
+    ap.add_argument("--configs", default="bulk,direct")
     ap.add_argument("--json")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]

@@ -28,9 +28,11 @@
 // shift down by 16 registers per chunk, so the activation code exists once.
 //
 // Configurations (template EPI / CL; ops/gemm.py WGMMA_CONFIGS, PLAN["wgmma"]), for A/B runs:
-//  * EPI = 1 'direct' epilogue (wg_epilogue_direct): whole tiles of a 16-bit C go from the
+//  * EPI = 1 'direct' epilogue (wg_epilogue_fragments): whole tiles of a 16-bit C go from the
 //    fragments to global memory without staging (the tensor cores idle during the epilogue,
 //    since both consumer warpgroups finish a tile together: it must be short);
+//  * EPI = 2 'bulk' epilogue: the same, but each warp hands 32-column chunks to the TMA unit
+//    (cp.async.bulk from shared memory) and goes on to the next tile while they drain;
 //  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
 //    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
 //    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
@@ -127,23 +129,40 @@ __device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* de
   }
 }
 
-// Epilogue 'direct' (EPI = 1), for tiles wholly inside N of a 16-bit C with even N (others take
-// the staged epilogue below): straight from the accumulator fragments to global memory, no
-// shared-memory staging and no rolled chunk loop (the staged one shifts 112 accumulator
-// registers per 32-column chunk). Thread (warp w, g = lane / 4, t = lane % 4) holds rows m_lo
-// (= .. + g) and m_lo + 8, columns n0 + 8j + 2t, + 1 (j < 32): stored as packed pairs (4 bytes:
-// a warp writes 8 rows x 16 bytes per instruction; the L2 merges the two halves of each 32-byte
-// sector). kFused = false: no bias / residual / activation (the bare product: alpha only).
-// kFused: the bias and residual of the next 16 columns are loaded before the current 16 are
-// computed (24 registers of lookahead); the activation A is chosen once per tile (one
-// instantiation per activation: straight-line code, no per-element jump table).
-template <class T, bool kFused, Act A>
-__device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const BatchOffsets& o,
-                                                   const float (&acc)[128], long long m_lo,
-                                                   long long n0, int tq) {
-  if (m_lo >= p.M) return;
-  const long long m_hi = m_lo + 8, n_t = n0 + 2 * tq;
-  const bool hi_live = m_hi < p.M;
+// Epilogues 'direct' (EPI = 1) and 'bulk' (EPI = 2), for tiles wholly inside N of a 16-bit C
+// (others take the staged epilogue below), straight from the accumulator fragments: no rolled
+// chunk loop (the staged one shifts 112 accumulator registers per 32-column chunk). Thread (warp
+// w, g = lane / 4, t = lane % 4) holds rows m_base + g and + 8, columns n0 + 8j + 2t, + 1 (j < 32),
+// converted to packed pairs (4 bytes).
+//  * direct (kBulk = false; even N): st.global of the pairs (a warp writes 8 rows x 16 bytes per
+//    instruction). Every SM stores its 64 KiB tile in the same few microseconds (the tiles of a
+//    round finish together) while its tensor cores idle: run 27 measured ~5 us per round that
+//    cuBLAS does not pay.
+//  * bulk (kBulk = true; N % 8 == 0, C 16-byte aligned): each warp writes 32-column chunks of its
+//    16 rows to shared memory (two 1280-byte buffers per warp: rows of 64 bytes + 16 of padding,
+//    so the 32 lanes' 4-byte writes hit 32 different banks) and lanes 0..15 hand one row each to
+//    the TMA unit (cp.async.bulk, 64 bytes): the warp goes on to the next chunk, and after the
+//    last to the next tile's MMAs, while the copies drain. A buffer is rewritten only after its
+//    previous copies have read it (bulk_wait_read<1>: one group, the other buffer's, may stay
+//    in flight).
+// kFused = false: no bias / residual / activation (the bare product: alpha only). kFused: the bias
+// and residual of the next 16 columns are loaded before the current 16 are computed (24 registers
+// of lookahead); the activation A is chosen once per tile (one instantiation per activation:
+// straight-line code, no per-element jump table).
+constexpr int kWgBulkRowBytes = 80;                        // 32 16-bit columns + 16 bytes of pad
+constexpr int kWgBulkBufBytes = 16 * kWgBulkRowBytes;
+static_assert(2 * kWgBulkBufBytes <= kWgEpiWarpBytes, "two bulk buffers per warp's staging area");
+
+template <class T, bool kFused, Act A, bool kBulk>
+__device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const BatchOffsets& o,
+                                                      const float (&acc)[128], long long m_base,
+                                                      long long n0, int lane,
+                                                      unsigned char* buf) {
+  if (m_base >= p.M) return;                // all 16 rows of the warp lie past M (warp-uniform)
+  const int g = lane >> 2, tq = lane & 3;
+  const long long m_lo = m_base + g, m_hi = m_lo + 8, n_t = n0 + 2 * tq;
+  const bool lo_live = m_lo < p.M, hi_live = m_hi < p.M;
+  if (!kBulk && !lo_live) return;           // bulk: every lane takes part in the warp's syncs
   T* c_lo = static_cast<T*>(p.c) + o.c + m_lo * p.N + n_t;
   T* c_hi = c_lo + 8 * p.N;
   const bool has_bias = kFused && p.bias != nullptr, has_res = kFused && p.residual != nullptr;
@@ -158,7 +177,7 @@ __device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const Batc
       for (int e = 0; e < 2; ++e) {
         const long long dn = 8 * (2 * grp + jj) + e;
         b[2 * jj + e] = has_bias ? to_float(bias[dn * p.bias_s]) : 0.0f;
-        r[4 * jj + e] = has_res ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
+        r[4 * jj + e] = (has_res && lo_live) ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
         r[4 * jj + 2 + e] = (has_res && hi_live) ? to_float(res_hi[dn * p.r_sn]) : 0.0f;
       }
     }
@@ -168,6 +187,14 @@ __device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const Batc
   for (int grp = 0; grp < 16; ++grp) {
     if constexpr (kFused) {
       if (grp + 1 < 16) load(grp + 1, bz[(grp + 1) & 1], rs[(grp + 1) & 1]);
+    }
+    // bulk: chunk grp / 2 (32 columns) goes to buffer (grp / 2) & 1
+    unsigned char* chunk = buf + ((grp >> 1) & 1) * kWgBulkBufBytes;
+    if constexpr (kBulk) {
+      if ((grp & 1) == 0) {
+        bulk_wait_read<1>();                // this buffer's copies of two chunks ago have read it
+        __syncwarp();
+      }
     }
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
@@ -183,14 +210,54 @@ __device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const Batc
         lo[e] = x;
         hi[e] = y;
       }
-      *reinterpret_cast<unsigned int*>(c_lo + 8 * j) = Vec16<T>::pack2(lo[0], lo[1]);
-      if (hi_live) *reinterpret_cast<unsigned int*>(c_hi + 8 * j) = Vec16<T>::pack2(hi[0], hi[1]);
+      if constexpr (kBulk) {
+        unsigned char* at = chunk + ((grp & 1) * 2 + jj) * 16 + 4 * tq;
+        *reinterpret_cast<unsigned int*>(at + g * kWgBulkRowBytes) = Vec16<T>::pack2(lo[0], lo[1]);
+        *reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBulkRowBytes) =
+            Vec16<T>::pack2(hi[0], hi[1]);
+      } else {
+        *reinterpret_cast<unsigned int*>(c_lo + 8 * j) = Vec16<T>::pack2(lo[0], lo[1]);
+        if (hi_live)
+          *reinterpret_cast<unsigned int*>(c_hi + 8 * j) = Vec16<T>::pack2(hi[0], hi[1]);
+      }
+    }
+    if constexpr (kBulk) {
+      if (grp & 1) {
+        fence_proxy_async_smem();           // the st.shared above, before the TMA unit reads
+        __syncwarp();
+        const int ch = grp >> 1;
+        if (lane < 16 && m_base + lane < p.M)
+          bulk_store_s2g(static_cast<T*>(p.c) + o.c + (m_base + lane) * p.N + n0 + 32 * ch,
+                         smem_u32(buf) + (ch & 1) * kWgBulkBufBytes + lane * kWgBulkRowBytes,
+                         32 * (int)sizeof(T));
+        bulk_commit();
+      }
     }
   }
 }
 
+// The whole-tile epilogue with the activation as a template argument.
+template <class T, bool kBulk>
+__device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const BatchOffsets& o,
+                                                  const float (&acc)[128], long long m_base,
+                                                  long long n0, int lane, unsigned char* buf) {
+#define GPUOPS_WG_EPI(F, A) wg_epilogue_fragments<T, F, A, kBulk>(p, o, acc, m_base, n0, lane, buf)
+  if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
+    GPUOPS_WG_EPI(false, Act::kIdentity);
+  } else {
+    switch (p.act) {
+      case 1: GPUOPS_WG_EPI(true, Act::kRelu); break;
+      case 2: GPUOPS_WG_EPI(true, Act::kSilu); break;
+      case 3: GPUOPS_WG_EPI(true, Act::kGeluErf); break;
+      case 4: GPUOPS_WG_EPI(true, Act::kGeluTanh); break;
+      default: GPUOPS_WG_EPI(true, Act::kIdentity); break;
+    }
+  }
+#undef GPUOPS_WG_EPI
+}
+
 // The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
-// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct.
+// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 2 = bulk.
 // CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
 // stage and multicasts it to both, halving B's L2 -> SM traffic).
 template <class T, bool AMN, bool BMN, int EPI, int CL>
@@ -300,6 +367,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   // descriptors: WgOperand (wgmma_common.cuh) holds LBO / SBO / k16 step of each layout
   static_assert(WgOperand<true>::kLbo == kWgBoxBytes, "M/N-major LBO = one 64 x 64 TMA box");
   float* stage_c = reinterpret_cast<float*>(smem + kWgEpiOffset + (cg * 4 + cwarp) * kWgEpiWarpBytes);
+  // EPI 2: whole tiles leave through bulk copies, whose 64-byte rows need 16-byte aligned
+  // addresses: N a multiple of 8 and C 16-byte aligned (batch offsets z * M * N follow)
+  const bool bulk_ok = EPI == 2 && p.N % 8 == 0 &&
+                       (reinterpret_cast<unsigned long long>(p.c) & 15) == 0;
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
 
@@ -355,21 +426,19 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     // Warp cwarp holds rows 16 cwarp + g and + 8 (g = lane / 4) of this warpgroup's 64; its 32
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
-    if (EPI == 1 && !p.out_f32 && p.N % 2 == 0 && t.n0 + kWgBN <= p.N) {
-      const long long m_lo = m_base + (lane >> 2);
-      const int tq = lane & 3;
-      if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
-        wg_epilogue_direct<T, false, Act::kIdentity>(p, o, acc, m_lo, t.n0, tq);
-      } else {
-        switch (p.act) {
-          case 1: wg_epilogue_direct<T, true, Act::kRelu>(p, o, acc, m_lo, t.n0, tq); break;
-          case 2: wg_epilogue_direct<T, true, Act::kSilu>(p, o, acc, m_lo, t.n0, tq); break;
-          case 3: wg_epilogue_direct<T, true, Act::kGeluErf>(p, o, acc, m_lo, t.n0, tq); break;
-          case 4: wg_epilogue_direct<T, true, Act::kGeluTanh>(p, o, acc, m_lo, t.n0, tq); break;
-          default: wg_epilogue_direct<T, true, Act::kIdentity>(p, o, acc, m_lo, t.n0, tq); break;
-        }
-      }
+    const bool whole = !p.out_f32 && t.n0 + kWgBN <= p.N;
+    if (EPI == 2 && whole && bulk_ok) {
+      wg_epilogue_whole<T, true>(p, o, acc, m_base, t.n0, lane,
+                                 reinterpret_cast<unsigned char*>(stage_c));
       continue;
+    }
+    if (EPI >= 1 && whole && p.N % 2 == 0) {
+      wg_epilogue_whole<T, false>(p, o, acc, m_base, t.n0, lane, nullptr);
+      continue;
+    }
+    if constexpr (EPI == 2) {
+      bulk_wait_read<0>();                  // the staging area may still feed bulk copies
+      __syncwarp();
     }
     const int g = lane >> 2, tq = lane & 3;
     const int r0 = lane >> 3, my_c = (lane & 7) * 4;     // read side: rows r0 + 4 i, 4 columns
@@ -437,6 +506,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
+  if constexpr (EPI == 2) bulk_wait<0>();  // the copies read this CTA's shared memory
   if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only

@@ -68,6 +68,33 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// Bulk (non-tensor) asynchronous copy of `bytes` (a multiple of 16; both addresses 16-byte
+// aligned) from this CTA's shared memory to global memory by the TMA unit, in this thread's open
+// bulk group: the issuing warp goes on while the bytes move. The shared source must have been
+// written before a fence_proxy_async_smem() of the writing threads, and must not be rewritten
+// before bulk_wait_read() says the group has read it.
+__device__ __forceinline__ void bulk_store_s2g(void* gdst, unsigned int ssrc, unsigned int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               :: "l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
+}
+
+// Closes this thread's open bulk group (an empty group when it issued nothing).
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed bulk groups still read their shared source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+
+// Waits until at most N of this thread's committed bulk groups are incomplete (writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
 // The producer's arrival: one arrive, and `bytes` more expected from TMA before the phase ends.
 __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned int bar, unsigned int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"

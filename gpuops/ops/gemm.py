@@ -170,9 +170,11 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
 # the chosen one is compiled): (epilogue, cluster size). Epilogue 0 'staged' (shared memory,
 # rolled 32-column chunks), 1 'direct' (fragments straight to global memory, activation chosen
-# per tile). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
+# per tile), 2 'bulk' (fragments to per-warp shared buffers, copied out by the TMA unit while the
+# warps go on to the next tile: run 27 measured direct's store phase at ~5 us per round). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
 # (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "mc2": (0, 2), "mc2_direct": (1, 2)}
+WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "bulk": (2, 1), "mc2": (0, 2),
+                 "mc2_direct": (1, 2)}
 
 
 def _wgmma_expr(d, a_mn, b_mn, config="base"):
