@@ -98,12 +98,74 @@ def row(shape, name, fn, flops):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="bulk,direct")
+    ap.add_argument("--probes", default="",
+                    help="epilogue timing probes (gemm.WGMMA_PROBES) timed on the K sweep "
+                         "(linear 4096x6144xK) only")
+    ap.add_argument("--no-host", action="store_true", help="skip the host cost and profile")
     ap.add_argument("--json")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     bf = torch.bfloat16
     G.PLAN["wgmma"] = configs[0]
 
+    probes = [c for c in args.probes.split(",") if c]
+    if not args.no_host:
+        host_cost(configs)
+    shapes = [(4096, 6144, K) for K in (512, 1024, 2048, 4096)] + [(4096, 2048, 6144),
+                                                                   (8192, 8192, 8192)]
+    for M, N, K in shapes:
+        x = torch.randn(M, K, device="cuda", dtype=bf)
+        w = torch.randn(N, K, device="cuda", dtype=bf)
+        b = torch.randn(K, N, device="cuda", dtype=bf)
+        flops = 2.0 * M * N * K
+        cub = row((M, N, K), "cublas F.linear", lambda: F.linear(x, w), flops)
+        row((M, N, K), "cublas a @ b", lambda: torch.matmul(x, b), flops)
+        for cfg in configs:
+            r = row((M, N, K), f"wgmma[{cfg}] linear",
+                    with_config(cfg, lambda: go.linear(x, w, variant="wgmma")), flops)
+            r2 = row((M, N, K), f"wgmma[{cfg}] a @ b",
+                     with_config(cfg, lambda: go.matmul(x, b, variant="wgmma")), flops)
+            for rr in (r, r2):
+                if "graph_us" in rr and "graph_us" in cub:
+                    print(f"    {rr['name']}: {100 * cub['graph_us'] / rr['graph_us']:5.1f}% of "
+                          f"cuBLAS linear in graphs, "
+                          f"{100 * cub['events_us'] / rr['events_us']:5.1f}% back to back",
+                          flush=True)
+        if N == 6144 and M == 4096:
+            for cfg in probes:
+                row((M, N, K), f"wgmma[{cfg}] linear",
+                    with_config(cfg, lambda: go.linear(x, w, variant="wgmma")), flops)
+        del x, w, b
+        torch.cuda.empty_cache()
+    fit_intercepts()
+    G.PLAN["wgmma"] = "direct"
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+def fit_intercepts():
+    """Least squares over the K sweep (graph times): cost per k-tile and fixed cost per round
+    (6 rounds of 128x256 tiles at 4096x6144 on 132 SMs) of every row name."""
+    by_name: dict = {}
+    for r in RESULTS["rows"]:
+        if r["shape"][:2] == [4096, 6144] and "graph_us" in r:
+            by_name.setdefault(r["name"], []).append((r["shape"][2] / 64, r["graph_us"]))
+    RESULTS["fits"] = {}
+    for name, pts in by_name.items():
+        if len(pts) < 3:
+            continue
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        icpt = my - slope * mx
+        RESULTS["fits"][name] = {"us_per_ktile_round": slope / 6, "us_fixed_per_round": icpt / 6}
+        print(f"fit {name:28s} per k-tile and round {slope / 6:6.3f} us, fixed per round "
+              f"{icpt / 6:6.2f} us (graphs)", flush=True)
+
+
+def host_cost(configs):
+    bf = torch.bfloat16
     # host cost per call at 256^3 (the GPU is idle most of the time: the host sets the pace)
     a = torch.randn(256, 256, device="cuda", dtype=bf)
     w = torch.randn(256, 256, device="cuda", dtype=bf)
@@ -128,33 +190,6 @@ def main():
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
     print(s.getvalue(), flush=True)
     RESULTS["profile"] = s.getvalue()
-
-    shapes = [(4096, 6144, K) for K in (512, 1024, 2048, 4096)] + [(4096, 2048, 6144),
-                                                                   (8192, 8192, 8192)]
-    for M, N, K in shapes:
-        x = torch.randn(M, K, device="cuda", dtype=bf)
-        w = torch.randn(N, K, device="cuda", dtype=bf)
-        b = torch.randn(K, N, device="cuda", dtype=bf)
-        flops = 2.0 * M * N * K
-        cub = row((M, N, K), "cublas F.linear", lambda: F.linear(x, w), flops)
-        row((M, N, K), "cublas a @ b", lambda: torch.matmul(x, b), flops)
-        for cfg in configs:
-            r = row((M, N, K), f"wgmma[{cfg}] linear",
-                    with_config(cfg, lambda: go.linear(x, w, variant="wgmma")), flops)
-            r2 = row((M, N, K), f"wgmma[{cfg}] a @ b",
-                     with_config(cfg, lambda: go.matmul(x, b, variant="wgmma")), flops)
-            for rr in (r, r2):
-                if "graph_us" in rr and "graph_us" in cub:
-                    print(f"    {rr['name']}: {100 * cub['graph_us'] / rr['graph_us']:5.1f}% of "
-                          f"cuBLAS linear in graphs, "
-                          f"{100 * cub['events_us'] / rr['events_us']:5.1f}% back to back",
-                          flush=True)
-        del x, w, b
-        torch.cuda.empty_cache()
-    G.PLAN["wgmma"] = "direct"
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(RESULTS, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,12 @@ constexpr int kWgBulkRowBytes = 80;                        // 32 16-bit columns 
 constexpr int kWgBulkBufBytes = 16 * kWgBulkRowBytes;
 static_assert(2 * kWgBulkBufBytes <= kWgEpiWarpBytes, "two bulk buffers per warp's staging area");
 
-template <class T, bool kFused, Act A, bool kBulk>
+// kProbe (timing experiments only, benchmarks/experiments/gemm_host_overhead.py; wrong results):
+// kProbeNoCopy writes the shared buffers but issues no bulk copy, kProbeNoFence issues the copies
+// without the proxy fence.
+constexpr int kProbeNone = 0, kProbeNoCopy = 1, kProbeNoFence = 2;
+
+template <class T, bool kFused, Act A, bool kBulk, int kProbe = kProbeNone>
 __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const BatchOffsets& o,
                                                       const float (&acc)[128], long long m_base,
                                                       long long n0, int lane,
@@ -223,10 +228,11 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
     }
     if constexpr (kBulk) {
       if (grp & 1) {
-        fence_proxy_async_smem();           // the st.shared above, before the TMA unit reads
+        if (kProbe != kProbeNoFence)
+          fence_proxy_async_smem();         // the st.shared above, before the TMA unit reads
         __syncwarp();
         const int ch = grp >> 1;
-        if (lane < 16 && m_base + lane < p.M)
+        if (kProbe != kProbeNoCopy && lane < 16 && m_base + lane < p.M)
           bulk_store_s2g(static_cast<T*>(p.c) + o.c + (m_base + lane) * p.N + n0 + 32 * ch,
                          smem_u32(buf) + (ch & 1) * kWgBulkBufBytes + lane * kWgBulkRowBytes,
                          32 * (int)sizeof(T));
@@ -237,12 +243,14 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
 }
 
 // The whole-tile epilogue with the activation as a template argument.
-template <class T, bool kBulk>
+template <class T, bool kBulk, int kProbe = kProbeNone>
 __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const BatchOffsets& o,
                                                   const float (&acc)[128], long long m_base,
                                                   long long n0, int lane, unsigned char* buf) {
-#define GPUOPS_WG_EPI(F, A) wg_epilogue_fragments<T, F, A, kBulk>(p, o, acc, m_base, n0, lane, buf)
-  if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
+#define GPUOPS_WG_EPI(F, A) wg_epilogue_fragments<T, F, A, kBulk, kProbe>(p, o, acc, m_base, n0, lane, buf)
+  if constexpr (kProbe != kProbeNone) {
+    GPUOPS_WG_EPI(false, Act::kIdentity);   // probes time the bare product only
+  } else if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
     GPUOPS_WG_EPI(false, Act::kIdentity);
   } else {
     switch (p.act) {
@@ -369,7 +377,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   float* stage_c = reinterpret_cast<float*>(smem + kWgEpiOffset + (cg * 4 + cwarp) * kWgEpiWarpBytes);
   // EPI 2: whole tiles leave through bulk copies, whose 64-byte rows need 16-byte aligned
   // addresses: N a multiple of 8 and C 16-byte aligned (batch offsets z * M * N follow)
-  const bool bulk_ok = EPI == 2 && p.N % 8 == 0 &&
+  const bool bulk_ok = (EPI == 2 || EPI == 92) && p.N % 8 == 0 &&
                        (reinterpret_cast<unsigned long long>(p.c) & 15) == 0;
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
@@ -432,11 +440,22 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
                                  reinterpret_cast<unsigned char*>(stage_c));
       continue;
     }
+    // timing probes (EPI 90..92, module gemm.wgmma_probe_epilogue; results are wrong): no
+    // epilogue at all, bulk without its copies, bulk without its proxy fence
+    if constexpr (EPI == 90) {
+      reg_fence(acc);                     // the accumulators stay live: the MMAs are not dead code
+      continue;
+    }
+    if constexpr (EPI == 91 || EPI == 92) {
+      wg_epilogue_whole<T, true, EPI == 91 ? kProbeNoCopy : kProbeNoFence>(
+          p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c));
+      continue;
+    }
     if (EPI >= 1 && whole && p.N % 2 == 0) {
       wg_epilogue_whole<T, false>(p, o, acc, m_base, t.n0, lane, nullptr);
       continue;
     }
-    if constexpr (EPI == 2) {
+    if constexpr (EPI == 2 || EPI == 92) {
       bulk_wait_read<0>();                  // the staging area may still feed bulk copies
       __syncwarp();
     }
@@ -506,7 +525,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
-  if constexpr (EPI == 2) bulk_wait<0>();  // the copies read this CTA's shared memory
+  if constexpr (EPI == 2 || EPI == 92) bulk_wait<0>();  // the copies read this CTA's shared memory
   if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only

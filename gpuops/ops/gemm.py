@@ -177,8 +177,16 @@ WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "bulk": (2, 1), "mc2": (0, 2)
                  "mc2_direct": (1, 2)}
 
 
+# Timing probes of the epilogue (wrong results; benchmarks/experiments/gemm_host_overhead.py sets
+# PLAN["wgmma"] to one): no epilogue at all, 'bulk' without its copies, 'bulk' without its proxy
+# fence. One bf16 module, the two operand layouts the experiment times; never chosen by 'auto'
+# and not in WGMMA_CONFIGS (the GPU tests check every configuration's results).
+WGMMA_PROBES = {"probe_noepi": (90, 1), "probe_nocopy": (91, 1), "probe_nofence": (92, 1)}
+_WGMMA_ALL = {**WGMMA_CONFIGS, **WGMMA_PROBES}
+
+
 def _wgmma_expr(d, a_mn, b_mn, config="base"):
-    epi, cl = WGMMA_CONFIGS[config]
+    epi, cl = _WGMMA_ALL[config]
     return _kname("gemm_wgmma" if cl == 1 else f"gemm_wgmma_mc{cl}", d.ctype, _b(a_mn), _b(b_mn),
                   epi)
 
@@ -193,6 +201,10 @@ WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", _wgmma_kernels("base"), dtypes=_HAL
 WGMMA_MODULES = {"base": WGMMA, **{
     cfg: _per_dtype(f"wgmma_{cfg}", "gemm/wgmma.cu", _wgmma_kernels(cfg), dtypes=_HALFS,
                     archs=(f"{WGMMA_ARCH}a",)) for cfg in WGMMA_CONFIGS if cfg != "base"}}
+_WGMMA_PROBE_MODULE = KernelModule("gemm.wgmma_probe_epilogue", "gemm/wgmma.cu", {
+    _wgmma_expr(dt.bfloat16, False, b_mn, cfg): WGMMA_ARGS
+    for cfg in WGMMA_PROBES for b_mn in (False, True)}, archs=(f"{WGMMA_ARCH}a",))
+WGMMA_MODULES.update({cfg: {dt.bfloat16: _WGMMA_PROBE_MODULE} for cfg in WGMMA_PROBES})
 # Probes of the wgmma building blocks (parameters, TMA + mbarrier, wgmma descriptors), one kernel
 # each, for benchmarks/experiments/wgmma_bisect.py; no op launches them.
 WGMMA_PROBE = KernelModule("gemm.wgmma_probe", "gemm/wgmma_probe.cu", {
@@ -693,7 +705,7 @@ _wgmma_map_cache: dict = {}
 
 def _wgmma_config():
     cfg = PLAN["wgmma"]
-    if cfg not in WGMMA_CONFIGS:
+    if cfg not in _WGMMA_ALL:
         raise ValueError(f"gpuops: PLAN['wgmma'] must be one of {sorted(WGMMA_CONFIGS)}, "
                          f"got {cfg!r}")
     return cfg
@@ -760,7 +772,7 @@ def _wgmma_grid(p: _Plan, cluster, sms, resident_clusters=None):
 def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     """One persistent launch: min(tiles, SMs) blocks (whole clusters) walk every output tile."""
     (a_mn, map_a), (b_mn, map_b) = maps
-    cluster = WGMMA_CONFIGS[config][1]
+    cluster = _WGMMA_ALL[config][1]
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
     resident = None
@@ -845,7 +857,7 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         else:
             config = _wgmma_config()
             try:
-                maps = _wgmma_maps(op, p, L, dtype, WGMMA_CONFIGS[config][1])
+                maps = _wgmma_maps(op, p, L, dtype, _WGMMA_ALL[config][1])
             except ValueError:
                 if variant == "wgmma":
                     raise
