@@ -32,12 +32,15 @@
 //    fragments to global memory without staging (the tensor cores idle during the epilogue,
 //    since both consumer warpgroups finish a tile together: it must be short);
 //  * EPI = 2 'bulk' epilogue: the same, but each warp hands 32-column chunks to the TMA unit
-//    (cp.async.bulk from shared memory) and goes on to the next tile while they drain;
+//    (cp.async.bulk from shared memory, one 64-byte row per lane) and goes on to the next tile
+//    while they drain; EPI = 3 'tma_store' (kernel gemm_wgmma_tmastore): one tensor-map box per
+//    chunk instead of 16 row copies;
 //  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
 //    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
 //    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
 #include "gemm/gemm_common.cuh"
 #include "gemm/wgmma_common.cuh"
+#include "common/opaque.cuh"
 
 namespace gpuops {
 namespace gemm {
@@ -149,21 +152,40 @@ __device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* de
 // and residual of the next 16 columns are loaded before the current 16 are computed (24 registers
 // of lookahead); the activation A is chosen once per tile (one instantiation per activation:
 // straight-line code, no per-element jump table).
+//  * tensor (kStore = kStoreTensor; the 'tma_store' configuration, EPI = 3): the same chunks, but
+//    each leaves as ONE tensor-map box (16 rows x 32 columns) issued by lane 0, instead of 16
+//    row copies: run 29's probes put bulk's remaining cost (~4 us per round) on the copies, not on
+//    the shared-memory writes or the fence, i.e. on the TMA unit working through 1024 64-byte
+//    requests per tile. The box lands in shared memory in the 64-byte swizzle (16-byte unit u of
+//    row r at u ^ ((r / 2) % 4)): dense rows that TMA can read, and still 32 distinct banks for
+//    the 32 lanes' writes.
+constexpr int kStoreDirect = 0, kStoreBulk = 1, kStoreTensor = 2;
 constexpr int kWgBulkRowBytes = 80;                        // 32 16-bit columns + 16 bytes of pad
 constexpr int kWgBulkBufBytes = 16 * kWgBulkRowBytes;
+constexpr int kWgBoxRowBytes = 64, kWgBoxBufBytes = 16 * kWgBoxRowBytes;
 static_assert(2 * kWgBulkBufBytes <= kWgEpiWarpBytes, "two bulk buffers per warp's staging area");
+static_assert(kWgEpiWarpBytes % 512 == 0 && kWgBoxBufBytes % 512 == 0,
+              "64-byte-swizzled boxes start on 512-byte boundaries");
 
 // kProbe (timing experiments only, benchmarks/experiments/gemm_host_overhead.py; wrong results):
 // kProbeNoCopy writes the shared buffers but issues no bulk copy, kProbeNoFence issues the copies
 // without the proxy fence.
 constexpr int kProbeNone = 0, kProbeNoCopy = 1, kProbeNoFence = 2;
 
-template <class T, bool kFused, Act A, bool kBulk, int kProbe = kProbeNone>
+template <class T, bool kFused, Act A, int kStore, int kProbe = kProbeNone>
 __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const BatchOffsets& o,
                                                       const float (&acc)[128], long long m_base,
-                                                      long long n0, int lane,
-                                                      unsigned char* buf) {
+                                                      long long n0, int lane, unsigned char* buf,
+                                                      const TmaDesc* tma_c, int z) {
+  constexpr bool kBulk = kStore != kStoreDirect;
+  constexpr int kBufBytes = kStore == kStoreTensor ? kWgBoxBufBytes : kWgBulkBufBytes;
   if (m_base >= p.M) return;                // all 16 rows of the warp lie past M (warp-uniform)
+  // the lane's offsets are recomputed per tile (opaque) rather than hoisted out of the tile loop
+  // and held across the main loop, where the accumulators need every register (ptxas spilled
+  // them otherwise)
+  unsigned int lane_u = (unsigned int)lane;
+  opaque(lane_u);
+  lane = (int)lane_u;
   const int g = lane >> 2, tq = lane & 3;
   const long long m_lo = m_base + g, m_hi = m_lo + 8, n_t = n0 + 2 * tq;
   const bool lo_live = m_lo < p.M, hi_live = m_hi < p.M;
@@ -174,6 +196,7 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
   const T* bias = static_cast<const T*>(p.bias) + n_t * p.bias_s;
   const T* res_lo = static_cast<const T*>(p.residual) + o.r + m_lo * p.r_sm + n_t * p.r_sn;
   const T* res_hi = res_lo + 8 * p.r_sm;
+  const long long n_left = p.N - n_t;        // columns of this thread's pair left in C
   float bz[2][4], rs[2][8];
   auto load = [&](int grp, float (&b)[4], float (&r)[8]) {
 #pragma unroll
@@ -181,9 +204,12 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const long long dn = 8 * (2 * grp + jj) + e;
-        b[2 * jj + e] = has_bias ? to_float(bias[dn * p.bias_s]) : 0.0f;
-        r[4 * jj + e] = (has_res && lo_live) ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
-        r[4 * jj + 2 + e] = (has_res && hi_live) ? to_float(res_hi[dn * p.r_sn]) : 0.0f;
+        // tensor stores also take tiles that overhang N (TMA clips the store): no loads there
+        const bool col_live = kStore != kStoreTensor || dn < n_left;
+        b[2 * jj + e] = (has_bias && col_live) ? to_float(bias[dn * p.bias_s]) : 0.0f;
+        r[4 * jj + e] = (has_res && lo_live && col_live) ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
+        r[4 * jj + 2 + e] =
+            (has_res && hi_live && col_live) ? to_float(res_hi[dn * p.r_sn]) : 0.0f;
       }
     }
   };
@@ -194,7 +220,7 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
       if (grp + 1 < 16) load(grp + 1, bz[(grp + 1) & 1], rs[(grp + 1) & 1]);
     }
     // bulk: chunk grp / 2 (32 columns) goes to buffer (grp / 2) & 1
-    unsigned char* chunk = buf + ((grp >> 1) & 1) * kWgBulkBufBytes;
+    unsigned char* chunk = buf + ((grp >> 1) & 1) * kBufBytes;
     if constexpr (kBulk) {
       if ((grp & 1) == 0) {
         bulk_wait_read<1>();                // this buffer's copies of two chunks ago have read it
@@ -215,7 +241,14 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
         lo[e] = x;
         hi[e] = y;
       }
-      if constexpr (kBulk) {
+      if constexpr (kStore == kStoreTensor) {
+        const int unit = (grp & 1) * 2 + jj;              // 16-byte unit of the 64-byte row
+        // rows g and g + 8 have the same swizzle ((g + 8) / 2 % 4 == g / 2 % 4)
+        unsigned char* at = chunk + ((unit ^ ((g >> 1) & 3)) * 16) + 4 * tq;
+        *reinterpret_cast<unsigned int*>(at + g * kWgBoxRowBytes) = Vec16<T>::pack2(lo[0], lo[1]);
+        *reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBoxRowBytes) =
+            Vec16<T>::pack2(hi[0], hi[1]);
+      } else if constexpr (kBulk) {
         unsigned char* at = chunk + ((grp & 1) * 2 + jj) * 16 + 4 * tq;
         *reinterpret_cast<unsigned int*>(at + g * kWgBulkRowBytes) = Vec16<T>::pack2(lo[0], lo[1]);
         *reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBulkRowBytes) =
@@ -232,10 +265,16 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
           fence_proxy_async_smem();         // the st.shared above, before the TMA unit reads
         __syncwarp();
         const int ch = grp >> 1;
-        if (kProbe != kProbeNoCopy && lane < 16 && m_base + lane < p.M)
+        if constexpr (kStore == kStoreTensor) {
+          // rows past M are clipped by the map's extent (M), not written
+          if (lane == 0)
+            tma_store_3d(tma_c, smem_u32(buf) + (ch & 1) * kWgBoxBufBytes, (int)n0 + 32 * ch,
+                         (int)m_base, z);
+        } else if (kProbe != kProbeNoCopy && lane < 16 && m_base + lane < p.M) {
           bulk_store_s2g(static_cast<T*>(p.c) + o.c + (m_base + lane) * p.N + n0 + 32 * ch,
                          smem_u32(buf) + (ch & 1) * kWgBulkBufBytes + lane * kWgBulkRowBytes,
                          32 * (int)sizeof(T));
+        }
         bulk_commit();
       }
     }
@@ -243,11 +282,13 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
 }
 
 // The whole-tile epilogue with the activation as a template argument.
-template <class T, bool kBulk, int kProbe = kProbeNone>
+template <class T, int kStore, int kProbe = kProbeNone>
 __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const BatchOffsets& o,
                                                   const float (&acc)[128], long long m_base,
-                                                  long long n0, int lane, unsigned char* buf) {
-#define GPUOPS_WG_EPI(F, A) wg_epilogue_fragments<T, F, A, kBulk, kProbe>(p, o, acc, m_base, n0, lane, buf)
+                                                  long long n0, int lane, unsigned char* buf,
+                                                  const TmaDesc* tma_c, int z) {
+#define GPUOPS_WG_EPI(F, A) \
+  wg_epilogue_fragments<T, F, A, kStore, kProbe>(p, o, acc, m_base, n0, lane, buf, tma_c, z)
   if constexpr (kProbe != kProbeNone) {
     GPUOPS_WG_EPI(false, Act::kIdentity);   // probes time the bare product only
   } else if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
@@ -265,12 +306,13 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 }
 
 // The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
-// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 2 = bulk.
+// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 2 = bulk, 3 = tensor
+// store (tma_c).
 // CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
 // stage and multicasts it to both, halving B's L2 -> SM traffic).
 template <class T, bool AMN, bool BMN, int EPI, int CL>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaDesc& tma_b,
-                                                const GemmArgs& p) {
+                                                const TmaDesc* tma_c, const GemmArgs& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(CL == 1 || CL == 2, "clusters of 1 or 2 CTAs along M");
   extern __shared__ __align__(16) unsigned char smem_raw[];   // aligned to 1024 by hand below
@@ -295,6 +337,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     mbar_fence_init();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
+    if constexpr (EPI == 3) tma_prefetch_desc(tma_c);
   }
   __syncthreads();
   if constexpr (CL > 1) cluster_sync_all();   // the peers' barriers exist before any multicast
@@ -435,9 +478,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
     const bool whole = !p.out_f32 && t.n0 + kWgBN <= p.N;
+    if constexpr (EPI == 3) {           // every tile (the host checked what TMA needs)
+      wg_epilogue_whole<T, kStoreTensor>(p, o, acc, m_base, t.n0, lane,
+                                         reinterpret_cast<unsigned char*>(stage_c), tma_c, (int)t.z);
+      continue;
+    }
     if (EPI == 2 && whole && bulk_ok) {
-      wg_epilogue_whole<T, true>(p, o, acc, m_base, t.n0, lane,
-                                 reinterpret_cast<unsigned char*>(stage_c));
+      wg_epilogue_whole<T, kStoreBulk>(p, o, acc, m_base, t.n0, lane,
+                                       reinterpret_cast<unsigned char*>(stage_c), nullptr, 0);
       continue;
     }
     // timing probes (EPI 90..92, module gemm.wgmma_probe_epilogue; results are wrong): no
@@ -447,12 +495,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       continue;
     }
     if constexpr (EPI == 91 || EPI == 92) {
-      wg_epilogue_whole<T, true, EPI == 91 ? kProbeNoCopy : kProbeNoFence>(
-          p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c));
+      wg_epilogue_whole<T, kStoreBulk, EPI == 91 ? kProbeNoCopy : kProbeNoFence>(
+          p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), nullptr, 0);
       continue;
     }
-    if (EPI >= 1 && whole && p.N % 2 == 0) {
-      wg_epilogue_whole<T, false>(p, o, acc, m_base, t.n0, lane, nullptr);
+    if ((EPI == 1 || EPI == 2) && whole && p.N % 2 == 0) {
+      wg_epilogue_whole<T, kStoreDirect>(p, o, acc, m_base, t.n0, lane, nullptr, nullptr, 0);
       continue;
     }
     if constexpr (EPI == 2 || EPI == 92) {
@@ -525,7 +573,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
-  if constexpr (EPI == 2 || EPI == 92) bulk_wait<0>();  // the copies read this CTA's shared memory
+  if constexpr (EPI == 2 || EPI == 3 || EPI == 92) bulk_wait<0>();  // the copies read this CTA's shared memory
   if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only
@@ -536,7 +584,17 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, nullptr, p);
+}
+
+// EPI 3 ('tma_store'): C leaves through a third tensor map (dims N, M, batch; 32 x 16 boxes;
+// 64-byte swizzle), encoded by the host like A's and B's.
+template <class T, bool AMN, bool BMN>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    gemm_wgmma_tmastore(const __grid_constant__ TmaDesc tma_a,
+                        const __grid_constant__ TmaDesc tma_b,
+                        const __grid_constant__ TmaDesc tma_c, const GemmArgs p) {
+  gemm_wgmma_body<T, AMN, BMN, 3, 1>(tma_a, tma_b, &tma_c, p);
 }
 
 // Clusters of 2 CTAs along M (compile-time cluster shape: a plain cuLaunchKernel launches
@@ -545,7 +603,7 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kWgThreads, 1)
     gemm_wgmma_mc2(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                    const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, nullptr, p);
 }
 
 }  // namespace gemm

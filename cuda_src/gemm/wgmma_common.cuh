@@ -78,6 +78,17 @@ __device__ __forceinline__ void bulk_store_s2g(void* gdst, unsigned int ssrc, un
                :: "l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
 }
 
+// One box of a 3-D tensor map from shared memory at `src` to global memory (coordinates innermost
+// first), in this thread's open bulk group. Elements of the box outside the tensor are not
+// written: the tensor's extents clip ragged tiles.
+__device__ __forceinline__ void tma_store_3d(const TmaDesc* desc, unsigned int src, int c0, int c1,
+                                             int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
+      :: "l"(reinterpret_cast<unsigned long long>(desc)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // Closes this thread's open bulk group (an empty group when it issued nothing).
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");

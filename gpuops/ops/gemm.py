@@ -173,8 +173,12 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
 # per tile), 2 'bulk' (fragments to per-warp shared buffers, copied out by the TMA unit while the
 # warps go on to the next tile: run 27 measured direct's store phase at ~5 us per round). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
 # (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "bulk": (2, 1), "mc2": (0, 2),
-                 "mc2_direct": (1, 2)}
+WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "bulk": (2, 1), "tma_store": (3, 1),
+                 "mc2": (0, 2), "mc2_direct": (1, 2)}
+# 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
+# chunk (kernel gemm_wgmma_tmastore); calls whose C TMA cannot write (fp32 out, N % 8 != 0,
+# misaligned) run 'direct'.
+WGMMA_TMASTORE_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "9P25qf4i")
 
 
 # Timing probes of the epilogue (wrong results; benchmarks/experiments/gemm_host_overhead.py sets
@@ -187,12 +191,15 @@ _WGMMA_ALL = {**WGMMA_CONFIGS, **WGMMA_PROBES}
 
 def _wgmma_expr(d, a_mn, b_mn, config="base"):
     epi, cl = _WGMMA_ALL[config]
+    if epi == 3:
+        return _kname("gemm_wgmma_tmastore", d.ctype, _b(a_mn), _b(b_mn))
     return _kname("gemm_wgmma" if cl == 1 else f"gemm_wgmma_mc{cl}", d.ctype, _b(a_mn), _b(b_mn),
                   epi)
 
 
 def _wgmma_kernels(config):
-    return lambda d: {_wgmma_expr(d, a_mn, b_mn, config): WGMMA_ARGS
+    spec = WGMMA_TMASTORE_ARGS if _WGMMA_ALL[config][0] == 3 else WGMMA_ARGS
+    return lambda d: {_wgmma_expr(d, a_mn, b_mn, config): spec
                       for a_mn in (False, True) for b_mn in (False, True)}
 
 
@@ -779,8 +786,24 @@ def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     if cluster > 1 and hasattr(kernel, "max_active_clusters"):
         resident = kernel.max_active_clusters(WGMMA_THREADS, WGMMA_SMEM)
     blocks = _wgmma_grid(p, cluster, device.sm_count(call.device), resident)
-    kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b,
+    maps_c = (_wgmma_map_c(p, L, dtype),) if _WGMMA_ALL[config][0] == 3 else ()
+    kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b, *maps_c,
                   *_gemm_args(p, L, 0), smem=WGMMA_SMEM)
+
+
+def _wgmma_map_c(p: _Plan, L: _Launch, dtype):
+    """C's tensor map for the 'tma_store' epilogue: dims (N, M, batch) of the contiguous output,
+    16-row x 32-column boxes in the 64-byte swizzle (cuda_src/gemm/wgmma.cu). tma.encode_tiled
+    remembers it per pointer and shape."""
+    return tma.encode_tiled(L.c, tma.DTYPE_UINT16, (p.N, p.M, p.batch),
+                            (p.N * dtype.itemsize, p.M * p.N * dtype.itemsize), (32, 16, 1),
+                            tma.SWIZZLE_64B)
+
+
+def _tma_store_ok(p: _Plan, L: _Launch, dtype) -> bool:
+    """Can the 'tma_store' epilogue write this call's C (16-bit, 16-byte aligned rows)?"""
+    return (not L.out_f32 and p.N % 8 == 0 and L.c % 16 == 0 and p.M < 2 ** 31
+            and p.batch < 2 ** 31)
 
 
 def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
@@ -856,6 +879,8 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
             v = "mma"
         else:
             config = _wgmma_config()
+            if _WGMMA_ALL[config][0] == 3 and not _tma_store_ok(p, L, dtype):
+                config = "direct"
             try:
                 maps = _wgmma_maps(op, p, L, dtype, _WGMMA_ALL[config][1])
             except ValueError:
