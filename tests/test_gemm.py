@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -557,6 +558,29 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     with pytest.raises(ValueError, match="PLAN\\['wgmma'\\]"):
         G.gemm(FakeCall(), "matmul", x, G._transposed(w), variant="wgmma")
     G._wgmma_map_cache.clear()
+
+
+def test_tma_store_gives_way_to_direct_where_it_cannot_or_should_not(monkeypatch):
+    """'tma_store' writes C through a tensor map: fp32 outputs, N % 8 != 0 and a misaligned C
+    go to 'direct' (TMA cannot), and so do fused epilogues (measured slower, run 30)."""
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_store")
+
+    def config(N=64, **launch):
+        p, L = types.SimpleNamespace(N=N, batch=1), G._Launch()
+        L.c = 1 << 20
+        for k, v in launch.items():
+            setattr(L, k, v)
+        return G._wgmma_call_config(p, L)
+
+    assert config() == "tma_store"
+    assert config(N=60) == "direct"
+    assert config(c=(1 << 20) + 8) == "direct"
+    assert config(out_f32=1) == "direct"
+    assert config(bias=1 << 22) == "direct"
+    assert config(residual=1 << 22) == "direct"
+    assert config(act=3) == "direct"
+    monkeypatch.setitem(G.PLAN, "wgmma", "base")
+    assert config(bias=1 << 22) == "base"
 
 
 def test_wgmma_constants_match_the_kernel():

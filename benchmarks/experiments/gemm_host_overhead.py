@@ -97,10 +97,7 @@ def row(shape, name, fn, flops):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="bulk,direct")
-    ap.add_argument("--probes", default="",
-                    help="epilogue timing probes (gemm.WGMMA_PROBES) timed on the K sweep "
-                         "(linear 4096x6144xK) only")
+    ap.add_argument("--configs", default="tma_store,direct")
     ap.add_argument("--no-host", action="store_true", help="skip the host cost and profile")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -108,7 +105,6 @@ def main():
     bf = torch.bfloat16
     G.PLAN["wgmma"] = configs[0]
 
-    probes = [c for c in args.probes.split(",") if c]
     if not args.no_host:
         host_cost(configs)
     shapes = [(4096, 6144, K) for K in (512, 1024, 2048, 4096)] + [(4096, 2048, 6144),
@@ -131,14 +127,10 @@ def main():
                           f"cuBLAS linear in graphs, "
                           f"{100 * cub['events_us'] / rr['events_us']:5.1f}% back to back",
                           flush=True)
-        if N == 6144 and M == 4096:
-            for cfg in probes:
-                row((M, N, K), f"wgmma[{cfg}] linear",
-                    with_config(cfg, lambda: go.linear(x, w, variant="wgmma")), flops)
         del x, w, b
         torch.cuda.empty_cache()
     fit_intercepts()
-    G.PLAN["wgmma"] = "direct"
+    G.PLAN["wgmma"] = "tma_store"
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)

@@ -31,10 +31,9 @@
 //  * EPI = 1 'direct' epilogue (wg_epilogue_fragments): whole tiles of a 16-bit C go from the
 //    fragments to global memory without staging (the tensor cores idle during the epilogue,
 //    since both consumer warpgroups finish a tile together: it must be short);
-//  * EPI = 2 'bulk' epilogue: the same, but each warp hands 32-column chunks to the TMA unit
-//    (cp.async.bulk from shared memory, one 64-byte row per lane) and goes on to the next tile
-//    while they drain; EPI = 3 'tma_store' (kernel gemm_wgmma_tmastore): one tensor-map box per
-//    chunk instead of 16 row copies;
+//  * EPI = 3 'tma_store' epilogue (kernel gemm_wgmma_tmastore, a third tensor map for C): each
+//    warp hands 32-column chunks of its rows to the TMA unit (tensor-map store from shared
+//    memory) and goes on to the next tile while they drain;
 //  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
 //    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
 //    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
@@ -132,53 +131,44 @@ __device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* de
   }
 }
 
-// Epilogues 'direct' (EPI = 1) and 'bulk' (EPI = 2), for tiles wholly inside N of a 16-bit C
-// (others take the staged epilogue below), straight from the accumulator fragments: no rolled
-// chunk loop (the staged one shifts 112 accumulator registers per 32-column chunk). Thread (warp
-// w, g = lane / 4, t = lane % 4) holds rows m_base + g and + 8, columns n0 + 8j + 2t, + 1 (j < 32),
-// converted to packed pairs (4 bytes).
-//  * direct (kBulk = false; even N): st.global of the pairs (a warp writes 8 rows x 16 bytes per
+// Epilogues 'direct' (EPI = 1) and 'tma_store' (EPI = 3), straight from the accumulator
+// fragments: no rolled chunk loop (the staged one shifts 112 accumulator registers per 32-column
+// chunk). Thread (warp w, g = lane / 4, t = lane % 4) holds rows m_base + g and + 8, columns
+// n0 + 8j + 2t, + 1 (j < 32), converted to packed pairs (4 bytes).
+//  * direct (kStore = kStoreDirect; tiles wholly inside N of a 16-bit C with even N; others take
+//    the staged epilogue below): st.global of the pairs (a warp writes 8 rows x 16 bytes per
 //    instruction). Every SM stores its 64 KiB tile in the same few microseconds (the tiles of a
-//    round finish together) while its tensor cores idle: run 27 measured ~5 us per round that
-//    cuBLAS does not pay.
-//  * bulk (kBulk = true; N % 8 == 0, C 16-byte aligned): each warp writes 32-column chunks of its
-//    16 rows to shared memory (two 1280-byte buffers per warp: rows of 64 bytes + 16 of padding,
-//    so the 32 lanes' 4-byte writes hit 32 different banks) and lanes 0..15 hand one row each to
-//    the TMA unit (cp.async.bulk, 64 bytes): the warp goes on to the next chunk, and after the
-//    last to the next tile's MMAs, while the copies drain. A buffer is rewritten only after its
-//    previous copies have read it (bulk_wait_read<1>: one group, the other buffer's, may stay
-//    in flight).
+//    round finish together) while its tensor cores idle: runs 27-30 measured 5.6-6.7 us per round
+//    that cuBLAS does not pay.
+//  * tensor (kStore = kStoreTensor; every tile of a 16-bit C with N % 8 == 0, the host checks):
+//    each warp writes 32-column chunks of its 16 rows to shared memory (two 1 KiB boxes per warp,
+//    in the 64-byte swizzle: 16-byte unit u of row r at u ^ ((r / 2) % 4), dense rows that TMA
+//    reads and 32 distinct banks for the lanes' writes), and lane 0 hands each chunk to the TMA
+//    unit as one tensor-map box (cp.async.bulk.tensor store, rows past M / columns past N
+//    clipped): the warp goes on to the next chunk, and after the last to the next tile's MMAs,
+//    while the stores drain. A box is rewritten only after its previous store has read it
+//    (bulk_wait_read<1>). Run 30: fixed cost per round ~0 (direct 6.6 us). An intermediate form
+//    (run 28-29, 'bulk': 16 row copies of 64 bytes per chunk) kept ~4-5 us: the TMA unit working
+//    through 1024 small requests per tile.
 // kFused = false: no bias / residual / activation (the bare product: alpha only). kFused: the bias
 // and residual of the next 16 columns are loaded before the current 16 are computed (24 registers
 // of lookahead); the activation A is chosen once per tile (one instantiation per activation:
-// straight-line code, no per-element jump table).
-//  * tensor (kStore = kStoreTensor; the 'tma_store' configuration, EPI = 3): the same chunks, but
-//    each leaves as ONE tensor-map box (16 rows x 32 columns) issued by lane 0, instead of 16
-//    row copies: run 29's probes put bulk's remaining cost (~4 us per round) on the copies, not on
-//    the shared-memory writes or the fence, i.e. on the TMA unit working through 1024 64-byte
-//    requests per tile. The box lands in shared memory in the 64-byte swizzle (16-byte unit u of
-//    row r at u ^ ((r / 2) % 4)): dense rows that TMA can read, and still 32 distinct banks for
-//    the 32 lanes' writes.
-constexpr int kStoreDirect = 0, kStoreBulk = 1, kStoreTensor = 2;
-constexpr int kWgBulkRowBytes = 80;                        // 32 16-bit columns + 16 bytes of pad
-constexpr int kWgBulkBufBytes = 16 * kWgBulkRowBytes;
+// straight-line code, no per-element jump table). With tensor stores the per-chunk proxy fence
+// appears to wait for those lookahead loads (run 30: bias +37%, residual +39% over bare, direct
+// -5% / +17.5%): the host sends fused calls to 'direct'.
+constexpr int kStoreDirect = 0, kStoreTensor = 1;
 constexpr int kWgBoxRowBytes = 64, kWgBoxBufBytes = 16 * kWgBoxRowBytes;
-static_assert(2 * kWgBulkBufBytes <= kWgEpiWarpBytes, "two bulk buffers per warp's staging area");
+static_assert(2 * kWgBoxBufBytes <= kWgEpiWarpBytes, "two boxes per warp's staging area");
 static_assert(kWgEpiWarpBytes % 512 == 0 && kWgBoxBufBytes % 512 == 0,
               "64-byte-swizzled boxes start on 512-byte boundaries");
 
-// kProbe (timing experiments only, benchmarks/experiments/gemm_host_overhead.py; wrong results):
-// kProbeNoCopy writes the shared buffers but issues no bulk copy, kProbeNoFence issues the copies
-// without the proxy fence.
-constexpr int kProbeNone = 0, kProbeNoCopy = 1, kProbeNoFence = 2;
-
-template <class T, bool kFused, Act A, int kStore, int kProbe = kProbeNone>
+template <class T, bool kFused, Act A, int kStore>
 __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const BatchOffsets& o,
                                                       const float (&acc)[128], long long m_base,
                                                       long long n0, int lane, unsigned char* buf,
                                                       const TmaDesc* tma_c, int z) {
-  constexpr bool kBulk = kStore != kStoreDirect;
-  constexpr int kBufBytes = kStore == kStoreTensor ? kWgBoxBufBytes : kWgBulkBufBytes;
+  constexpr bool kBulk = kStore == kStoreTensor;
+  constexpr int kBufBytes = kWgBoxBufBytes;
   if (m_base >= p.M) return;                // all 16 rows of the warp lie past M (warp-uniform)
   // the lane's offsets are recomputed per tile (opaque) rather than hoisted out of the tile loop
   // and held across the main loop, where the accumulators need every register (ptxas spilled
@@ -189,7 +179,7 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
   const int g = lane >> 2, tq = lane & 3;
   const long long m_lo = m_base + g, m_hi = m_lo + 8, n_t = n0 + 2 * tq;
   const bool lo_live = m_lo < p.M, hi_live = m_hi < p.M;
-  if (!kBulk && !lo_live) return;           // bulk: every lane takes part in the warp's syncs
+  if (!kBulk && !lo_live) return;           // tensor: every lane takes part in the warp's syncs
   T* c_lo = static_cast<T*>(p.c) + o.c + m_lo * p.N + n_t;
   T* c_hi = c_lo + 8 * p.N;
   const bool has_bias = kFused && p.bias != nullptr, has_res = kFused && p.residual != nullptr;
@@ -219,11 +209,11 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
     if constexpr (kFused) {
       if (grp + 1 < 16) load(grp + 1, bz[(grp + 1) & 1], rs[(grp + 1) & 1]);
     }
-    // bulk: chunk grp / 2 (32 columns) goes to buffer (grp / 2) & 1
+    // tensor: chunk grp / 2 (32 columns) goes to box buffer (grp / 2) & 1
     unsigned char* chunk = buf + ((grp >> 1) & 1) * kBufBytes;
     if constexpr (kBulk) {
       if ((grp & 1) == 0) {
-        bulk_wait_read<1>();                // this buffer's copies of two chunks ago have read it
+        bulk_wait_read<1>();                // this buffer's store of two chunks ago has read it
         __syncwarp();
       }
     }
@@ -248,11 +238,6 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
         *reinterpret_cast<unsigned int*>(at + g * kWgBoxRowBytes) = Vec16<T>::pack2(lo[0], lo[1]);
         *reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBoxRowBytes) =
             Vec16<T>::pack2(hi[0], hi[1]);
-      } else if constexpr (kBulk) {
-        unsigned char* at = chunk + ((grp & 1) * 2 + jj) * 16 + 4 * tq;
-        *reinterpret_cast<unsigned int*>(at + g * kWgBulkRowBytes) = Vec16<T>::pack2(lo[0], lo[1]);
-        *reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBulkRowBytes) =
-            Vec16<T>::pack2(hi[0], hi[1]);
       } else {
         *reinterpret_cast<unsigned int*>(c_lo + 8 * j) = Vec16<T>::pack2(lo[0], lo[1]);
         if (hi_live)
@@ -261,20 +246,13 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
     }
     if constexpr (kBulk) {
       if (grp & 1) {
-        if (kProbe != kProbeNoFence)
-          fence_proxy_async_smem();         // the st.shared above, before the TMA unit reads
+        fence_proxy_async_smem();           // the st.shared above, before the TMA unit reads
         __syncwarp();
         const int ch = grp >> 1;
-        if constexpr (kStore == kStoreTensor) {
-          // rows past M are clipped by the map's extent (M), not written
-          if (lane == 0)
-            tma_store_3d(tma_c, smem_u32(buf) + (ch & 1) * kWgBoxBufBytes, (int)n0 + 32 * ch,
-                         (int)m_base, z);
-        } else if (kProbe != kProbeNoCopy && lane < 16 && m_base + lane < p.M) {
-          bulk_store_s2g(static_cast<T*>(p.c) + o.c + (m_base + lane) * p.N + n0 + 32 * ch,
-                         smem_u32(buf) + (ch & 1) * kWgBulkBufBytes + lane * kWgBulkRowBytes,
-                         32 * (int)sizeof(T));
-        }
+        // rows past M and columns past N are clipped by the map's extents, not written
+        if (lane == 0)
+          tma_store_3d(tma_c, smem_u32(buf) + (ch & 1) * kWgBoxBufBytes, (int)n0 + 32 * ch,
+                       (int)m_base, z);
         bulk_commit();
       }
     }
@@ -282,16 +260,14 @@ __device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const B
 }
 
 // The whole-tile epilogue with the activation as a template argument.
-template <class T, int kStore, int kProbe = kProbeNone>
+template <class T, int kStore>
 __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const BatchOffsets& o,
                                                   const float (&acc)[128], long long m_base,
                                                   long long n0, int lane, unsigned char* buf,
                                                   const TmaDesc* tma_c, int z) {
 #define GPUOPS_WG_EPI(F, A) \
-  wg_epilogue_fragments<T, F, A, kStore, kProbe>(p, o, acc, m_base, n0, lane, buf, tma_c, z)
-  if constexpr (kProbe != kProbeNone) {
-    GPUOPS_WG_EPI(false, Act::kIdentity);   // probes time the bare product only
-  } else if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
+  wg_epilogue_fragments<T, F, A, kStore>(p, o, acc, m_base, n0, lane, buf, tma_c, z)
+  if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
     GPUOPS_WG_EPI(false, Act::kIdentity);
   } else {
     switch (p.act) {
@@ -306,7 +282,7 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 }
 
 // The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
-// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 2 = bulk, 3 = tensor
+// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 3 = tensor
 // store (tma_c).
 // CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
 // stage and multicasts it to both, halving B's L2 -> SM traffic).
@@ -418,10 +394,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   // descriptors: WgOperand (wgmma_common.cuh) holds LBO / SBO / k16 step of each layout
   static_assert(WgOperand<true>::kLbo == kWgBoxBytes, "M/N-major LBO = one 64 x 64 TMA box");
   float* stage_c = reinterpret_cast<float*>(smem + kWgEpiOffset + (cg * 4 + cwarp) * kWgEpiWarpBytes);
-  // EPI 2: whole tiles leave through bulk copies, whose 64-byte rows need 16-byte aligned
-  // addresses: N a multiple of 8 and C 16-byte aligned (batch offsets z * M * N follow)
-  const bool bulk_ok = (EPI == 2 || EPI == 92) && p.N % 8 == 0 &&
-                       (reinterpret_cast<unsigned long long>(p.c) & 15) == 0;
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
 
@@ -483,29 +455,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
                                          reinterpret_cast<unsigned char*>(stage_c), tma_c, (int)t.z);
       continue;
     }
-    if (EPI == 2 && whole && bulk_ok) {
-      wg_epilogue_whole<T, kStoreBulk>(p, o, acc, m_base, t.n0, lane,
-                                       reinterpret_cast<unsigned char*>(stage_c), nullptr, 0);
-      continue;
-    }
-    // timing probes (EPI 90..92, module gemm.wgmma_probe_epilogue; results are wrong): no
-    // epilogue at all, bulk without its copies, bulk without its proxy fence
-    if constexpr (EPI == 90) {
-      reg_fence(acc);                     // the accumulators stay live: the MMAs are not dead code
-      continue;
-    }
-    if constexpr (EPI == 91 || EPI == 92) {
-      wg_epilogue_whole<T, kStoreBulk, EPI == 91 ? kProbeNoCopy : kProbeNoFence>(
-          p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), nullptr, 0);
-      continue;
-    }
-    if ((EPI == 1 || EPI == 2) && whole && p.N % 2 == 0) {
+    if (EPI == 1 && whole && p.N % 2 == 0) {
       wg_epilogue_whole<T, kStoreDirect>(p, o, acc, m_base, t.n0, lane, nullptr, nullptr, 0);
       continue;
-    }
-    if constexpr (EPI == 2 || EPI == 92) {
-      bulk_wait_read<0>();                  // the staging area may still feed bulk copies
-      __syncwarp();
     }
     const int g = lane >> 2, tq = lane & 3;
     const int r0 = lane >> 3, my_c = (lane & 7) * 4;     // read side: rows r0 + 4 i, 4 columns
@@ -573,7 +525,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
-  if constexpr (EPI == 2 || EPI == 3 || EPI == 92) bulk_wait<0>();  // the copies read this CTA's shared memory
+  if constexpr (EPI == 3) bulk_wait<0>();  // the copies read this CTA's shared memory
   if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only

@@ -68,16 +68,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Bulk (non-tensor) asynchronous copy of `bytes` (a multiple of 16; both addresses 16-byte
-// aligned) from this CTA's shared memory to global memory by the TMA unit, in this thread's open
-// bulk group: the issuing warp goes on while the bytes move. The shared source must have been
-// written before a fence_proxy_async_smem() of the writing threads, and must not be rewritten
-// before bulk_wait_read() says the group has read it.
-__device__ __forceinline__ void bulk_store_s2g(void* gdst, unsigned int ssrc, unsigned int bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-               :: "l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
-}
-
 // One box of a 3-D tensor map from shared memory at `src` to global memory (coordinates innermost
 // first), in this thread's open bulk group. Elements of the box outside the tensor are not
 // written: the tensor's extents clip ragged tiles.

@@ -102,8 +102,9 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #             Run 23 (H100, bf16, % of cuBLAS a @ b): "direct" (registers straight to global in
 #             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
-#             understood yet). "direct" is the default.
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "direct"}
+#             understood yet). Run 30: "tma_store" (C through a tensor map, stores overlapped
+#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since.
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_store"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -170,23 +171,20 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
 # the chosen one is compiled): (epilogue, cluster size). Epilogue 0 'staged' (shared memory,
 # rolled 32-column chunks), 1 'direct' (fragments straight to global memory, activation chosen
-# per tile), 2 'bulk' (fragments to per-warp shared buffers, copied out by the TMA unit while the
-# warps go on to the next tile: run 27 measured direct's store phase at ~5 us per round). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
+# per tile), 3 'tma_store' (below). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
 # (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "bulk": (2, 1), "tma_store": (3, 1),
-                 "mc2": (0, 2), "mc2_direct": (1, 2)}
+WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "tma_store": (3, 1), "mc2": (0, 2),
+                 "mc2_direct": (1, 2)}
 # 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
-# chunk (kernel gemm_wgmma_tmastore); calls whose C TMA cannot write (fp32 out, N % 8 != 0,
-# misaligned) run 'direct'.
+# chunk (kernel gemm_wgmma_tmastore), so the warps start the next tile while it drains. Run 30
+# (H100, CUDA graphs, bf16 linear, % of cuBLAS): 4096x6144x512 100, x1024 95.7, x2048 89.0,
+# 4096x2048x6144 99.2, 8192^3 97.8 (direct: 56-70, 80-92); its fixed cost per round of tiles
+# ~0 us (direct 6.6). Calls with a fused epilogue (bias, activation, residual) and calls whose C
+# TMA cannot write (fp32 out, N % 8 != 0, misaligned) run 'direct' (see _wgmma_call_config).
 WGMMA_TMASTORE_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "9P25qf4i")
 
 
-# Timing probes of the epilogue (wrong results; benchmarks/experiments/gemm_host_overhead.py sets
-# PLAN["wgmma"] to one): no epilogue at all, 'bulk' without its copies, 'bulk' without its proxy
-# fence. One bf16 module, the two operand layouts the experiment times; never chosen by 'auto'
-# and not in WGMMA_CONFIGS (the GPU tests check every configuration's results).
-WGMMA_PROBES = {"probe_noepi": (90, 1), "probe_nocopy": (91, 1), "probe_nofence": (92, 1)}
-_WGMMA_ALL = {**WGMMA_CONFIGS, **WGMMA_PROBES}
+_WGMMA_ALL = WGMMA_CONFIGS
 
 
 def _wgmma_expr(d, a_mn, b_mn, config="base"):
@@ -208,10 +206,6 @@ WGMMA = _per_dtype("wgmma", "gemm/wgmma.cu", _wgmma_kernels("base"), dtypes=_HAL
 WGMMA_MODULES = {"base": WGMMA, **{
     cfg: _per_dtype(f"wgmma_{cfg}", "gemm/wgmma.cu", _wgmma_kernels(cfg), dtypes=_HALFS,
                     archs=(f"{WGMMA_ARCH}a",)) for cfg in WGMMA_CONFIGS if cfg != "base"}}
-_WGMMA_PROBE_MODULE = KernelModule("gemm.wgmma_probe_epilogue", "gemm/wgmma.cu", {
-    _wgmma_expr(dt.bfloat16, False, b_mn, cfg): WGMMA_ARGS
-    for cfg in WGMMA_PROBES for b_mn in (False, True)}, archs=(f"{WGMMA_ARCH}a",))
-WGMMA_MODULES.update({cfg: {dt.bfloat16: _WGMMA_PROBE_MODULE} for cfg in WGMMA_PROBES})
 # Probes of the wgmma building blocks (parameters, TMA + mbarrier, wgmma descriptors), one kernel
 # each, for benchmarks/experiments/wgmma_bisect.py; no op launches them.
 WGMMA_PROBE = KernelModule("gemm.wgmma_probe", "gemm/wgmma_probe.cu", {
@@ -800,10 +794,17 @@ def _wgmma_map_c(p: _Plan, L: _Launch, dtype):
                             tma.SWIZZLE_64B)
 
 
-def _tma_store_ok(p: _Plan, L: _Launch, dtype) -> bool:
-    """Can the 'tma_store' epilogue write this call's C (16-bit, 16-byte aligned rows)?"""
-    return (not L.out_f32 and p.N % 8 == 0 and L.c % 16 == 0 and p.M < 2 ** 31
-            and p.batch < 2 ** 31)
+def _wgmma_call_config(p: _Plan, L: _Launch) -> str:
+    """PLAN['wgmma'] for this call; 'tma_store' gives way to 'direct' where its tensor map cannot
+    write C (fp32 out, N % 8 != 0, a C not 16-byte aligned) and for fused epilogues (run 30:
+    with tensor stores bias cost +37% and residual +39% over the bare product, with direct -5%
+    and +17.5%)."""
+    config = _wgmma_config()
+    if _WGMMA_ALL[config][0] == 3 and (
+            L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31
+            or L.bias or L.residual or L.act):
+        return "direct"
+    return config
 
 
 def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
@@ -878,9 +879,7 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         if p.K == 0:    # no product, only the epilogue: any kernel gives the same; no TMA needed
             v = "mma"
         else:
-            config = _wgmma_config()
-            if _WGMMA_ALL[config][0] == 3 and not _tma_store_ok(p, L, dtype):
-                config = "direct"
+            config = _wgmma_call_config(p, L)
             try:
                 maps = _wgmma_maps(op, p, L, dtype, _WGMMA_ALL[config][1])
             except ValueError:
