@@ -1505,10 +1505,15 @@ def test_emulated_mma_sdpa_with_rotary(case, rng, monkeypatch):
         assert _kernel_names() == [_mma_name(dtype, D, at.MMA_VARLEN | at.MMA_ROTARY)]
         qr, kr = (_bhsd(_rope_like_mma(_bhsd(x, layout), cos, sin, interleaved, dtype), layout)
                   .astype(np.float32).astype(_np_dtype(dtype)) for x in (q, k))
-        # the same schedule without rotary: the varlen instantiation (dense arguments)
-        monkeypatch.setattr(at, "mma_extras", lambda p, ext: at.MMA_VARLEN)
+        # the same schedule without rotary: the dense kernel, or the varlen instantiation (with
+        # dense arguments) where the rotary one runs on MMA_EXTRAS_TILES' schedule
+        rot_cfg = at.mma_config(D, False, at.MMA_VARLEN | at.MMA_ROTARY)
+        same = at.MMA_PLAIN if rot_cfg == at.MMA_TILES[D] else at.MMA_VARLEN
+        assert at.mma_config(D, False, same) == rot_cfg
+        monkeypatch.setattr(at, "mma_extras", lambda p, ext: same)
         plain, plain_lse = _emu_run(dev, qr, kr, v, dtype=dtype, is_causal=True,
                                     enable_gqa=Hq != Hkv, layout=layout, variant="mma")
+        assert _kernel_names()[-1] == _mma_name(dtype, D, same)
     np.testing.assert_array_equal(out, plain)
     np.testing.assert_array_equal(lse, plain_lse)
     exp, exp_lse, bound, lbound = attn_bound(q, k, v, dtype=dtype, mma=True, **kw)
@@ -1680,6 +1685,9 @@ def test_mma_extras_configs_and_modules():
             assert at.mma_config(d, True, x) == cfg          # EXTRAS decides, not the mask
             assert not at.mma_has(d, x, masked=True)
     assert set(at.MMA_EXTRAS_TILES) <= {(d, x) for d in at.MMA_TILES for x in at.MMA_EXTRAS}
+    # the GPU test of varlen against per-sequence SDPA times the dense kernel on this schedule
+    assert at.mma_expr(dt.bfloat16, 128, at.mma_config(128, False, at.MMA_VARLEN)) in \
+        at.MMA_MODULES[dt.bfloat16].kernels
     p = at.check_sparse_args((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), (1, 1, 1, 1), 8, False,
                              None, False, "auto")
     assert at.mma_extras(p, at.FlashExtras(block_mask=1, block_size=8)) == at.MMA_SPARSE
@@ -1757,11 +1765,15 @@ def test_gpu_mma_varlen_against_reference(case, dtype, rng, mma_only):
 
 @gpu
 @needs_torch_cuda
-def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng):
+def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng, monkeypatch):
     """One packed call equals gpuops SDPA per sequence on the same variant, bit for bit: for
-    'simt', and for 'mma' (what 'auto' takes here: bf16, D = 128, sm_80+; the varlen
-    instantiation computes with the dense one's tiles, in the same order); a captured call
-    replayed after the lengths changed in place (same total) follows the new lengths."""
+    'simt', and for 'mma' (what 'auto' takes here: bf16, D = 128, sm_80+; SDPA is run on the
+    varlen instantiation's schedule, MMA_EXTRAS_TILES, one of the dense module's: the same
+    tiles in the same order); a captured call replayed after the lengths changed in place
+    (same total) follows the new lengths."""
+    varlen_cfg = at.mma_config(128, False, at.MMA_VARLEN)
+    assert at.mma_expr(dt.bfloat16, 128, varlen_cfg) in at.MMA_MODULES[dt.bfloat16].kernels
+    monkeypatch.setitem(at.MMA_TILES, 128, varlen_cfg)
     lengths = [300, 1, 77, 1024]
     cu = torch.from_numpy(_cu(lengths)).cuda()
     q, k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -131,10 +131,13 @@ _SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
 MMA_PLAIN, MMA_SPARSE, MMA_ROTARY, MMA_VARLEN = 0, 1, 2, 4
 MMA_EXTRAS = (MMA_SPARSE, MMA_VARLEN, MMA_VARLEN | MMA_ROTARY)
 # Schedules of the extras instantiations (head dim, EXTRAS) where MMA_TILES' has no registers to
-# spare for them (ptxas, NVRTC 12.9 and PTX -> ptxas 13.0, sm_80/86/89/90: 0 spills; D = 128 at
-# MMA_TILES' 32 rows x 64 keys per warp spilled 4-52 bytes, D = 256 rotary at BC 64 20 bytes;
-# benchmarks/notes_attention.md).
-MMA_EXTRAS_TILES = {**{(128, x): (4, 2, 32, False, 2, 1) for x in MMA_EXTRAS},
+# spare for them (ptxas, NVRTC 12.9 and PTX -> ptxas 13.0, sm_80/86/89/90: 0 spills with these;
+# at MMA_TILES' D = 128 sparse spilled 8-32 bytes on sm_80..90 and varlen 4 on sm_80, while
+# varlen + rotary fits (255 registers); D = 256 rotary at BC 64 spilled 20 bytes on sm_80..89;
+# benchmarks/notes_attention.md). D = 128's is MMA_MASK_TILES[128] (compiled in the dense module
+# too: the GPU test comparing varlen with per-sequence SDPA bit for bit times both on it).
+MMA_EXTRAS_TILES = {(128, MMA_SPARSE): (4, 2, 32, False, 2, 1),
+                    (128, MMA_VARLEN): (4, 2, 32, False, 2, 1),
                     (256, MMA_VARLEN | MMA_ROTARY): (4, 1, 32, False, 2, 1)}
 # Extras not instantiated for a head dim (such calls take the SIMT kernel): none now; the
 # mechanism stays for a schedule that cannot fit them.
