@@ -1356,6 +1356,10 @@ EMU_MMA_VARLEN_CASES = [
     # rotary half 18: one pair per item (GPT-NeoX partner not 8-byte aligned); sq <> sk
     ([36, 9], [20, 30], 2, 2, 128, 0, {"rotary": (18, False, "same"), "is_causal": True},
      "bfloat16"),
+    # D = 256: varlen on MMA_TILES' BC 64, varlen + rotary on MMA_EXTRAS_TILES' BC 32
+    ([40, 7], [20, 70], 2, 1, 256, 0, {"is_causal": True}, "float16"),
+    ([45, 5], None, 2, 2, 256, 0, {"rotary": (64, True, "float32"), "is_causal": True},
+     "bfloat16"),
 ]
 
 
@@ -1746,10 +1750,13 @@ def test_gpu_varlen_against_reference(case, dtype, rng):
     _gpu_varlen_case(case, dtype, rng, "simt", False)
 
 
-# The tensor-core kernel: GPU_VARLEN_CASES' head dims it has varlen for, and 32.
+# The tensor-core kernel: GPU_VARLEN_CASES' head dims it has varlen for, 32 and 256 (varlen on
+# MMA_TILES' BC 64, varlen + rotary on MMA_EXTRAS_TILES' BC 32).
 GPU_MMA_VARLEN_CASES = [c for c in GPU_VARLEN_CASES if at.mma_has(c[4], at.MMA_VARLEN)] + [
     ([1, 0, 700, 129, 64], [3, 5, 700, 200, 64], 4, 2, 32, {"is_causal": True}),
     ([2000, 17, 333], None, 8, 8, 32, {"window_size": (64, 16), "rotary": (16, False)}),
+    ([600, 1, 130], [700, 3, 130], 4, 2, 256, {"is_causal": True}),
+    ([333, 1000], None, 2, 2, 256, {"is_causal": True, "rotary": (64, True)}),
 ]
 
 
@@ -1885,7 +1892,8 @@ def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng)
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("half,D", [(32, 128), (64, 128), (48, 96), (10, 64), (16, 32)])
+@pytest.mark.parametrize("half,D", [(32, 128), (64, 128), (48, 96), (10, 64), (16, 32),
+                                    (128, 256)])
 def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleaved, half, D, rng,
                                                                mma_only):
     """Fused RoPE on the tensor-core kernel ('auto'; partial and full rotary, 8-byte and
