@@ -27,7 +27,12 @@ in one mma of 16 products + the accumulator, i.e. 34 u per mma step): scores
 e_s = scale (D / 16 + 1) 34 u max_j |q||k_j| + 4 u max|s| (the mma steps of Q K^T); P rounded to
 the input dtype before P V: + u_in (P|V|) (l sums the unrounded p, so this is all it costs),
 plus for fp16 the subnormal range of P: + 2^-25 Sk max|v| absolute; P V accumulated over
-ceil(Sk / 16) mma steps: + 36 u ceil(Sk / 16) (P|V|).
+ceil(Sk / 16) mma steps: + 36 u ceil(Sk / 16) (P|V|). With rotary tables it also rounds the
+rotated q and k to the input dtype: + (2 u_in + u_in^2) scale max_ij sum_d |q'_d||k'_d| on e_s.
+
+The mma kernel's varlen, block-sparse and rotary instantiations (EXTRAS) run in the emulator on
+small shapes with the same bound; the rotary one is also bit-equal to the kernel run on q and k
+rotated beforehand by a NumPy model of its fp32 rotation.
 """
 from __future__ import annotations
 
@@ -92,7 +97,8 @@ def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, mm
 
     With rotary tables (rotary_cos=..., real cos / sin values): the kernel rotates q and k in
     fp32 (fma(x, c, +-p s): error <= 2u (|x| + |p|) per element), so the score bound uses the
-    magnitudes |x| + |partner| and adds 4u scale sum_d (|q|+|q'|)(|k|+|k'|)."""
+    magnitudes |x| + |partner| and adds 4u scale sum_d (|q|+|q'|)(|k|+|k'|); the mma kernel
+    then rounds them to the input dtype (u_in each): + (2 u_in + u_in^2) scale sum_d (...)(...)."""
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
     m64 = None if mask is None else (np.asarray(mask) if np.asarray(mask).dtype == bool
                                      else np.asarray(mask, np.float64))
@@ -121,6 +127,8 @@ def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, mm
     tiny = TINY[dtype]
     if mma:
         e_s = max(e_s, abs(scale) * (D / 16 + 1) * 34 * U32 * g + 4 * U32 * smax)
+        if half:   # the rotated q and k are rounded to the input dtype (the mma operands)
+            e_s += abs(scale) * (2 * U_OUT[dtype] + U_OUT[dtype] ** 2) * g
         rel = (2 * e_s + 2.0**-21 + 3 * math.sqrt(Sk + 1) * U32 + U_OUT[dtype]
                + 36 * U32 * math.ceil(Sk / 16))
         if dtype == "float16":
@@ -1053,21 +1061,28 @@ def test_cpu_fallback_varlen_and_block_sparse_torch(rng):
     np.testing.assert_allclose(out.double().numpy(), exp, rtol=1e-5, atol=1e-6)
 
 
-def test_auto_sends_extras_to_simt_and_other_variants_refuse_them(monkeypatch):
-    """A tensor-core variant added to _VARIANTS without support for the appended fields: 'auto'
-    still reaches it for plain calls, but varlen / block-sparse / rotary calls go to 'simt', and
-    naming it for them is an error."""
+def test_variants_without_extras_send_auto_to_simt_and_refuse_them(monkeypatch):
+    """'simt' and 'mma' read the appended fields (varlen, block mask, rotary), so 'auto' keeps
+    its choice for calls that use them. A tensor-core variant added to _VARIANTS (and to what
+    'auto' may pick) without that support: 'auto' still reaches it for plain calls, but
+    varlen / block-sparse / rotary calls go to 'simt', and naming it for them is an error."""
     def fake(*args):
         raise AssertionError("not expected")
-    monkeypatch.setattr(at, "VARIANTS", at.VARIANTS + ("mma",))
-    monkeypatch.setattr(at, "_VARIANTS", {"auto": fake, "simt": at._launch_simt, "mma": fake})
+    exts = (at.FlashExtras(cu_q=1, cu_k=1), at.FlashExtras(block_mask=1, block_size=64),
+            at.FlashExtras(rot_half=4))
+    for ext in exts:
+        assert at._variant_launcher(at.OP, "auto", ext) is at._VARIANTS["auto"]
+        assert at._variant_launcher(at.OP, "mma", ext) is at._VARIANTS["mma"]
+        assert at._variant_launcher(at.OP, "simt", ext) is at._VARIANTS["simt"]
+    monkeypatch.setattr(at, "VARIANTS", at.VARIANTS + ("wgmma",))
+    monkeypatch.setattr(at, "_VARIANTS", {**at._VARIANTS, "auto": fake, "wgmma": fake})
+    monkeypatch.setattr(at, "_AUTO_PICKS", ("wgmma", "mma", "simt"))
     assert at._variant_launcher(at.OP, "auto", at.NO_EXTRAS) is fake
-    for ext in (at.FlashExtras(cu_q=1, cu_k=1), at.FlashExtras(block_mask=1, block_size=64),
-                at.FlashExtras(rot_half=4)):
+    for ext in exts:
         assert at._variant_launcher(at.OP, "auto", ext) is at._launch_simt
-        assert at._variant_launcher(at.OP, "simt", ext) is at._launch_simt
-        with pytest.raises(ValueError, match="variant='mma' does not support varlen"):
-            at._variant_launcher(at.VARLEN_OP, "mma", ext)
+        assert at._variant_launcher(at.OP, "mma", ext) is at._VARIANTS["mma"]
+        with pytest.raises(ValueError, match="variant='wgmma' does not support varlen"):
+            at._variant_launcher(at.VARLEN_OP, "wgmma", ext)
 
 
 def test_vec_flag_with_rotary_needs_whole_packs():
@@ -1088,14 +1103,15 @@ def _emu_call(dev, op, dtype):
 
 
 def _emu_varlen(dev, q, k, v, cq, ck, mq, mk, *, dtype, is_causal=False, scale=None,
-                window_size=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
+                window_size=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                variant="simt"):
     t = [dev.tensor(x) for x in (q, k, v)]
     rc = None if rotary_cos is None else dev.tensor(rotary_cos)
     rs = None if rotary_sin is None else dev.tensor(rotary_sin)
     out, lse = at._varlen_forward(_emu_call(dev, at.VARLEN_OP, dtype), *t,
                                   dev.tensor(np.asarray(cq, np.int32)),
                                   dev.tensor(np.asarray(ck, np.int32)), mq, mk, is_causal, scale,
-                                  window_size, True, rc, rs, rotary_interleaved, "auto")
+                                  window_size, True, rc, rs, rotary_interleaved, variant)
     return out.obj, lse.obj
 
 
@@ -1182,7 +1198,7 @@ def test_emulated_block_sparse(case, dtype, rng, monkeypatch):
     with emu.Device(sms=2) as dev:
         out, lse = at._sparse_forward(_emu_call(dev, at.SPARSE_OP, dtype),
                                       *(dev.tensor(x) for x in (q, k, v, bm)), bs,
-                                      opt.get("is_causal", False), None, True, "auto")
+                                      opt.get("is_causal", False), None, True, "simt")
         out, lse = out.obj, lse.obj
     mask = at.expand_block_mask(bm, bs, Sq, Sk)
     exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, enable_gqa=True, **opt)
@@ -1241,7 +1257,7 @@ def test_emulated_sdpa_with_rotary(case, dtype, rng, monkeypatch):
     with emu.Device(sms=2) as dev:
         t = [dev.tensor(x) for x in (q, k, v)]
         out, lse = at._forward(_emu_call(dev, at.OP, dtype), *t, None, True, None,
-                               kw["enable_gqa"], None, True, layout, "auto", dev.tensor(cos),
+                               kw["enable_gqa"], None, True, layout, "simt", dev.tensor(cos),
                                dev.tensor(sin), interleaved)
         out, lse = out.obj, lse.obj
         vec = dev.launches[-1]
@@ -1294,6 +1310,398 @@ def test_emulated_varlen_rotary_past_the_table_reads_nan(rng, monkeypatch):
     assert np.all(np.isfinite(out[:4])) and np.all(np.isnan(out[4:]))
 
 
+# ----------------------------------------------------------------------------- CPU: mma + extras
+# The tensor-core kernel with packed sequences, block sparsity and rotary (its EXTRAS
+# instantiations: MMA_VARLEN, MMA_SPARSE, MMA_VARLEN | MMA_ROTARY): small shapes in the emulator
+# against the float64 reference with the mma bound; each case names its dtype (fp16 and bf16
+# alternate).
+
+def _rope_like_mma(x, cos, sin, interleaved, dtype):
+    """x [..., S, D] (row s at position s) rotated as the mma kernel rotates its shared tiles:
+    the SIMT kernel's fp32 fmas (x c - fl(y s), y c + fl(x s), one rounding each: the products
+    of a 16-bit value and an fp32 table entry are exact in float64), then rounded to the
+    storage dtype."""
+    x = np.asarray(x, np.float64)
+    S = x.shape[-2]
+    c, s = (np.asarray(t, np.float64)[:S] for t in (cos, sin))
+    half = c.shape[-1]
+    ia, ib = ((slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved
+              else (slice(0, half), slice(half, 2 * half)))
+    f32 = lambda t: t.astype(np.float32).astype(np.float64)  # noqa: E731
+    a, b = x[..., ia].copy(), x[..., ib].copy()
+    x[..., ia] = f32(a * c - f32(b * s))
+    x[..., ib] = f32(b * c + f32(a * s))
+    return x.astype(np.float32).astype(_np_dtype(dtype))
+
+
+def _kernel_names():
+    return [name for name, *_ in emu.Device.launches]
+
+
+def _mma_name(dtype, D, extras, masked=False):
+    return at.mma_expr(dt.BY_NAME[dtype], D, at.mma_config(D, masked, extras), masked, extras)
+
+
+# (lengths q, lengths k or None (= q), Hq, Hkv, D, max_seqlen extra, options, dtype)
+EMU_MMA_VARLEN_CASES = [
+    ([70, 0, 1, 33, 5], None, 2, 2, 64, 0, {"is_causal": True}, "bfloat16"),
+    # sq < sk and sq > sk (the diagonal's shift both ways), grid past the longest
+    ([17, 90, 1], [40, 12, 0], 4, 2, 64, 30, {"is_causal": True}, "float16"),
+    ([40, 7], [40, 70], 2, 1, 128, 0, {"window_size": (9, 3)}, "bfloat16"),
+    ([33, 20, 0, 2], None, 2, 2, 32, 0, {"window_size": (5, -1), "is_causal": True,
+                                         "scale": 0.3}, "float16"),
+    ([65, 3, 12], None, 2, 1, 64, 0, {"is_causal": True, "rotary": (32, False, "same")},
+     "bfloat16"),
+    ([20, 41], [41, 41], 2, 2, 96, 0, {"rotary": (16, True, "float32")}, "float16"),
+    # rotary half 18: one pair per item (GPT-NeoX partner not 8-byte aligned); sq <> sk
+    ([36, 9], [20, 30], 2, 2, 128, 0, {"rotary": (18, False, "same"), "is_causal": True},
+     "bfloat16"),
+    # D = 256: varlen on MMA_TILES' BC 64, varlen + rotary on MMA_EXTRAS_TILES' BC 32
+    ([40, 7], [20, 70], 2, 1, 256, 0, {"is_causal": True}, "float16"),
+    ([45, 5], None, 2, 2, 256, 0, {"rotary": (64, True, "float32"), "is_causal": True},
+     "bfloat16"),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_MMA_VARLEN_CASES,
+                         ids=lambda c: f"D{c[4]}-{c[0]}-{c[1]}-{sorted(c[6])}-{c[7]}")
+def test_emulated_mma_varlen(case, rng, monkeypatch):
+    lq, lk, Hq, Hkv, D, extra, opt, dtype = case
+    lk = lq if lk is None else lk
+    opt = dict(opt)
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    cq, ck = _cu(lq), _cu(lk)
+    q = _rand(rng, (cq[-1], Hq, D), dtype)
+    k, v = (_rand(rng, (ck[-1], Hkv, D), dtype) for _ in range(2))
+    rot = opt.pop("rotary", None)
+    if rot is not None:
+        cos, sin = _tables(max(lq + lk) + 3, rot[0], dtype if rot[2] == "same" else rot[2])
+        opt.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rot[1])
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_varlen(dev, q, k, v, cq, ck, max(lq) + extra, max(lk) + extra,
+                               dtype=dtype, variant="auto", **opt)
+        names = _kernel_names()
+    assert names == [_mma_name(dtype, D, at.MMA_VARLEN | (at.MMA_ROTARY if rot else 0))]
+    exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cq, ck, dtype=dtype, mma=True, **opt)
+    check(out, exp, bound, f"out {case}")
+    check(lse, exp_lse, lbound, f"lse {case}")
+
+
+@needs_emu
+def test_emulated_mma_varlen_matches_dense_per_sequence(rng, monkeypatch):
+    """With sq == sk the packed call computes what the dense kernel computes per sequence (the
+    varlen instantiation: same tiles, same order): bit-equal outputs and lse; rows of one
+    sequence never see another's keys."""
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    lengths = [70, 1, 33]
+    cu = _cu(lengths)
+    q, k, v = (_rand(rng, (cu[-1], 2, 64), "bfloat16") for _ in range(3))
+    with emu.Device(sms=2) as dev:
+        out, lse = _emu_varlen(dev, q, k, v, cu, cu, 70, 70, dtype="bfloat16", is_causal=True,
+                               variant="mma")
+        for b in range(3):
+            o, l_ = _emu_run(dev, *(x[cu[b]:cu[b + 1]][None] for x in (q, k, v)),
+                             dtype="bfloat16", is_causal=True, layout="bshd", variant="mma")
+            np.testing.assert_array_equal(out[cu[b]:cu[b + 1]], o[0])
+            np.testing.assert_array_equal(lse[:, cu[b]:cu[b + 1]], l_[0])
+        assert _kernel_names() == [_mma_name("bfloat16", 64, at.MMA_VARLEN)] + \
+            [_mma_name("bfloat16", 64, at.MMA_PLAIN)] * 3
+
+
+# (B, Hq, Hkv, Sq, Sk, D, block_size, mask batch, mask heads, options, dtype)
+EMU_MMA_SPARSE_CASES = [
+    (1, 2, 2, 130, 130, 64, 64, 1, 2, {}, "bfloat16"),             # tile = block: per tile
+    (2, 4, 2, 70, 100, 64, 16, 2, 1, {"is_causal": True}, "float16"),  # mixed: per score
+    (1, 2, 1, 77, 90, 128, 48, 1, 1, {}, "bfloat16"),             # BR 128, BC 32: straddle
+    (1, 2, 2, 50, 140, 32, 100, 1, 2, {"is_causal": True}, "float16"),
+    (1, 1, 1, 40, 75, 96, 8, 1, 1, {}, "bfloat16"),
+    (1, 1, 1, 70, 45, 256, 20, 1, 1, {"is_causal": True}, "float16"),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_MMA_SPARSE_CASES,
+                         ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[9])}-{c[10]}")
+def test_emulated_mma_block_sparse(case, rng, monkeypatch):
+    B, Hq, Hkv, Sq, Sk, D, bs, mb, mh, opt, dtype = case
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    q = _rand(rng, (B, Hq, Sq, D), dtype)
+    k, v = (_rand(rng, (B, Hkv, Sk, D), dtype) for _ in range(2))
+    nq, nk = -(-Sq // bs), -(-Sk // bs)
+    bm = rng.random((mb, mh, nq, nk)) > 0.5
+    bm[..., nq // 2, :] = False                                # a block row that sees nothing
+    with emu.Device(sms=2) as dev:
+        out, lse = at._sparse_forward(_emu_call(dev, at.SPARSE_OP, dtype),
+                                      *(dev.tensor(x) for x in (q, k, v, bm)), bs,
+                                      opt.get("is_causal", False), None, True, "auto")
+        out, lse = out.obj, lse.obj
+        names = _kernel_names()
+    assert names == [_mma_name(dtype, D, at.MMA_SPARSE)]
+    mask = at.expand_block_mask(bm, bs, Sq, Sk)
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, enable_gqa=True,
+                                             mma=True, **opt)
+    check(out, exp, bound, f"out {case}")
+    check(lse, exp_lse, lbound, f"lse {case}")
+    dead = nq // 2 * bs
+    assert np.all(out[:, :, dead:dead + bs] == 0) and np.all(np.isneginf(lse[:, :, dead:dead + bs]))
+
+
+@needs_emu
+@pytest.mark.parametrize("bs", [64, 16])
+def test_emulated_mma_block_sparse_skips_tiles_without_loading_them(bs, rng, monkeypatch):
+    """NaN in keys and values 64 .. 127 (the second key tile of D = 64), which are off for the
+    first query block row: with bs = 64 no row sees them, the block never loads that tile and
+    every output is finite; with bs = 16 the rows of warps 1 .. 3 (rows 16 .. 63) see them (NaN,
+    as the reference), the block loads the tile, and warp 0 (rows 0 .. 15) skips its math there:
+    its rows stay finite and equal attention over keys 0 .. 63."""
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    q = _rand(rng, (1, 2, 64, 64), "bfloat16")
+    k, v = (_rand(rng, (1, 2, 128, 64), "bfloat16") for _ in range(2))
+    bm = np.ones((1, 1, 64 // bs, 128 // bs), bool)
+    bm[..., 0, 64 // bs:] = False
+    k[:, :, 64:], v[:, :, 64:] = np.nan, np.nan
+    with emu.Device(sms=2) as dev:
+        out = at._sparse_forward(_emu_call(dev, at.SPARSE_OP, "bfloat16"),
+                                 *(dev.tensor(x) for x in (q, k, v, bm)), bs, False, None, False,
+                                 "mma").obj
+        assert _kernel_names() == [_mma_name("bfloat16", 64, at.MMA_SPARSE)]
+    rows = slice(0, 64) if bs == 64 else slice(0, 16)
+    exp, _, bound, _ = attn_bound(q[:, :, rows], k[:, :, :64], v[:, :, :64], dtype="bfloat16",
+                                  mma=True)
+    check(out[:, :, rows], exp, bound, "skipped tiles")
+    if bs == 16:
+        assert np.all(np.isnan(out[:, :, 16:]))
+
+
+# (Sq, Sk, Hq, Hkv, D, half, interleaved, table dtype, layout, dtype)
+EMU_MMA_ROTARY_CASES = [
+    (37, 37, 2, 2, 64, 32, False, "same", "bhsd", "bfloat16"),     # full rotary, 8-byte items
+    (20, 45, 4, 2, 128, 32, True, "float32", "bshd", "float16"),   # partial, GPT-J
+    (33, 33, 2, 2, 64, 10, False, "same", "bhsd", "float16"),      # one pair per item
+    (29, 70, 2, 1, 32, 5, True, "float32", "bhsd", "bfloat16"),    # GPT-J, one pair per item
+    (70, 40, 1, 1, 96, 12, False, "float32", "bshd", "bfloat16"),  # Sq > Sk, partial, 8 bytes
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_MMA_ROTARY_CASES,
+                         ids=lambda c: f"D{c[4]}-R{2 * c[5]}-{c[6]}-{c[8]}-{c[9]}")
+def test_emulated_mma_sdpa_with_rotary(case, rng, monkeypatch):
+    """Against the float64 reference (mma bound plus the rounding of the rotated q and k), and
+    bit-equal to the mma kernel of the same schedule run on q and k rotated the same way
+    beforehand (so the rotation in shared memory is exactly fp32 RoPE rounded once to the
+    storage dtype)."""
+    Sq, Sk, Hq, Hkv, D, half, interleaved, tdt, layout, dtype = case
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    shp = _shapes(layout, D)
+    q, k, v = _rand(rng, shp(1, Hq, Sq), dtype), _rand(rng, shp(1, Hkv, Sk), dtype), \
+        _rand(rng, shp(1, Hkv, Sk), dtype)
+    cos, sin = _tables(max(Sq, Sk) + 5, half, dtype if tdt == "same" else tdt)
+    kw = dict(is_causal=True, enable_gqa=Hq != Hkv, layout=layout, rotary_cos=cos,
+              rotary_sin=sin, rotary_interleaved=interleaved)
+    with emu.Device(sms=2) as dev:
+        t = [dev.tensor(x) for x in (q, k, v)]
+        out, lse = at._forward(_emu_call(dev, at.OP, dtype), *t, None, True, None,
+                               kw["enable_gqa"], None, True, layout, "auto", dev.tensor(cos),
+                               dev.tensor(sin), interleaved)
+        out, lse = out.obj, lse.obj
+        assert _kernel_names() == [_mma_name(dtype, D, at.MMA_VARLEN | at.MMA_ROTARY)]
+        qr, kr = (_bhsd(_rope_like_mma(_bhsd(x, layout), cos, sin, interleaved, dtype), layout)
+                  .astype(np.float32).astype(_np_dtype(dtype)) for x in (q, k))
+        # the same schedule without rotary: the dense kernel, or the varlen instantiation (with
+        # dense arguments) where the rotary one runs on MMA_EXTRAS_TILES' schedule
+        rot_cfg = at.mma_config(D, False, at.MMA_VARLEN | at.MMA_ROTARY)
+        same = at.MMA_PLAIN if rot_cfg == at.MMA_TILES[D] else at.MMA_VARLEN
+        assert at.mma_config(D, False, same) == rot_cfg
+        monkeypatch.setattr(at, "mma_extras", lambda p, ext: same)
+        plain, plain_lse = _emu_run(dev, qr, kr, v, dtype=dtype, is_causal=True,
+                                    enable_gqa=Hq != Hkv, layout=layout, variant="mma")
+        assert _kernel_names()[-1] == _mma_name(dtype, D, same)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(lse, plain_lse)
+    exp, exp_lse, bound, lbound = attn_bound(q, k, v, dtype=dtype, mma=True, **kw)
+    check(out, exp, bound, f"out {case}")
+    check(lse, exp_lse, lbound, f"lse {case}")
+    unrotated, _, _, _ = attn_bound(q, k, v, dtype=dtype, is_causal=True, enable_gqa=Hq != Hkv,
+                                    layout=layout)
+    assert np.abs(unrotated - exp).max() > 1e-2               # the tables mattered
+
+
+@needs_emu
+def test_emulated_mma_extras_two_stages(rng, monkeypatch):
+    """The extras hooks on a two-stage schedule (K/V double-buffered; no extras schedule uses
+    it yet, a later MMA_TILES change may): block-sparse key tiles skipped between visited ones
+    (the buffers alternate per visited tile, not per tile index; the first tile off), varlen
+    and varlen + rotary give bit for bit what the one-stage schedule of the same tile gives
+    (same tiles, same order), and the block-sparse output meets the reference."""
+    from gpuops.ops import _layout as lay  # noqa: PLC0415
+    from gpuops.runtime.modules import KernelModule  # noqa: PLC0415
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    D, dtype = 64, "bfloat16"
+    one = at.MMA_TILES[D]
+    two = (*one[:5], 2)
+    test_module = KernelModule(
+        "attention.flash_mma_extras_stages_test", "attention/flash_fwd_mma.cu",
+        {at.mma_expr(dt.bfloat16, D, cfg, False, x): at.FLASH_ARGS
+         for cfg in (one, two) for x in at.MMA_EXTRAS}, archs=at._MMA_ARCHS)
+    monkeypatch.setitem(at._MMA_EXTRAS_KERNELS, dt.bfloat16, lay.KernelTable(test_module))
+
+    # block-sparse: 7 key tiles of 64, the first query block row sees tiles 2, 3, 5 (skips 0, 1,
+    # 4, 6), the second 0, 1, 6; bs = 16 below mixes on and off blocks inside a warp's tile
+    q = _rand(rng, (1, 2, 128, D), dtype)
+    k, v = (_rand(rng, (1, 2, 448, D), dtype) for _ in range(2))
+    bm64 = np.zeros((1, 1, 2, 7), bool)
+    bm64[0, 0, 0, [2, 3, 5]] = True
+    bm64[0, 0, 1, [0, 1, 6]] = True
+    bm16 = np.repeat(np.repeat(bm64, 4, axis=2), 4, axis=3) & (rng.random((1, 1, 8, 28)) > 0.3)
+    lq = [150, 3, 70]
+    cu = _cu(lq)
+    qv, kv_, vv = (_rand(rng, (cu[-1], 2, D), dtype) for _ in range(3))
+    cos, sin = _tables(160, 16)
+
+    def run(cfg):
+        for x in at.MMA_EXTRAS:
+            monkeypatch.setitem(at.MMA_EXTRAS_TILES, (D, x), cfg)
+        outs = []
+        with emu.Device(sms=2) as dev:
+            for bm, bs in ((bm64, 64), (bm16, 16)):
+                o, l_ = at._sparse_forward(_emu_call(dev, at.SPARSE_OP, dtype),
+                                           *(dev.tensor(x) for x in (q, k, v, bm)), bs, False,
+                                           None, True, "mma")
+                outs += [o.obj, l_.obj]
+            outs += _emu_varlen(dev, qv, kv_, vv, cu, cu, 150, 150, dtype=dtype, is_causal=True,
+                                variant="mma")
+            outs += _emu_varlen(dev, qv, kv_, vv, cu, cu, 150, 150, dtype=dtype, is_causal=True,
+                                rotary_cos=cos, rotary_sin=sin, variant="mma")
+            names = _kernel_names()
+        assert names == [at.mma_expr(dt.bfloat16, D, cfg, False, x) for x in
+                         (at.MMA_SPARSE, at.MMA_SPARSE, at.MMA_VARLEN,
+                          at.MMA_VARLEN | at.MMA_ROTARY)]
+        return outs
+
+    got, base = run(two), run(one)
+    for i, (a, b) in enumerate(zip(got, base)):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+    for (bm, bs), o, l_ in zip(((bm64, 64), (bm16, 16)), got[0:4:2], got[1:4:2]):
+        mask = at.expand_block_mask(bm, bs, 128, 448)
+        exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, mma=True)
+        check(o, exp, bound, f"out bs {bs}")
+        check(l_, exp_lse, lbound, f"lse bs {bs}")
+
+
+def test_auto_takes_mma_for_varlen_sparse_and_rotary(rng, monkeypatch):
+    """'auto' and 'mma' send varlen, block-sparse and rotary calls to the tensor-core kernel
+    (EXTRAS = MMA_VARLEN, MMA_SPARSE, MMA_VARLEN | MMA_ROTARY) where it applies; fp32, head
+    dims without an mma instantiation, packed rows the row stride misaligns and devices below
+    sm_80 take 'simt'. (Routing only: the launchers are replaced by recorders.)"""
+    tc = {"on": True}
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: tc["on"])
+    seen = []
+
+    def mma(call, p, *args):
+        seen.append(_mma_name(call.result_dtype.name, p.D, at.mma_extras(p, args[-1])))
+
+    def simt(call, p, *args):
+        seen.append("simt")
+    monkeypatch.setattr(at, "_launch_mma", mma)
+    monkeypatch.setattr(at, "_launch_simt", simt)
+    monkeypatch.setitem(at._VARIANTS, "simt", simt)
+    dev = emu.Device(sms=2)
+
+    def varlen(dtype, D=64, rot=False, variant="auto", odd_rows=False):
+        T, H = 5, 2
+        q, k, v = (_rand(rng, (T, H, D), dtype) for _ in range(3))
+        if odd_rows:   # row stride H D + 1: only the first packed row is 16-byte aligned
+            buf = _rand(rng, (T * (H * D + 1),), dtype)
+            q = np.lib.stride_tricks.as_strided(buf, (T, H, D), ((H * D + 1) * buf.itemsize,
+                                                                 D * buf.itemsize, buf.itemsize))
+        cu = dev.tensor(_cu([1] * T))       # max_seqlen 1: one row per sequence
+        tabs = [dev.tensor(t) for t in _tables(8, 8)] if rot else [None, None]
+        at._varlen_forward(_emu_call(dev, at.VARLEN_OP, dtype),
+                           *(dev.tensor(x) for x in (q, k, v)), cu, cu, 1, 1, True, None, None,
+                           False, *tabs, False, variant)
+        return seen.pop()
+
+    def sparse(dtype, D=64, variant="auto"):
+        q, k, v = (_rand(rng, (1, 2, 20, D), dtype) for _ in range(3))
+        at._sparse_forward(_emu_call(dev, at.SPARSE_OP, dtype),
+                           *(dev.tensor(x) for x in (q, k, v, np.ones((1, 1, 2, 2), bool))), 16,
+                           False, None, False, variant)
+        return seen.pop()
+
+    def rotary(dtype, D=64, variant="auto", mask=False):
+        q, k, v = (_rand(rng, (1, 2, 20, D), dtype) for _ in range(3))
+        tabs = [dev.tensor(t) for t in _tables(20, 8)]
+        m = dev.tensor(np.ones((20, 20), bool)) if mask else None
+        at._forward(_emu_call(dev, at.OP, dtype), *(dev.tensor(x) for x in (q, k, v)), m,
+                    False, None, False, None, False, "bhsd", variant, *tabs, False)
+        return seen.pop()
+
+    for variant in ("auto", "mma"):
+        assert varlen("bfloat16", variant=variant) == _mma_name("bfloat16", 64, at.MMA_VARLEN)
+        assert varlen("float16", D=128, rot=True, variant=variant) == _mma_name(
+            "float16", 128, at.MMA_VARLEN | at.MMA_ROTARY)
+        assert sparse("bfloat16", D=32, variant=variant) == _mma_name("bfloat16", 32,
+                                                                      at.MMA_SPARSE)
+        assert rotary("bfloat16", D=96, variant=variant) == _mma_name(
+            "bfloat16", 96, at.MMA_VARLEN | at.MMA_ROTARY)
+    assert varlen("bfloat16", variant="simt") == "simt"
+    assert sparse("bfloat16", variant="simt") == "simt"
+    assert rotary("bfloat16", variant="simt") == "simt"
+    assert varlen("float32") == sparse("float32") == rotary("float32") == "simt"
+    assert varlen("bfloat16", D=80) == sparse("float16", D=80) == rotary("bfloat16", D=48) \
+        == "simt"
+    assert varlen("bfloat16", odd_rows=True) == "simt"
+    # D = 256: every extras instantiation (rotary on its own schedule, MMA_EXTRAS_TILES)
+    assert sparse("float16", D=256) == _mma_name("float16", 256, at.MMA_SPARSE)
+    assert varlen("bfloat16", D=256) == _mma_name("bfloat16", 256, at.MMA_VARLEN)
+    assert rotary("bfloat16", D=256) == _mma_name("bfloat16", 256, at.MMA_VARLEN | at.MMA_ROTARY)
+    # the extras instantiations have no attn_mask code: rotary + attn_mask takes SIMT
+    assert rotary("bfloat16", mask=True) == rotary("bfloat16", mask=True, variant="mma") == "simt"
+    # an extras instantiation a head dim lacks (MMA_EXTRAS_MISSING) sends its calls to SIMT
+    monkeypatch.setitem(at.MMA_EXTRAS_MISSING, 256, (at.MMA_VARLEN, at.MMA_VARLEN | at.MMA_ROTARY))
+    assert varlen("bfloat16", D=256) == rotary("bfloat16", D=256) == "simt"
+    assert sparse("float16", D=256) == _mma_name("float16", 256, at.MMA_SPARSE)
+    tc["on"] = False                                        # sm_75 and older
+    assert varlen("bfloat16") == sparse("bfloat16") == rotary("bfloat16") == "simt"
+
+
+def test_mma_extras_configs_and_modules():
+    """The extras instantiations: one per (head dim, MMA_EXTRAS) less MMA_EXTRAS_MISSING, in
+    their own modules (sm_80+), unmasked, with MMA_TILES' schedules except MMA_EXTRAS_TILES;
+    calls that combine a block mask with packed sequences or rotary have no instantiation."""
+    missing = sum(len(x) for x in at.MMA_EXTRAS_MISSING.values())
+    for dtype, m in at.MMA_EXTRAS_MODULES.items():
+        assert m.min_arch == 80 and not m.supports(75)
+        assert set(m.kernels) == {at.mma_expr(dtype, d, at.mma_config(d, False, x), False, x)
+                                  for d in at.MMA_TILES for x in at.MMA_EXTRAS
+                                  if at.mma_has(d, x)}
+        assert len(m.kernels) == 3 * len(at.MMA_TILES) - missing
+        assert not set(m.kernels) & set(at.MMA_MODULES[dtype].kernels)
+        assert all(", false, " in e and not e.endswith(", false>") for e in m.kernels)
+    for d in at.MMA_TILES:
+        assert at.mma_config(d, False, at.MMA_PLAIN) == at.MMA_TILES[d]
+        for x in at.MMA_EXTRAS:
+            cfg = at.mma_config(d, False, x)
+            assert cfg == at.MMA_EXTRAS_TILES.get((d, x), at.MMA_TILES[d])
+            assert at.mma_smem(d, cfg) <= 99 * 1024 and len(cfg) == 6
+            assert at.mma_config(d, True, x) == cfg          # EXTRAS decides, not the mask
+            assert not at.mma_has(d, x, masked=True)
+    assert set(at.MMA_EXTRAS_TILES) <= {(d, x) for d in at.MMA_TILES for x in at.MMA_EXTRAS}
+    # the GPU test of varlen against per-sequence SDPA times the dense kernel on this schedule
+    assert at.mma_expr(dt.bfloat16, 128, at.mma_config(128, False, at.MMA_VARLEN)) in \
+        at.MMA_MODULES[dt.bfloat16].kernels
+    p = at.check_sparse_args((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), (1, 1, 1, 1), 8, False,
+                             None, False, "auto")
+    assert at.mma_extras(p, at.FlashExtras(block_mask=1, block_size=8)) == at.MMA_SPARSE
+    with pytest.raises(ValueError, match="block-sparse tensor-core kernel"):
+        at.mma_extras(p, at.FlashExtras(block_mask=1, block_size=8, rot_half=4))
+    assert at.mma_extras(p, at.NO_EXTRAS) == at.MMA_PLAIN
+    p.bottom_right = True                                 # a dense bottom-right diagonal
+    assert at.mma_extras(p, at.NO_EXTRAS) == at.MMA_VARLEN
+
+
 # ----------------------------------------------------------------------------- GPU
 
 GPU_VARLEN_CASES = [
@@ -1307,12 +1715,7 @@ GPU_VARLEN_CASES = [
 ]
 
 
-@gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("case", GPU_VARLEN_CASES,
-                         ids=lambda c: f"D{c[4]}-{sorted(c[5])}-{len(c[0])}")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_varlen_against_reference(case, dtype, rng):
+def _gpu_varlen_case(case, dtype, rng, variant, mma):
     lq, lk, Hq, Hkv, D, opt = case
     lk = lq if lk is None else lk
     opt = dict(opt)
@@ -1328,10 +1731,10 @@ def test_gpu_varlen_against_reference(case, dtype, rng):
                      rotary_interleaved=rot[1])
     dev_cu = [torch.from_numpy(c).cuda() for c in (cq, ck)]
     out, lse = go.varlen_attention(_cuda(q, dtype), _cuda(k, dtype), _cuda(v, dtype), *dev_cu,
-                                   max(lq), max(lk), return_lse=True,
+                                   max(lq), max(lk), return_lse=True, variant=variant,
                                    **{k_: v_ for k_, v_ in opt.items() if not k_.startswith("rot")},
                                    **targs)
-    exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cq, ck, dtype=dtype, **opt)
+    exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cq, ck, dtype=dtype, mma=mma, **opt)
     check(_host(out), exp, bound, f"out {case} {dtype}")
     assert lse.dtype == torch.float32 and lse.shape == (Hq, cq[-1])
     check(_host(lse), exp_lse, lbound, f"lse {case} {dtype}")
@@ -1339,20 +1742,57 @@ def test_gpu_varlen_against_reference(case, dtype, rng):
 
 @gpu
 @needs_torch_cuda
-def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng):
-    """One packed call equals gpuops SDPA per sequence on the same kernel ('simt': the only one
-    that takes packed sequences yet), so bit-equal; a captured call replayed after the lengths
-    changed in place (same total) follows the new lengths."""
+@pytest.mark.parametrize("case", GPU_VARLEN_CASES,
+                         ids=lambda c: f"D{c[4]}-{sorted(c[5])}-{len(c[0])}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_varlen_against_reference(case, dtype, rng):
+    """The SIMT kernel."""
+    _gpu_varlen_case(case, dtype, rng, "simt", False)
+
+
+# The tensor-core kernel: GPU_VARLEN_CASES' head dims it has varlen for, 32 and 256 (varlen on
+# MMA_TILES' BC 64, varlen + rotary on MMA_EXTRAS_TILES' BC 32).
+GPU_MMA_VARLEN_CASES = [c for c in GPU_VARLEN_CASES if at.mma_has(c[4], at.MMA_VARLEN)] + [
+    ([1, 0, 700, 129, 64], [3, 5, 700, 200, 64], 4, 2, 32, {"is_causal": True}),
+    ([2000, 17, 333], None, 8, 8, 32, {"window_size": (64, 16), "rotary": (16, False)}),
+    ([600, 1, 130], [700, 3, 130], 4, 2, 256, {"is_causal": True}),
+    ([333, 1000], None, 2, 2, 256, {"is_causal": True, "rotary": (64, True)}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_MMA_VARLEN_CASES,
+                         ids=lambda c: f"D{c[4]}-{sorted(c[5])}-{len(c[0])}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_varlen_against_reference(case, dtype, rng, mma_only):
+    """'auto' takes the tensor-core kernel (mma_only: a fallback to SIMT fails)."""
+    _gpu_varlen_case(case, dtype, rng, "auto", True)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_varlen_matches_per_sequence_sdpa_and_graph_replays_new_lengths(rng, monkeypatch):
+    """One packed call equals gpuops SDPA per sequence on the same variant, bit for bit: for
+    'simt', and for 'mma' (what 'auto' takes here: bf16, D = 128, sm_80+; SDPA is run on the
+    varlen instantiation's schedule, MMA_EXTRAS_TILES, one of the dense module's: the same
+    tiles in the same order); a captured call replayed after the lengths changed in place
+    (same total) follows the new lengths."""
+    varlen_cfg = at.mma_config(128, False, at.MMA_VARLEN)
+    assert at.mma_expr(dt.bfloat16, 128, varlen_cfg) in at.MMA_MODULES[dt.bfloat16].kernels
+    monkeypatch.setitem(at.MMA_TILES, 128, varlen_cfg)
     lengths = [300, 1, 77, 1024]
     cu = torch.from_numpy(_cu(lengths)).cuda()
     q, k, v = (torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
-    out = go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)
     c = _cu(lengths)
-    for b in range(4):
-        one = go.scaled_dot_product_attention(*(x[c[b]:c[b + 1]][None] for x in (q, k, v)),
-                                              is_causal=True, layout="bshd", variant="simt")
-        assert torch.equal(out[c[b]:c[b + 1]], one[0])
+    for variant in ("simt", "mma"):
+        out = go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True, variant=variant)
+        for b in range(4):
+            one = go.scaled_dot_product_attention(*(x[c[b]:c[b + 1]][None] for x in (q, k, v)),
+                                                  is_causal=True, layout="bshd", variant=variant)
+            assert torch.equal(out[c[b]:c[b + 1]], one[0]), (variant, b)
+    out = go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)
     go.varlen_attention(q, k, v, cu, cu, 1024, 1024, is_causal=True)       # warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -1379,16 +1819,40 @@ GPU_SPARSE_CASES = [
 @pytest.mark.parametrize("case", GPU_SPARSE_CASES, ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_block_sparse_against_reference(case, dtype, rng):
+    """The SIMT kernel."""
+    _gpu_sparse_case(case, dtype, rng, "simt", False)
+
+
+def _gpu_sparse_case(case, dtype, rng, variant, mma):
     B, Hq, Hkv, Sq, Sk, D, bs, density, opt = case
     q = _rand(rng, (B, Hq, Sq, D), dtype)
     k, v = (_rand(rng, (B, Hkv, Sk, D), dtype) for _ in range(2))
     bm = rng.random((1, Hq, -(-Sq // bs), -(-Sk // bs))) < density
     out, lse = go.block_sparse_attention(_cuda(q, dtype), _cuda(k, dtype), _cuda(v, dtype),
-                                         torch.from_numpy(bm).cuda(), bs, return_lse=True, **opt)
+                                         torch.from_numpy(bm).cuda(), bs, return_lse=True,
+                                         variant=variant, **opt)
     exp, exp_lse, bound, lbound = attn_bound(q, k, v, at.expand_block_mask(bm, bs, Sq, Sk),
-                                             dtype=dtype, enable_gqa=Hq != Hkv, **opt)
+                                             dtype=dtype, enable_gqa=Hq != Hkv, mma=mma, **opt)
     check(_host(out), exp, bound, f"out {case} {dtype}")
     check(_host(lse), exp_lse, lbound, f"lse {case} {dtype}")
+
+
+# The tensor-core kernel: GPU_SPARSE_CASES' head dims it has, and 32 / 256 (blocks that do not
+# line up with its tiles: per-score masking).
+GPU_MMA_SPARSE_CASES = [c for c in GPU_SPARSE_CASES if c[5] in at.MMA_TILES] + [
+    (1, 4, 4, 1000, 1000, 256, 16, 0.3, {"is_causal": True}),
+    (2, 8, 4, 1500, 1200, 32, 48, 0.5, {}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_MMA_SPARSE_CASES,
+                         ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_block_sparse_against_reference(case, dtype, rng, mma_only):
+    """'auto' takes the tensor-core kernel (mma_only: a fallback to SIMT fails)."""
+    _gpu_sparse_case(case, dtype, rng, "auto", True)
 
 
 @gpu
@@ -1396,9 +1860,9 @@ def test_gpu_block_sparse_against_reference(case, dtype, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng):
-    """Fused RoPE against the float64 reference (derived bound), and against gpuops.apply_rotary
-    followed by gpuops SDPA, which rounds the rotated q and k to the storage dtype once: the two
-    differ by at most that rounding's effect."""
+    """Fused RoPE on the SIMT kernel against the float64 reference (derived bound), and against
+    gpuops.apply_rotary followed by gpuops SDPA, which rounds the rotated q and k to the storage
+    dtype once: the fused form, which does not round them, is closer to the reference."""
     B, S, Hq, Hkv, D, half = 2, 1000, 8, 2, 128, 32         # partial rotary (R = 64)
     q = _rand(rng, (B, S, Hq, D), dtype)
     k, v = (_rand(rng, (B, S, Hkv, D), dtype) for _ in range(2))
@@ -1406,7 +1870,7 @@ def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng)
     tq, tk, tv, tc, ts = (_cuda(x, dtype) for x in (q, k, v, cos, sin))
     out = go.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True,
                                           layout="bshd", rotary_cos=tc, rotary_sin=ts,
-                                          rotary_interleaved=interleaved)
+                                          rotary_interleaved=interleaved, variant="simt")
     exp, _, bound, _ = attn_bound(q, k, v, dtype=dtype, is_causal=True, enable_gqa=True,
                                   layout="bshd", rotary_cos=cos, rotary_sin=sin,
                                   rotary_interleaved=interleaved)
@@ -1422,3 +1886,38 @@ def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng)
         assert e_fused < 1e-5 and e_two < 1e-5, (e_fused, e_two)
     else:                           # apply_rotary's storage rounding of q and k shows
         assert e_fused < e_two, (e_fused, e_two)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("half,D", [(32, 128), (64, 128), (48, 96), (10, 64), (16, 32),
+                                    (128, 256)])
+def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleaved, half, D, rng,
+                                                               mma_only):
+    """Fused RoPE on the tensor-core kernel ('auto'; partial and full rotary, 8-byte and
+    one-pair items): against the float64 reference with the mma bound (which counts the
+    rounding of the rotated q and k to the storage dtype), and against gpuops.apply_rotary
+    followed by the mma kernel, which rounds them the same way: the same error level."""
+    B, S, Hq, Hkv = 2, 1000, 8, 2
+    q = _rand(rng, (B, S, Hq, D), dtype)
+    k, v = (_rand(rng, (B, S, Hkv, D), dtype) for _ in range(2))
+    cos, sin = _tables(S, half, "float32")
+    tq, tk, tv = (_cuda(x, dtype) for x in (q, k, v))
+    tc, ts = (_cuda(x, "float32") for x in (cos, sin))
+    out = go.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True,
+                                          layout="bshd", rotary_cos=tc, rotary_sin=ts,
+                                          rotary_interleaved=interleaved)
+    exp, _, bound, _ = attn_bound(q, k, v, dtype=dtype, is_causal=True, enable_gqa=True,
+                                  layout="bshd", rotary_cos=cos, rotary_sin=sin,
+                                  rotary_interleaved=interleaved, mma=True)
+    check(_host(out), exp, bound, f"rotary mma {dtype} {interleaved} R{2 * half}")
+    qr, _ = go.apply_rotary(tq, tq, tc, ts, interleaved, rotary_dim=2 * half)
+    kr, _ = go.apply_rotary(tk, tk, tc, ts, interleaved, rotary_dim=2 * half)
+    two_step = go.scaled_dot_product_attention(qr, kr, tv, is_causal=True, enable_gqa=True,
+                                               layout="bshd")
+    exp_t = torch.from_numpy(exp).cuda()
+    e_fused = float((out.double() - exp_t).norm() / exp_t.norm())
+    e_two = float((two_step.double() - exp_t).norm() / exp_t.norm())
+    assert e_fused < 1.25 * e_two, (e_fused, e_two)

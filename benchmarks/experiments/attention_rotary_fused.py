@@ -1,6 +1,12 @@
 """Cost of RoPE fused into the flash forward: gpuops.scaled_dot_product_attention with
 rotary_cos / rotary_sin, against gpuops.apply_rotary followed by the same attention, and
-against attention without rotary (the floor of the fused form).
+against attention without rotary (the floor of the fused form). 'auto' takes the tensor-core
+kernel's rotary instantiation (bf16, sm_80+); `fused_simt_ms` times the SIMT kernel's fused
+form for comparison with run 20 (where every rotary call took it). The rotary instantiation may
+run on another schedule than dense calls (MMA_EXTRAS_TILES; at D = 128 it is MMA_TILES' own):
+`plain_same_tile_ms` times attention without rotary on the rotary schedule, so `rope_cost_pct`
+(fused against it) is the cost of the rotation itself, and `fused_overhead_pct` (against
+`plain_ms`, the dense default) adds the schedule's where they differ.
 
     python benchmarks/experiments/attention_rotary_fused.py [--json rope_attn.json]
 
@@ -17,6 +23,7 @@ import statistics
 import torch
 
 import gpuops
+from gpuops.ops import attention as at
 
 
 def time_ms(fn, iters=20, warmup=3):
@@ -50,14 +57,30 @@ def main():
                 plain = lambda: gpuops.scaled_dot_product_attention(q, k, v, **kw)  # noqa: E731
                 fused = lambda: gpuops.scaled_dot_product_attention(  # noqa: E731
                     q, k, v, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=inter, **kw)
+                fused_simt = lambda: gpuops.scaled_dot_product_attention(  # noqa: E731
+                    q, k, v, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=inter,
+                    variant="simt", **kw)
+
+                def plain_same_tile():
+                    # the dense kernel on the rotary instantiation's schedule (an alternate
+                    # compiled in the dense module when it differs from MMA_TILES)
+                    saved = at.MMA_TILES[D]
+                    at.MMA_TILES[D] = at.mma_config(D, False, at.MMA_VARLEN | at.MMA_ROTARY)
+                    try:
+                        return plain()
+                    finally:
+                        at.MMA_TILES[D] = saved
 
                 def two_step():
                     qr, kr = gpuops.apply_rotary(q, k, cos, sin, inter, rotary_dim=2 * half)
                     return gpuops.scaled_dot_product_attention(qr, kr, v, **kw)
                 row = {"B": B, "rotary_dim": 2 * half, "interleaved": inter,
-                       "plain_ms": time_ms(plain), "fused_ms": time_ms(fused),
+                       "plain_ms": time_ms(plain), "plain_same_tile_ms": time_ms(plain_same_tile),
+                       "fused_ms": time_ms(fused),
+                       "fused_simt_ms": time_ms(fused_simt, iters=5),
                        "apply_rotary_then_sdpa_ms": time_ms(two_step)}
                 row["fused_overhead_pct"] = 100 * (row["fused_ms"] / row["plain_ms"] - 1)
+                row["rope_cost_pct"] = 100 * (row["fused_ms"] / row["plain_same_tile_ms"] - 1)
                 print(row)
                 rows.append(row)
     if args.json:

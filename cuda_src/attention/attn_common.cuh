@@ -90,6 +90,24 @@ __device__ __forceinline__ float attn_exp2(float x) {
 #endif
 }
 
+// Block sparsity (the SIMT and the mma forward): does key tile [k0, k1) of query rows [q0, q1]
+// touch a block that is on? *mixed: it also touches one that is off (then the scores are masked
+// one by one). Every thread reads the same bytes.
+__device__ __forceinline__ bool attn_tile_on(const unsigned char* bm, long long sqb,
+                                             long long skb, int bs, int q0, int q1, int k0,
+                                             int k1, bool* mixed) {
+  const int qb0 = q0 / bs, qb1 = q1 / bs, kb0 = k0 / bs, kb1 = (k1 - 1) / bs;
+  bool any = false, all = true;
+  for (int qb = qb0; qb <= qb1; ++qb)
+    for (int kb = kb0; kb <= kb1; ++kb) {
+      const bool on = bm[qb * sqb + kb * skb] != 0;
+      any = any || on;
+      all = all && on;
+    }
+  *mixed = !all;
+  return any;
+}
+
 // cos and sin of frequency f at position pos, from the launch's rotary tables (read straight
 // from the kernel parameters: no registers held for them); NaN past the table (the host cannot
 // check varlen lengths against it without reading them: a bad position shows in the output, as

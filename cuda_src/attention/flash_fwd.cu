@@ -115,23 +115,6 @@ __device__ __forceinline__ void flash_load_tile(float* dst, const T* src, int r0
   }
 }
 
-// Does key tile [k0, k1) of query rows [q0, q1] touch a block that is on? *mixed: it also touches
-// one that is off (then the scores are masked one by one). Every thread reads the same bytes.
-__device__ __forceinline__ bool flash_tile_on(const unsigned char* bm, long long sqb,
-                                              long long skb, int bs, int q0, int q1, int k0,
-                                              int k1, bool* mixed) {
-  const int qb0 = q0 / bs, qb1 = q1 / bs, kb0 = k0 / bs, kb1 = (k1 - 1) / bs;
-  bool any = false, all = true;
-  for (int qb = qb0; qb <= qb1; ++qb)
-    for (int kb = kb0; kb <= kb1; ++kb) {
-      const bool on = bm[qb * sqb + kb * skb] != 0;
-      any = any || on;
-      all = all && on;
-    }
-  *mixed = !all;
-  return any;
-}
-
 // Bit r * CN + c: is score (row i0 + 16 r, key j0 + 8 c) in a block that is on? Rows and keys
 // past ilast / jlast (invisible anyway) read the last ones' entries, inside the mask. A rolled
 // loop (few registers), run only for tiles that mix on and off blocks.
@@ -225,8 +208,8 @@ __global__ void __launch_bounds__(kFlashThreads, FlashMinBlocks<D, GENERAL, SPAR
     unsigned blocks_on = ~0u;
     if (SPARSE) {
       bool mixed;
-      if (!flash_tile_on(bm, a.bms[2], a.bms[3], a.block_size, q0, qlast, k0,
-                         attn_imin(k0 + BC, jhi), &mixed))
+      if (!attn_tile_on(bm, a.bms[2], a.bms[3], a.block_size, q0, qlast, k0,
+                        attn_imin(k0 + BC, jhi), &mixed))
         continue;         // every block of the tile is off: no loads, no math
       if (mixed)
         blocks_on = flash_blocks_on<RM, CN>(bm, a.bms[2], a.bms[3], a.block_size, q0 + ty,

@@ -43,7 +43,15 @@
 // The host (gpuops/ops/attention.py) takes this kernel for fp16/bf16 on sm_80+ when the head dim
 // has an instantiation and q, k, v and out rows are 16-byte aligned with unit d stride; otherwise
 // the SIMT kernel (flash_fwd.cu). Same argument struct (FlashFwdArgs); `vec` is always 1 here.
+//
+// Varlen, block sparsity and rotary embedding of q and k: bits of EXTRAS (0: none, the dense
+// kernel), helpers in flash_mma_extras.cuh, called from the hooks marked [extras] below (the
+// sequence's rows and diagonal before the key loop; which key tiles are visited and loaded; the
+// per-score block test on edge tiles; RoPE of Q before the loop and of each landed K tile, in
+// shared memory; the lse strides). Each hook is `if constexpr` or folds to the dense expression
+// for EXTRAS = 0: the dense instantiations compile to the same SASS as without the hooks.
 #include "attention/attn_common.cuh"
+#include "attention/flash_mma_extras.cuh"
 #include "common/mma.cuh"
 #include "common/opaque.cuh"
 #include "common/vec.cuh"
@@ -126,10 +134,12 @@ __device__ __forceinline__ void attn_tile_async(unsigned int dst, const T* src, 
 // (window/causal bounds, the key tail, rows past the queries) and, with MASK, by attn_mask
 // (a.mask_kind 1: bool, 2: additive, T). Mask entries are read only for visible scores (the
 // branch keeps the reads in bounds; clamped branch-free reads let the compiler hoist all of them
-// at once: 64+ registers, spills).
-template <bool MASK, class T, int BC, int MT, int NS>
+// at once: 64+ registers, spills). [extras] SPARSE: on a tile that mixes on and off blocks for
+// the warp's rows (mixed), bit 16 hr + 2 n + e of bits[mt] (mma_blocks_on) keeps the score.
+template <bool MASK, class T, int BC, bool SPARSE, int MT, int NS>
 __device__ __forceinline__ void attn_mma_hide(float (&s)[MT][NS][4], const FlashFwdArgs& a,
-                                              int wq0, int k0, int g, int t, long long mbase) {
+                                              int wq0, int k0, int g, int t, long long mbase,
+                                              bool mixed, const unsigned (&bits)[MT]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -149,6 +159,8 @@ __device__ __forceinline__ void attn_mma_hide(float (&s)[MT][NS][4], const Flash
         for (int e = 0; e < 2; ++e) {
           const int c = 8 * n + e;
           bool keep = c >= lo && c <= hi;
+          if (SPARSE && mixed)   // [extras] block sparsity
+            keep = keep && ((bits[mt] >> (16 * hr + 2 * n + e)) & 1u);
           float x = s[mt][n][2 * hr + e] * a.scale_log2;
           if (MASK && keep && a.mask_kind != 0) {
             const long long mo = mrow + c * ms3;
@@ -164,8 +176,11 @@ __device__ __forceinline__ void attn_mma_hide(float (&s)[MT][NS][4], const Flash
   }
 }
 
-template <class T, int D, int WARPS, int MT, int BC, bool QREG, int MINB, int STAGES, bool MASK>
-__global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwdArgs a) {
+template <class T, int D, int WARPS, int MT, int BC, bool QREG, int MINB, int STAGES, bool MASK,
+          int EXTRAS = kMmaPlain>
+__global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwdArgs args) {
+  constexpr bool SPARSE = EXTRAS & kMmaSparse, ROTARY = EXTRAS & kMmaRotary;
+  constexpr bool VARLEN = EXTRAS & kMmaVarlen;
   constexpr int kThreads = WARPS * 32, BR = 16 * MT * WARPS;
   constexpr int KD = D / 16;    // mma k steps of Q K^T
   constexpr int NO = D / 8;     // n8 tiles of O
@@ -182,8 +197,19 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int bh = blockIdx.x;
-  const int b = bh / a.hq, h = bh - b * a.hq, hk = h / a.group;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;  // the longest causal rows start first
+  const int b = bh / args.hq, h = bh - b * args.hq, hk = h / args.group;
+  // [extras] varlen: `a` is a copy of the arguments narrowed to the block's sequence (a block
+  // past its end exits), query rows shifted by the bottom-right diagonal (flash_mma_extras.cuh).
+  // Otherwise `a` is the kernel parameter itself (a copy, even one never written, changes the
+  // dense kernel's code), shift 0 and sq_real = sq.
+  FlashFwdArgs narrowed;
+  int shift = 0, sq_real = args.sq;
+  if constexpr (VARLEN) {
+    narrowed = args;
+    if (!mma_sequence<T>(narrowed, b, (gridDim.y - 1 - blockIdx.y) * BR, shift, sq_real)) return;
+  }
+  const FlashFwdArgs& a = VARLEN ? narrowed : args;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * BR + shift;  // the longest causal rows first
   const int wr0 = warp * 16 * MT;                      // the warp's first row in the tile
   const int wq0 = q0 + wr0, wq1 = wq0 + 16 * MT - 1;   // its first and last query
 
@@ -191,6 +217,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
   const T* k = static_cast<const T*>(a.k) + b * a.ks[0] + hk * a.ks[1];
   const T* v = static_cast<const T*>(a.v) + b * a.vs[0] + hk * a.vs[1];
   const long long mbase = b * a.ms[0] + h * a.ms[1];
+  // [extras] block sparsity: this (batch, head)'s block mask
+  const unsigned char* bm = SPARSE ? a.block_mask + b * a.bms[0] + h * a.bms[1] : nullptr;
 
   // keys any row of this block may see
   const int qlast = attn_imin(q0 + BR, a.sq) - 1;
@@ -198,6 +226,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
   if (a.left >= 0) jlo = attn_imax(0, q0 - a.left);
   if (a.right >= 0) jhi = attn_imin(a.sk, qlast + a.right + 1);
   const int ntiles = jhi > jlo ? (jhi - jlo + BC - 1) / BC : 0;
+  // [extras] block sparsity: the first key tile with a block on (ntiles if none); dense: 0
+  const int it0 = mma_on_tile<SPARSE, BC>(a, bm, 0, ntiles, jlo, jhi, q0 - shift, qlast - shift);
 
   float o[MT][NO][4];
   float m[MT][2], l[MT][2];
@@ -210,11 +240,17 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
   }
   unsigned int qf[QREG ? MT : 1][QREG ? KD : 1][4];
 
-  if (ntiles > 0) {
+  if (it0 < ntiles) {
+    const int j0 = jlo + it0 * BC;
     attn_tile_async<T, BR, D, kThreads>(q_s, q, q0, a.sq, a.qs[2]);
-    attn_tile_async<T, BC, D, kThreads>(kv_s, k, jlo, a.sk, a.ks[2]);
-    if (STAGES == 2) attn_tile_async<T, BC, D, kThreads>(kv_s + kTileBytes, v, jlo, a.sk, a.vs[2]);
+    attn_tile_async<T, BC, D, kThreads>(kv_s, k, j0, a.sk, a.ks[2]);
+    if (STAGES == 2) attn_tile_async<T, BC, D, kThreads>(kv_s + kTileBytes, v, j0, a.sk, a.vs[2]);
     cp_async_commit();
+    if constexpr (ROTARY) {   // [extras] rotary: RoPE of Q in place once it landed, before the loop
+      cp_async_wait<0>();
+      __syncthreads();
+      mma_rope_tile<T, BR, D, kThreads>(smem, a, q0 - shift, sq_real);
+    }
   }
 
   // ldmatrix row addresses (constant over the key loop). A (Q): matrix i = lane / 8 is rows
@@ -224,9 +260,14 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
   const int b_row = (lane & 7) + (lane >> 4) * 8, b_chunk = (lane >> 3) & 1;
   const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_chunk = lane >> 4;
 
-  for (int it = 0; it < ntiles; ++it) {
+  // [extras] block sparsity: the loop visits tiles it0, then next = the following tile with a
+  // block on (dense: it + 1); with two stages the buffers alternate per visited tile (slot),
+  // not per tile index.
+  int slot = 0;
+  for (int it = it0, next = it0 + 1; it < ntiles; it = next) {
     const int k0 = jlo + it * BC;
-    const unsigned int k_t = kv_s + (STAGES == 2 ? (it & 1) * 2 * kTileBytes : 0);
+    const int buf = SPARSE ? slot : (it & 1);
+    const unsigned int k_t = kv_s + (STAGES == 2 ? buf * 2 * kTileBytes : 0);
     const unsigned int v_t = k_t + kTileBytes;
     cp_async_wait<0>();
     // STAGES 1: K_it (and Q) landed; every warp is done with V_{it-1}. STAGES 2: K_it and V_it
@@ -235,15 +276,25 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
     if (STAGES == 1) {
       attn_tile_async<T, BC, D, kThreads>(v_t, v, k0, a.sk, a.vs[2]);
       cp_async_commit();
-    } else if (it + 1 < ntiles) {
-      const unsigned int n_t = kv_s + ((it + 1) & 1) * 2 * kTileBytes;
-      attn_tile_async<T, BC, D, kThreads>(n_t, k, k0 + BC, a.sk, a.ks[2]);
-      attn_tile_async<T, BC, D, kThreads>(n_t + kTileBytes, v, k0 + BC, a.sk, a.vs[2]);
-      cp_async_commit();
+    } else {
+      next = mma_on_tile<SPARSE, BC>(a, bm, it + 1, ntiles, jlo, jhi, q0 - shift, qlast - shift);
+      if (next < ntiles) {
+        const unsigned int n_t = kv_s + (SPARSE ? buf ^ 1 : (it + 1) & 1) * 2 * kTileBytes;
+        const int n0 = SPARSE ? jlo + next * BC : k0 + BC;
+        attn_tile_async<T, BC, D, kThreads>(n_t, k, n0, a.sk, a.ks[2]);
+        attn_tile_async<T, BC, D, kThreads>(n_t + kTileBytes, v, n0, a.sk, a.vs[2]);
+        cp_async_commit();
+      }
+    }
+    // [extras] rotary: RoPE of the landed K tile in place (Q's, done before the loop, was
+    // published by the loop's first barrier above)
+    if constexpr (ROTARY) {
+      mma_rope_tile<T, BC, D, kThreads>(smem + (k_t - q_s), a, k0, a.sk);
+      __syncthreads();
     }
 
     const int a_off = attn_swz_tile<D, (MT > 1)>(a_row, a_chunk);
-    if (QREG && it == 0) {
+    if (QREG && it == it0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -252,8 +303,22 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
                       q_s + mt * 16 * D * 2 + attn_swz_k<D>(a_off, a_row, a_chunk, kk));
     }
 
+    // [extras] block sparsity for the warp's rows: blocks all off (the tile is skipped as an
+    // invisible one), or on and off (one bit per score, applied on the edge path)
+    bool sp_on = true, sp_mixed = false;
+    unsigned sp_bits[MT];
+    if constexpr (SPARSE) {
+      if (wq0 < a.sq) {
+        sp_on = attn_tile_on(bm, a.bms[2], a.bms[3], a.block_size, wq0 - shift,
+                             attn_imin(wq1, a.sq - 1) - shift, k0, attn_imin(k0 + BC, jhi),
+                             &sp_mixed);
+        if (sp_on && sp_mixed)
+          mma_blocks_on<MT, NS>(sp_bits, a, bm, wq0 + g - shift, a.sq - 1 - shift, k0 + 2 * t,
+                                attn_imin(k0 + BC, jhi) - 1);
+      }
+    }
     // Can any row of this warp see a key of this tile? (Conservative: skips only when none can.)
-    const bool active = wq0 < a.sq && (a.right < 0 || k0 <= wq1 + a.right) &&
+    const bool active = sp_on && wq0 < a.sq && (a.right < 0 || k0 <= wq1 + a.right) &&
                         (a.left < 0 || k0 + BC - 1 >= wq0 - a.left);
     unsigned int pf[MT][KP][4];   // P as m16n8k16 A fragments
     if (active) {
@@ -299,13 +364,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
       // per score. The branch is per warp and per tile, outside the row loops, so the softmax
       // below is straight-line code over all 2 MT rows of the lane: their max/shuffle/exp2/sum
       // chains interleave instead of running one row after the other.
-      const bool edge = (MASK && a.mask_kind != 0) || k0 + BC > a.sk ||
+      const bool edge = sp_mixed || (MASK && a.mask_kind != 0) || k0 + BC > a.sk ||
                         (a.right >= 0 && k0 + BC - 1 > wq0 + a.right) ||
                         (a.left >= 0 && k0 < wq1 - a.left);
       const bool fold = !edge && a.scale_log2 > 0.0f;
       const float cs = fold ? a.scale_log2 : 1.0f;
       if (edge) {
-        attn_mma_hide<MASK, T, BC>(s, a, wq0, k0, g, t, mbase);
+        attn_mma_hide<MASK, T, BC, SPARSE>(s, a, wq0, k0, g, t, mbase, sp_mixed, sp_bits);
       } else if (!fold) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -395,8 +460,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
     if (STAGES == 1) {
       cp_async_wait<0>();
       __syncthreads();   // V landed; every warp is done with K
-      if (it + 1 < ntiles) {
-        attn_tile_async<T, BC, D, kThreads>(k_t, k, k0 + BC, a.sk, a.ks[2]);
+      // [extras] block sparsity: the next tile visited (it + 1 when dense)
+      next = mma_on_tile<SPARSE, BC>(a, bm, it + 1, ntiles, jlo, jhi, q0 - shift, qlast - shift);
+      if (next < ntiles) {
+        attn_tile_async<T, BC, D, kThreads>(k_t, k, SPARSE ? jlo + next * BC : k0 + BC, a.sk,
+                                            a.ks[2]);
         cp_async_commit();
       }
     } else {
@@ -422,10 +490,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
         }
       }
     }
+    slot ^= 1;
   }
 
   // O / l -> T, staged in the warp's own Q rows (no other warp reads them; the warp's own
   // ldmatrix reads of them are done: O depends on their results); lse = (m + log2 l) ln 2. Rows that saw no key: l = 0 -> 0 and -inf.
+  if constexpr (VARLEN) mma_sequence_out<T>(narrowed, b, shift);   // [extras] its output rows
   T* out = static_cast<T*>(a.o) + b * a.os[0] + h * a.os[1];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -443,8 +513,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
       const int i = q0 + rr;
       if (a.lse != nullptr && t == 0 && i < a.sq) {
         const float mm = m[mt][hr];
-        a.lse[static_cast<long long>(bh) * a.sq + i] =
-            mm == attn_neg_inf() ? attn_neg_inf() : (mm + log2f(lt)) * kAttnLn2;
+        // [extras] by strides (varlen: [Hq, T]); dense: contiguous [B, Hq, Sq]
+        const long long li = EXTRAS ? b * a.ls[0] + h * a.ls[1] + i * a.ls[2]
+                                    : static_cast<long long>(bh) * a.sq + i;
+        a.lse[li] = mm == attn_neg_inf() ? attn_neg_inf() : (mm + log2f(lt)) * kAttnLn2;
       }
     }
   }

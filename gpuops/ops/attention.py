@@ -21,10 +21,12 @@ Kernels (cuda_src/attention/flash_fwd.cu), fp32 math for fp32/fp16/bf16 storage:
 
 The three ops share the kernel and its one argument struct (FlashFwdArgs): packed sequences
 (varlen), block sparsity and rotary tables are fields that are null / 0 when unused, filled by one
-builder (``flash_launch_args``). A variant that does not read those fields yet is not in
-``_EXTRAS_VARIANTS``: ``'auto'`` sends calls that use them to ``'simt'``. Block sparsity is also a
-template flag of the SIMT kernel, instantiated in its own module (``attention.flash_fwd_sparse``)
-so the dense kernels keep their register budget.
+builder (``flash_launch_args``). 'simt' and 'mma' read them all (``_EXTRAS_VARIANTS``; a variant
+that does not is left out, and ``'auto'`` then sends calls that use them to ``'simt'``). Block
+sparsity is a template flag of the SIMT kernel, instantiated in its own module
+(``attention.flash_fwd_sparse``) so the dense kernels keep their register budget; the mma kernel
+likewise has EXTRAS bits (varlen, block sparsity, rotary) instantiated in
+``attention.flash_mma_extras_{f16,bf16}`` (cuda_src/attention/flash_mma_extras.cuh).
 
 Design notes, floors and predictions: benchmarks/notes_attention.md.
 """
@@ -121,15 +123,49 @@ _MMA_ARCHS = ("80", "86", "89", "90")
 _SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
 
 
-def mma_expr(dtype, d: int, cfg, masked: bool = False) -> str:
+# EXTRAS template argument of flash_fwd_mma (cuda_src/attention/flash_mma_extras.cuh), bits:
+# block mask, rotary tables, packed sequences (and the bottom-right diagonal). Instantiated: 0
+# (dense), MMA_SPARSE, MMA_VARLEN and MMA_VARLEN | MMA_ROTARY (which also runs dense rotary calls:
+# its varlen part costs a few scalar instructions per block). The extras instantiations are
+# unmasked (MASK = false): a call with both an attn_mask and rotary tables takes the SIMT kernel.
+MMA_PLAIN, MMA_SPARSE, MMA_ROTARY, MMA_VARLEN = 0, 1, 2, 4
+MMA_EXTRAS = (MMA_SPARSE, MMA_VARLEN, MMA_VARLEN | MMA_ROTARY)
+# Schedules of the extras instantiations (head dim, EXTRAS) where MMA_TILES' has no registers to
+# spare for them (ptxas, NVRTC 12.9 and PTX -> ptxas 13.0, sm_80/86/89/90: 0 spills with these;
+# at MMA_TILES' D = 128 sparse spilled 8-32 bytes on sm_80..90 and varlen 4 on sm_80, while
+# varlen + rotary fits (255 registers); D = 256 rotary at BC 64 spilled 20 bytes on sm_80..89;
+# benchmarks/notes_attention.md). D = 128's is MMA_MASK_TILES[128] (compiled in the dense module
+# too: the GPU test comparing varlen with per-sequence SDPA bit for bit times both on it).
+MMA_EXTRAS_TILES = {(128, MMA_SPARSE): (4, 2, 32, False, 2, 1),
+                    (128, MMA_VARLEN): (4, 2, 32, False, 2, 1),
+                    (256, MMA_VARLEN | MMA_ROTARY): (4, 1, 32, False, 2, 1)}
+# Extras not instantiated for a head dim (such calls take the SIMT kernel): none now; the
+# mechanism stays for a schedule that cannot fit them.
+MMA_EXTRAS_MISSING: dict = {}
+
+
+def mma_expr(dtype, d: int, cfg, masked: bool = False, extras: int = MMA_PLAIN) -> str:
     warps, mt, bc, qreg, minb, stages = cfg
+    tail = f", {extras}" if extras else ""
     return (f"gpuops::flash_fwd_mma<{dtype.ctype}, {d}, {warps}, {mt}, {bc}, {_B[qreg]}, "
-            f"{minb}, {stages}, {_B[masked]}>")
+            f"{minb}, {stages}, {_B[masked]}{tail}>")
 
 
-def mma_config(d: int, masked: bool):
-    """The schedule of a call: MMA_TILES[d], or MMA_MASK_TILES[d] (if any) for masked calls."""
+def mma_config(d: int, masked: bool, extras: int = MMA_PLAIN):
+    """The schedule of a call: MMA_TILES[d]; MMA_MASK_TILES[d] (if any) for masked calls;
+    MMA_EXTRAS_TILES[(d, extras)] (if any) for an extras instantiation (those are unmasked:
+    mma_has)."""
+    if extras:
+        return MMA_EXTRAS_TILES.get((d, extras), MMA_TILES[d])
     return MMA_MASK_TILES.get(d, MMA_TILES[d]) if masked else MMA_TILES[d]
+
+
+def mma_has(d: int, extras: int, masked: bool = False) -> bool:
+    """Head dim d has an mma instantiation with these EXTRAS bits (and attn_mask: the extras
+    instantiations have none)."""
+    if extras and masked:
+        return False
+    return d in MMA_TILES and extras not in MMA_EXTRAS_MISSING.get(d, ())
 
 
 def mma_smem(d: int, cfg) -> int:
@@ -157,9 +193,18 @@ MMA_MODULES = {
                         dict.fromkeys(_mma_exprs(dtype), FLASH_ARGS), archs=_MMA_ARCHS)
     for dtype, short in _SHORT.items()}
 _MMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in MMA_MODULES.items()}
+# The block-sparse, varlen and rotary instantiations (mma_config's schedules): their own modules,
+# compiled and loaded only when a call uses them (as the SIMT kernel's attention.flash_fwd_sparse).
+MMA_EXTRAS_MODULES = {
+    dtype: KernelModule(f"attention.flash_mma_extras_{short}", "attention/flash_fwd_mma.cu",
+                        {mma_expr(dtype, d, mma_config(d, False, x), False, x): FLASH_ARGS
+                         for d in MMA_TILES for x in MMA_EXTRAS if mma_has(d, x)},
+                        archs=_MMA_ARCHS)
+    for dtype, short in _SHORT.items()}
+_MMA_EXTRAS_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in MMA_EXTRAS_MODULES.items()}
 
 for _d, _cfgs in _mma_configs():
-    for _cfg in _cfgs:
+    for _cfg in (*_cfgs, *(mma_config(_d, False, _x) for _x in MMA_EXTRAS)):
         assert mma_smem(_d, _cfg) <= 99 * 1024, (_d, _cfg)     # sm_86/89 opt-in limit (99 KB)
 
 _smem_limits: dict = {}
@@ -690,16 +735,25 @@ def _launch_simt(call, p, query, key, value, attn_mask, mask_kind, out, lse, lay
 
 
 # variants whose kernels read FlashFwdArgs' appended fields (varlen, block mask, rotary); 'auto'
-# routes calls that use them to 'simt' until the tensor-core kernels do
-_EXTRAS_VARIANTS = {"simt"}
+# would route calls that use them to 'simt' for a variant not listed ('mma' reads them all:
+# varlen in every instantiation, block mask and rotary in their own, MMA_EXTRAS_MODULES)
+_EXTRAS_VARIANTS = {"simt", "mma"}
+
+
+# the variants 'auto' chooses among (_launch_best)
+_AUTO_PICKS = ("mma", "simt")
 
 
 def _variant_launcher(op, variant, ext: FlashExtras):
-    if ext.used and variant not in _EXTRAS_VARIANTS:
-        if variant != "auto":
-            raise ValueError(f"gpuops.{op}: variant={variant!r} does not support varlen, block "
-                             "sparsity or rotary yet; use 'simt' or 'auto'")
-        return _launch_simt
+    if not ext.used:
+        return _VARIANTS[variant]
+    if variant == "auto":
+        # 'auto' keeps its choice when every variant it may pick reads the appended fields
+        return _VARIANTS["auto"] if set(_AUTO_PICKS) <= _EXTRAS_VARIANTS else _launch_simt
+    if variant not in _EXTRAS_VARIANTS:
+        raise ValueError(f"gpuops.{op}: variant={variant!r} does not support varlen, block "
+                         f"sparsity or rotary yet; use one of {sorted(_EXTRAS_VARIANTS)} or "
+                         "'auto'")
     return _VARIANTS[variant]
 
 
@@ -761,36 +815,56 @@ def tensor_cores(dev: int) -> bool:
 
 def mma_applies(call, p, query, key, value, out, layout) -> bool:
     """The tensor-core kernel takes the call: fp16/bf16, sm_80+, a head dim in MMA_TILES, and
-    16-byte aligned rows with unit d stride for q, k, v and out (cp.async / 16-byte stores)."""
+    16-byte aligned rows with unit d stride for q, k, v and out (cp.async / 16-byte stores).
+    Packed ('thd') rows start at device offsets: every row stride must keep them aligned."""
     if call.result_dtype not in _MMA_KERNELS or p.D not in MMA_TILES:
         return False
-    q_shape = (p.B, p.Hq, p.Sq, p.D)
-    kv_shape = (p.B, p.Hkv, p.Sk, p.D)
+    if layout == "thd":
+        q_shape, kv_shape = (1, p.Hq, query.shape[0], p.D), (1, p.Hkv, key.shape[0], p.D)
+    else:
+        q_shape, kv_shape = (p.B, p.Hq, p.Sq, p.D), (p.B, p.Hkv, p.Sk, p.D)
     return (all(_bhsd_strides(t, layout)[3] == 1 for t in (query, key, value, out))
             and _vec_ok(query, layout, q_shape) and _vec_ok(key, layout, kv_shape)
             and _vec_ok(value, layout, kv_shape) and _vec_ok(out, layout, q_shape)
             and tensor_cores(call.device))
 
 
+def mma_extras(p, ext: FlashExtras) -> int:
+    """The EXTRAS instantiation (one of MMA_EXTRAS, or 0) a call needs."""
+    if ext.block_mask is not None:
+        if ext.rot_half or ext.cu_q is not None or p.bottom_right:
+            raise ValueError("gpuops: the block-sparse tensor-core kernel takes neither rotary "
+                             "tables nor packed sequences")
+        return MMA_SPARSE
+    if ext.rot_half:
+        return MMA_VARLEN | MMA_ROTARY
+    return MMA_VARLEN if ext.cu_q is not None or p.bottom_right else MMA_PLAIN
+
+
 def _launch_mma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
                 ext: FlashExtras = NO_EXTRAS):
     masked = mask_kind != 0
-    cfg = mma_config(p.D, masked)
+    extras = mma_extras(p, ext)
+    cfg = mma_config(p.D, masked, extras)
     warps, mt = cfg[:2]
     grid = (p.B * p.Hq, -(-p.Sq // (16 * warps * mt)), 1)
     _check_grid(call.op.name, grid)
-    kernel = _MMA_KERNELS[call.result_dtype].get(call.device,
-                                                 mma_expr(call.result_dtype, p.D, cfg, masked))
+    if 0 in grid:
+        return
+    table = (_MMA_EXTRAS_KERNELS if extras else _MMA_KERNELS)[call.result_dtype]
+    kernel = table.get(call.device, mma_expr(call.result_dtype, p.D, cfg, masked, extras))
     kernel.launch(grid, (32 * warps, 1, 1), call.stream,
                   *flash_launch_args(p, query, key, value, attn_mask, mask_kind, out, lse, layout,
-                                     True),
+                                     True, ext),
                   smem=mma_smem(p.D, cfg))
 
 
 def _launch_best(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
                  ext: FlashExtras = NO_EXTRAS):
     """'auto' and 'mma': the tensor-core kernel where it applies, else the SIMT kernel."""
-    launch = _launch_mma if mma_applies(call, p, query, key, value, out, layout) else _launch_simt
+    launch = _launch_mma if (mma_applies(call, p, query, key, value, out, layout)
+                             and mma_has(p.D, mma_extras(p, ext), mask_kind != 0)) \
+        else _launch_simt
     launch(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout, ext)
 
 
@@ -1092,7 +1166,9 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
       float32; any strides): RoPE applied to q and k inside the kernel as they are loaded, the
       same as ``gpuops.apply_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved,
       rotary_dim=R)`` (in 'bshd' order) followed by attention, without the round trip through
-      memory (and without rounding the rotated q and k to the storage dtype). Token s (query or
+      memory. The rotation is fp32 math; the SIMT kernel keeps the rotated q and k in fp32, the
+      tensor-core kernel ('mma') rounds them to the storage dtype once (its operands are
+      fp16/bf16: the rounding apply_rotary does, up to 2^-8 relative for bf16). Token s (query or
       key) uses row s: positions are sequence indices, P >= max(Sq, Sk) (a KV cache whose keys
       start elsewhere needs rotary_positions offsets: not yet). The first R = 2 x cos.shape[-1]
       <= D elements of each head rotate; ``rotary_interleaved=False`` pairs (f, f + R/2)
@@ -1106,8 +1182,8 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
       'simt': the FlashAttention-2-style tiled kernel in fp32 on CUDA cores, every arch from
       sm_61, any head dim, dtype and strides. 'auto' and 'mma' pick 'mma' where it applies and
       'simt' otherwise (fp32, sm_61/70/75, other head dims, unaligned rows).
-      Calls with rotary tables take 'simt' (the mma kernel does not read them yet; 'mma'
-      with rotary tables raises).
+      Calls with rotary tables take the same choice (their own mma instantiation), except
+      with an attn_mask as well: those take 'simt' (the rotary instantiation has no mask code).
 
     fp32 math (accumulation, softmax) for fp16/bf16/fp32 storage; exp is MUFU ``ex2`` of
     log2(e)-folded scores (relative error ~2e-7). Memory O(B H S D): the S x S matrix is never
@@ -1167,8 +1243,10 @@ def varlen_attention(call, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
       loads, as in ``scaled_dot_product_attention``; the position of a row is its index within
       its sequence (query i -> table row i, key j -> row j, also when sq != sk), so the tables
       need max(max_seqlen_q, max_seqlen_k) rows.
-    * ``scale``: default 1 / sqrt(D). ``variant``: 'auto' or 'simt' (tensor-core variants do
-      not take packed sequences yet).
+    * ``scale``: default 1 / sqrt(D). ``variant``: 'auto', 'mma' or 'simt', as in
+      ``scaled_dot_product_attention`` ('mma' for fp16/bf16 on sm_80+ with its head dims and
+      packed rows 16-byte aligned; with rotary tables it rounds the rotated q and k to the
+      storage dtype).
 
     One launch: blocks are (sequence x head, query tile of the longest sequence); a block past its
     sequence's end exits at once. fp32 math for fp16/bf16/fp32 storage.
@@ -1195,13 +1273,16 @@ def block_sparse_attention(call, q: Tensor, k: Tensor, v: Tensor, block_mask: Te
     with the density.
 
     * ``block_size``: any size >= 1 is correct. A multiple of 64 (the SIMT kernel's query and
-      key tiles are 64 or 32 rows) makes every tile one block: one mask byte per tile and no
-      per-score test. Smaller blocks make the kernel read every block entry a tile covers and
-      test tiles that mix on and off blocks score by score.
+      key tiles are 64 or 32 rows; the mma kernel's key tiles 64 or 32, its query tiles 64 or
+      128 rows of 16-row warps, each of which skips tiles off for its own rows) makes every tile
+      one block: one mask byte per tile and no per-score test. Smaller blocks make the kernel
+      read every block entry a tile covers and test tiles that mix on and off blocks score by
+      score.
     * ``is_causal``: top-left aligned, as ``scaled_dot_product_attention`` (applied on top of the
       block mask; blocks above the diagonal cost nothing either way).
     * A query row whose blocks are all off gives 0 (lse -inf). ``return_lse``: lse [B, Hq, Sq]
-      float32. ``scale``: default 1 / sqrt(D). ``variant``: 'auto' or 'simt'.
+      float32. ``scale``: default 1 / sqrt(D). ``variant``: 'auto', 'mma' or 'simt', as in
+      ``scaled_dot_product_attention``.
     """
     return _sparse_forward(call, q, k, v, block_mask, block_size, is_causal, scale, return_lse,
                            variant)
