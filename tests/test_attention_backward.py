@@ -7,9 +7,13 @@ that see no key, scale, 'bshd', lengths 1, 17, 128); argument errors naming the 
 fallback for NumPy and CPU torch inputs; gpuops.torch's autograd in float64 against torch's and
 through torch.compile(fullgraph=True); the kernels (every instantiation: head dims 32/64/96/128 at
 both tile sizes, the general path with chunks of 64 and of 32) run by the CPU emulator of
-tests/emu.py on small shapes, strided / unaligned inputs, empty sequences and NaN. GPU (``gpu``
-marker): every dtype against the reference at lengths up to 4097 with poisoned outputs, autograd
-against float64 and against torch's own SDPA backward, torch.compile, a CUDA graph.
+tests/emu.py on small shapes, strided / unaligned inputs, empty sequences and NaN; the tensor-core
+kernel ('mma': head dims 64 and 128, every tile of its tables) in the emulator on causal (Sq <, =,
+> Sk), windows, GQA, masks, tails, 'bshd', NaN, empty sequences, and its fallback / refusal rules.
+GPU (``gpu`` marker): every dtype against the reference at lengths up to 4097 with poisoned
+outputs, 'mma' for fp16/bf16 x D 64/128 x causal/window/GQA/mask against the reference and
+against torch's own SDPA backward, autograd against float64 and against torch's own SDPA
+backward, torch.compile, a CUDA graph.
 
 Tolerance of the kernels (derived, not tuned; the reference runs on the same rounded inputs,
 output and lse). With u = 2^-24 (fp32 math), c = 2 sqrt(D) + 4 (dot products over the head dim):
@@ -638,6 +642,30 @@ def test_emulated_mma_empty_sequences_nan_and_auto(rng, monkeypatch):
                                    dtype="bfloat16", variant="mma")
         assert dq.shape == (1, 2, 0, 64) and np.all(dk == 0) and np.all(dv == 0)
         assert _mma_launches()
+
+
+@needs_emu
+@pytest.mark.parametrize("kind", ["contig", "offset"])
+def test_emulated_mma_vector_prep_and_conversion(kind, rng, monkeypatch):
+    """The tensor-core path preprocesses and converts with 16-byte accesses (D / 8 lanes per
+    row) where output / dq rows are aligned, else with the SIMT module's kernels; both right."""
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    for d, dtype in ((64, "bfloat16"), (128, "float16")):
+        q, k, v, g = (_rand(rng, s, dtype) for s in ((1, 3, 45, d), (1, 3, 30, d),
+                                                       (1, 3, 30, d), (1, 3, 45, d)))
+        out, lse = forward_for(q, k, v, None, dtype=dtype, is_causal=True)
+        out = emu.strided(out, kind)                 # 'offset': rows off a 16-byte boundary
+        with emu.Device(sms=2) as dev:
+            got = _emu_backward(dev, g, q, k, v, out, lse, dtype=dtype, is_causal=True)
+            names = [name for name, *_ in emu.Device.launches]
+        vec = kind == "contig"
+        assert (ab.prep_vec_expr(dt.BY_NAME[dtype], d) in names) == vec
+        assert (ab.prep_expr(dt.BY_NAME[dtype]) in names) == (not vec)
+        assert ab.convert_vec_expr(dt.BY_NAME[dtype], d) in names
+        refs, bounds = bwd_bound(g, q, k, v, out, lse, dtype=dtype, mma=True, is_causal=True)
+        for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+            check(a, e, bd, f"{name} {d} {dtype} {kind}")
 
 
 @needs_emu

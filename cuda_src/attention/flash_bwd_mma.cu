@@ -2,8 +2,9 @@
 // accumulation): FlashAttention-2's backward with mma.sync.aligned.m16n8k16.
 //
 // The preprocess (D_i = rowsum(dO_i O_i), lse2_i = lse_i log2(e), zeroed fp32 dq accumulator) and
-// the dq conversion are the SIMT module's flash_bwd_prep / flash_bwd_dq_convert (flash_bwd.cu):
-// memory-bound, nothing for tensor cores there. This file is the main kernel, flash_bwd_mma:
+// the dq conversion are memory-bound: flash_bwd_prep_vec / flash_bwd_dq_convert_vec below are the
+// SIMT module's flash_bwd_prep / flash_bwd_dq_convert (flash_bwd.cu) with 16-byte accesses,
+// taken where the rows are aligned (else the SIMT ones). The main kernel, flash_bwd_mma:
 //
 // A block of WARPS warps owns BC = 16 MT WARPS keys of one (batch, kv head); warp w owns keys
 // 16 MT w .. 16 MT (w + 1) - 1 of them (MT m16 tiles). K and V stay in shared memory for the
@@ -50,8 +51,76 @@
 // and dv rows have unit d stride and even strides (32-bit stores of element pairs).
 #include "attention/attn_mma.cuh"
 #include "attention/flash_bwd.cuh"
+#include "common/vec.cuh"
 
 namespace gpuops {
+
+// The preprocess and the dq conversion with 16-byte accesses, for the tensor-core path (the host
+// takes them when the rows involved are 16-byte aligned with unit d stride; else flash_bwd_prep /
+// flash_bwd_dq_convert): D / 8 lanes per (b, h, i) row, 8 elements each, 128 / (D / 8) rows per
+// block of 128 threads. Same results as the SIMT kernels (up to the fp32 summation order of D).
+template <int D>
+__device__ __forceinline__ long long bwd_vec_row(const FlashBwdArgs& a, int& b, int& h, int& i) {
+  constexpr int L = D / 8;
+  const long long row = static_cast<long long>(blockIdx.x) * (128 / L) + threadIdx.x / L;
+  const long long bh = row / a.sq;
+  i = static_cast<int>(row - bh * a.sq);
+  b = static_cast<int>(bh / a.hq);
+  h = static_cast<int>(bh - static_cast<long long>(b) * a.hq);
+  return row;
+}
+
+// D_i = rowsum(dO_i O_i), lse2_i (+inf for lse = -inf) into stats; the dq accumulator zeroed.
+template <class T, int D>
+__global__ void __launch_bounds__(128) flash_bwd_prep_vec(const FlashBwdArgs a) {
+  constexpr int L = D / 8;
+  static_assert(32 % L == 0, "a row's lanes within one warp");
+  const long long rows = static_cast<long long>(a.batch) * a.hq * a.sq;
+  int b, h, i;
+  const long long row = bwd_vec_row<D>(a, b, h, i);
+  const int c = (threadIdx.x % L) * 8;
+  float acc = 0.0f;
+  if (row < rows) {
+    float o[8], g[8];
+    Vec16<T>::unpack(load16(static_cast<const T*>(a.o) + b * a.os[0] + h * a.os[1] +
+                            i * a.os[2] + c), o);
+    Vec16<T>::unpack(load16(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] +
+                            i * a.dos[2] + c), g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(g[e], o[e], acc);
+    float* z = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    store16(z, zero);
+    store16(z + 4, zero);
+  }
+#pragma unroll
+  for (int m = L / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (row < rows && threadIdx.x % L == 0) {
+    a.stats[row] = acc;
+    const float lse = a.lse[b * a.lses[0] + h * a.lses[1] + i * a.lses[2]];
+    a.stats[rows + row] = lse == attn_neg_inf() ? -attn_neg_inf() : lse * kAttnLog2e;
+  }
+}
+
+// dq = dq_acc in the storage type.
+template <class T, int D>
+__global__ void __launch_bounds__(128) flash_bwd_dq_convert_vec(const FlashBwdArgs a) {
+  const long long rows = static_cast<long long>(a.batch) * a.hq * a.sq;
+  int b, h, i;
+  if (bwd_vec_row<D>(a, b, h, i) >= rows) return;
+  const int c = (threadIdx.x % (D / 8)) * 8;
+  const float* src = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
+  float lo[4], hi[4], f[8];
+  Vec16<float>::unpack(load16(src), lo);
+  Vec16<float>::unpack(load16(src + 4), hi);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    f[e] = lo[e];
+    f[e + 4] = hi[e];
+  }
+  store16(static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2] + c,
+          Vec16<T>::pack(f));
+}
 
 // Rows of the dQ warp grid: WM warps along the query rows x WARPS / WM along the head dim, each
 // warp a (BR / WM) x (D / (WARPS / WM)) tile with both sides multiples of 16; the squarest such

@@ -134,6 +134,14 @@ def mma_expr(dtype, d: int, cfg, masked: bool = False) -> str:
             f"{_B[masked]}>")
 
 
+def prep_vec_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_prep_vec<{dtype.ctype}, {d}>"
+
+
+def convert_vec_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_dq_convert_vec<{dtype.ctype}, {d}>"
+
+
 def mma_smem(d: int, cfg) -> int:
     """Bytes of dynamic shared memory: K, V [BC][D] and dS^T [BC][BR] in the 16-bit dtype, and per
     stage Q, dO [BR][D] (16-bit) and lse2, D [BR] (fp32)."""
@@ -163,6 +171,7 @@ def _mma_exprs(dtype):
         for masked in (False, True):
             out += [mma_expr(dtype, d, cfg, masked) for cfg in mma_candidates(d, masked)]
         out += [mma_expr(dtype, d, cfg) for cfg in MMA_ALTERNATES.get(d, ())]
+        out += [prep_vec_expr(dtype, d), convert_vec_expr(dtype, d)]
     return list(dict.fromkeys(out))
 
 
@@ -415,11 +424,24 @@ def _launch_mma(call, p, grad_out, query, key, value, output, lse, attn_mask, ma
     acc, acc_vec, stats = _workspaces(call, p, dq, layout)
     args = _launch_args(p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
                         dv, acc, stats, layout, 1 | acc_vec)
-    _launch_prep(call, p, args)
+    # preprocess / conversion with 16-byte accesses where output / dq rows allow (dq_acc: the
+    # dense workspace, aligned when acc_vec)
+    q_shape, rows = (p.B, p.Hq, p.Sq, p.D), p.B * p.Hq * p.Sq
+    grid_rows = (-(-rows // (128 // (p.D // 8))), 1, 1)
+    kernels = _MMA_KERNELS[dtype]
+    if rows and acc_vec and fwd._vec_ok(output, layout, q_shape):
+        kernels.get(dev, prep_vec_expr(dtype, p.D)).launch(grid_rows, (128, 1, 1), call.stream,
+                                                           *args)
+    else:
+        _launch_prep(call, p, args)
     if grid[1]:
-        _MMA_KERNELS[dtype].get(dev, mma_expr(dtype, p.D, cfg, masked)).launch(
+        kernels.get(dev, mma_expr(dtype, p.D, cfg, masked)).launch(
             grid, (32 * warps, 1, 1), call.stream, *args, smem=mma_smem(p.D, cfg))
-    _launch_convert(call, p, args)
+    if rows and acc_vec and fwd._vec_ok(dq, layout, q_shape):
+        kernels.get(dev, convert_vec_expr(dtype, p.D)).launch(grid_rows, (128, 1, 1),
+                                                              call.stream, *args)
+    else:
+        _launch_convert(call, p, args)
 
 
 def _launch_best(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
