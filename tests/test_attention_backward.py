@@ -7,9 +7,13 @@ that see no key, scale, 'bshd', lengths 1, 17, 128); argument errors naming the 
 fallback for NumPy and CPU torch inputs; gpuops.torch's autograd in float64 against torch's and
 through torch.compile(fullgraph=True); the kernels (every instantiation: head dims 32/64/96/128 at
 both tile sizes, the general path with chunks of 64 and of 32) run by the CPU emulator of
-tests/emu.py on small shapes, strided / unaligned inputs, empty sequences and NaN. GPU (``gpu``
-marker): every dtype against the reference at lengths up to 4097 with poisoned outputs, autograd
-against float64 and against torch's own SDPA backward, torch.compile, a CUDA graph.
+tests/emu.py on small shapes, strided / unaligned inputs, empty sequences and NaN; the tensor-core
+kernel ('mma': head dims 64 and 128, every tile of its tables) in the emulator on causal (Sq <, =,
+> Sk), windows, GQA, masks, tails, 'bshd', NaN, empty sequences, and its fallback / refusal rules.
+GPU (``gpu`` marker): every dtype against the reference at lengths up to 4097 with poisoned
+outputs, 'mma' for fp16/bf16 x D 64/128 x causal/window/GQA/mask against the reference and
+against torch's own SDPA backward, autograd against float64 and against torch's own SDPA
+backward, torch.compile, a CUDA graph.
 
 Tolerance of the kernels (derived, not tuned; the reference runs on the same rounded inputs,
 output and lse). With u = 2^-24 (fp32 math), c = 2 sqrt(D) + 4 (dot products over the head dim):
@@ -21,6 +25,15 @@ e_dS = e_P |P| |dP - D| + |P| c u (|dO||V|^T + |dO|.|O|) + 2 u |dS|. The sums ov
 absolute values: |dV - ref| <= (e_P |P|)^T |dO| + 3 sqrt(n+1) u |P|^T |dO|,
 |dK - ref| <= scale (e_dS^T |Q| + 3 sqrt(n+1) u |dS|^T |Q|), |dQ - ref| likewise with K; plus
 2 u_out |ref| for the rounding to the output dtype and a tiny absolute term.
+
+The tensor-core kernel ('mma', fp16/bf16) adds, worst case (the tensor cores' fp32 accumulation
+aligns addends to the largest one and may truncate: up to 2u per addend of the magnitudes summed
+in one mma of 16 products + the accumulator, 34 u per mma step, as in test_attention.py): S and
+dP by c_s = 34 (D / 16 + 1) instead of c; P rounded to the input dtype before dV += P^T dO and
+dS before dK += dS^T Q and dQ += dS K: + u_in of the sums of absolute values; the sums over
+n rows in ceil(n / 16) + 1 mma steps: 36 (ceil(n / 16) + 1) u instead of 3 sqrt(n + 1) u (dQ: the
+per-tile mma sums and the atomics across key tiles together stay under that); for fp16, P and
+dS below 2^-14 are subnormal: + 2^-25 n max|dO| (dV), scale 2^-25 n max|Q| (dK), max|K| (dQ).
 """
 from __future__ import annotations
 
@@ -80,9 +93,11 @@ def forward_for(q, k, v, mask, *, dtype, **kw):
     return out.astype(np.float32).astype(_np_dtype(dtype)), lse.astype(np.float32)
 
 
-def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_gqa=False, **kw):
+def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_gqa=False,
+              mma=False, **kw):
     """(reference dq, dk, dv, and elementwise bounds on |kernel - reference| for each); see the
-    module docstring. NaN inputs count as 0 in the bounds (NaN outputs are checked as NaN)."""
+    module docstring. NaN inputs count as 0 in the bounds (NaN outputs are checked as NaN).
+    mma: the bound of the tensor-core kernel (module docstring); it also covers the SIMT one."""
     g64, q64, k64, v64, o64 = (np.asarray(x, np.float64) for x in (g, q, k, v, out))
     L64 = np.asarray(lse, np.float64)
     m64 = _mask64(mask)
@@ -97,6 +112,12 @@ def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_g
     c = 2 * math.sqrt(D) + 4
     cq = 3 * math.sqrt(p.group * Sq + 1)
     ck = 3 * math.sqrt(p.Sk + 1)
+    cs, u_in = c, 0.0                   # score / dP dot products; rounding of P and dS
+    if mma:
+        cs = max(c, 34 * (D / 16 + 1))
+        cq = max(cq, 36 * p.group * (math.ceil(Sq / 16) + 1))
+        ck = max(ck, 36 * (math.ceil(p.Sk / 16) + 1))
+        u_in = U_OUT[dtype]
     sc = abs(p.scale)
     ok = at.visible(p.Sq, p.Sk, p.left, p.right)
     mask = None if m64 is None else np.broadcast_to(m64, (B, Hq, p.Sq, p.Sk))
@@ -116,7 +137,7 @@ def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_g
                 lrow = L[b, h][:, None]
                 live = keep & ~np.isneginf(lrow) & ~np.isneginf(x)   # P = 0 exactly elsewhere
                 prob = np.where(live, np.exp(x - lrow), 0.0)
-                e_p = np.where(live, c * U32 * a + 4 * U32 * (np.abs(x) + np.abs(lrow)) + 2.0**-21,
+                e_p = np.where(live, cs * U32 * a + 4 * U32 * (np.abs(x) + np.abs(lrow)) + 2.0**-21,
                                0.0)
                 dp = G[b, h] @ V[b, hk].T
                 adp = np.abs(G[b, h]) @ np.abs(V[b, hk]).T
@@ -124,11 +145,18 @@ def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_g
                 ad_row = np.sum(np.abs(G[b, h] * O[b, h]), axis=1, keepdims=True)
                 ds = np.where(live, prob * (dp - d_row), 0.0)
                 e_ds = np.where(live, e_p * prob * np.abs(dp - d_row)
-                                + prob * c * U32 * (adp + ad_row) + 2 * U32 * np.abs(ds), 0.0)
+                                + prob * U32 * (cs * adp + c * ad_row) + 2 * U32 * np.abs(ds), 0.0)
                 ag = np.abs(G[b, h])
-                bv[b, hk] += (e_p * prob).T @ ag + cq * U32 * (prob.T @ ag)
-                bk[b, hk] += sc * (e_ds.T @ np.abs(Q[b, h]) + cq * U32 * (np.abs(ds).T @ np.abs(Q[b, h])))
-                bq[b, h] = sc * (e_ds @ np.abs(K[b, hk]) + ck * U32 * (np.abs(ds) @ np.abs(K[b, hk])))
+                rq, rk = cq * U32 + u_in, ck * U32 + u_in
+                bv[b, hk] += (e_p * prob).T @ ag + rq * (prob.T @ ag)
+                bk[b, hk] += sc * (e_ds.T @ np.abs(Q[b, h]) + rq * (np.abs(ds).T @ np.abs(Q[b, h])))
+                bq[b, h] = sc * (e_ds @ np.abs(K[b, hk]) + rk * (np.abs(ds) @ np.abs(K[b, hk])))
+    if mma and dtype == "float16":
+        # P and dS below 2^-14 round to fp16 subnormals: 2^-25 absolute each
+        n = p.group * Sq
+        bv += 2.0**-25 * n * float(np.max(np.abs(G), initial=0.0))
+        bk += sc * 2.0**-25 * n * float(np.max(np.abs(Q), initial=0.0))
+        bq += sc * 2.0**-25 * p.Sk * float(np.max(np.abs(K), initial=0.0))
     bounds = []
     for r, bd in zip(refs, (bq, bk, bv)):
         bd = bd if layout == "bhsd" else bd.transpose(0, 2, 1, 3)
@@ -444,6 +472,7 @@ EMU_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_kernels(case, dtype, rng, monkeypatch):
     monkeypatch.setattr(at, "smem_limit", lambda dev: case[6] * 1024)
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: False)      # 'auto' -> the SIMT kernels
     g, q, k, v, mask, opt = _case_inputs(rng, case, dtype)
     out, lse = forward_for(q, k, v, mask, dtype=dtype, **opt)
     with emu.Device(sms=2) as dev:
@@ -501,6 +530,193 @@ def test_emulated_kernels_empty_sequences_and_nan(rng, monkeypatch):
         assert np.all(np.isnan(dq[0, 1, 3])) and not np.isnan(np.delete(dq[0, 1], 3, 0)).any()
         assert np.all(np.isnan(dk[0, 1])) and np.all(np.isnan(dv[0, 1]))
         assert not np.isnan(dq[0, 0]).any() and not np.isnan(dk[0, 0]).any()
+
+
+# ----------------------------------------------------------------------------- CPU: the mma kernel
+
+def _mma_launches():
+    return [name for name, *_ in emu.Device.launches if "flash_bwd_mma" in name]
+
+
+def _emu_mma_case(rng, monkeypatch, case, dtype, smem_kb=227, variant="mma"):
+    """One case on the emulated tensor-core backward against the reference (mma bound); returns
+    the names of the tensor-core kernels launched."""
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    monkeypatch.setattr(at, "smem_limit", lambda dev: smem_kb * 1024)
+    B, Hq, Hkv, Sq, Sk, D, opt = case
+    g, q, k, v, mask, opt = _case_inputs(rng, (B, Hq, Hkv, Sq, Sk, D, 0, opt), dtype)
+    out, lse = forward_for(q, k, v, mask, dtype=dtype, **opt)
+    with emu.Device(sms=2) as dev:
+        got = _emu_backward(dev, g, q, k, v, out, lse, mask, dtype=dtype, variant=variant, **opt)
+        names = _mma_launches()
+    refs, bounds = bwd_bound(g, q, k, v, out, lse, mask, dtype=dtype, mma=True, **opt)
+    for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+        assert a.dtype == _np_dtype(dtype)
+        check(a, e, bd, f"{name} {case} {dtype}")
+    return names
+
+
+# (B, Hq, Hkv, Sq, Sk, D, options): both head dims; query and key tails (1, 17, 70, 130, 200: not
+# multiples of the tiles); causal with Sq <, =, > Sk (several query tiles per key block, warps
+# idle on the diagonal); windows; GQA 2; bool / additive masks (rows that see no key); 'bshd'; a
+# negative scale.
+EMU_MMA_CASES = [
+    (1, 2, 2, 1, 1, 64, {}),
+    (1, 2, 2, 17, 17, 64, {"is_causal": True}),
+    (1, 2, 2, 130, 130, 128, {"is_causal": True}),
+    (1, 2, 2, 200, 140, 128, {"is_causal": True}),
+    (1, 4, 2, 70, 200, 64, {"is_causal": True, "layout": "bshd"}),
+    (2, 4, 2, 130, 70, 128, {"mask": "bool"}),
+    (1, 2, 1, 70, 200, 64, {"window_size": (-1, 5)}),
+    (1, 2, 1, 150, 150, 64, {"window_size": (20, 5)}),
+    (1, 2, 2, 130, 130, 64, {"mask": "float", "is_causal": True, "layout": "bshd"}),
+    (1, 1, 1, 130, 100, 128, {"window_size": (-1, 30), "scale": -0.1}),
+    (1, 1, 1, 1, 130, 128, {"mask": "float", "scale": 0.3}),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_MMA_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_emulated_mma_kernel(case, dtype, rng, monkeypatch):
+    names = _emu_mma_case(rng, monkeypatch, case, dtype)
+    D, masked = case[5], "mask" in case[6]
+    assert names == [ab.mma_expr(dt.BY_NAME[dtype], D, ab.mma_config(D, masked, 227 * 1024),
+                                 masked)]
+
+
+@needs_emu
+@pytest.mark.parametrize("d,cfg", [(d, c) for d, cs in ab.MMA_ALTERNATES.items() for c in cs]
+                         + [(d, c) for d, c in ab.MMA_SMALL_TILES.items()], ids=str)
+def test_emulated_mma_alternate_tiles(d, cfg, rng, monkeypatch):
+    """The tiles compiled for timing next to MMA_TILES (and the small-shared-memory ones) are
+    correct too: causal + GQA over several query tiles per key block (both stages reused), a
+    window with key and query tails, a negative scale."""
+    monkeypatch.setitem(ab.MMA_TILES, d, cfg)
+    for case in ((1, 4, 2, 150, 150, d, {"is_causal": True}),
+                 (1, 1, 1, 40, 90, d, {"window_size": (9, 3), "layout": "bshd"}),
+                 (1, 1, 1, 70, 130, d, {"scale": -0.1})):
+        assert _emu_mma_case(rng, monkeypatch, case, "bfloat16") == [
+            ab.mma_expr(dt.bfloat16, d, cfg)]
+
+
+@needs_emu
+def test_emulated_mma_small_shared_memory_and_masked_tiles(rng, monkeypatch):
+    """99 KB devices (sm_86/89) take MMA_SMALL_TILES where the default tile does not fit; masked
+    calls take MMA_MASK_TILES (or the small tile)."""
+    case = (1, 2, 1, 70, 90, 128, {"is_causal": True})
+    assert _emu_mma_case(rng, monkeypatch, case, "bfloat16", smem_kb=99) == [
+        ab.mma_expr(dt.bfloat16, 128, ab.MMA_SMALL_TILES[128])]
+    case = (1, 2, 1, 70, 90, 128, {"mask": "bool", "window_size": (30, 2)})
+    assert _emu_mma_case(rng, monkeypatch, case, "float16", smem_kb=99) == [
+        ab.mma_expr(dt.float16, 128, ab.MMA_SMALL_TILES[128], True)]
+    assert _emu_mma_case(rng, monkeypatch, case, "float16") == [
+        ab.mma_expr(dt.float16, 128, ab.MMA_MASK_TILES[128], True)]
+
+
+@needs_emu
+def test_emulated_mma_empty_sequences_nan_and_auto(rng, monkeypatch):
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    q, g = _rand(rng, (1, 2, 40, 64), "bfloat16"), _rand(rng, (1, 2, 40, 64), "bfloat16")
+    k, v = _rand(rng, (1, 2, 50, 64), "bfloat16"), _rand(rng, (1, 2, 50, 64), "bfloat16")
+    with emu.Device(sms=2) as dev:
+        # 'auto' takes the tensor-core kernel; a NaN query row: its dq row and every dk, dv NaN
+        qn = q.copy()
+        qn[0, 1, 3, 5] = np.nan
+        out, lse = forward_for(qn, k, v, None, dtype="bfloat16")
+        dq, dk, dv = _emu_backward(dev, g, qn, k, v, out, lse, dtype="bfloat16")
+        assert _mma_launches()
+        assert np.all(np.isnan(dq[0, 1, 3])) and not np.isnan(np.delete(dq[0, 1], 3, 0)).any()
+        assert np.all(np.isnan(dk[0, 1])) and np.all(np.isnan(dv[0, 1]))
+        assert not np.isnan(dq[0, 0]).any() and not np.isnan(dk[0, 0]).any()
+        # Sk = 0: dq = 0 (preprocess + conversion; no main launch)
+        emu.Device.launches.clear()
+        out, lse = forward_for(q, k[:, :, :0], v[:, :, :0], None, dtype="bfloat16")
+        dq, dk, dv = _emu_backward(dev, g, q, k[:, :, :0], v[:, :, :0], out, lse,
+                                   dtype="bfloat16", variant="mma")
+        assert np.all(dq == 0) and dk.shape == (1, 2, 0, 64) and not _mma_launches()
+        # Sq = 0: dk = dv = 0 (the main kernel visits no query tile)
+        out, lse = forward_for(q[:, :, :0], k, v, None, dtype="bfloat16")
+        dq, dk, dv = _emu_backward(dev, g[:, :, :0], q[:, :, :0], k, v, out, lse,
+                                   dtype="bfloat16", variant="mma")
+        assert dq.shape == (1, 2, 0, 64) and np.all(dk == 0) and np.all(dv == 0)
+        assert _mma_launches()
+
+
+@needs_emu
+@pytest.mark.parametrize("kind", ["contig", "offset"])
+def test_emulated_mma_vector_prep_and_conversion(kind, rng, monkeypatch):
+    """The tensor-core path preprocesses and converts with 16-byte accesses (D / 8 lanes per
+    row) where output / dq rows are aligned, else with the SIMT module's kernels; both right."""
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    for d, dtype in ((64, "bfloat16"), (128, "float16")):
+        q, k, v, g = (_rand(rng, s, dtype) for s in ((1, 3, 45, d), (1, 3, 30, d),
+                                                       (1, 3, 30, d), (1, 3, 45, d)))
+        out, lse = forward_for(q, k, v, None, dtype=dtype, is_causal=True)
+        out = emu.strided(out, kind)                 # 'offset': rows off a 16-byte boundary
+        with emu.Device(sms=2) as dev:
+            got = _emu_backward(dev, g, q, k, v, out, lse, dtype=dtype, is_causal=True)
+            names = [name for name, *_ in emu.Device.launches]
+        vec = kind == "contig"
+        assert (ab.prep_vec_expr(dt.BY_NAME[dtype], d) in names) == vec
+        assert (ab.prep_expr(dt.BY_NAME[dtype]) in names) == (not vec)
+        assert ab.convert_vec_expr(dt.BY_NAME[dtype], d) in names
+        refs, bounds = bwd_bound(g, q, k, v, out, lse, dtype=dtype, mma=True, is_causal=True)
+        for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+            check(a, e, bd, f"{name} {d} {dtype} {kind}")
+
+
+@needs_emu
+def test_mma_falls_back_to_simt_and_explicit_mma_refuses(rng, monkeypatch):
+    """'auto' takes the SIMT kernels for fp32, head dims without a tile, unaligned or strided-d
+    rows and devices below sm_80; variant='mma' refuses those calls, naming the reason."""
+    monkeypatch.setattr(at, "smem_limit", lambda dev: 227 * 1024)
+    tc = {"on": True}
+    monkeypatch.setattr(at, "tensor_cores", lambda dev: tc["on"])
+
+    def kernels(g, q, k, v, dtype, variant="auto", **kw):
+        out, lse = forward_for(q, k, v, None, dtype=dtype, **kw)
+        with emu.Device(sms=2) as dev:
+            got = _emu_backward(dev, g, q, k, v, out, lse, dtype=dtype, variant=variant, **kw)
+            names = [name for name, *_ in emu.Device.launches]
+        refs, bounds = bwd_bound(g, q, k, v, out, lse, dtype=dtype, mma=True, **kw)
+        for a, e, bd in zip(got, refs, bounds):
+            check(a, e, bd, f"fallback {dtype}")
+        return [n for n in names if "dq_convert" not in n and "prep" not in n]
+
+    def inputs(dtype, d=64, kind="contig"):
+        return [emu.strided(_rand(rng, (1, 2, 20, d), dtype), kind) for _ in range(4)]
+
+    assert "flash_bwd_mma" in kernels(*inputs("bfloat16"), "bfloat16")[0]
+    assert "flash_bwd_dkdv" in kernels(*inputs("bfloat16"), "bfloat16", variant="simt")[0]
+    for x, dtype, why in ((inputs("float32"), "float32", "float16 / bfloat16"),
+                          (inputs("float16", 32), "float16", "head dim 32"),
+                          (inputs("float16", 64, "offset"), "float16", "16-byte aligned"),
+                          (inputs("bfloat16", 64, "sliced"), "bfloat16", "16-byte aligned")):
+        assert "flash_bwd_dkdv" in kernels(*x, dtype)[0]
+        out, lse = forward_for(*x[1:], None, dtype=dtype)
+        with emu.Device(sms=2) as dev, pytest.raises(ValueError, match=f"variant='mma'.*{why}"):
+            _emu_backward(dev, *x, out, lse, dtype=dtype, variant="mma")
+    tc["on"] = False
+    x = inputs("bfloat16")
+    assert "flash_bwd_dkdv" in kernels(*x, "bfloat16")[0]
+    out, lse = forward_for(*x[1:], None, dtype="bfloat16")
+    with emu.Device(sms=2) as dev, pytest.raises(ValueError, match="compute capability 8.0"):
+        _emu_backward(dev, *x, out, lse, dtype="bfloat16", variant="mma")
+
+
+def test_mma_tiles_fit_and_compile_list():
+    for d in ab.MMA_TILES:
+        for masked in (False, True):
+            cfg = ab.mma_config(d, masked, 227 * 1024)
+            assert cfg == ab.mma_candidates(d, masked)[0]
+            assert ab.mma_config(d, masked, 99 * 1024) is not None          # sm_86/89
+            for dtype in (dt.float16, dt.bfloat16):
+                assert ab.mma_expr(dtype, d, cfg, masked) in ab.MMA_MODULES[dtype].kernels
+    assert ab.mma_config(128, False, 48 * 1024) is None
+    assert ab.mma_smem(128, (8, 1, 64, 2, 1)) == 145 * 1024
 
 
 def test_tile_configs_fit_shared_memory():
@@ -586,10 +802,89 @@ def test_gpu_against_reference(case, dtype, rng):
                                     else _cuda(mask, dtype))
     out, lse = go.scaled_dot_product_attention(tq, tk, tv, tm, return_lse=True, **opt)
     got = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, tm, **opt)
-    refs, bounds = bwd_bound(g, q, k, v, _host(out), _host(lse), mask, dtype=dtype, **opt)
+    # 16-bit storage may take the tensor-core kernel ('auto' on sm_80+): its bound
+    refs, bounds = bwd_bound(g, q, k, v, _host(out), _host(lse), mask, dtype=dtype,
+                             mma=dtype != "float32", **opt)
     for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
         assert a.dtype == getattr(torch, dtype) and a.is_contiguous()
         check(_host(a), e, bd, f"{name} {case} {dtype}")
+
+
+def _needs_tensor_cores():
+    if not at.tensor_cores(torch.cuda.current_device()):
+        pytest.skip("no tensor-core path on this device/GPUOPS_ARCH (sm_80+ needed)")
+
+
+# (B, Hq, Hkv, Sq, Sk, options) for every head dim of the tensor-core kernel: causal, windows,
+# GQA, masks, tails (lengths that are not multiples of the tiles), Sq != Sk, 'bshd'
+GPU_MMA_CASES = [
+    (2, 8, 8, 1000, 1000, {}),
+    (1, 8, 8, 1000, 1000, {"is_causal": True}),
+    (1, 4, 4, 4097, 4097, {"is_causal": True}),
+    (1, 8, 4, 777, 1500, {"is_causal": True, "enable_gqa": True}),
+    (1, 8, 1, 1500, 777, {"is_causal": True, "enable_gqa": True, "layout": "bshd"}),
+    (1, 4, 2, 2000, 2000, {"window_size": (256, 0), "enable_gqa": True}),
+    (1, 4, 4, 1000, 1300, {"window_size": (100, 50), "scale": 0.05}),
+    (1, 4, 4, 600, 1000, {"mask": "bool"}),
+    (1, 4, 2, 600, 1000, {"mask": "float", "is_causal": True, "enable_gqa": True}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_MMA_CASES, ids=lambda c: f"{c[:5]}-{sorted(c[5])}")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_against_reference_and_torch(case, d, dtype, rng):
+    """variant='mma' against the reference on the forward's own output and lse (mma bound), and
+    as close to float64 as torch's own SDPA backward in the same dtype (+ slack)."""
+    _needs_tensor_cores()
+    B, Hq, Hkv, Sq, Sk, opt = case
+    g, q, k, v, mask, opt = _case_inputs(rng, (B, Hq, Hkv, Sq, Sk, d, 0, opt), dtype)
+    tq, tk, tv, tg = (_cuda(x, dtype) for x in (q, k, v, g))
+    tm = None if mask is None else (torch.from_numpy(mask).cuda() if mask.dtype == bool
+                                    else _cuda(mask, dtype))
+    out, lse = go.scaled_dot_product_attention(tq, tk, tv, tm, return_lse=True, **opt)
+    got = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, tm, variant="mma",
+                                                   **opt)
+    refs, bounds = bwd_bound(g, q, k, v, _host(out), _host(lse), mask, dtype=dtype, mma=True,
+                             **opt)
+    for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+        assert a.dtype == getattr(torch, dtype) and a.is_contiguous()
+        check(_host(a), e, bd, f"{name} {case} {d} {dtype}")
+    if opt.get("layout", "bhsd") == "bshd" or opt.get("window_size") or mask is not None:
+        return        # torch's fused backends take none of these; the reference covers them
+    # against float64 autograd on the same rounded inputs: ours vs torch's fused SDPA backward
+    t_opt = {k_: v_ for k_, v_ in opt.items() if k_ in ("is_causal", "scale", "enable_gqa")}
+    exact = _grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b, c, **t_opt), [x.double() for x in (tq, tk, tv)], tg.double())
+    theirs = _grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b, c, **t_opt), [tq, tk, tv], tg)
+    for name, a, e, t in zip(("dq", "dk", "dv"), got, exact, theirs):
+        e_ours, e_torch = _rel(a, e), _rel(t, e)
+        assert e_ours <= 1.5 * e_torch + 2e-3, (name, e_ours, e_torch)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("d,cfg", [(d, c) for d, cs in ab.MMA_ALTERNATES.items() for c in cs]
+                         + [(d, c) for d, c in ab.MMA_SMALL_TILES.items()], ids=str)
+def test_gpu_mma_alternate_tiles(d, cfg, rng, monkeypatch):
+    """The tiles the experiment script times next to MMA_TILES (and the small-shared-memory ones)
+    on the GPU: causal + GQA, a window with tails."""
+    _needs_tensor_cores()
+    monkeypatch.setitem(ab.MMA_TILES, d, cfg)
+    for case in ((1, 8, 2, 1000, 1000, d, 0, {"is_causal": True, "enable_gqa": True}),
+                 (1, 4, 4, 777, 1300, d, 0, {"window_size": (200, 3), "layout": "bshd"})):
+        g, q, k, v, mask, opt = _case_inputs(rng, case, "bfloat16")
+        tq, tk, tv, tg = (_cuda(x, "bfloat16") for x in (q, k, v, g))
+        out, lse = go.scaled_dot_product_attention(tq, tk, tv, return_lse=True, **opt)
+        got = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, variant="mma",
+                                                       **opt)
+        refs, bounds = bwd_bound(g, q, k, v, _host(out), _host(lse), dtype="bfloat16", mma=True,
+                                 **opt)
+        for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+            check(_host(a), e, bd, f"{name} {case} {cfg}")
 
 
 def _grads(fn, leaves, grad):

@@ -19,7 +19,7 @@ from gpuops.runtime.launch import ArgSpec
 
 _P4 = ArgSpec("ptr", "ptr", "ptr", "ptr")
 _PROBE = emu.Probe("mma_probe", "probes/mma_probe.cu", {
-    "ldmatrix_probe": _P4, "cp_async_probe": _P4,
+    "ldmatrix_probe": _P4, "cp_async_probe": _P4, "cp_async4_probe": _P4,
     "mma_probe<gpuops::bfloat16_t>": _P4, "mma_probe<gpuops::float16_t>": _P4,
     "mma_probe<float>": _P4, "mma_probe<signed char>": _P4,
     "pack_probe<gpuops::bfloat16_t>": ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr"),
@@ -204,6 +204,18 @@ def test_cp_async_zero_fills_and_lands_at_the_wait(probe, rng):
     exp = src.view(np.uint8).reshape(32, 16).copy()
     exp[np.arange(16)[None, :] >= nbytes[:, None]] = 0  # bytes past src-size are zero-filled
     np.testing.assert_array_equal(after.view(np.uint8).reshape(32, 16), exp)
+
+
+def test_cp_async4_zero_fills_and_lands_at_the_wait(probe, rng):
+    src = rng.integers(0, 2**32, 32, dtype=np.uint32)
+    nbytes = np.where(rng.random(32) < 0.5, 4, 0).astype(np.int32)
+    nbytes[:2] = (0, 4)
+    before = np.zeros(32, np.uint32)
+    after = np.zeros(32, np.uint32)
+    probe("cp_async4_probe", src, nbytes, before, after, smem=128)
+    if probe.backend == "emu":
+        assert np.all(before == 0xABABABAB)             # not there before cp.async.wait_group
+    np.testing.assert_array_equal(after, np.where(nbytes == 4, src, 0))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

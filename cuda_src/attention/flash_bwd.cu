@@ -201,24 +201,6 @@ __device__ __forceinline__ void bwd_dq(const float* dSTs, const float* Ks,
   }
 }
 
-// dst[0..3] += v[0..3] (fp32 atomics; one vector reduction on sm_90, whose L2 adds 16 bytes at
-// once: the host guarantees 16-byte alignment there, see `vec4` below).
-__device__ __forceinline__ void bwd_atomic_add4(float* dst, const float (&v)[4], bool vec4) {
-#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
-  if (vec4) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v[0]),
-                 "f"(v[1]), "f"(v[2]), "f"(v[3])
-                 : "memory");
-    return;
-  }
-#endif
-  (void)vec4;
-  atomicAdd(dst, v[0]);
-  atomicAdd(dst + 1, v[1]);
-  atomicAdd(dst + 2, v[2]);
-  atomicAdd(dst + 3, v[3]);
-}
-
 // ------------------------------------------------------------------------------ dK, dV (+ dQ)
 
 // __launch_bounds__(NT, 1): up to 255 registers (capped at 128 for two 256-thread blocks per SM,

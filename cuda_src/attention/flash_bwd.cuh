@@ -1,5 +1,6 @@
-// Flash attention backward: launch arguments, tile shapes and the tile loader shared by the
-// backward kernels (cuda_src/attention/flash_bwd.cu; later a tensor-core variant).
+// Flash attention backward: launch arguments, the SIMT tile shapes and tile loader
+// (cuda_src/attention/flash_bwd.cu) and the dQ atomics shared with the tensor-core kernel
+// (flash_bwd_mma.cu).
 #pragma once
 #include "attention/attn_common.cuh"
 #include "common/vec.cuh"
@@ -98,6 +99,38 @@ __device__ __forceinline__ void attn_load_tile(float* dst, const T* src, int r0,
 
 __device__ __forceinline__ float attn_f4_get(const AttnF4& v, int e) {
   return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+// dst[0..3] += v[0..3] (fp32 atomics; one vector reduction on sm_90, whose L2 adds 16 bytes at
+// once, when vec4: the host guarantees 16-byte alignment then).
+__device__ __forceinline__ void bwd_atomic_add4(float* dst, const float (&v)[4], bool vec4) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  if (vec4) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v[0]),
+                 "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+    return;
+  }
+#endif
+  (void)vec4;
+  atomicAdd(dst, v[0]);
+  atomicAdd(dst + 1, v[1]);
+  atomicAdd(dst + 2, v[2]);
+  atomicAdd(dst + 3, v[3]);
+}
+
+// dst[0..1] += (x, y) (fp32 atomics; one 8-byte vector reduction on sm_90 when vec2: the host
+// guarantees 8-byte alignment then).
+__device__ __forceinline__ void bwd_atomic_add2(float* dst, float x, float y, bool vec2) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  if (vec2) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(x), "f"(y) : "memory");
+    return;
+  }
+#endif
+  (void)vec2;
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
 }
 
 }  // namespace gpuops

@@ -57,6 +57,12 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, in
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// 4 bytes global -> shared (per-row statistics that are not 16-byte aligned); bytes past
+// src_bytes (0 or 4) are zero-filled.
+__device__ __forceinline__ void cp_async4(unsigned int dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 
 template <int N>
@@ -209,6 +215,9 @@ inline void ldmatrix_x4_trans(unsigned int (&r)[4], unsigned int addr) { mma_hos
 
 inline void cp_async16(unsigned int dst, const void* src, int src_bytes) {
   emu::cp_async(emu::shared_ptr(dst, 16), src, src_bytes, 16);
+}
+inline void cp_async4(unsigned int dst, const void* src, int src_bytes) {
+  emu::cp_async(emu::shared_ptr(dst, 4), src, src_bytes, 4);
 }
 inline void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>

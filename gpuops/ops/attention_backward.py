@@ -13,11 +13,20 @@ Kernels (cuda_src/attention/flash_bwd.cu), fp32 math for fp32/fp16/bf16 storage:
   other head dim (and 128 where only 48 KB are available) goes through the general
   instantiation, which splits the head dim into chunks over blocks and recomputes the scores
   per chunk.
-* ``'mma'`` (mma.sync, sm_80+) is the next step: it goes into ``_VARIANTS`` below with ``'auto'``
-  picking the best one the device has.
+* variant ``'mma'`` (cuda_src/attention/flash_bwd_mma.cu, sm_80+, fp16/bf16, head dims 64 and
+  128): FlashAttention-2's backward on tensor cores (mma.sync m16n8k16, fp32 accumulators). The
+  same preprocess and dq conversion kernels; the main kernel gives each warp 16 keys of the
+  block, computes S^T = K Q^T and dP^T = V dO^T per query tile so that P^T and dS^T are directly
+  the A operands of dV += P^T dO and dK += dS^T Q (registers), and dQ = dS K (dS^T through shared
+  memory) goes to the fp32 accumulator by atomics. Tiles in ``MMA_TILES`` (and the tables beside
+  it). ``'auto'`` takes it for fp16/bf16 on sm_80+ at head dims 64 and 128 when q, k, v and
+  grad_out rows are 16-byte aligned with unit d stride; everything else (fp32, other head dims,
+  sm_61-sm_75, strided or unaligned rows) takes ``'simt'``. ``variant='mma'`` raises ValueError
+  for a call it cannot take, saying why.
 
 The launch arguments are a FlashBwdArgs struct (cuda_src/attention/flash_bwd.cuh), separate from
-the forward's. Design notes, floors and predictions: benchmarks/notes_attention.md (backward).
+the forward's. Design notes, floors and predictions: benchmarks/notes_attention.md (backward,
+and "Tensor-core backward").
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
 
 OP = "scaled_dot_product_attention_backward"
-VARIANTS = ("auto", "simt")          # 'mma': the tensor-core form, next step
+VARIANTS = ("auto", "simt", "mma")
 
 # ---------------------------------------------------------------------------------------------
 # Kernel module. One FlashBwdArgs struct per launch.
@@ -93,6 +102,91 @@ for _d, (_small, _big) in FAST_TILES.items():
     assert _small is None or bwd_smem(_d, *_small[:2]) <= 48 * 1024, (_d, _small)
 for _d, _tile in GENERAL_TILES.items():
     assert bwd_smem(_d, *_tile[:2]) <= 48 * 1024, (_d, _tile)
+
+# Tensor-core kernel (flash_bwd_mma.cu): one module per 16-bit dtype, built for sm_80+ only.
+# A tile is (warps, MT, BR, stages, min blocks per SM): a block owns BC = 16 MT warps keys (each
+# warp 16 MT of them, its dK and dV in registers) and walks the query tiles of BR rows; stages 2:
+# Q, dO (and their lse, D) double-buffered, loaded a whole tile ahead; 1: loaded during dQ.
+# Chosen for no spills (ptxas -v, NVRTC 12.9, sm_80/86/90) at the largest tile: 16 keys x 64
+# queries per warp is FlashAttention-2's per-warp register budget at D = 128 (dK, dV: 128
+# registers; S^T, dP^T: 64); BR = 128 (FA2's D = 64 tile) spills here (~200 bytes);
+# benchmarks/notes_attention.md, "Tensor-core backward".
+MMA_TILES = {64: (8, 1, 64, 2, 1), 128: (8, 1, 64, 2, 1)}
+# Calls with an attn_mask take an instantiation with the mask code compiled in (MASK = true) and,
+# where the default tile has no registers to spare (D = 128: 255 registers, 20 bytes of spills
+# with the mask code), a lighter one (BR = 32).
+MMA_MASK_TILES = {128: (8, 1, 32, 2, 1)}
+# Devices whose blocks cannot have the default tile's shared memory (sm_86/89: 99 KB; the default
+# D = 128 tile needs 145 KB): this tile (D = 128: 88 KB), masked calls too.
+MMA_SMALL_TILES = {128: (8, 1, 32, 1, 1)}
+# Compiled too, so one GPU session can time them against MMA_TILES
+# (benchmarks/experiments/attention_bwd_mma.py --tiles; swap one in with MMA_TILES[d] = cfg):
+# D = 64: 32 keys per warp (half the Q / dO shared-memory reads per FLOP), and 4-warp blocks
+# two per SM (BC = 64: twice the dQ atomics); D = 128: BR = 32 (the mask tile, unmasked).
+MMA_ALTERNATES = {64: ((4, 2, 32, 2, 1), (4, 1, 64, 2, 2)), 128: ((8, 1, 32, 2, 1),)}
+_MMA_ARCHS = ("80", "86", "89", "90")
+_SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
+
+
+def mma_expr(dtype, d: int, cfg, masked: bool = False) -> str:
+    warps, mt, br, stages, minb = cfg
+    return (f"gpuops::flash_bwd_mma<{dtype.ctype}, {d}, {warps}, {mt}, {br}, {stages}, {minb}, "
+            f"{_B[masked]}>")
+
+
+def prep_vec_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_prep_vec<{dtype.ctype}, {d}>"
+
+
+def convert_vec_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_dq_convert_vec<{dtype.ctype}, {d}>"
+
+
+def mma_smem(d: int, cfg) -> int:
+    """Bytes of dynamic shared memory: K, V [BC][D] and dS^T [BC][BR] in the 16-bit dtype, and per
+    stage Q, dO [BR][D] (16-bit) and lse2, D [BR] (fp32)."""
+    warps, mt, br, stages = cfg[:4]
+    bc = 16 * mt * warps
+    return 4 * bc * d + 2 * bc * br + stages * (4 * br * d + 8 * br)
+
+
+def mma_candidates(d: int, masked: bool) -> list:
+    """The tiles a call may take, best first (the host takes the first that fits the device)."""
+    first = MMA_MASK_TILES.get(d, MMA_TILES[d]) if masked else MMA_TILES[d]
+    return [first] + ([MMA_SMALL_TILES[d]] if d in MMA_SMALL_TILES else [])
+
+
+def mma_config(d: int, masked: bool, limit: int):
+    """The tile of a call on a device whose blocks may use ``limit`` bytes of shared memory, or
+    None (no tensor-core tile fits)."""
+    for cfg in mma_candidates(d, masked):
+        if mma_smem(d, cfg) <= limit:
+            return cfg
+    return None
+
+
+def _mma_exprs(dtype):
+    out = []
+    for d in MMA_TILES:
+        for masked in (False, True):
+            out += [mma_expr(dtype, d, cfg, masked) for cfg in mma_candidates(d, masked)]
+        out += [mma_expr(dtype, d, cfg) for cfg in MMA_ALTERNATES.get(d, ())]
+        out += [prep_vec_expr(dtype, d), convert_vec_expr(dtype, d)]
+    return list(dict.fromkeys(out))
+
+
+MMA_MODULES = {
+    dtype: KernelModule(f"attention.flash_bwd_mma_{short}", "attention/flash_bwd_mma.cu",
+                        dict.fromkeys(_mma_exprs(dtype), FLASH_BWD_ARGS), archs=_MMA_ARCHS)
+    for dtype, short in _SHORT.items()}
+_MMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in MMA_MODULES.items()}
+
+for _d in MMA_TILES:
+    for _cfg in (*mma_candidates(_d, False), *mma_candidates(_d, True),
+                 *MMA_ALTERNATES.get(_d, ())):
+        assert mma_smem(_d, _cfg) <= 227 * 1024, (_d, _cfg)       # sm_90 opt-in limit
+    for _masked in (False, True):
+        assert mma_smem(_d, mma_candidates(_d, _masked)[-1]) <= 99 * 1024   # sm_86/89
 
 
 def simt_config(d: int, limit: int):
@@ -220,32 +314,12 @@ def _backward(call, grad_out, query, key, value, output, lse, attn_mask, is_caus
     return dq, dk, dv
 
 
-def _launch_simt(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
-                 dv, layout):
-    dev, dtype = call.device, call.result_dtype
-    d, br, bc, nt, general = simt_config(p.D, fwd.smem_limit(dev))
-    nz = -(-p.D // d) if general else 1
-    grid = (p.B * p.Hkv, -(-p.Sk // bc), nz)
-    if grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
-        raise ValueError(f"gpuops.{OP}: too large for one launch (batch x kv heads = {grid[0]}, "
-                         f"key tiles = {grid[1]}, head-dim chunks = {grid[2]})")
-    rows = p.B * p.Hq * p.Sq
-    # fp32 workspace: D_i and lse * log2(e) per query row; the dq accumulator (dq itself for
-    # fp32 storage), zeroed by the preprocess kernel
-    stats = call.empty((2 * rows,), dt.float32) if rows else None
-    if dtype is dt.float32:
-        acc, acc_strides = dq, fwd._bhsd_strides(dq, layout)
-        acc_aligned = _aligned_rows(dq, layout, p.D)
-    else:
-        acc = call.empty((p.B, p.Hq, p.Sq, p.D), dt.float32)
-        acc_strides = tuple(acc.strides)
-        acc_aligned = _aligned_rows(acc, "bhsd", p.D)
-    q_shape, kv_shape = (p.B, p.Hq, p.Sq, p.D), (p.B, p.Hkv, p.Sk, p.D)
-    vec = (not general and fwd._vec_ok(query, layout, q_shape)
-           and fwd._vec_ok(grad_out, layout, q_shape) and fwd._vec_ok(key, layout, kv_shape)
-           and fwd._vec_ok(value, layout, kv_shape))
-    lse_strides = tuple(lse.strides)
-    args = (query.ptr, key.ptr, value.ptr, output.ptr, grad_out.ptr, lse.ptr,
+def _launch_args(p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk, dv,
+                 acc, stats, layout, vec) -> tuple:
+    """The fields of FlashBwdArgs (cuda_src/attention/flash_bwd.cuh), flat and in the struct's
+    order (FLASH_BWD_ARGS). acc: the fp32 dq accumulator ('bhsd' workspace, or dq itself)."""
+    acc_strides = fwd._bhsd_strides(acc, layout) if acc is dq else tuple(acc.strides)
+    return (query.ptr, key.ptr, value.ptr, output.ptr, grad_out.ptr, lse.ptr,
             attn_mask.ptr if attn_mask is not None else 0, dq.ptr, dk.ptr, dv.ptr, acc.ptr,
             stats.ptr if stats is not None else 0,
             *fwd._bhsd_strides(query, layout), *fwd._bhsd_strides(key, layout),
@@ -253,23 +327,144 @@ def _launch_simt(call, p, grad_out, query, key, value, output, lse, attn_mask, m
             *fwd._bhsd_strides(grad_out, layout),
             *(fwd._mask_strides(attn_mask) if attn_mask is not None else fwd._NULL_STRIDES),
             *fwd._bhsd_strides(dq, layout), *fwd._bhsd_strides(dk, layout),
-            *fwd._bhsd_strides(dv, layout), *acc_strides, *lse_strides,
-            p.B, p.Hq, p.group, p.Sq, p.Sk, p.D, p.left, p.right, mask_kind,
-            int(vec) | (2 if acc_aligned else 0), p.scale, p.scale * math.log2(math.e))
-    block = (PREP_THREADS, 1, 1)
+            *fwd._bhsd_strides(dv, layout), *acc_strides, *tuple(lse.strides),
+            p.B, p.Hq, p.group, p.Sq, p.Sk, p.D, p.left, p.right, mask_kind, vec, p.scale,
+            p.scale * math.log2(math.e))
+
+
+def _workspaces(call, p, dq, layout):
+    """(fp32 dq accumulator, vec bit 1 if its rows suit 16-byte reductions, stats [2 B Hq Sq]):
+    the accumulator is dq itself for fp32 storage; the preprocess kernel zeroes it."""
+    rows = p.B * p.Hq * p.Sq
+    stats = call.empty((2 * rows,), dt.float32) if rows else None
+    if call.result_dtype is dt.float32:
+        return dq, (2 if _aligned_rows(dq, layout, p.D) else 0), stats
+    acc = call.empty((p.B, p.Hq, p.Sq, p.D), dt.float32)
+    return acc, (2 if _aligned_rows(acc, "bhsd", p.D) else 0), stats
+
+
+def _launch_prep(call, p, args):
+    rows = p.B * p.Hq * p.Sq
     if rows:
-        _KERNELS.get(dev, prep_expr(dtype)).launch((-(-rows // 4), 1, 1), block, call.stream,
-                                                   *args)
+        _KERNELS.get(call.device, prep_expr(call.result_dtype)).launch(
+            (-(-rows // 4), 1, 1), (PREP_THREADS, 1, 1), call.stream, *args)
+
+
+def _launch_convert(call, p, args):
+    rows = p.B * p.Hq * p.Sq
+    if rows and call.result_dtype is not dt.float32:
+        _KERNELS.get(call.device, convert_expr(call.result_dtype)).launch(
+            (-(-rows // 4), 1, 1), (PREP_THREADS, 1, 1), call.stream, *args)
+
+
+def _check_grid(grid):
+    if grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"gpuops.{OP}: too large for one launch (batch x kv heads = {grid[0]}, "
+                         f"key tiles = {grid[1]}, head-dim chunks = {grid[2]})")
+
+
+def _launch_simt(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                 dv, layout):
+    dev, dtype = call.device, call.result_dtype
+    d, br, bc, nt, general = simt_config(p.D, fwd.smem_limit(dev))
+    nz = -(-p.D // d) if general else 1
+    grid = (p.B * p.Hkv, -(-p.Sk // bc), nz)
+    _check_grid(grid)
+    # fp32 workspace: D_i and lse * log2(e) per query row; the dq accumulator (dq itself for
+    # fp32 storage), zeroed by the preprocess kernel
+    acc, acc_vec, stats = _workspaces(call, p, dq, layout)
+    q_shape, kv_shape = (p.B, p.Hq, p.Sq, p.D), (p.B, p.Hkv, p.Sk, p.D)
+    vec = (not general and fwd._vec_ok(query, layout, q_shape)
+           and fwd._vec_ok(grad_out, layout, q_shape) and fwd._vec_ok(key, layout, kv_shape)
+           and fwd._vec_ok(value, layout, kv_shape))
+    args = _launch_args(p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                        dv, acc, stats, layout, int(vec) | acc_vec)
+    _launch_prep(call, p, args)
     if grid[1]:
         _KERNELS.get(dev, dkdv_expr(dtype, d, br, bc, nt, general)).launch(
             grid, (nt, 1, 1), call.stream, *args, smem=bwd_smem(d, br, bc))
-    if rows and dtype is not dt.float32:
-        _KERNELS.get(dev, convert_expr(dtype)).launch((-(-rows // 4), 1, 1), block, call.stream,
-                                                      *args)
+    _launch_convert(call, p, args)
 
 
-# 'auto' -> the best variant for the device; today that is always the SIMT kernels.
-_VARIANTS = {"auto": _launch_simt, "simt": _launch_simt}
+def mma_unsupported(call, p, grad_out, query, key, value, dk, dv, layout, mask_kind):
+    """Why the tensor-core kernel cannot take the call, or None if it can: fp16/bf16, a head dim
+    in MMA_TILES, sm_80+, query / key / value / grad_out rows 16-byte aligned with unit d stride
+    (cp.async), dk / dv rows with unit d stride and even strides (pair stores), and a tile that
+    fits the device's shared memory."""
+    dtype = call.result_dtype
+    if dtype not in _MMA_KERNELS:
+        return f"it takes float16 / bfloat16, not {dtype}"
+    if p.D not in MMA_TILES:
+        return f"head dim {p.D} has no tensor-core tile (head dims {sorted(MMA_TILES)})"
+    q_shape, kv_shape = (p.B, p.Hq, p.Sq, p.D), (p.B, p.Hkv, p.Sk, p.D)
+    for name, t, shape in (("query", query, q_shape), ("grad_out", grad_out, q_shape),
+                           ("key", key, kv_shape), ("value", value, kv_shape)):
+        if fwd._bhsd_strides(t, layout)[3] != 1 or not fwd._vec_ok(t, layout, shape):
+            return (f"{name!r} rows are not 16-byte aligned with unit head-dim stride "
+                    "(contiguous tensors are)")
+    for t in (dk, dv):
+        st = fwd._bhsd_strides(t, layout)
+        if t.numel and (st[3] != 1 or t.ptr % 4 or any(x % 2 for x in st[:3])):
+            return "the outputs' rows are not 4-byte aligned"       # call.empty: never
+    if not fwd.tensor_cores(call.device):
+        return "it needs a GPU of compute capability 8.0 or newer (mma.sync)"
+    if mma_config(p.D, mask_kind != 0, fwd.smem_limit(call.device)) is None:
+        return "no tensor-core tile fits the device's shared memory"
+    return None
+
+
+def _launch_mma(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                dv, layout):
+    dev, dtype = call.device, call.result_dtype
+    masked = mask_kind != 0
+    cfg = mma_config(p.D, masked, fwd.smem_limit(dev))
+    warps, mt = cfg[:2]
+    grid = (p.B * p.Hkv, -(-p.Sk // (16 * mt * warps)), 1)
+    _check_grid(grid)
+    acc, acc_vec, stats = _workspaces(call, p, dq, layout)
+    args = _launch_args(p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                        dv, acc, stats, layout, 1 | acc_vec)
+    # preprocess / conversion with 16-byte accesses where output / dq rows allow (dq_acc: the
+    # dense workspace, aligned when acc_vec)
+    q_shape, rows = (p.B, p.Hq, p.Sq, p.D), p.B * p.Hq * p.Sq
+    grid_rows = (-(-rows // (128 // (p.D // 8))), 1, 1)
+    kernels = _MMA_KERNELS[dtype]
+    if rows and acc_vec and fwd._vec_ok(output, layout, q_shape):
+        kernels.get(dev, prep_vec_expr(dtype, p.D)).launch(grid_rows, (128, 1, 1), call.stream,
+                                                           *args)
+    else:
+        _launch_prep(call, p, args)
+    if grid[1]:
+        kernels.get(dev, mma_expr(dtype, p.D, cfg, masked)).launch(
+            grid, (32 * warps, 1, 1), call.stream, *args, smem=mma_smem(p.D, cfg))
+    if rows and acc_vec and fwd._vec_ok(dq, layout, q_shape):
+        kernels.get(dev, convert_vec_expr(dtype, p.D)).launch(grid_rows, (128, 1, 1),
+                                                              call.stream, *args)
+    else:
+        _launch_convert(call, p, args)
+
+
+def _launch_best(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                 dv, layout):
+    """'auto': the tensor-core kernel where it applies, else the SIMT kernels."""
+    use_mma = mma_unsupported(call, p, grad_out, query, key, value, dk, dv, layout,
+                              mask_kind) is None
+    (_launch_mma if use_mma else _launch_simt)(call, p, grad_out, query, key, value, output, lse,
+                                               attn_mask, mask_kind, dq, dk, dv, layout)
+
+
+def _launch_mma_only(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq,
+                     dk, dv, layout):
+    """variant='mma': the tensor-core kernel, or an error saying why it cannot take the call."""
+    why = mma_unsupported(call, p, grad_out, query, key, value, dk, dv, layout, mask_kind)
+    if why is not None:
+        raise ValueError(f"gpuops.{OP}: variant='mma' cannot take this call: {why}; "
+                         "variant='auto' falls back to 'simt'")
+    _launch_mma(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                dv, layout)
+
+
+_VARIANTS = {"auto": _launch_best, "simt": _launch_simt, "mma": _launch_mma_only}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,20 +473,27 @@ _VARIANTS = {"auto": _launch_simt, "simt": _launch_simt}
 # kernels (the aten ops behind SDPA's autograd, fed by their own forward once per input set),
 # and torch SDPA forward + backward through autograd for scale. FLOPs: 2.5 x the forward's
 # (FlashAttention's convention: the five tile products of the backward against the forward's
-# two), halved for causal. Bench shape (B, H, S, D, causal).
+# two), halved for causal. Bench shape (B, H, S, D, causal[, variant]): the optional sixth entry
+# picks ours, an index into BENCH_VARIANTS (`--shape 2,16,4096,128,1,2` times 'simt'; 'auto' is
+# 'mma' on sm_80+ for fp16/bf16 at head dims 64 and 128). Peer `gpuops_fwd_bwd`: gpuops' forward
+# + this backward (the time to compare with `sdpa_fwd_bwd_autograd`; FLOP/s against this op's
+# FLOPs, so its TFLOP/s column is not the fwd+bwd rate).
+BENCH_VARIANTS = ("auto", "mma", "simt")
+
 
 def _bench_make(shape, d, randn):
-    B, H, S, D, causal = shape
+    B, H, S, D, causal = shape[:5]
     q, k, v, g = (randn((B, H, S, D), d) for _ in range(4))
     out, lse = fwd.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), return_lse=True)
-    return (g, q, k, v, out, lse, None, bool(causal)), {}
+    kwargs = {"variant": BENCH_VARIANTS[shape[5]]} if len(shape) > 5 else {}
+    return (g, q, k, v, out, lse, None, bool(causal)), kwargs
 
 
 _TORCH_FWD: dict = {}
 
 
 def _torch_aten_backward(kind):
-    def fn(g, q, k, v, out, lse, attn_mask=None, is_causal=False):
+    def fn(g, q, k, v, out, lse, attn_mask=None, is_causal=False, variant=None):
         import torch  # noqa: PLC0415
         aten = torch.ops.aten
         key = (kind, q.data_ptr(), k.data_ptr(), v.data_ptr(), bool(is_causal))
@@ -313,7 +515,7 @@ def _torch_aten_backward(kind):
     return fn
 
 
-def _bench_fwd_bwd(g, q, k, v, out, lse, attn_mask=None, is_causal=False):
+def _bench_fwd_bwd(g, q, k, v, out, lse, attn_mask=None, is_causal=False, variant=None):
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415,N812
     qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
@@ -321,9 +523,17 @@ def _bench_fwd_bwd(g, q, k, v, out, lse, attn_mask=None, is_causal=False):
     return torch.autograd.grad(o, (qr, kr, vr), g)
 
 
+def _bench_gpuops_fwd_bwd(g, q, k, v, out, lse, attn_mask=None, is_causal=False, variant="auto"):
+    o, lse2 = fwd.scaled_dot_product_attention(q, k, v, is_causal=bool(is_causal),
+                                                return_lse=True)
+    return scaled_dot_product_attention_backward(g, q, k, v, o, lse2, is_causal=bool(is_causal),
+                                                 variant=variant)
+
+
 def _bench_peers():
     return {"sdpa_cudnn_bwd": _torch_aten_backward("cudnn"),
-            "sdpa_fwd_bwd_autograd": _bench_fwd_bwd}
+            "sdpa_fwd_bwd_autograd": _bench_fwd_bwd,
+            "gpuops_fwd_bwd": _bench_gpuops_fwd_bwd}
 
 
 def _bench_flops(args, out):
@@ -342,8 +552,10 @@ def _bench_bytes(args, out):
 BENCH = BenchSpec(
     make_inputs=_bench_make, torch_fn=_torch_aten_backward("flash"), extra_peers=_bench_peers,
     default_shape=lambda d: (4, 32, 4096, 128, 0), flops=_bench_flops, bytes_moved=_bench_bytes,
-    check_shape=lambda s: (1, 2, min(s[2], 1024), s[3], s[4]),
-    extra_shapes=((4, 32, 4096, 128, 1),))
+    check_shape=lambda s: (1, 2, min(s[2], 1024), *s[3:]),
+    # issue 5's comparison shapes (benchmarks/experiments/attention_bwd_mma.py times them too)
+    extra_shapes=((4, 32, 4096, 128, 1), (2, 16, 4096, 128, 0), (2, 16, 4096, 128, 1),
+                  (4, 16, 2048, 64, 1)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,10 +584,15 @@ def scaled_dot_product_attention_backward(call, grad_out: Tensor, query: Tensor,
 
     * Rows that saw no key (lse = -inf) contribute nothing; masked keys get no gradient. No
       gradient for ``attn_mask`` (an additive mask is treated as a constant).
-    * ``variant``: 'auto' or 'simt' (FlashAttention-2's backward in fp32 on CUDA cores, every
-      arch from sm_61): S and P are recomputed per tile from ``lse``, never stored; dq is
-      accumulated with fp32 atomics (results may differ in the last bits from run to run, as
-      with FlashAttention-2; dk and dv are deterministic).
+    * ``variant``: 'auto', 'mma' or 'simt'. 'simt': FlashAttention-2's backward in fp32 on CUDA
+      cores, every arch from sm_61, any head dim, dtype and strides. 'mma': the same algorithm on
+      tensor cores (sm_80+, float16/bfloat16, head dims 64 and 128, q/k/v/grad_out rows 16-byte
+      aligned with unit head-dim stride; P and dS are rounded to the input dtype before the
+      products that take them, as FlashAttention-2 does, everything else accumulates in fp32);
+      it raises ValueError for a call it cannot take. 'auto': 'mma' where it applies, else
+      'simt'. Both recompute S and P per tile from ``lse`` (never stored) and accumulate dq with
+      fp32 atomics (results may differ in the last bits from run to run, as with
+      FlashAttention-2; dk and dv are deterministic).
 
     fp32 math for fp16/bf16/fp32 storage. Workspace: fp32 dq [B, Hq, Sq, D] (none for fp32)
     and 2 x B Hq Sq floats. For autograd use ``gpuops.torch.scaled_dot_product_attention``.

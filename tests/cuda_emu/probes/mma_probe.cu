@@ -49,6 +49,22 @@ __global__ void cp_async_probe(const uint4* src, const int* src_bytes, uint4* be
   after[lane] = probe_smem[lane];
 }
 
+// cp.async of 4 bytes per lane (cp_async4: the backward's per-row statistics): src[l]
+// (src_bytes[l] = 0 or 4; 0: zero-filled) -> shared word l; before / after as cp_async_probe.
+__global__ void cp_async4_probe(const unsigned* src, const int* src_bytes, unsigned* before,
+                                unsigned* after) {
+  extern __shared__ uint4 probe_smem[];
+  unsigned* s = reinterpret_cast<unsigned*>(probe_smem);
+  const int lane = threadIdx.x;
+  s[lane] = 0xABABABABu;
+  __syncwarp();
+  gpuops::cp_async4(gpuops::smem_addr(s + lane), src + lane, src_bytes[lane]);
+  gpuops::cp_async_commit();
+  before[lane] = s[lane];
+  gpuops::cp_async_wait<0>();
+  after[lane] = s[lane];
+}
+
 // pack_b16x2<T>(lo[l], hi[l]) and to_tf32(x[l]).
 template <class T>
 __global__ void pack_probe(const float* lo, const float* hi, unsigned* packed, const unsigned* x,
