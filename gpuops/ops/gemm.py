@@ -71,8 +71,55 @@ def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
 
 REGISTER_TILED = _per_dtype("register_tiled_vec4", "gemm/register_tiled_vec4.cu", lambda d: {
     _kname("gemm_register_tiled_vec4", d.ctype): GEMM_ARGS})
-WARP_TILED = _per_dtype("warp_tiled", "gemm/warp_tiled.cu", lambda d: {
-    _kname("gemm_warp_tiled", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)})
+
+# warp_tiled tile configurations: (BM, BN, BK, WM, WN, MINB) = block tile BM x BN (BN: columns of
+# both B operands together in the dual kernel), BK k per shared-memory stage, warp tile WM x WN
+# (a thread owns WM/8 x WN/4 outputs), MINB blocks per SM that the launch bounds ask registers for
+# (65536 / (threads x MINB) registers per thread). Threads = (BM/WM) x (BN/WN) x 32; shared memory
+# 2 x BK x (BM + 4 + BN + 4 (+ 4 dual)) floats. PLAN['warp_tiled'] picks one (each is its own
+# module per dtype: a call compiles only the chosen one); floors and predictions per configuration
+# in benchmarks/notes_gemm.md ("warp_tiled configurations").
+WARP_TILED_CONFIGS = {
+    # runs 1..15: 37.3 TFLOP/s = 74.3% of cuBLAS fp32 at 4096^3 (H100); 256 threads, 8x8 outputs
+    "base": (128, 128, 8, 64, 32, 2),
+    # half the barriers and loop overhead per FMA; 33 KiB of shared memory
+    "k16": (128, 128, 16, 64, 32, 2),
+    # 128 threads, 8x16 outputs (cuBLAS' sm_90 FFMA kernels: 128x128x8 tiles of 2x2 warps): 6
+    # LDS.128 per 128 FMAs, 255 registers per thread
+    "w64x64": (128, 128, 8, 64, 64, 2),
+    # the same with 16-k stages (siboehm's SGEMM kernel 10: 93.7% of cuBLAS on an A6000)
+    "w64x64_k16": (128, 128, 16, 64, 64, 2),
+    # 128 threads of 8x8 outputs, 4 blocks per SM: four independent barriers per SM
+    "b128x64": (128, 64, 8, 64, 32, 4),
+}
+
+
+def _wt_threads(cfg):
+    bm, bn, _, wm, wn, _ = cfg
+    return (bm // wm) * (bn // wn) * 32
+
+
+def _wt_smem(cfg, dual=False):
+    bm, bn, bk = cfg[:3]
+    nb = 2 if dual else 1
+    return 4 * 2 * bk * ((bm + 4) + nb * (bn // nb + 4))
+
+
+def _wt_expr(d, cfg, dual):
+    return _kname("gemm_warp_tiled", d.ctype, _b(dual), *cfg)
+
+
+# "base" for every dtype (it is the default path) and arch; the other configurations are tuning
+# candidates for the fp32 target (issue 4): float32 only, built ahead of time for the two archs
+# the project measures (sm_61, sm_90; any other GPU compiles them at first use). 16-bit inputs
+# (warp_tiled is their path before sm_80) take "base" whatever PLAN['warp_tiled'] says.
+WARP_TILED_MODULES = {
+    name: _per_dtype("warp_tiled" if name == "base" else f"warp_tiled_{name}",
+                     "gemm/warp_tiled.cu",
+                     lambda d, cfg=cfg: {_wt_expr(d, cfg, dual): GEMM_ARGS for dual in (False, True)},
+                     **({} if name == "base" else {"dtypes": (dt.float32,), "archs": ("61", "90")}))
+    for name, cfg in WARP_TILED_CONFIGS.items()}
+WARP_TILED = WARP_TILED_MODULES["base"]
 
 GEMV_MT = (1, 4, 16)                 # rows of A a GEMV kernel is compiled for (M <= MT)
 GEMV_MAX_M = GEMV_MT[-1]             # gemv and gemv_mma (one m16 tile) take M <= 16
@@ -103,7 +150,10 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
 #             understood yet). "direct" is the default.
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "direct"}
+#   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
+#             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
+#             timed side by side by benchmarks/experiments/gemm_simt_sweep.py).
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "direct", "warp_tiled": "base"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -587,6 +637,21 @@ def _residual_vec(p, L, res_itemsize) -> bool:
     return _aligned(L.residual, res_itemsize, 16 // res_itemsize, (p.r_sm,) + tuple(p.r_sb))
 
 
+def _warp_tiled_config(dev, dtype, dual) -> str:
+    """The key of WARP_TILED_CONFIGS a warp_tiled call runs: PLAN['warp_tiled'], or 'base' for
+    the dtypes the candidate configurations are not built for and where the device lacks their
+    shared memory (sm_61: 48 KiB per block)."""
+    name = PLAN["warp_tiled"]
+    if name not in WARP_TILED_CONFIGS:
+        raise ValueError(f"gpuops: PLAN['warp_tiled'] must be one of {sorted(WARP_TILED_CONFIGS)}, "
+                         f"got {name!r}")
+    if dtype not in WARP_TILED_MODULES[name]:
+        return "base"
+    if _wt_smem(WARP_TILED_CONFIGS[name], dual) > device.device_info(dev).max_smem_per_block_optin:
+        return "base"
+    return name
+
+
 def _launch_tiled(call, p, L, dtype, variant, dual):
     itemsize = dtype.itemsize
     b_ptrs = (L.b, L.b2) if dual else (L.b,)
@@ -605,9 +670,16 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
                           call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
     elif variant == "warp_tiled":
         L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
-        tiles = _cdiv(p.M, 128) * _cdiv(p.N, 64 if dual else 128)
-        _run(_kernels.get(WARP_TILED[dtype], _kname("gemm_warp_tiled", dtype.ctype, _b(dual)),
-                          call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
+        name = _warp_tiled_config(call.device, dtype, dual)
+        cfg = WARP_TILED_CONFIGS[name]
+        bm, bn, bk = cfg[:3]
+        if _cdiv(p.K, bk) >= 2 ** 31:
+            raise ValueError(f"gpuops.{call.op.name}: K = {p.K} is too long for "
+                             f"variant='warp_tiled' (it counts K tiles of {bk} in 32 bits)")
+        tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn // 2 if dual else bn)
+        _run(_kernels.get(WARP_TILED_MODULES[name][dtype], _wt_expr(dtype, cfg, dual),
+                          call.device), p, L, (tiles, 1), (_wt_threads(cfg), 1, 1), call.stream,
+             smem=_wt_smem(cfg, dual))
     elif variant == "mma":
         width = 16 // itemsize
         L.flags, ak, bk = _flags(p, L.a, b_ptrs, itemsize, width, width)
