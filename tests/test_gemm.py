@@ -851,6 +851,101 @@ def test_emulated_register_tiled_vec4(monkeypatch, rng):
             _check(_cpu(out), _cpu(a), _cpu(b), "float32", what=f"{name} {(M, N, K)}")
 
 
+PIPE_CASES = [(plan, dual, cfg) for plan, per in G.GEMV_PIPE.items() for dual, cfgs in per.items()
+              for cfg in cfgs]
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: f"{c[0]}-{'dual' if c[1] else 'single'}"
+                         f"-nt{c[2][0]}u{c[2][1]}")
+def test_emulated_gemv_mma_pipe(case, monkeypatch, rng):
+    """Every gemv_mma_pipe instantiation (PLAN['decode'] 'pipe' / 'pipe_deep', the configuration
+    forced): persistent blocks walking 1 or 2 row tiles, a ragged last tile, K tails inside a
+    16-byte pack and past some warps' chunks, tile ends in the middle of a ring group, M = 2, 13,
+    16, the fused epilogue, a batch of weights, SwiGLU for the dual kernels."""
+    plan, dual, cfg = case
+    nt, u, minb = cfg
+    e = _Emu(monkeypatch, sms=2)
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    monkeypatch.setitem(G.GEMV_PIPE[plan], dual, (cfg,))
+    monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
+    f = "bfloat16"
+    K = 256 * u + 20                      # u + 1 steps per tile: tiles end inside ring groups
+    N = 8 * nt * (2 * minb * 2 - 1) + 3   # tiles: 2 per block but the last (ragged, 3 rows)
+    if dual:
+        x = e.arr(_emu_rand(rng, (13, K)), f)
+        wg, wu = (e.arr(_emu_rand(rng, (N, K)), f) for _ in range(2))
+        out = e.run("swiglu_linear", f, x, wg.T, b2=wu.T)
+        _check(_cpu(out), _cpu(x), _cpu(wg).T, f, b2=_cpu(wu).T, what=f"{case} swiglu")
+    else:
+        for M in (2, 13, 16):
+            x, w = e.arr(_emu_rand(rng, (M, K)), f), e.arr(_emu_rand(rng, (N, K)), f)
+            bias, res = e.arr(_emu_rand(rng, (N,)), f), e.arr(_emu_rand(rng, (M, N)), f)
+            out = e.run("matmul", f, x, w.T, bias=bias, activation="gelu", residual=res)
+            _check(_cpu(out), _cpu(x), _cpu(w).T, f, bias=_cpu(bias), act="gelu",
+                   residual=_cpu(res), what=f"{case} M={M}")
+        x3, w3 = e.arr(_emu_rand(rng, (3, 5, K)), f), e.arr(_emu_rand(rng, (3, N, K)), f)
+        out = e.run("matmul", f, x3, w3.transpose(0, 2, 1), variant="gemv_mma")
+        _check(_cpu(out), _cpu(x3), _cpu(w3).transpose(1, 2), f, what=f"{case} batch")
+        xs = e.arr(_emu_rand(rng, (4, 2 * 40)), f)[:, ::2]        # strided x, K = 40: 1 step
+        ws = e.arr(_emu_rand(rng, (N, 41)), f)[:, 1:]             # unaligned rows: gathers
+        if u == 1:
+            out = e.run("matmul", f, xs, ws.T)
+            _check(_cpu(out), _cpu(xs), _cpu(ws).T, f, what=f"{case} gathers")
+    expr = G._pipe_expr(dt.bfloat16, nt, u, minb, dual)
+    assert expr in e.launched, e.launched
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("plan", ["balanced", "legacy"])
+def test_emulated_gemv_and_gemv_mma(plan, monkeypatch, rng):
+    """The decode kernels of the 'balanced' and 'legacy' plans in the emulator: gemv_mma (both
+    block sizes, split-K with gemv_splitk_reduce, dual), the SIMT gemv (K- and N-contiguous B,
+    MT = 1, 4, 16, fp32 and bf16), odd shapes and K tails."""
+    e = _Emu(monkeypatch, sms=2)
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    for f, M, N, K in (("bfloat16", 2, 77, 300), ("bfloat16", 16, 40, 4100),
+                       ("float16", 9, 150, 2056), ("float32", 1, 70, 333),
+                       ("float32", 4, 33, 1030), ("float32", 16, 20, 2100),
+                       ("bfloat16", 1, 90, 1000)):
+        x, w = e.arr(_emu_rand(rng, (M, K)), f), e.arr(_emu_rand(rng, (N, K)), f)
+        out = e.run("matmul", f, x, w.T)
+        _check(_cpu(out), _cpu(x), _cpu(w).T, f, what=f"{plan} {f} {(M, N, K)} linear")
+        b = e.arr(_emu_rand(rng, (K, N)), f)
+        out = e.run("matmul", f, x, b, variant="gemv")
+        _check(_cpu(out), _cpu(x), _cpu(b), f, what=f"{plan} {f} {(M, N, K)} b[K, N]")
+        if f != "float32":
+            w2 = e.arr(_emu_rand(rng, (N, K)), f)
+            out = e.run("swiglu_linear", f, x, w.T, b2=w2.T)
+            _check(_cpu(out), _cpu(x), _cpu(w).T, f, b2=_cpu(w2).T, what=f"{plan} {f} swiglu")
+    names = " ".join(e.launched)
+    for kernel in ("gemv_mma<", "gemv_splitk_reduce", "gemv_kcontig", "gemv_ncontig"):
+        assert kernel in names, kernel
+
+
+def test_gemv_pipe_plans():
+    """gemv_mma_pipe's configuration choice: enough loads in flight, tiles spread evenly over
+    persistent blocks, larger tiles on ties, U <= steps; None (the 'balanced' plan) otherwise."""
+    pp = G._gemv_pipe_plan
+    assert pp(132, 6144, 2048, 1, False, "pipe") == (4, 2, 2, 192)       # 192 tiles of 32 rows
+    assert pp(132, 2048, 6144, 1, False, "pipe") == (1, 8, 2, 256)       # 256 tiles of 8 rows
+    assert pp(132, 151936, 2048, 1, False, "pipe") == (4, 2, 2, 264)     # 4748 tiles, 18 each
+    assert pp(132, 256, 4096, 1, False, "pipe") is None                  # 32 tiles: split-K
+    assert pp(132, 6144, 512, 1, False, "pipe_deep") is None             # 2 steps < U = 8, 16
+    assert pp(132, 11008, 4096, 1, True, "pipe") == (2, 2, 2, 264)
+    for plan, per in G.GEMV_PIPE.items():
+        for dual, cfgs in per.items():
+            for N, K in ((6144, 2048), (2048, 6144), (151936, 2048), (14336, 4096), (4096, 14336)):
+                got = pp(132, N, K, 1, dual, plan)
+                if got is not None:
+                    nt, u, minb, gx = got
+                    assert (nt, u, minb) in cfgs and u <= G._cdiv(K, 256)
+                    assert gx <= minb * 132 and gx <= G._cdiv(N, 8 * nt)
+    assert set(G.DECODE_PLANS) == {"balanced", "legacy", "pipe", "pipe_deep"}
+
+
 def test_warp_tiled_configurations(monkeypatch):
     """The table's shapes are consistent (threads, warps, tiles split evenly over the loaders,
     shared memory), PLAN['warp_tiled'] picks the module and kernel, unknown names raise, and a
@@ -1159,10 +1254,58 @@ def test_gpu_int8_matmul(variant, out_dtype):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("plan", ["balanced", "legacy"])
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: f"{c[0]}-{'dual' if c[1] else 'single'}"
+                         f"-nt{c[2][0]}u{c[2][1]}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_gemv_mma_pipe(case, dtype, monkeypatch):
+    """Every gemv_mma_pipe instantiation forced (its configuration the only one, no in-flight
+    minimum) at decode shapes: M = 1..16, ragged tiles and K tails, persistent blocks with many
+    tiles, the epilogue, SwiGLU for the dual kernels, a CUDA graph replayed with new data."""
+    _skip_unsupported("gemv_mma", dtype)
+    plan, dual, cfg = case
+    nt, u, minb = cfg
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    monkeypatch.setitem(G.GEMV_PIPE[plan], dual, (cfg,))
+    monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
+    launched = []
+    get = G._kernels.get
+    monkeypatch.setattr(G._kernels, "get", lambda m, e, d: launched.append(e) or get(m, e, d))
+    K0 = 256 * u
+    for M, N, K in ((1, 6144, 2048 + K0), (2, 2048, 6144), (13, 40000, K0 + 8), (16, 777, K0 + 3),
+                    (16, 151936 // 4, 2048)):
+        x, w = _randn((M, K), dtype), _randn((N, K), dtype)
+        if dual:
+            w2 = _randn((N, K), dtype)
+            _check(go.swiglu_linear(x, w, w2, variant="gemv_mma"), x, w.T, dtype, b2=w2.T,
+                   what=f"{case} swiglu {(M, N, K)}")
+        else:   # (M = 1 takes the SIMT gemv unless asked for gemv_mma)
+            bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+            out = go.matmul(x, w.T, bias=bias, activation="gelu", residual=res,
+                            variant="gemv_mma")
+            _check(out, x, w.T, dtype, bias=bias, act="gelu", residual=res,
+                   what=f"{case} {(M, N, K)}")
+    assert set(launched) == {G._pipe_expr(dt.BY_NAME[dtype], nt, u, minb, dual)}, launched
+    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.linear(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.linear(x, w)
+    x.copy_(_randn((8, 4096), dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y, x, w.T, dtype, what=f"{case} graph")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("plan", G.DECODE_PLANS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_decode_plans(plan, dtype, monkeypatch):
-    """Both decode plans (PLAN['decode']) on the default path, M = 2..16, with splits."""
+    """Every decode plan (PLAN['decode']) on the default path, M = 2..16, with splits."""
     monkeypatch.setitem(G.PLAN, "decode", plan)
     for M, N, K in ((2, 6144, 4096), (4, 1000, 4097), (8, 264, 8192), (16, 4096, 4096),
                     (13, 77, 3000), (16, 40, 65)):

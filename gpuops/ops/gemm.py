@@ -135,12 +135,37 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
     _kname("gemv_mma", d.ctype, nt, _b(dual)): GEMM_ARGS
     for dual in (False, True) for nt in GEMV_MMA_NT[dual]},
     dtypes=_HALFS, archs=_TC_ARCHS)
+# gemv_mma_pipe (PLAN['decode'] 'pipe' / 'pipe_deep'): per plan and dual, the (NT, U, MINB)
+# instantiations: NT n8 tiles of each weight per row tile, U steps of weight loads in flight per
+# warp, MINB blocks per SM of the launch bounds (2: 128 registers; the ring of U x NT x 4 words
+# and ptxas' addressing do not fit 3 blocks' 80 without spills). Each warp keeps U x NT (x 2 dual)
+# packs of 512 bytes in flight: 'pipe' 8 (4 KiB; 16 warps per SM: 64 KiB), 'pipe_deep' 16 (8 KiB;
+# 128 KiB), against gemv_mma's one step (1 KiB at NT = 2, 3 blocks: 24 KiB per SM).
+GEMV_PIPE = {
+    "pipe": {False: ((1, 8, 2), (2, 4, 2), (4, 2, 2)), True: ((1, 4, 2), (2, 2, 2))},
+    "pipe_deep": {False: ((1, 16, 2), (2, 8, 2)), True: ((1, 8, 2),)},
+}
+GEMV_PIPE_INFLIGHT = 6 << 20      # bytes of weight loads a plan must keep in flight over the grid
+
+
+def _pipe_expr(d, nt, u, minb, dual):
+    return _kname("gemv_mma_pipe", d.ctype, nt, u, minb, _b(dual))
+
+
+GEMV_MMA_PIPE = {
+    plan: _per_dtype(f"gemv_mma_{plan}", "gemm/gemv_mma.cu", lambda d, cfgs=cfgs: {
+        _pipe_expr(d, *c, dual): GEMM_ARGS for dual, lst in cfgs.items() for c in lst},
+        dtypes=_HALFS, archs=_TC_ARCHS)
+    for plan, cfgs in GEMV_PIPE.items()}
 
 # Plan switches, kept so that one run can time the old paths next to the new ones:
 #   "decode": "balanced" (gemv_mma for fp16/bf16 M = 2..16 with the block size and split that
-#             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1) or
+#             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1),
 #             "legacy" (run 1: gemv_mma for M = 5..16 with 32-row blocks, splits only to fill
-#             the GPU 4 times over);
+#             the GPU 4 times over), or "pipe" / "pipe_deep" (as "balanced", but gemv_mma's
+#             M = 2..16 calls run gemv_mma_pipe: persistent blocks, a ring of 4 / 8 KiB of weight
+#             loads in flight per warp, no split-K; calls with too few weight rows for that take
+#             "balanced"'s plan). Issue 4 / benchmarks/notes_gemm.md "Decode GEMV";
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
@@ -261,6 +286,7 @@ A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
 RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
+DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
 _DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma")
@@ -547,6 +573,34 @@ def _gemv_mma_plan(sms, N, K, batch, dual):
     return best[1:]
 
 
+def _gemv_pipe_plan(sms, N, K, batch, dual, plan):
+    """(NT, U, MINB, grid.x) of gemv_mma_pipe under PLAN['decode'] = plan, or None when the row
+    tiles cannot keep GEMV_PIPE_INFLIGHT bytes of loads in flight without split-K (few weight
+    rows: 'balanced' takes those) or K is too short for the ring (U > ceil(K / 256) steps).
+    Blocks are persistent, grid.x = min(tiles, resident slots / batch). Score: 1 when the blocks
+    still busy in the last round of tiles keep enough in flight (the memory stays saturated to the
+    end), else the share of block-rounds that hold a tile; larger tiles (fewer reads of A per
+    weight byte) on ties."""
+    best = None
+    packs = 2 if dual else 1
+    steps = max(1, _cdiv(K, 256))
+    for nt, u, minb in GEMV_PIPE[plan][dual]:
+        tiles = _cdiv(N, 8 * nt)
+        if tiles >= 2 ** 31 or u > steps:
+            continue
+        gx = min(tiles, max(1, minb * sms // batch))
+        per_block = batch * 8 * u * nt * packs * 512
+        if gx * per_block < GEMV_PIPE_INFLIGHT:
+            continue
+        rounds = _cdiv(tiles, gx)
+        last = tiles - gx * (rounds - 1)
+        fill = 1.0 if last * per_block >= GEMV_PIPE_INFLIGHT else tiles / (gx * rounds)
+        key = (round(fill, 6), nt)
+        if best is None or key > best[0]:
+            best = (key, (nt, u, minb, gx))
+    return None if best is None else best[1]
+
+
 def _l1_split(M, K, itemsize, splits, k_split, budget=64 * 1024):
     """Split K further so that one split's slice of A (M rows) fits in L1 (`budget` bytes): every
     block of the SIMT gemv reads its split's slice of A, which without the split comes from L2
@@ -578,10 +632,22 @@ def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
 def _launch_gemv(call, p, L, dtype, dual, use_mma):
     itemsize = dtype.itemsize
     vec_w = 16 // itemsize
-    balanced = PLAN["decode"] == "balanced"
+    plan = PLAN["decode"]
+    if plan not in DECODE_PLANS:
+        raise ValueError(f"gpuops: PLAN['decode'] must be one of {list(DECODE_PLANS)}, got {plan!r}")
+    balanced = plan != "legacy"           # the pipe plans keep 'balanced' for what they do not take
     splits = None
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
+        pipe = plan in GEMV_PIPE and _gemv_pipe_plan(
+            device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual, plan)
+        if pipe:
+            nt, u, minb, gx = pipe
+            L.splits, L.k_split = 1, 0
+            _run(_kernels.get(GEMV_MMA_PIPE[plan][dtype],
+                              _pipe_expr(dtype, nt, u, minb, dual), call.device),
+                 p, L, (gx, 1), (256, 1, 1), call.stream)
+            return
         if balanced:
             nt, splits, k_split = _gemv_mma_plan(
                 device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual)
@@ -852,7 +918,7 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
         return variant
     if variant is None:
         if M <= GEMV_MAX_M:
-            m_min = 1 if PLAN["decode"] == "balanced" else 4
+            m_min = 4 if PLAN["decode"] == "legacy" else 1
             return ("gemv_mma" if (dtype in _HALFS and cc >= 80 and M > m_min and b_kcontig)
                     else "gemv")
         if dtype is dt.float32:
