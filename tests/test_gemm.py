@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from pathlib import Path
 
 import numpy as np
@@ -517,7 +518,8 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
 
     class FakeKernel:
         def launch(self, grid, block, stream, *args, smem=0):
-            G.WGMMA_ARGS.struct.pack_into(bytearray(G.WGMMA_ARGS.size), 0, *args)
+            spec = G.WGMMA_TMASTORE_ARGS if epi == 3 else G.WGMMA_ARGS
+            spec.struct.pack_into(bytearray(spec.size), 0, *args)
             launches.append((grid, block, smem))
 
     class FakeCall:
@@ -540,11 +542,15 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     G.gemm(FakeCall(), "linear", x, G._transposed(w), variant="wgmma")
     (name, expr), (grid, block, smem) = launches
     assert name == ("gemm.wgmma_bf16" if config == "base" else f"gemm.wgmma_{config}_bf16")
-    fn = "gemm_wgmma" if cl == 1 else "gemm_wgmma_mc2"
-    assert expr == f"gpuops::gemm::{fn}<gpuops::bfloat16_t, false, false, {epi}>"
+    if epi == 3:   # the tensor-store epilogue: its own kernel, a third map (C) with 16 x 32 boxes
+        assert expr == "gpuops::gemm::gemm_wgmma_tmastore<gpuops::bfloat16_t, false, false>"
+        assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
+    else:
+        fn = "gemm_wgmma" if cl == 1 else "gemm_wgmma_mc2"
+        assert expr == f"gpuops::gemm::{fn}<gpuops::bfloat16_t, false, false, {epi}>"
+        assert encoded == [(64, 128), (64, 256 // cl)]
     assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
     assert grid == (132, 1, 1) and block == (384, 1, 1) and smem == G.WGMMA_SMEM
-    assert encoded == [(64, 128), (64, 256 // cl)]
     # 3 x 3 tiles: 2 units of 2 tiles along M (the last tile row alone) per column -> 6 clusters
     launches.clear()
     G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
@@ -554,6 +560,29 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     with pytest.raises(ValueError, match="PLAN\\['wgmma'\\]"):
         G.gemm(FakeCall(), "matmul", x, G._transposed(w), variant="wgmma")
     G._wgmma_map_cache.clear()
+
+
+def test_tma_store_gives_way_to_direct_where_it_cannot_or_should_not(monkeypatch):
+    """'tma_store' writes C through a tensor map: fp32 outputs, N % 8 != 0 and a misaligned C
+    go to 'direct' (TMA cannot), and so do fused epilogues (measured slower, run 30)."""
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_store")
+
+    def config(N=64, **launch):
+        p, L = types.SimpleNamespace(N=N, batch=1), G._Launch()
+        L.c = 1 << 20
+        for k, v in launch.items():
+            setattr(L, k, v)
+        return G._wgmma_call_config(p, L)
+
+    assert config() == "tma_store"
+    assert config(N=60) == "direct"
+    assert config(c=(1 << 20) + 8) == "direct"
+    assert config(out_f32=1) == "direct"
+    assert config(bias=1 << 22) == "direct"
+    assert config(residual=1 << 22) == "direct"
+    assert config(act=3) == "direct"
+    monkeypatch.setitem(G.PLAN, "wgmma", "base")
+    assert config(bias=1 << 22) == "base"
 
 
 def test_wgmma_constants_match_the_kernel():

@@ -28,14 +28,18 @@
 // shift down by 16 registers per chunk, so the activation code exists once.
 //
 // Configurations (template EPI / CL; ops/gemm.py WGMMA_CONFIGS, PLAN["wgmma"]), for A/B runs:
-//  * EPI = 1 'direct' epilogue (wg_epilogue_direct): whole tiles of a 16-bit C go from the
+//  * EPI = 1 'direct' epilogue (wg_epilogue_fragments): whole tiles of a 16-bit C go from the
 //    fragments to global memory without staging (the tensor cores idle during the epilogue,
 //    since both consumer warpgroups finish a tile together: it must be short);
+//  * EPI = 3 'tma_store' epilogue (kernel gemm_wgmma_tmastore, a third tensor map for C): each
+//    warp hands 32-column chunks of its rows to the TMA unit (tensor-map store from shared
+//    memory) and goes on to the next tile while they drain;
 //  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
 //    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
 //    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
 #include "gemm/gemm_common.cuh"
 #include "gemm/wgmma_common.cuh"
+#include "common/opaque.cuh"
 
 namespace gpuops {
 namespace gemm {
@@ -127,29 +131,62 @@ __device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* de
   }
 }
 
-// Epilogue 'direct' (EPI = 1), for tiles wholly inside N of a 16-bit C with even N (others take
-// the staged epilogue below): straight from the accumulator fragments to global memory, no
-// shared-memory staging and no rolled chunk loop (the staged one shifts 112 accumulator
-// registers per 32-column chunk). Thread (warp w, g = lane / 4, t = lane % 4) holds rows m_lo
-// (= .. + g) and m_lo + 8, columns n0 + 8j + 2t, + 1 (j < 32): stored as packed pairs (4 bytes:
-// a warp writes 8 rows x 16 bytes per instruction; the L2 merges the two halves of each 32-byte
-// sector). kFused = false: no bias / residual / activation (the bare product: alpha only).
-// kFused: the bias and residual of the next 16 columns are loaded before the current 16 are
-// computed (24 registers of lookahead); the activation A is chosen once per tile (one
-// instantiation per activation: straight-line code, no per-element jump table).
-template <class T, bool kFused, Act A>
-__device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const BatchOffsets& o,
-                                                   const float (&acc)[128], long long m_lo,
-                                                   long long n0, int tq) {
-  if (m_lo >= p.M) return;
-  const long long m_hi = m_lo + 8, n_t = n0 + 2 * tq;
-  const bool hi_live = m_hi < p.M;
+// Epilogues 'direct' (EPI = 1) and 'tma_store' (EPI = 3), straight from the accumulator
+// fragments: no rolled chunk loop (the staged one shifts 112 accumulator registers per 32-column
+// chunk). Thread (warp w, g = lane / 4, t = lane % 4) holds rows m_base + g and + 8, columns
+// n0 + 8j + 2t, + 1 (j < 32), converted to packed pairs (4 bytes).
+//  * direct (kStore = kStoreDirect; tiles wholly inside N of a 16-bit C with even N; others take
+//    the staged epilogue below): st.global of the pairs (a warp writes 8 rows x 16 bytes per
+//    instruction). Every SM stores its 64 KiB tile in the same few microseconds (the tiles of a
+//    round finish together) while its tensor cores idle: runs 27-30 measured 5.6-6.7 us per round
+//    that cuBLAS does not pay.
+//  * tensor (kStore = kStoreTensor; every tile of a 16-bit C with N % 8 == 0, the host checks):
+//    each warp writes 32-column chunks of its 16 rows to shared memory (two 1 KiB boxes per warp,
+//    in the 64-byte swizzle: 16-byte unit u of row r at u ^ ((r / 2) % 4), dense rows that TMA
+//    reads and 32 distinct banks for the lanes' writes), and lane 0 hands each chunk to the TMA
+//    unit as one tensor-map box (cp.async.bulk.tensor store, rows past M / columns past N
+//    clipped): the warp goes on to the next chunk, and after the last to the next tile's MMAs,
+//    while the stores drain. A box is rewritten only after its previous store has read it
+//    (bulk_wait_read<1>). Run 30: fixed cost per round ~0 (direct 6.6 us). An intermediate form
+//    (run 28-29, 'bulk': 16 row copies of 64 bytes per chunk) kept ~4-5 us: the TMA unit working
+//    through 1024 small requests per tile.
+// kFused = false: no bias / residual / activation (the bare product: alpha only). kFused: the bias
+// and residual of the next 16 columns are loaded before the current 16 are computed (24 registers
+// of lookahead); the activation A is chosen once per tile (one instantiation per activation:
+// straight-line code, no per-element jump table). With tensor stores the per-chunk proxy fence
+// appears to wait for those lookahead loads (run 30: bias +37%, residual +39% over bare, direct
+// -5% / +17.5%): the host sends fused calls to 'direct'.
+constexpr int kStoreDirect = 0, kStoreTensor = 1;
+constexpr int kWgBoxRowBytes = 64, kWgBoxBufBytes = 16 * kWgBoxRowBytes;
+static_assert(2 * kWgBoxBufBytes <= kWgEpiWarpBytes, "two boxes per warp's staging area");
+static_assert(kWgEpiWarpBytes % 512 == 0 && kWgBoxBufBytes % 512 == 0,
+              "64-byte-swizzled boxes start on 512-byte boundaries");
+
+template <class T, bool kFused, Act A, int kStore>
+__device__ __forceinline__ void wg_epilogue_fragments(const GemmArgs& p, const BatchOffsets& o,
+                                                      const float (&acc)[128], long long m_base,
+                                                      long long n0, int lane, unsigned char* buf,
+                                                      const TmaDesc* tma_c, int z) {
+  constexpr bool kBulk = kStore == kStoreTensor;
+  constexpr int kBufBytes = kWgBoxBufBytes;
+  if (m_base >= p.M) return;                // all 16 rows of the warp lie past M (warp-uniform)
+  // the lane's offsets are recomputed per tile (opaque) rather than hoisted out of the tile loop
+  // and held across the main loop, where the accumulators need every register (ptxas spilled
+  // them otherwise)
+  unsigned int lane_u = (unsigned int)lane;
+  opaque(lane_u);
+  lane = (int)lane_u;
+  const int g = lane >> 2, tq = lane & 3;
+  const long long m_lo = m_base + g, m_hi = m_lo + 8, n_t = n0 + 2 * tq;
+  const bool lo_live = m_lo < p.M, hi_live = m_hi < p.M;
+  if (!kBulk && !lo_live) return;           // tensor: every lane takes part in the warp's syncs
   T* c_lo = static_cast<T*>(p.c) + o.c + m_lo * p.N + n_t;
   T* c_hi = c_lo + 8 * p.N;
   const bool has_bias = kFused && p.bias != nullptr, has_res = kFused && p.residual != nullptr;
   const T* bias = static_cast<const T*>(p.bias) + n_t * p.bias_s;
   const T* res_lo = static_cast<const T*>(p.residual) + o.r + m_lo * p.r_sm + n_t * p.r_sn;
   const T* res_hi = res_lo + 8 * p.r_sm;
+  const long long n_left = p.N - n_t;        // columns of this thread's pair left in C
   float bz[2][4], rs[2][8];
   auto load = [&](int grp, float (&b)[4], float (&r)[8]) {
 #pragma unroll
@@ -157,9 +194,12 @@ __device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const Batc
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const long long dn = 8 * (2 * grp + jj) + e;
-        b[2 * jj + e] = has_bias ? to_float(bias[dn * p.bias_s]) : 0.0f;
-        r[4 * jj + e] = has_res ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
-        r[4 * jj + 2 + e] = (has_res && hi_live) ? to_float(res_hi[dn * p.r_sn]) : 0.0f;
+        // tensor stores also take tiles that overhang N (TMA clips the store): no loads there
+        const bool col_live = kStore != kStoreTensor || dn < n_left;
+        b[2 * jj + e] = (has_bias && col_live) ? to_float(bias[dn * p.bias_s]) : 0.0f;
+        r[4 * jj + e] = (has_res && lo_live && col_live) ? to_float(res_lo[dn * p.r_sn]) : 0.0f;
+        r[4 * jj + 2 + e] =
+            (has_res && hi_live && col_live) ? to_float(res_hi[dn * p.r_sn]) : 0.0f;
       }
     }
   };
@@ -168,6 +208,14 @@ __device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const Batc
   for (int grp = 0; grp < 16; ++grp) {
     if constexpr (kFused) {
       if (grp + 1 < 16) load(grp + 1, bz[(grp + 1) & 1], rs[(grp + 1) & 1]);
+    }
+    // tensor: chunk grp / 2 (32 columns) goes to box buffer (grp / 2) & 1
+    unsigned char* chunk = buf + ((grp >> 1) & 1) * kBufBytes;
+    if constexpr (kBulk) {
+      if ((grp & 1) == 0) {
+        bulk_wait_read<1>();                // this buffer's store of two chunks ago has read it
+        __syncwarp();
+      }
     }
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
@@ -183,19 +231,64 @@ __device__ __forceinline__ void wg_epilogue_direct(const GemmArgs& p, const Batc
         lo[e] = x;
         hi[e] = y;
       }
-      *reinterpret_cast<unsigned int*>(c_lo + 8 * j) = Vec16<T>::pack2(lo[0], lo[1]);
-      if (hi_live) *reinterpret_cast<unsigned int*>(c_hi + 8 * j) = Vec16<T>::pack2(hi[0], hi[1]);
+      if constexpr (kStore == kStoreTensor) {
+        const int unit = (grp & 1) * 2 + jj;              // 16-byte unit of the 64-byte row
+        // rows g and g + 8 have the same swizzle ((g + 8) / 2 % 4 == g / 2 % 4)
+        unsigned char* at = chunk + ((unit ^ ((g >> 1) & 3)) * 16) + 4 * tq;
+        *reinterpret_cast<unsigned int*>(at + g * kWgBoxRowBytes) = Vec16<T>::pack2(lo[0], lo[1]);
+        *reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBoxRowBytes) =
+            Vec16<T>::pack2(hi[0], hi[1]);
+      } else {
+        *reinterpret_cast<unsigned int*>(c_lo + 8 * j) = Vec16<T>::pack2(lo[0], lo[1]);
+        if (hi_live)
+          *reinterpret_cast<unsigned int*>(c_hi + 8 * j) = Vec16<T>::pack2(hi[0], hi[1]);
+      }
+    }
+    if constexpr (kBulk) {
+      if (grp & 1) {
+        fence_proxy_async_smem();           // the st.shared above, before the TMA unit reads
+        __syncwarp();
+        const int ch = grp >> 1;
+        // rows past M and columns past N are clipped by the map's extents, not written
+        if (lane == 0)
+          tma_store_3d(tma_c, smem_u32(buf) + (ch & 1) * kWgBoxBufBytes, (int)n0 + 32 * ch,
+                       (int)m_base, z);
+        bulk_commit();
+      }
     }
   }
 }
 
+// The whole-tile epilogue with the activation as a template argument.
+template <class T, int kStore>
+__device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const BatchOffsets& o,
+                                                  const float (&acc)[128], long long m_base,
+                                                  long long n0, int lane, unsigned char* buf,
+                                                  const TmaDesc* tma_c, int z) {
+#define GPUOPS_WG_EPI(F, A) \
+  wg_epilogue_fragments<T, F, A, kStore>(p, o, acc, m_base, n0, lane, buf, tma_c, z)
+  if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
+    GPUOPS_WG_EPI(false, Act::kIdentity);
+  } else {
+    switch (p.act) {
+      case 1: GPUOPS_WG_EPI(true, Act::kRelu); break;
+      case 2: GPUOPS_WG_EPI(true, Act::kSilu); break;
+      case 3: GPUOPS_WG_EPI(true, Act::kGeluErf); break;
+      case 4: GPUOPS_WG_EPI(true, Act::kGeluTanh); break;
+      default: GPUOPS_WG_EPI(true, Act::kIdentity); break;
+    }
+  }
+#undef GPUOPS_WG_EPI
+}
+
 // The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
-// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct.
+// otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 3 = tensor
+// store (tma_c).
 // CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
 // stage and multicasts it to both, halving B's L2 -> SM traffic).
 template <class T, bool AMN, bool BMN, int EPI, int CL>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaDesc& tma_b,
-                                                const GemmArgs& p) {
+                                                const TmaDesc* tma_c, const GemmArgs& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(CL == 1 || CL == 2, "clusters of 1 or 2 CTAs along M");
   extern __shared__ __align__(16) unsigned char smem_raw[];   // aligned to 1024 by hand below
@@ -220,6 +313,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     mbar_fence_init();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
+    if constexpr (EPI == 3) tma_prefetch_desc(tma_c);
   }
   __syncthreads();
   if constexpr (CL > 1) cluster_sync_all();   // the peers' barriers exist before any multicast
@@ -355,20 +449,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     // Warp cwarp holds rows 16 cwarp + g and + 8 (g = lane / 4) of this warpgroup's 64; its 32
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
-    if (EPI == 1 && !p.out_f32 && p.N % 2 == 0 && t.n0 + kWgBN <= p.N) {
-      const long long m_lo = m_base + (lane >> 2);
-      const int tq = lane & 3;
-      if (p.bias == nullptr && p.residual == nullptr && p.act == 0) {
-        wg_epilogue_direct<T, false, Act::kIdentity>(p, o, acc, m_lo, t.n0, tq);
-      } else {
-        switch (p.act) {
-          case 1: wg_epilogue_direct<T, true, Act::kRelu>(p, o, acc, m_lo, t.n0, tq); break;
-          case 2: wg_epilogue_direct<T, true, Act::kSilu>(p, o, acc, m_lo, t.n0, tq); break;
-          case 3: wg_epilogue_direct<T, true, Act::kGeluErf>(p, o, acc, m_lo, t.n0, tq); break;
-          case 4: wg_epilogue_direct<T, true, Act::kGeluTanh>(p, o, acc, m_lo, t.n0, tq); break;
-          default: wg_epilogue_direct<T, true, Act::kIdentity>(p, o, acc, m_lo, t.n0, tq); break;
-        }
-      }
+    const bool whole = !p.out_f32 && t.n0 + kWgBN <= p.N;
+    if constexpr (EPI == 3) {           // every tile (the host checked what TMA needs)
+      wg_epilogue_whole<T, kStoreTensor>(p, o, acc, m_base, t.n0, lane,
+                                         reinterpret_cast<unsigned char*>(stage_c), tma_c, (int)t.z);
+      continue;
+    }
+    if (EPI == 1 && whole && p.N % 2 == 0) {
+      wg_epilogue_whole<T, kStoreDirect>(p, o, acc, m_base, t.n0, lane, nullptr, nullptr, 0);
       continue;
     }
     const int g = lane >> 2, tq = lane & 3;
@@ -437,6 +525,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
+  if constexpr (EPI == 3) bulk_wait<0>();  // the copies read this CTA's shared memory
   if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only
@@ -447,7 +536,17 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, nullptr, p);
+}
+
+// EPI 3 ('tma_store'): C leaves through a third tensor map (dims N, M, batch; 32 x 16 boxes;
+// 64-byte swizzle), encoded by the host like A's and B's.
+template <class T, bool AMN, bool BMN>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    gemm_wgmma_tmastore(const __grid_constant__ TmaDesc tma_a,
+                        const __grid_constant__ TmaDesc tma_b,
+                        const __grid_constant__ TmaDesc tma_c, const GemmArgs p) {
+  gemm_wgmma_body<T, AMN, BMN, 3, 1>(tma_a, tma_b, &tma_c, p);
 }
 
 // Clusters of 2 CTAs along M (compile-time cluster shape: a plain cuLaunchKernel launches
@@ -456,7 +555,7 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kWgThreads, 1)
     gemm_wgmma_mc2(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                    const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, nullptr, p);
 }
 
 }  // namespace gemm

@@ -68,6 +68,34 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// One box of a 3-D tensor map from shared memory at `src` to global memory (coordinates innermost
+// first), in this thread's open bulk group. Elements of the box outside the tensor are not
+// written: the tensor's extents clip ragged tiles.
+__device__ __forceinline__ void tma_store_3d(const TmaDesc* desc, unsigned int src, int c0, int c1,
+                                             int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
+      :: "l"(reinterpret_cast<unsigned long long>(desc)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Closes this thread's open bulk group (an empty group when it issued nothing).
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed bulk groups still read their shared source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+
+// Waits until at most N of this thread's committed bulk groups are incomplete (writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
 // The producer's arrival: one arrive, and `bytes` more expected from TMA before the phase ends.
 __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned int bar, unsigned int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"

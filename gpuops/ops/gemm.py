@@ -174,11 +174,12 @@ GEMV_MMA_PIPE = {
 #             Run 23 (H100, bf16, % of cuBLAS a @ b): "direct" (registers straight to global in
 #             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
-#             understood yet). "direct" is the default.
+#             understood yet). Run 30: "tma_store" (C through a tensor map, stores overlapped
+#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since.
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
 #             timed side by side by benchmarks/experiments/gemm_simt_sweep.py).
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "direct", "warp_tiled": "base"}
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_store", "warp_tiled": "base"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -245,19 +246,33 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
 # the chosen one is compiled): (epilogue, cluster size). Epilogue 0 'staged' (shared memory,
 # rolled 32-column chunks), 1 'direct' (fragments straight to global memory, activation chosen
-# per tile). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
+# per tile), 3 'tma_store' (below). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
 # (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "mc2": (0, 2), "mc2_direct": (1, 2)}
+WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "tma_store": (3, 1), "mc2": (0, 2),
+                 "mc2_direct": (1, 2)}
+# 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
+# chunk (kernel gemm_wgmma_tmastore), so the warps start the next tile while it drains. Run 30
+# (H100, CUDA graphs, bf16 linear, % of cuBLAS): 4096x6144x512 100, x1024 95.7, x2048 89.0,
+# 4096x2048x6144 99.2, 8192^3 97.8 (direct: 56-70, 80-92); its fixed cost per round of tiles
+# ~0 us (direct 6.6). Calls with a fused epilogue (bias, activation, residual) and calls whose C
+# TMA cannot write (fp32 out, N % 8 != 0, misaligned) run 'direct' (see _wgmma_call_config).
+WGMMA_TMASTORE_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "9P25qf4i")
+
+
+_WGMMA_ALL = WGMMA_CONFIGS
 
 
 def _wgmma_expr(d, a_mn, b_mn, config="base"):
-    epi, cl = WGMMA_CONFIGS[config]
+    epi, cl = _WGMMA_ALL[config]
+    if epi == 3:
+        return _kname("gemm_wgmma_tmastore", d.ctype, _b(a_mn), _b(b_mn))
     return _kname("gemm_wgmma" if cl == 1 else f"gemm_wgmma_mc{cl}", d.ctype, _b(a_mn), _b(b_mn),
                   epi)
 
 
 def _wgmma_kernels(config):
-    return lambda d: {_wgmma_expr(d, a_mn, b_mn, config): WGMMA_ARGS
+    spec = WGMMA_TMASTORE_ARGS if _WGMMA_ALL[config][0] == 3 else WGMMA_ARGS
+    return lambda d: {_wgmma_expr(d, a_mn, b_mn, config): spec
                       for a_mn in (False, True) for b_mn in (False, True)}
 
 
@@ -829,7 +844,7 @@ _wgmma_map_cache: dict = {}
 
 def _wgmma_config():
     cfg = PLAN["wgmma"]
-    if cfg not in WGMMA_CONFIGS:
+    if cfg not in _WGMMA_ALL:
         raise ValueError(f"gpuops: PLAN['wgmma'] must be one of {sorted(WGMMA_CONFIGS)}, "
                          f"got {cfg!r}")
     return cfg
@@ -896,15 +911,38 @@ def _wgmma_grid(p: _Plan, cluster, sms, resident_clusters=None):
 def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     """One persistent launch: min(tiles, SMs) blocks (whole clusters) walk every output tile."""
     (a_mn, map_a), (b_mn, map_b) = maps
-    cluster = WGMMA_CONFIGS[config][1]
+    cluster = _WGMMA_ALL[config][1]
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
     resident = None
     if cluster > 1 and hasattr(kernel, "max_active_clusters"):
         resident = kernel.max_active_clusters(WGMMA_THREADS, WGMMA_SMEM)
     blocks = _wgmma_grid(p, cluster, device.sm_count(call.device), resident)
-    kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b,
+    maps_c = (_wgmma_map_c(p, L, dtype),) if _WGMMA_ALL[config][0] == 3 else ()
+    kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b, *maps_c,
                   *_gemm_args(p, L, 0), smem=WGMMA_SMEM)
+
+
+def _wgmma_map_c(p: _Plan, L: _Launch, dtype):
+    """C's tensor map for the 'tma_store' epilogue: dims (N, M, batch) of the contiguous output,
+    16-row x 32-column boxes in the 64-byte swizzle (cuda_src/gemm/wgmma.cu). tma.encode_tiled
+    remembers it per pointer and shape."""
+    return tma.encode_tiled(L.c, tma.DTYPE_UINT16, (p.N, p.M, p.batch),
+                            (p.N * dtype.itemsize, p.M * p.N * dtype.itemsize), (32, 16, 1),
+                            tma.SWIZZLE_64B)
+
+
+def _wgmma_call_config(p: _Plan, L: _Launch) -> str:
+    """PLAN['wgmma'] for this call; 'tma_store' gives way to 'direct' where its tensor map cannot
+    write C (fp32 out, N % 8 != 0, a C not 16-byte aligned) and for fused epilogues (run 30:
+    with tensor stores bias cost +37% and residual +39% over the bare product, with direct -5%
+    and +17.5%)."""
+    config = _wgmma_config()
+    if _WGMMA_ALL[config][0] == 3 and (
+            L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31
+            or L.bias or L.residual or L.act):
+        return "direct"
+    return config
 
 
 def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
@@ -979,9 +1017,9 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         if p.K == 0:    # no product, only the epilogue: any kernel gives the same; no TMA needed
             v = "mma"
         else:
-            config = _wgmma_config()
+            config = _wgmma_call_config(p, L)
             try:
-                maps = _wgmma_maps(op, p, L, dtype, WGMMA_CONFIGS[config][1])
+                maps = _wgmma_maps(op, p, L, dtype, _WGMMA_ALL[config][1])
             except ValueError:
                 if variant == "wgmma":
                     raise
