@@ -7,7 +7,10 @@ default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arc
 (tensor cores, sm_80+), which stream the weight once with 16-byte loads; ``int8_dp4a`` for
 int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA from a warp-specialized,
 persistent pipeline; operands TMA can describe, see ``_wgmma_operand``). ``variant=None`` picks
-``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU).
+``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU). Tuning switches
+(``PLAN`` below): ``warp_tiled``'s tile configuration (``WARP_TILED_CONFIGS``), and the decode
+plan, whose 'pipe' / 'pipe_deep' run ``gemv_mma_pipe`` (persistent, a ring of weight loads in
+flight per warp) for gemv_mma's calls.
 
 Conventions: torch.matmul shapes (1-D operands, broadcast batch dims), any strides (transposed
 views are read in place: every kernel takes both the M/N-contiguous and the K-contiguous layout;
