@@ -39,10 +39,12 @@ from gpuops.tensor import Tensor
 from conftest import HAS_TORCH, HAS_TORCH_CUDA
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
+import emu  # noqa: E402
 F = torch.nn.functional if HAS_TORCH else None
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
 needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
 ROOT = Path(__file__).resolve().parent.parent
 
 U_ACC = 2.0 ** -24
@@ -290,7 +292,7 @@ def test_decode_plans():
     assert G._l1_split(8, 4096, 4, 1, 0) == (2, 2048)
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
-    assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma"}
+    assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma", "warp_tiled"}
 
 
 class _Info:
@@ -741,6 +743,270 @@ def test_linear_traces_in_torch_compile():
         torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
 
 
+# ============================================================================ CPU: the SIMT kernels
+# in the kernel emulator (tests/emu.py), driven by gemm.py's own host code (plans, flags, tile
+# configurations), checked with the GPU tests' accuracy model (_check, on CPU tensors).
+
+class _Emu:
+    """gemm.py's launches routed to the CPU kernel emulator, on an H100-like device (`sms` SMs,
+    227 KiB of shared memory per block, sm_90 unless `cc` says otherwise)."""
+
+    def __init__(self, monkeypatch, sms=4, cc=90, smem=232448):
+        self.dev = emu.Device(sms=sms)
+        self.launched = []
+        libs = {}
+
+        def get(module, expr, _device):
+            if module.name not in libs:
+                libs[module.name] = emu.build(module, cc * 10)
+            lib, index = libs[module.name]
+            self.launched.append(expr)
+            return emu.EmuKernel(lib, index[expr], module.kernels[expr], expr)
+
+        info = _Info(sms, smem)
+        info.cc = cc
+        monkeypatch.setattr(G._kernels, "get", get)
+        monkeypatch.setattr(G.device, "device_info", lambda _dev: info)
+        monkeypatch.setattr(G, "effective_arch", lambda _dev: cc)
+
+    def arr(self, x, dtype):
+        """A NumPy array of `dtype` holding x (float32 values, rounded once)."""
+        return np.asarray(x, np.float32).astype(emu.np_dtype(dt.BY_NAME[dtype]))
+
+    def run(self, op, dtype, *arrays, **kw):
+        call = self.dev.call(op, dt.BY_NAME[dtype])
+        tensors = [None if a is None else self.dev.tensor(a) for a in arrays]
+        kw = {k: self.dev.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+        return G.gemm(call, op, *tensors, **kw).obj
+
+
+def _cpu(x):
+    """A float64 CPU tensor of a NumPy array of any float dtype (bfloat16 included)."""
+    return torch.from_numpy(np.asarray(x, np.float32).astype(np.float64))
+
+
+def _emu_rand(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _emu_layouts(rng, e, M, N, K, dtype):
+    """a and b (NumPy, `dtype`) in every layout the GPU layout test uses."""
+    def r(*shape):
+        return e.arr(_emu_rand(rng, shape), dtype)
+    yield "nn", r(M, K), r(K, N)
+    yield "tn", r(K, M).T, r(K, N)
+    yield "nt", r(M, K), r(N, K).T
+    yield "tt", r(K, M).T, r(N, K).T
+    yield "sliced", r(M, 2 * K)[:, ::2], r(3 * K, N)[::3]
+    yield "unaligned", r(M * K + 1)[1:].reshape(M, K), r(K, N + 1)[:, 1:]
+
+
+WT_CONFIGS = sorted(G.WARP_TILED_CONFIGS)
+# (M, N, K): two tile rows and columns with ragged edges and a K tail, element loads (odd leading
+# dims); aligned leading dims (vector loads, the whole-tile path) with edges and a tail at BK = 16;
+# a single row and column
+WT_SHAPES = [(133, 137, 37), (136, 136, 40), (1, 5, 3)]
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("config", WT_CONFIGS)
+def test_emulated_warp_tiled_configs(config, monkeypatch, rng):
+    """Every warp_tiled tile configuration (PLAN['warp_tiled']), every operand layout, ragged
+    tiles and K tails, fp32, in the emulator."""
+    e = _Emu(monkeypatch)
+    monkeypatch.setitem(G.PLAN, "warp_tiled", config)
+    cfg = G.WARP_TILED_CONFIGS[config]
+    for M, N, K in WT_SHAPES:
+        for name, a, b in _emu_layouts(rng, e, M, N, K, "float32"):
+            out = e.run("matmul", "float32", a, b, variant="warp_tiled")
+            _check(_cpu(out), _cpu(a), _cpu(b), "float32", what=f"{config} {name} {(M, N, K)}",
+                   tile=cfg[:2])
+    assert e.launched and all(x == G._wt_expr(dt.float32, cfg, False) for x in e.launched)
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("config", WT_CONFIGS)
+def test_emulated_warp_tiled_dual_epilogue_batch(config, monkeypatch, rng):
+    """Per configuration: the dual (SwiGLU) kernel, the fused epilogue (alpha, bias, gelu,
+    residual), a batch with broadcast B (folded into M) and one with its own B per matrix."""
+    e = _Emu(monkeypatch)
+    monkeypatch.setitem(G.PLAN, "warp_tiled", config)
+    cfg = G.WARP_TILED_CONFIGS[config]
+    f = "float32"
+    x, wg, wu = (e.arr(_emu_rand(rng, s), f) for s in ((70, 36), (75, 36), (75, 36)))
+    out = e.run("swiglu_linear", f, x, wg.T, b2=wu.T, variant="warp_tiled")
+    _check(_cpu(out), _cpu(x), _cpu(wg).T, f, b2=_cpu(wu).T, what=f"{config} swiglu")
+    assert G._wt_expr(dt.float32, cfg, True) in e.launched
+    a, b = e.arr(_emu_rand(rng, (67, 41)), f), e.arr(_emu_rand(rng, (41, 130)), f)
+    bias, res = e.arr(_emu_rand(rng, (130,)), f), e.arr(_emu_rand(rng, (67, 130)), f)
+    out = e.run("matmul", f, a, b, bias=bias, activation="gelu", residual=res, alpha=0.5,
+                variant="warp_tiled")
+    _check(_cpu(out), _cpu(a), _cpu(b), f, bias=_cpu(bias), act="gelu", residual=_cpu(res),
+           alpha=0.5, what=f"{config} epilogue")
+    a3 = e.arr(_emu_rand(rng, (3, 9, 20)), f)
+    out = e.run("matmul", f, a3, b[:20], variant="warp_tiled")
+    _check(_cpu(out), _cpu(a3), _cpu(b[:20]), f, what=f"{config} batch, shared b")
+    b3 = e.arr(_emu_rand(rng, (3, 20, 33)), f)
+    out = e.run("matmul", f, a3, b3, variant="warp_tiled")
+    _check(_cpu(out), _cpu(a3), _cpu(b3), f, what=f"{config} batch")
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", ["warp_tiled", "register_tiled_vec4"])
+def test_emulated_simt_tiles_16bit(variant, dtype, monkeypatch, rng):
+    """The SIMT loader's 16-bit paths (8-byte vector loads, conversions) in both kernels that use
+    it; warp_tiled runs 'base' for 16-bit inputs whatever PLAN['warp_tiled'] says."""
+    e = _Emu(monkeypatch, cc=61)
+    monkeypatch.setitem(G.PLAN, "warp_tiled", "w64x64")
+    for name, a, b in _emu_layouts(rng, e, 133, 136, 40, dtype):
+        out = e.run("matmul", dtype, a, b, variant=variant)
+        _check(_cpu(out), _cpu(a), _cpu(b), dtype, what=f"{variant} {dtype} {name}")
+    if variant == "warp_tiled":
+        base = G.WARP_TILED_CONFIGS["base"]
+        assert set(e.launched) == {G._wt_expr(dt.BY_NAME[dtype], base, False)}
+
+
+@needs_emu
+@needs_torch
+def test_emulated_register_tiled_vec4(monkeypatch, rng):
+    e = _Emu(monkeypatch)
+    for M, N, K in ((133, 137, 37), (136, 136, 40)):
+        for name, a, b in _emu_layouts(rng, e, M, N, K, "float32"):
+            out = e.run("matmul", "float32", a, b, variant="register_tiled_vec4")
+            _check(_cpu(out), _cpu(a), _cpu(b), "float32", what=f"{name} {(M, N, K)}")
+
+
+PIPE_CASES = [(plan, dual, cfg) for plan, per in G.GEMV_PIPE.items() for dual, cfgs in per.items()
+              for cfg in cfgs]
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: f"{c[0]}-{'dual' if c[1] else 'single'}"
+                         f"-nt{c[2][0]}u{c[2][1]}")
+def test_emulated_gemv_mma_pipe(case, monkeypatch, rng):
+    """Every gemv_mma_pipe instantiation (PLAN['decode'] 'pipe' / 'pipe_deep', the configuration
+    forced): persistent blocks walking 1 or 2 row tiles, a ragged last tile, K tails inside a
+    16-byte pack and past some warps' chunks, tile ends in the middle of a ring group, M = 2, 13,
+    16, the fused epilogue, a batch of weights, SwiGLU for the dual kernels."""
+    plan, dual, cfg = case
+    nt, u, minb = cfg
+    e = _Emu(monkeypatch, sms=2)
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    monkeypatch.setitem(G.GEMV_PIPE[plan], dual, (cfg,))
+    monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
+    f = "bfloat16"
+    K = 256 * u + 20                      # u + 1 steps per tile: tiles end inside ring groups
+    N = 8 * nt * (2 * minb * 2 - 1) + 3   # tiles: 2 per block but the last (ragged, 3 rows)
+    if dual:
+        x = e.arr(_emu_rand(rng, (13, K)), f)
+        wg, wu = (e.arr(_emu_rand(rng, (N, K)), f) for _ in range(2))
+        out = e.run("swiglu_linear", f, x, wg.T, b2=wu.T)
+        _check(_cpu(out), _cpu(x), _cpu(wg).T, f, b2=_cpu(wu).T, what=f"{case} swiglu")
+    else:
+        for M in (2, 13, 16):
+            x, w = e.arr(_emu_rand(rng, (M, K)), f), e.arr(_emu_rand(rng, (N, K)), f)
+            bias, res = e.arr(_emu_rand(rng, (N,)), f), e.arr(_emu_rand(rng, (M, N)), f)
+            out = e.run("matmul", f, x, w.T, bias=bias, activation="gelu", residual=res)
+            _check(_cpu(out), _cpu(x), _cpu(w).T, f, bias=_cpu(bias), act="gelu",
+                   residual=_cpu(res), what=f"{case} M={M}")
+        x3, w3 = e.arr(_emu_rand(rng, (3, 5, K)), f), e.arr(_emu_rand(rng, (3, N, K)), f)
+        out = e.run("matmul", f, x3, w3.transpose(0, 2, 1), variant="gemv_mma")
+        _check(_cpu(out), _cpu(x3), _cpu(w3).transpose(1, 2), f, what=f"{case} batch")
+        xs = e.arr(_emu_rand(rng, (4, 2 * K)), f)[:, ::2]         # strided x
+        ws = e.arr(_emu_rand(rng, (N, K + 1)), f)[:, 1:]          # unaligned rows: gathers
+        out = e.run("matmul", f, xs, ws.T)
+        _check(_cpu(out), _cpu(xs), _cpu(ws).T, f, what=f"{case} gathers")
+    assert set(e.launched) == {G._pipe_expr(dt.bfloat16, nt, u, minb, dual)}, e.launched
+
+
+@needs_emu
+@needs_torch
+@pytest.mark.parametrize("plan", ["balanced", "legacy"])
+def test_emulated_gemv_and_gemv_mma(plan, monkeypatch, rng):
+    """The decode kernels of the 'balanced' and 'legacy' plans in the emulator: gemv_mma (both
+    block sizes, split-K with gemv_splitk_reduce, dual), the SIMT gemv (K- and N-contiguous B,
+    MT = 1, 4, 16, fp32 and bf16), odd shapes and K tails."""
+    e = _Emu(monkeypatch, sms=2)
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    for f, M, N, K in (("bfloat16", 2, 77, 300), ("bfloat16", 16, 40, 4100),
+                       ("float16", 9, 150, 2056), ("float32", 1, 70, 333),
+                       ("float32", 4, 33, 1030), ("float32", 16, 20, 2100),
+                       ("bfloat16", 1, 90, 1000)):
+        x, w = e.arr(_emu_rand(rng, (M, K)), f), e.arr(_emu_rand(rng, (N, K)), f)
+        out = e.run("matmul", f, x, w.T)
+        _check(_cpu(out), _cpu(x), _cpu(w).T, f, what=f"{plan} {f} {(M, N, K)} linear")
+        b = e.arr(_emu_rand(rng, (K, N)), f)
+        out = e.run("matmul", f, x, b, variant="gemv")
+        _check(_cpu(out), _cpu(x), _cpu(b), f, what=f"{plan} {f} {(M, N, K)} b[K, N]")
+        if f != "float32":
+            w2 = e.arr(_emu_rand(rng, (N, K)), f)
+            out = e.run("swiglu_linear", f, x, w.T, b2=w2.T)
+            _check(_cpu(out), _cpu(x), _cpu(w).T, f, b2=_cpu(w2).T, what=f"{plan} {f} swiglu")
+    names = " ".join(e.launched)
+    for kernel in ("gemv_mma<", "gemv_splitk_reduce", "gemv_kcontig", "gemv_ncontig"):
+        assert kernel in names, kernel
+
+
+def test_gemv_pipe_plans():
+    """gemv_mma_pipe's configuration choice: enough loads in flight, tiles spread evenly over
+    persistent blocks, larger tiles on ties, U <= steps; None (the 'balanced' plan) otherwise."""
+    pp = G._gemv_pipe_plan
+    assert pp(132, 6144, 2048, 1, False, "pipe") == (4, 2, 2, 192)       # 192 tiles of 32 rows
+    assert pp(132, 2048, 6144, 1, False, "pipe") == (1, 8, 2, 256)       # 256 tiles of 8 rows
+    assert pp(132, 151936, 2048, 1, False, "pipe") == (4, 2, 2, 264)     # 4748 tiles, 18 each
+    assert pp(132, 256, 4096, 1, False, "pipe") is None                  # 32 tiles: split-K
+    assert pp(132, 6144, 512, 1, False, "pipe_deep") is None             # 2 steps < U = 8, 16
+    assert pp(132, 11008, 4096, 1, True, "pipe") == (2, 2, 2, 264)
+    for plan, per in G.GEMV_PIPE.items():
+        for dual, cfgs in per.items():
+            for N, K in ((6144, 2048), (2048, 6144), (151936, 2048), (14336, 4096), (4096, 14336)):
+                got = pp(132, N, K, 1, dual, plan)
+                if got is not None:
+                    nt, u, minb, gx = got
+                    assert (nt, u, minb) in cfgs and u <= G._cdiv(K, 256)
+                    assert gx <= minb * 132 and gx <= G._cdiv(N, 8 * nt)
+    assert set(G.DECODE_PLANS) == {"balanced", "legacy", "pipe", "pipe_deep"}
+
+
+def test_warp_tiled_configurations(monkeypatch):
+    """The table's shapes are consistent (threads, warps, tiles split evenly over the loaders,
+    shared memory), PLAN['warp_tiled'] picks the module and kernel, unknown names raise, and a
+    configuration the device lacks the shared memory for falls back to 'base'."""
+    assert G.WARP_TILED_CONFIGS["base"] == (128, 128, 8, 64, 32, 2)
+    assert G.WARP_TILED_MODULES["base"] is G.WARP_TILED and set(G.WARP_TILED) == set(dt.FLOATS)
+    for name, cfg in G.WARP_TILED_CONFIGS.items():
+        bm, bn, bk, wm, wn, minb = cfg
+        threads = G._wt_threads(cfg)
+        assert bm % wm == 0 and bn % wn == 0 and wm % 32 == 0 and wn % 32 == 0, name
+        assert threads % 64 == 0 and threads * minb <= 2048, name
+        for rows, nt in ((bm, threads), (bn, threads), (bn // 2, threads // 2)):
+            assert rows * bk // 4 % nt == 0 and nt % (bk // 4) == 0 and nt % (rows // 4) == 0, name
+        assert G._wt_smem(cfg) == 4 * 2 * bk * (bm + bn + 8)
+        assert G._wt_smem(cfg, True) == 4 * 2 * bk * (bm + bn + 12)
+        assert G._wt_smem(cfg, True) <= 48 * 1024, f"{name}: sm_61 has 48 KiB per block"
+        if name != "base":
+            assert set(G.WARP_TILED_MODULES[name]) == {dt.float32}
+            assert G.WARP_TILED_MODULES[name][dt.float32].archs == ("61", "90")
+        exprs = set(G.WARP_TILED_MODULES[name][dt.float32].kernels)
+        assert exprs == {G._wt_expr(dt.float32, cfg, d) for d in (False, True)}
+        assert f"gemm_warp_tiled<float, false, {bm}, {bn}, {bk}, {wm}, {wn}, {minb}>" in \
+            G._wt_expr(dt.float32, cfg, False)
+    monkeypatch.setattr(G.device, "device_info", lambda _dev: _Info(132, 232448))
+    monkeypatch.setitem(G.PLAN, "warp_tiled", "k16")
+    assert G._warp_tiled_config(0, dt.float32, False) == "k16"
+    assert G._warp_tiled_config(0, dt.bfloat16, False) == "base"       # fp32 candidates only
+    monkeypatch.setattr(G.device, "device_info", lambda _dev: _Info(132, 16 * 1024))
+    assert G._warp_tiled_config(0, dt.float32, False) == "base"        # 33 KiB do not fit
+    monkeypatch.setitem(G.PLAN, "warp_tiled", "nope")
+    with pytest.raises(ValueError, match="PLAN\\['warp_tiled'\\]"):
+        G._warp_tiled_config(0, dt.float32, False)
+
+
 # ============================================================================ GPU
 
 def _arch():
@@ -1015,10 +1281,58 @@ def test_gpu_int8_matmul(variant, out_dtype):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("plan", ["balanced", "legacy"])
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: f"{c[0]}-{'dual' if c[1] else 'single'}"
+                         f"-nt{c[2][0]}u{c[2][1]}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_gemv_mma_pipe(case, dtype, monkeypatch):
+    """Every gemv_mma_pipe instantiation forced (its configuration the only one, no in-flight
+    minimum) at decode shapes: M = 1..16, ragged tiles and K tails, persistent blocks with many
+    tiles, the epilogue, SwiGLU for the dual kernels, a CUDA graph replayed with new data."""
+    _skip_unsupported("gemv_mma", dtype)
+    plan, dual, cfg = case
+    nt, u, minb = cfg
+    monkeypatch.setitem(G.PLAN, "decode", plan)
+    monkeypatch.setitem(G.GEMV_PIPE[plan], dual, (cfg,))
+    monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
+    launched = []
+    get = G._kernels.get
+    monkeypatch.setattr(G._kernels, "get", lambda m, e, d: launched.append(e) or get(m, e, d))
+    K0 = 256 * u
+    for M, N, K in ((1, 6144, 2048 + K0), (2, 2048, 6144), (13, 40000, K0 + 8), (16, 777, K0 + 3),
+                    (16, 151936 // 4, K0 + 264)):
+        x, w = _randn((M, K), dtype), _randn((N, K), dtype)
+        if dual:
+            w2 = _randn((N, K), dtype)
+            _check(go.swiglu_linear(x, w, w2, variant="gemv_mma"), x, w.T, dtype, b2=w2.T,
+                   what=f"{case} swiglu {(M, N, K)}")
+        else:   # (M = 1 takes the SIMT gemv unless asked for gemv_mma)
+            bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+            out = go.matmul(x, w.T, bias=bias, activation="gelu", residual=res,
+                            variant="gemv_mma")
+            _check(out, x, w.T, dtype, bias=bias, act="gelu", residual=res,
+                   what=f"{case} {(M, N, K)}")
+    assert set(launched) == {G._pipe_expr(dt.BY_NAME[dtype], nt, u, minb, dual)}, launched
+    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.linear(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.linear(x, w)
+    x.copy_(_randn((8, 4096), dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y, x, w.T, dtype, what=f"{case} graph")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("plan", G.DECODE_PLANS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_decode_plans(plan, dtype, monkeypatch):
-    """Both decode plans (PLAN['decode']) on the default path, M = 2..16, with splits."""
+    """Every decode plan (PLAN['decode']) on the default path, M = 2..16, with splits."""
     monkeypatch.setitem(G.PLAN, "decode", plan)
     for M, N, K in ((2, 6144, 4096), (4, 1000, 4097), (8, 264, 8192), (16, 4096, 4096),
                     (13, 77, 3000), (16, 40, 65)):
@@ -1031,6 +1345,30 @@ def test_gpu_decode_plans(plan, dtype, monkeypatch):
             w2 = _randn((N, K), dtype)
             _check(go.swiglu_linear(x, w, w2), x, w.T, dtype, b2=w2.T,
                    what=f"{plan} swiglu {dtype} {(M, N, K)}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("config", WT_CONFIGS)
+def test_gpu_warp_tiled_configurations(config, monkeypatch):
+    """Every warp_tiled tile configuration (PLAN['warp_tiled']) on the GPU, fp32: the six layouts
+    at ragged shapes and one large enough for several waves, the dual kernel, the epilogue."""
+    monkeypatch.setitem(G.PLAN, "warp_tiled", config)
+    cfg = G.WARP_TILED_CONFIGS[config]
+    for M, N, K in ((131, 97, 136), (1037, 1500, 600), (256, 256, 4096)):
+        for name, a, b in _layouts(M, N, K, "float32"):
+            _check(go.matmul(a, b, variant="warp_tiled"), a, b, "float32",
+                   what=f"{config} {name} {(M, N, K)}", tile=cfg[:2])
+    x, wg, wu = _randn((300, 520), "float32"), _randn((700, 520), "float32"), \
+        _randn((700, 520), "float32")
+    _check(go.swiglu_linear(x, wg, wu, variant="warp_tiled"), x, wg.T, "float32", b2=wu.T,
+           what=f"{config} swiglu")
+    a, b = _randn((300, 200), "float32"), _randn((200, 260), "float32")
+    bias, res = _randn((260,), "float32"), _randn((300, 260), "float32")
+    out = go.matmul(a, b, bias=bias, activation="gelu", residual=res, alpha=0.5,
+                    variant="warp_tiled")
+    _check(out, a, b, "float32", bias=bias, act="gelu", residual=res, alpha=0.5,
+           what=f"{config} epilogue")
 
 
 MMA_TILE_NAMES = sorted(G.MMA_TILES)

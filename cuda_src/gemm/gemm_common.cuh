@@ -224,72 +224,85 @@ constexpr int kSimtPad = 4;   // floats of padding per smem row: keeps float4 al
 // is B transposed), staged through registers as fp32 and stored "k-major" in shared memory,
 // S[k * (ROWS + kSimtPad) + r], so that the math loop reads 4 consecutive rows with one float4.
 // Each of the NT threads moves ROWS * BK / 4 / NT runs of 4 elements along X's contiguous dim:
-// along k when `kcontig` (4 scalar stores per run), else along r (one float4 store). With `vec` a
-// run is one vector load; else (unaligned or arbitrary strides, and at the matrix edges) elements
-// are read one by one. Out-of-range elements are zeros. Tiles are loaded in order k0 = 0, BK, ...:
-// init() computes each run's address and limits once, load() advances them.
+// along k when `kcontig` (4 scalar stores per run), else along r (one float4 store). Thread t's
+// run i is q = t + i * NT of the tile's runs in row-major order, so its runs lie a fixed distance
+// apart: kcontig, one k offset and rows kRowStep apart; else one row offset (4 rows) and k
+// offsets kKStep apart. A thread therefore keeps one pointer, one step and the K / rows left of
+// its first run (not a pointer and limits per run: registers are what the bigger tiles run short
+// of). With `vec` a run is one vector load; tiles wholly inside the matrix take a path without
+// per-run checks; else (unaligned or arbitrary strides, and at the matrix edges) elements are
+// read one by one. Out-of-range elements are zeros. Tiles are loaded in order k0 = 0, BK, ...
 template <class T, int ROWS, int BK, int NT>
 struct SimtTile {
   static constexpr int kRuns = ROWS * BK / 4 / NT;
   static_assert(ROWS * BK / 4 % NT == 0, "tile must split evenly over the threads");
+  static_assert(NT % (BK / 4) == 0 && NT % (ROWS / 4) == 0, "a thread's runs a fixed step apart");
+  static constexpr int kRowStep = NT / (BK / 4);    // kcontig: rows between a thread's runs
+  static constexpr int kKStep = NT / (ROWS / 4);    // else: k between a thread's runs
   static constexpr int kLd = ROWS + kSimtPad;
   float v[kRuns][4];
-  const T* ptr[kRuns];    // the run's first element in the next tile
-  long long kl[kRuns];    // K - (the run's k offset in a tile)
-  int rcap[kRuns];        // kcontig: 4 if the run's row exists, else 0; else: rows left (0..4)
+  const T* ptr;           // the first run's first element in the next tile
+  long long step;         // elements from one run to the next
+  long long kl;           // K - (the first run's k in the next tile)
+  int rl;                 // R - (the first run's row), clamped to +-2^30
+  int sbase;              // the first run's offset in a shared-memory buffer: k * kLd + row
 
   __device__ __forceinline__ void init(const T* base, long long sr, long long sk, long long R,
                                        long long K, long long r0, bool kcontig, int tid) {
-#pragma unroll
-    for (int i = 0; i < kRuns; ++i) {
-      const int q = tid + i * NT;
-      int rk, kk;
-      if (kcontig) {
-        rk = q / (BK / 4);
-        kk = (q % (BK / 4)) * 4;
-      } else {
-        kk = q / (ROWS / 4);
-        rk = (q % (ROWS / 4)) * 4;
-      }
-      const long long r = r0 + rk;
-      ptr[i] = base + r * sr + kk * sk;
-      kl[i] = K - kk;
-      const long long left = R - r;
-      rcap[i] = kcontig ? (left > 0 ? 4 : 0) : (int)(left < 0 ? 0 : (left > 4 ? 4 : left));
-    }
+    const int rk = kcontig ? tid / (BK / 4) : (tid % (ROWS / 4)) * 4;
+    const int kk = kcontig ? (tid % (BK / 4)) * 4 : tid / (ROWS / 4);
+    ptr = base + (r0 + rk) * sr + kk * sk;
+    step = kcontig ? kRowStep * sr : kKStep * sk;
+    kl = K - kk;
+    const long long left = R - r0 - rk;
+    rl = (int)(left > (1 << 30) ? (1 << 30) : (left < -(1 << 30) ? -(1 << 30) : left));
+    sbase = kk * kLd + rk;
   }
 
-  __device__ __forceinline__ void load(long long sr, long long sk, long long k0, bool kcontig,
-                                       bool vec) {
+  __device__ __forceinline__ void load(long long sr, long long sk, bool kcontig, bool vec) {
+    // every run whole: 4 elements along k (kcontig: the last run's row exists) or 4 rows (the
+    // last run's k exists)
+    const bool whole = kcontig ? (kl >= 4 && rl - (kRuns - 1) * kRowStep >= 1)
+                               : (kl - (kRuns - 1) * kKStep >= 1 && rl >= 4);
+    if (vec && whole) {
 #pragma unroll
-    for (int i = 0; i < kRuns; ++i) {
-      const long long along = kl[i] - k0;
-      long long n;
-      if (kcontig) n = along < rcap[i] ? along : rcap[i];
-      else n = along > 0 ? rcap[i] : 0;
-      const T* p = ptr[i];
-      if (vec && n >= 4) {
-        load4_vec(p, v[i]);
-      } else {
-        const long long step = kcontig ? sk : sr;
+      for (int i = 0; i < kRuns; ++i) load4_vec(ptr + i * step, v[i]);
+    } else {
+      const long long along = kcontig ? sk : sr;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[i][j] = j < n ? to_float(p[j * step]) : 0.0f;
+      for (int i = 0; i < kRuns; ++i) {
+        long long n;
+        if (kcontig) {
+          n = rl - i * kRowStep >= 1 ? (kl < 4 ? kl : 4) : 0;
+        } else {
+          const int rows = rl < 0 ? 0 : (rl > 4 ? 4 : rl);
+          n = kl - i * kKStep >= 1 ? rows : 0;
+        }
+        const T* p = ptr + i * step;
+        if (vec && n >= 4) {
+          load4_vec(p, v[i]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[i][j] = j < n ? to_float(p[j * along]) : 0.0f;
+        }
       }
-      ptr[i] = p + BK * sk;
     }
+    ptr += BK * sk;
+    kl -= BK;
   }
 
-  __device__ __forceinline__ void store(float* S, bool kcontig, int tid) const {
+  // Stores the loaded runs into S (a shared-memory buffer of BK x kLd floats). Run i lands at
+  // sbase + i x (kRowStep or kKStep x kLd): one base per thread, immediates per run.
+  __device__ __forceinline__ void store(float* S, bool kcontig) const {
+    float* const s = S + sbase;
 #pragma unroll
     for (int i = 0; i < kRuns; ++i) {
-      const int q = tid + i * NT;
       if (kcontig) {
-        const int r = q / (BK / 4), k = (q % (BK / 4)) * 4;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) S[(k + j) * kLd + r] = v[i][j];
+        for (int j = 0; j < 4; ++j) s[i * kRowStep + j * kLd] = v[i][j];
       } else {
-        const int k = q / (ROWS / 4), r = (q % (ROWS / 4)) * 4;
-        *reinterpret_cast<float4*>(S + k * kLd + r) = make_float4(v[i][0], v[i][1], v[i][2], v[i][3]);
+        *reinterpret_cast<float4*>(s + i * kKStep * kLd) =
+            make_float4(v[i][0], v[i][1], v[i][2], v[i][3]);
       }
     }
   }

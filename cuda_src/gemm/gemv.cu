@@ -13,29 +13,12 @@
 //  * Split-K over grid.y when the columns alone give too few blocks to fill the GPU: each split
 //    writes fp32 partial sums to a workspace, and gemv_splitk_reduce adds them in a fixed order
 //    (deterministic) and applies the epilogue.
-#include "gemm/gemm_common.cuh"
+#include "gemm/gemv_common.cuh"
 
 namespace gpuops {
 namespace gemm {
 
 constexpr int kGvThreads = 256, kGvWarps = 8;
-
-// A 16-byte load of data read exactly once: not kept in L1 (on sm_70+), so that the rows of A,
-// reused by every block, stay there.
-__device__ __forceinline__ uint4 load_stream16(const void* p) {
-#if __CUDA_ARCH__ >= 700
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-#else
-  return *reinterpret_cast<const uint4*>(p);
-#endif
-}
-
-__device__ __forceinline__ uint4 load_cached16(const void* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
 
 // In-place reduce-scatter of N values across the 32 lanes of a warp: after it, lane l holds in
 // v[0 .. max(1, N / 32)) the warp sums of the values with original indices
@@ -73,29 +56,7 @@ struct ReduceScatter<1, 0> {
 
 __host__ __device__ constexpr int log2_int(int n) { return n <= 1 ? 0 : 1 + log2_int(n / 2); }
 
-// Where a split's partial sums go: ws[((split * nb + d) * batch + z) * M * N + m * N + n].
-__device__ __forceinline__ long long ws_index(const GemmArgs& p, int split, int nb, int d,
-                                             long long z, long long m, long long n) {
-  return ((split * (long long)nb + d) * p.batch + z) * p.M * p.N + m * p.N + n;
-}
-
 // ------------------------------------------------------------------------- B with K contiguous
-
-__device__ __forceinline__ unsigned int raw_bits(float v) { return __float_as_uint(v); }
-__device__ __forceinline__ unsigned int raw_bits(float16_t v) { return v.bits; }
-__device__ __forceinline__ unsigned int raw_bits(bfloat16_t v) { return v.bits; }
-
-// The 16 bytes of elements p[0], p[step], ... as one raw pack, zeros past the first n (the edges
-// of B, unaligned or strided operands).
-template <class T>
-__device__ __forceinline__ uint4 gather16(const T* p, long long step, long long n) {
-  constexpr int kVec = 16 / sizeof(T), kPer = 4 / sizeof(T);
-  unsigned int w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int j = 0; j < kVec; ++j)
-    if (j < n) w[j / kPer] |= raw_bits(p[j * step]) << (32 / kPer * (j % kPer));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
 
 // Rows of each B per block: 4 (2 per B when dual), halved for 16-bit data with MT = 16, where the
 // converted rows are held in registers (see the loop order below).

@@ -37,10 +37,10 @@ __global__ void __launch_bounds__(kRtThreads, 2) gemm_register_tiled_vec4(GemmAr
   ta.init(op.a, p.a_sm, p.a_sk, p.M, p.K, m0, op.a_k, tid);
   tb.init(op.b, p.b_sn, p.b_sk, p.N, p.K, n0, op.b_k, tid);
   for (long long k0 = 0; k0 < p.K; k0 += kRtBK) {
-    ta.load(p.a_sm, p.a_sk, k0, op.a_k, op.a_vec);
-    tb.load(p.b_sn, p.b_sk, k0, op.b_k, op.b_vec);
-    ta.store(As, op.a_k, tid);
-    tb.store(Bs, op.b_k, tid);
+    ta.load(p.a_sm, p.a_sk, op.a_k, op.a_vec);
+    tb.load(p.b_sn, p.b_sk, op.b_k, op.b_vec);
+    ta.store(As, op.a_k);
+    tb.store(Bs, op.b_k);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kRtBK; ++k) {

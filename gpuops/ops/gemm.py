@@ -7,7 +7,10 @@ default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arc
 (tensor cores, sm_80+), which stream the weight once with 16-byte loads; ``int8_dp4a`` for
 int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA from a warp-specialized,
 persistent pipeline; operands TMA can describe, see ``_wgmma_operand``). ``variant=None`` picks
-``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU).
+``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU). Tuning switches
+(``PLAN`` below): ``warp_tiled``'s tile configuration (``WARP_TILED_CONFIGS``), and the decode
+plan, whose 'pipe' / 'pipe_deep' run ``gemv_mma_pipe`` (persistent, a ring of weight loads in
+flight per warp) for gemv_mma's calls.
 
 Conventions: torch.matmul shapes (1-D operands, broadcast batch dims), any strides (transposed
 views are read in place: every kernel takes both the M/N-contiguous and the K-contiguous layout;
@@ -71,8 +74,55 @@ def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
 
 REGISTER_TILED = _per_dtype("register_tiled_vec4", "gemm/register_tiled_vec4.cu", lambda d: {
     _kname("gemm_register_tiled_vec4", d.ctype): GEMM_ARGS})
-WARP_TILED = _per_dtype("warp_tiled", "gemm/warp_tiled.cu", lambda d: {
-    _kname("gemm_warp_tiled", d.ctype, _b(dual)): GEMM_ARGS for dual in (False, True)})
+
+# warp_tiled tile configurations: (BM, BN, BK, WM, WN, MINB) = block tile BM x BN (BN: columns of
+# both B operands together in the dual kernel), BK k per shared-memory stage, warp tile WM x WN
+# (a thread owns WM/8 x WN/4 outputs), MINB blocks per SM that the launch bounds ask registers for
+# (65536 / (threads x MINB) registers per thread). Threads = (BM/WM) x (BN/WN) x 32; shared memory
+# 2 x BK x (BM + 4 + BN + 4 (+ 4 dual)) floats. PLAN['warp_tiled'] picks one (each is its own
+# module per dtype: a call compiles only the chosen one); floors and predictions per configuration
+# in benchmarks/notes_gemm.md ("warp_tiled configurations").
+WARP_TILED_CONFIGS = {
+    # runs 1..15: 37.3 TFLOP/s = 74.3% of cuBLAS fp32 at 4096^3 (H100); 256 threads, 8x8 outputs
+    "base": (128, 128, 8, 64, 32, 2),
+    # half the barriers and loop overhead per FMA; 33 KiB of shared memory
+    "k16": (128, 128, 16, 64, 32, 2),
+    # 128 threads, 8x16 outputs (cuBLAS' sm_90 FFMA kernels: 128x128x8 tiles of 2x2 warps): 6
+    # LDS.128 per 128 FMAs, 255 registers per thread
+    "w64x64": (128, 128, 8, 64, 64, 2),
+    # the same with 16-k stages (siboehm's SGEMM kernel 10: 93.7% of cuBLAS on an A6000)
+    "w64x64_k16": (128, 128, 16, 64, 64, 2),
+    # 128 threads of 8x8 outputs, 4 blocks per SM: four independent barriers per SM
+    "b128x64": (128, 64, 8, 64, 32, 4),
+}
+
+
+def _wt_threads(cfg):
+    bm, bn, _, wm, wn, _ = cfg
+    return (bm // wm) * (bn // wn) * 32
+
+
+def _wt_smem(cfg, dual=False):
+    bm, bn, bk = cfg[:3]
+    nb = 2 if dual else 1
+    return 4 * 2 * bk * ((bm + 4) + nb * (bn // nb + 4))
+
+
+def _wt_expr(d, cfg, dual):
+    return _kname("gemm_warp_tiled", d.ctype, _b(dual), *cfg)
+
+
+# "base" for every dtype (it is the default path) and arch; the other configurations are tuning
+# candidates for the fp32 target (issue 4): float32 only, built ahead of time for the two archs
+# the project measures (sm_61, sm_90; any other GPU compiles them at first use). 16-bit inputs
+# (warp_tiled is their path before sm_80) take "base" whatever PLAN['warp_tiled'] says.
+WARP_TILED_MODULES = {
+    name: _per_dtype("warp_tiled" if name == "base" else f"warp_tiled_{name}",
+                     "gemm/warp_tiled.cu",
+                     lambda d, cfg=cfg: {_wt_expr(d, cfg, dual): GEMM_ARGS for dual in (False, True)},
+                     **({} if name == "base" else {"dtypes": (dt.float32,), "archs": ("61", "90")}))
+    for name, cfg in WARP_TILED_CONFIGS.items()}
+WARP_TILED = WARP_TILED_MODULES["base"]
 
 GEMV_MT = (1, 4, 16)                 # rows of A a GEMV kernel is compiled for (M <= MT)
 GEMV_MAX_M = GEMV_MT[-1]             # gemv and gemv_mma (one m16 tile) take M <= 16
@@ -88,12 +138,37 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
     _kname("gemv_mma", d.ctype, nt, _b(dual)): GEMM_ARGS
     for dual in (False, True) for nt in GEMV_MMA_NT[dual]},
     dtypes=_HALFS, archs=_TC_ARCHS)
+# gemv_mma_pipe (PLAN['decode'] 'pipe' / 'pipe_deep'): per plan and dual, the (NT, U, MINB)
+# instantiations: NT n8 tiles of each weight per row tile, U steps of weight loads in flight per
+# warp, MINB blocks per SM of the launch bounds (2: 128 registers; the ring of U x NT x 4 words
+# and ptxas' addressing do not fit 3 blocks' 80 without spills). Each warp keeps U x NT (x 2 dual)
+# packs of 512 bytes in flight: 'pipe' 8 (4 KiB; 16 warps per SM: 64 KiB), 'pipe_deep' 16 (8 KiB;
+# 128 KiB), against gemv_mma's one step (1 KiB at NT = 2, 3 blocks: 24 KiB per SM).
+GEMV_PIPE = {
+    "pipe": {False: ((1, 8, 2), (2, 4, 2), (4, 2, 2)), True: ((1, 4, 2), (2, 2, 2))},
+    "pipe_deep": {False: ((1, 16, 2), (2, 8, 2)), True: ((1, 8, 2),)},
+}
+GEMV_PIPE_INFLIGHT = 6 << 20      # bytes of weight loads a plan must keep in flight over the grid
+
+
+def _pipe_expr(d, nt, u, minb, dual):
+    return _kname("gemv_mma_pipe", d.ctype, nt, u, minb, _b(dual))
+
+
+GEMV_MMA_PIPE = {
+    plan: _per_dtype(f"gemv_mma_{plan}", "gemm/gemv_mma.cu", lambda d, cfgs=cfgs: {
+        _pipe_expr(d, *c, dual): GEMM_ARGS for dual, lst in cfgs.items() for c in lst},
+        dtypes=_HALFS, archs=_TC_ARCHS)
+    for plan, cfgs in GEMV_PIPE.items()}
 
 # Plan switches, kept so that one run can time the old paths next to the new ones:
 #   "decode": "balanced" (gemv_mma for fp16/bf16 M = 2..16 with the block size and split that
-#             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1) or
+#             fill whole waves; SIMT gemv split so that a split's slice of A fits in L1),
 #             "legacy" (run 1: gemv_mma for M = 5..16 with 32-row blocks, splits only to fill
-#             the GPU 4 times over);
+#             the GPU 4 times over), or "pipe" / "pipe_deep" (as "balanced", but gemv_mma's
+#             M = 2..16 calls run gemv_mma_pipe: persistent blocks, a ring of 4 / 8 KiB of weight
+#             loads in flight per warp, no split-K; calls with too few weight rows for that take
+#             "balanced"'s plan). Issue 4 / benchmarks/notes_gemm.md "Decode GEMV";
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
@@ -104,7 +179,10 @@ GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
 #             understood yet). Run 30: "tma_store" (C through a tensor map, stores overlapped
 #             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since.
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_store"}
+#   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
+#             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
+#             timed side by side by benchmarks/experiments/gemm_simt_sweep.py).
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_store", "warp_tiled": "base"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -226,6 +304,7 @@ A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
 RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
+DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
 _DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma")
@@ -512,6 +591,34 @@ def _gemv_mma_plan(sms, N, K, batch, dual):
     return best[1:]
 
 
+def _gemv_pipe_plan(sms, N, K, batch, dual, plan):
+    """(NT, U, MINB, grid.x) of gemv_mma_pipe under PLAN['decode'] = plan, or None when the row
+    tiles cannot keep GEMV_PIPE_INFLIGHT bytes of loads in flight without split-K (few weight
+    rows: 'balanced' takes those) or K is too short for the ring (U > ceil(K / 256) steps).
+    Blocks are persistent, grid.x = min(tiles, resident slots / batch). Score: 1 when the blocks
+    still busy in the last round of tiles keep enough in flight (the memory stays saturated to the
+    end), else the share of block-rounds that hold a tile; larger tiles (fewer reads of A per
+    weight byte) on ties."""
+    best = None
+    packs = 2 if dual else 1
+    steps = max(1, _cdiv(K, 256))
+    for nt, u, minb in GEMV_PIPE[plan][dual]:
+        tiles = _cdiv(N, 8 * nt)
+        if tiles >= 2 ** 31 or u > steps:
+            continue
+        gx = min(tiles, max(1, minb * sms // batch))
+        per_block = batch * 8 * u * nt * packs * 512
+        if gx * per_block < GEMV_PIPE_INFLIGHT:
+            continue
+        rounds = _cdiv(tiles, gx)
+        last = tiles - gx * (rounds - 1)
+        fill = 1.0 if last * per_block >= GEMV_PIPE_INFLIGHT else tiles / (gx * rounds)
+        key = (round(fill, 6), nt)
+        if best is None or key > best[0]:
+            best = (key, (nt, u, minb, gx))
+    return None if best is None else best[1]
+
+
 def _l1_split(M, K, itemsize, splits, k_split, budget=64 * 1024):
     """Split K further so that one split's slice of A (M rows) fits in L1 (`budget` bytes): every
     block of the SIMT gemv reads its split's slice of A, which without the split comes from L2
@@ -543,10 +650,22 @@ def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
 def _launch_gemv(call, p, L, dtype, dual, use_mma):
     itemsize = dtype.itemsize
     vec_w = 16 // itemsize
-    balanced = PLAN["decode"] == "balanced"
+    plan = PLAN["decode"]
+    if plan not in DECODE_PLANS:
+        raise ValueError(f"gpuops: PLAN['decode'] must be one of {list(DECODE_PLANS)}, got {plan!r}")
+    balanced = plan != "legacy"           # the pipe plans keep 'balanced' for what they do not take
     splits = None
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
+        pipe = plan in GEMV_PIPE and _gemv_pipe_plan(
+            device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual, plan)
+        if pipe:
+            nt, u, minb, gx = pipe
+            L.splits, L.k_split = 1, 0
+            _run(_kernels.get(GEMV_MMA_PIPE[plan][dtype],
+                              _pipe_expr(dtype, nt, u, minb, dual), call.device),
+                 p, L, (gx, 1), (256, 1, 1), call.stream)
+            return
         if balanced:
             nt, splits, k_split = _gemv_mma_plan(
                 device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual)
@@ -602,6 +721,21 @@ def _residual_vec(p, L, res_itemsize) -> bool:
     return _aligned(L.residual, res_itemsize, 16 // res_itemsize, (p.r_sm,) + tuple(p.r_sb))
 
 
+def _warp_tiled_config(dev, dtype, dual) -> str:
+    """The key of WARP_TILED_CONFIGS a warp_tiled call runs: PLAN['warp_tiled'], or 'base' for
+    the dtypes the candidate configurations are not built for and where the device lacks their
+    shared memory (sm_61: 48 KiB per block)."""
+    name = PLAN["warp_tiled"]
+    if name not in WARP_TILED_CONFIGS:
+        raise ValueError(f"gpuops: PLAN['warp_tiled'] must be one of {sorted(WARP_TILED_CONFIGS)}, "
+                         f"got {name!r}")
+    if dtype not in WARP_TILED_MODULES[name]:
+        return "base"
+    if _wt_smem(WARP_TILED_CONFIGS[name], dual) > device.device_info(dev).max_smem_per_block_optin:
+        return "base"
+    return name
+
+
 def _launch_tiled(call, p, L, dtype, variant, dual):
     itemsize = dtype.itemsize
     b_ptrs = (L.b, L.b2) if dual else (L.b,)
@@ -620,9 +754,16 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
                           call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
     elif variant == "warp_tiled":
         L.flags, _, _ = _flags(p, L.a, b_ptrs, itemsize, 4, 4)
-        tiles = _cdiv(p.M, 128) * _cdiv(p.N, 64 if dual else 128)
-        _run(_kernels.get(WARP_TILED[dtype], _kname("gemm_warp_tiled", dtype.ctype, _b(dual)),
-                          call.device), p, L, (tiles, 1), (256, 1, 1), call.stream)
+        name = _warp_tiled_config(call.device, dtype, dual)
+        cfg = WARP_TILED_CONFIGS[name]
+        bm, bn, bk = cfg[:3]
+        if _cdiv(p.K, bk) >= 2 ** 31:
+            raise ValueError(f"gpuops.{call.op.name}: K = {p.K} is too long for "
+                             f"variant='warp_tiled' (it counts K tiles of {bk} in 32 bits)")
+        tiles = _cdiv(p.M, bm) * _cdiv(p.N, bn // 2 if dual else bn)
+        _run(_kernels.get(WARP_TILED_MODULES[name][dtype], _wt_expr(dtype, cfg, dual),
+                          call.device), p, L, (tiles, 1), (_wt_threads(cfg), 1, 1), call.stream,
+             smem=_wt_smem(cfg, dual))
     elif variant == "mma":
         width = 16 // itemsize
         L.flags, ak, bk = _flags(p, L.a, b_ptrs, itemsize, width, width)
@@ -818,7 +959,7 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
         return variant
     if variant is None:
         if M <= GEMV_MAX_M:
-            m_min = 1 if PLAN["decode"] == "balanced" else 4
+            m_min = 4 if PLAN["decode"] == "legacy" else 1
             return ("gemv_mma" if (dtype in _HALFS and cc >= 80 and M > m_min and b_kcontig)
                     else "gemv")
         if dtype is dt.float32:

@@ -43,10 +43,6 @@ _PACK2 = ("  static unsigned pack2(float lo, float hi) {\n"
           "  }\n")
 _PRELUDE = """#include <algorithm>
 using std::min; using std::max;
-struct float2 { float x, y; }; struct float4 { float x, y, z, w; }; struct uint2 { unsigned x, y; };
-inline float2 make_float2(float a, float b) { return {a, b}; }
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 #define __trap() emu::fail("trap")
 """
 

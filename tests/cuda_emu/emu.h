@@ -52,7 +52,11 @@ struct alignas(8) float2 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 
 namespace emu {
@@ -444,7 +448,7 @@ void launch_packed(void (*kernel)(P...), const unsigned* dims, size_t smem, cons
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))   // GCC takes it anywhere, as nvcc does
 
 inline void __syncthreads() { emu::current_block->bar.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
@@ -513,5 +517,6 @@ inline int __clzll(unsigned long long v) { return v ? __builtin_clzll(v) : 64; }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline int __ffsll(unsigned long long v) { return __builtin_ffsll(static_cast<long long>(v)); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+template <class T> inline T __ldg(const T* p) { return *p; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }   // (host C++ does not contract)

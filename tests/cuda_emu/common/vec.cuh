@@ -30,11 +30,11 @@ template <class T> struct Vec16Half {
       f[2 * i + 1] = to_float(hi);
     }
   }
+  static unsigned pack2(float lo, float hi) {
+    return from_float<T>(lo).bits | static_cast<unsigned>(from_float<T>(hi).bits) << 16;
+  }
   static uint4 pack(const float (&f)[8]) {
-    unsigned w[4];
-    for (int i = 0; i < 4; ++i)
-      w[i] = from_float<T>(f[2 * i]).bits | static_cast<unsigned>(from_float<T>(f[2 * i + 1]).bits) << 16;
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
   }
 };
 template <> struct Vec16<bfloat16_t> : Vec16Half<bfloat16_t> {};

@@ -1,0 +1,264 @@
+"""Issue 4's two open GEMM gaps, measured in one run (< ~4 min on an H100):
+
+1. fp32 SIMT `warp_tiled`: every tile configuration of gpuops.ops.gemm.WARP_TILED_CONFIGS
+   (PLAN['warp_tiled']) at 4096^3, 2048^3 and 8192x8192x4096, against cuBLAS fp32 through
+   torch.matmul with TF32 off, in the same run. Each configuration's result is checked against
+   torch first (max relative error printed; a wrong one is not timed). Target: >= 90% of cuBLAS.
+2. Decode GEMMs (bf16 `linear`, M = 2, 4, 8, 16, weights [N, K] = [6144, 2048], [2048, 6144],
+   [151936, 2048]): every decode plan (PLAN['decode']) and torch F.linear, each as a CUDA graph of
+   20 calls over 20 different weights and inputs (rotated: 20 x 25 MB >> the 50 MB L2), checked
+   against torch first. Reported: the bytes that must move (weight + x + out) per second, as % of
+   the device-to-device copy bandwidth of a 1 GiB copy (pct_copy: issue 4's measure, target >= 85%)
+   and as % of a graph of 20 copies of the same weight bytes (pct_copy_same: what a copy reaches
+   with the same per-launch costs), and per plan the fixed cost per call and the streaming
+   bandwidth fitted over the three weight sizes (t = fixed + bytes / bandwidth).
+
+    python3 benchmarks/experiments/gemm_simt_sweep.py [--json PATH] [--parts gemm,decode]
+        [--configs base,k16] [--plans balanced,pipe]
+
+Floors and predictions: benchmarks/notes_gemm.md ("warp_tiled configurations", "Decode GEMV").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402,N812
+
+import gpuops as go  # noqa: E402
+from gpuops.bench import capture_graph  # noqa: E402
+from gpuops.ops import gemm as G  # noqa: E402
+
+ROWS: list = []
+FAILURES: dict = {}
+GEMM_SHAPES = ((4096, 4096, 4096), (2048, 2048, 2048), (8192, 8192, 4096))
+DECODE_SHAPES = ((6144, 2048), (2048, 6144), (151936, 2048))   # weight [N, K]
+DECODE_M = (2, 4, 8, 16)
+GRAPH_CALLS = 20
+# max |out - ref| / max |ref| a configuration may show before it counts as wrong (fp32 SIMT
+# against cuBLAS fp32: ~1e-6 at K = 4096; bf16 outputs: rounding 2^-8 of the largest value)
+GEMM_TOL, DECODE_TOL = 1e-4, 1.5e-2
+
+
+def time_ms(fn, budget_s=0.6, min_iters=3, max_iters=100):
+    """Median ms per call (CUDA events around each call) of 3 batches after 2 warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    iters = int(max(min_iters, min(max_iters, budget_s * 1e3 / 3 / once)))
+    meds = []
+    for _ in range(3):
+        times = []
+        for _ in range(iters):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        meds.append(statistics.median(times))
+    return statistics.median(meds)
+
+
+def graph_ms_per_call(fn, calls):
+    """ms per call of a CUDA graph of `calls` calls (fn makes all of them), replays timed."""
+    graph = capture_graph(fn, calls=1, warmup=2)
+    ms = time_ms(graph.replay, budget_s=0.4) / calls
+    del graph
+    return ms
+
+
+def record(part, name, shape, ms, **extra):
+    row = {"part": part, "name": name, "shape": list(shape), "ms": ms, **extra}
+    ROWS.append(row)
+    ex = "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
+    print(f"  {name:<26}{'x'.join(map(str, shape)):<18}{ms * 1e3:10.1f} us  {ex}", flush=True)
+    return row
+
+
+class plan_set:   # noqa: N801
+    """gpuops.ops.gemm.PLAN[key] = value for a block (read when a call is made or captured)."""
+
+    def __init__(self, key, value):
+        self.key, self.value = key, value
+
+    def __enter__(self):
+        self.old = G.PLAN[self.key]
+        G.PLAN[self.key] = self.value
+
+    def __exit__(self, *exc):
+        G.PLAN[self.key] = self.old
+
+
+def rel_err(out, ref):
+    ref = ref.double()
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------- part 1: GEMM
+
+def gemm_part(configs):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for M, N, K in GEMM_SHAPES:
+        print(f"\n== warp_tiled fp32 {M}x{N}x{K} vs cuBLAS fp32 (TF32 off) ==", flush=True)
+        a = torch.randn(M, K, device="cuda")
+        b = torch.randn(K, N, device="cuda")
+        flops = 2.0 * M * N * K
+        ref = torch.matmul(a, b)
+        peer = time_ms(lambda: torch.matmul(a, b))
+        record("gemm", "cublas fp32", (M, N, K), peer, tflops=flops / peer / 1e9)
+        for name in configs:
+            with plan_set("warp_tiled", name):
+                try:
+                    out = go.matmul(a, b, variant="warp_tiled")
+                    err = rel_err(out, ref)
+                    if not err <= GEMM_TOL:
+                        raise AssertionError(f"max rel err {err:.3g} > {GEMM_TOL}")
+                    ms = time_ms(lambda: go.matmul(a, b, variant="warp_tiled"))
+                except Exception as exc:  # report, go on with the other configurations
+                    FAILURES[f"gemm {name} {M}x{N}x{K}"] = f"{type(exc).__name__}: {exc}"[:300]
+                    print(f"  {name:<26}FAILED: {FAILURES[f'gemm {name} {M}x{N}x{K}']}", flush=True)
+                    continue
+            record("gemm", f"warp_tiled [{name}]", (M, N, K), ms, tflops=flops / ms / 1e9,
+                   pct_cublas=100.0 * peer / ms, max_rel_err=err, config=name,
+                   tile=list(G.WARP_TILED_CONFIGS[name]))
+        del a, b, ref
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- part 2: decode
+
+def copy_gbps():
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def decode_kernel(plan, M, N, K):
+    """What gpuops launches for a bf16 linear of this shape under `plan` (for the record)."""
+    if plan is None:
+        return "cuBLAS / torch"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if M == 1:
+        return "gemv (SIMT)"
+    if plan in G.GEMV_PIPE:
+        got = G._gemv_pipe_plan(sms, N, K, 1, False, plan)
+        if got:
+            nt, u, minb, gx = got
+            return f"gemv_mma_pipe NT={nt} U={u} {minb}/SM grid={gx}"
+    if plan == "legacy":
+        return "gemv_mma NT=4 (legacy split)" if M > 4 else "gemv (SIMT)"
+    nt, splits, _ = G._gemv_mma_plan(sms, N, K, 1, False)
+    return f"gemv_mma NT={nt} splits={splits}"
+
+
+def decode_part(plans, big_copy):
+    fits = {}
+    for N, K in DECODE_SHAPES:
+        print(f"\n== decode bf16 linear, weight [{N}, {K}], graph of {GRAPH_CALLS} rotated calls ==",
+              flush=True)
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(GRAPH_CALLS)]
+        wbytes = N * K * 2
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        dst = [torch.empty_like(ws[0]) for _ in range(min(GRAPH_CALLS, max(2, -(-4 * l2 // wbytes))))]
+        copy_ms = graph_ms_per_call(
+            lambda: [dst[i % len(dst)].copy_(w) for i, w in enumerate(ws)], GRAPH_CALLS)
+        del dst
+        same_gbps = 2 * wbytes / (copy_ms * 1e-3) / 1e9
+        record("decode", "copy (same bytes)", (N, K), copy_ms, gbps=same_gbps,
+               pct_big_copy=100.0 * same_gbps / big_copy)
+        for M in DECODE_M:
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(GRAPH_CALLS)]
+            moved = wbytes + M * K * 2 + M * N * 2
+            ref = (xs[0].float() @ ws[0].float().T)
+            runs = [("torch F.linear", None)] + [(f"linear [{p}]", p) for p in plans]
+            for name, plan in runs:
+                try:
+                    if plan is None:
+                        fn = lambda: [F.linear(x, w) for x, w in zip(xs, ws)]  # noqa: E731
+                        err = rel_err(F.linear(xs[0], ws[0]), ref)
+                        ms = graph_ms_per_call(fn, GRAPH_CALLS)
+                    else:
+                        with plan_set("decode", plan):
+                            err = rel_err(go.linear(xs[0], ws[0]), ref)
+                            if not err <= DECODE_TOL:
+                                raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
+                            ms = graph_ms_per_call(
+                                lambda: [go.linear(x, w) for x, w in zip(xs, ws)], GRAPH_CALLS)
+                except Exception as exc:  # report, go on
+                    key = f"decode {name} {M}x{N}x{K}"
+                    FAILURES[key] = f"{type(exc).__name__}: {exc}"[:300]
+                    print(f"  {name:<26}FAILED: {FAILURES[key]}", flush=True)
+                    continue
+                gbps = moved / (ms * 1e-3) / 1e9
+                record("decode", name, (M, N, K), ms, gbps=gbps, pct_copy=100.0 * gbps / big_copy,
+                       pct_copy_same=100.0 * gbps / same_gbps, max_rel_err=err,
+                       plan=plan or "torch", kernel=decode_kernel(plan, M, N, K))
+                fits.setdefault((name, M), []).append((moved, ms))
+            del xs
+        del ws
+        torch.cuda.empty_cache()
+    print("\n== decode: fixed cost per call and streaming bandwidth (least squares over the "
+          "weight sizes: t = fixed + bytes / bw) ==")
+    for (name, M), pts in fits.items():
+        if len(pts) < 2:
+            continue
+        n = len(pts)
+        mx = sum(b for b, _ in pts) / n
+        my = sum(t for _, t in pts) / n
+        sxx = sum((b - mx) ** 2 for b, _ in pts)
+        slope = sum((b - mx) * (t - my) for b, t in pts) / sxx if sxx else 0.0
+        fixed_us = (my - slope * mx) * 1e3
+        bw = 1e-9 / (slope * 1e-3) if slope > 0 else float("nan")
+        ROWS.append({"part": "decode_fit", "name": name, "M": M, "fixed_us": fixed_us,
+                     "stream_gbps": bw, "pct_big_copy": 100.0 * bw / big_copy})
+        print(f"  {name:<26}M={M:<3} fixed {fixed_us:6.2f} us  streaming {bw:7.0f} GB/s "
+              f"({100.0 * bw / big_copy:5.1f}% of copy)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--parts", default="gemm,decode")
+    ap.add_argument("--configs", default=",".join(G.WARP_TILED_CONFIGS))
+    ap.add_argument("--plans", default=",".join(G.DECODE_PLANS))
+    args = ap.parse_args()
+    t0 = time.time()
+    parts = args.parts.split(",")
+    big_copy = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy (1 GiB) {big_copy:.0f} GB/s; "
+          f"torch {torch.__version__}", flush=True)
+    for part, fn in (("gemm", lambda: gemm_part(args.configs.split(","))),
+                     ("decode", lambda: decode_part(args.plans.split(","), big_copy))):
+        if part in parts:
+            try:
+                fn()
+            except Exception as exc:  # report and go on with the other part
+                FAILURES[part] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"  {part} FAILED: {FAILURES[part]}", flush=True)
+    print(f"\n{time.time() - t0:.0f} s; failures: {FAILURES or 'none'}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": big_copy, "rows": ROWS,
+                       "failures": FAILURES, "torch": torch.__version__,
+                       "warp_tiled_configs": G.WARP_TILED_CONFIGS}, fh, indent=1)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
