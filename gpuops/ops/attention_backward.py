@@ -111,7 +111,10 @@ for _d, _tile in GENERAL_TILES.items():
 # queries per warp is FlashAttention-2's per-warp register budget at D = 128 (dK, dV: 128
 # registers; S^T, dP^T: 64); BR = 128 (FA2's D = 64 tile) spills here (~200 bytes);
 # benchmarks/notes_attention.md, "Tensor-core backward".
-MMA_TILES = {64: (8, 1, 64, 2, 1), 128: (8, 1, 64, 2, 1)}
+# Run 31 (H100, bf16, fwd+bwd vs SDPA FLASH): D = 128 (8, 1, 64, 2, 1) 0.87x non-causal, 1.04x
+# causal (BR = 32: 0.78x / 0.91x); D = 64 causal (4, 2, 32, 2, 1) 1.11x, (8, 1, 64, 2, 1) 0.98x,
+# (4, 1, 64, 2, 2) 0.99x.
+MMA_TILES = {64: (4, 2, 32, 2, 1), 128: (8, 1, 64, 2, 1)}
 # Calls with an attn_mask take an instantiation with the mask code compiled in (MASK = true) and,
 # where the default tile has no registers to spare (D = 128: 255 registers, 20 bytes of spills
 # with the mask code), a lighter one (BR = 32).
@@ -123,7 +126,7 @@ MMA_SMALL_TILES = {128: (8, 1, 32, 1, 1)}
 # (benchmarks/experiments/attention_bwd_mma.py --tiles; swap one in with MMA_TILES[d] = cfg):
 # D = 64: 32 keys per warp (half the Q / dO shared-memory reads per FLOP), and 4-warp blocks
 # two per SM (BC = 64: twice the dQ atomics); D = 128: BR = 32 (the mask tile, unmasked).
-MMA_ALTERNATES = {64: ((4, 2, 32, 2, 1), (4, 1, 64, 2, 2)), 128: ((8, 1, 32, 2, 1),)}
+MMA_ALTERNATES = {64: ((8, 1, 64, 2, 1), (4, 1, 64, 2, 2)), 128: ((8, 1, 32, 2, 1),)}
 _MMA_ARCHS = ("80", "86", "89", "90")
 _SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
 
