@@ -216,6 +216,34 @@ def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     return stat(times)
 
 
+def events_ms(fn, budget_s=1.5, min_iters=3, max_iters=200):
+    """Median ms per call of fn, each call between two CUDA events (GPU time of one call with
+    the host's launch cost in front of it), over 3 batches after 2 warm-up calls; the batch size
+    fits ``budget_s`` seconds. Shared by the GEMM experiments."""
+    import torch  # noqa: PLC0415
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    iters = int(max(min_iters, min(max_iters, budget_s * 1e3 / 3 / once)))
+    meds = []
+    for _ in range(3):
+        times = []
+        for _ in range(iters):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        meds.append(statistics.median(times))
+    return statistics.median(meds)
+
+
 def _errors(out, ref):
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -34,34 +33,13 @@ import torch.nn.functional as F  # noqa: E402,N812
 
 import gpuops as go  # noqa: E402
 from gpuops.ops import gemm as G  # noqa: E402
-from gpuops.bench import capture_graph  # noqa: E402
+from gpuops.bench import capture_graph, events_ms  # noqa: E402
 
 ROWS: list = []
 
 
 def time_ms(fn, budget_s=1.5, min_iters=3, max_iters=200):
-    """Median ms per call over batches of CUDA-event-timed calls after warm-up."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    once = max(start.elapsed_time(end), 1e-3)
-    iters = int(max(min_iters, min(max_iters, budget_s * 1e3 / 3 / once)))
-    meds = []
-    for _ in range(3):
-        times = []
-        for _ in range(iters):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        meds.append(statistics.median(times))
-    return statistics.median(meds)
+    return events_ms(fn, budget_s, min_iters, max_iters)
 
 
 def copy_gbps():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -32,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402,N812
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import capture_graph  # noqa: E402
+from gpuops.bench import capture_graph, events_ms  # noqa: E402
 from gpuops.ops import gemm as G  # noqa: E402
 
 ROWS: list = []
@@ -47,28 +46,7 @@ GEMM_TOL, DECODE_TOL = 1e-4, 1.5e-2
 
 
 def time_ms(fn, budget_s=0.6, min_iters=3, max_iters=100):
-    """Median ms per call (CUDA events around each call) of 3 batches after 2 warm-up calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    once = max(start.elapsed_time(end), 1e-3)
-    iters = int(max(min_iters, min(max_iters, budget_s * 1e3 / 3 / once)))
-    meds = []
-    for _ in range(3):
-        times = []
-        for _ in range(iters):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        meds.append(statistics.median(times))
-    return statistics.median(meds)
+    return events_ms(fn, budget_s, min_iters, max_iters)
 
 
 def graph_ms_per_call(fn, calls):
