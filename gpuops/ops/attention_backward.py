@@ -117,8 +117,9 @@ for _d, _tile in GENERAL_TILES.items():
 MMA_TILES = {64: (4, 2, 32, 2, 1), 128: (8, 1, 64, 2, 1)}
 # Calls with an attn_mask take an instantiation with the mask code compiled in (MASK = true) and,
 # where the default tile has no registers to spare (D = 128: 255 registers, 20 bytes of spills
-# with the mask code), a lighter one (BR = 32).
-MMA_MASK_TILES = {128: (8, 1, 32, 2, 1)}
+# with the mask code), a lighter one (BR = 32; D = 64: the 32-keys-per-warp default spills 8
+# bytes with the mask code on sm_80, f16, so masked calls keep 16 keys per warp).
+MMA_MASK_TILES = {64: (8, 1, 64, 2, 1), 128: (8, 1, 32, 2, 1)}
 # Devices whose blocks cannot have the default tile's shared memory (sm_86/89: 99 KB; the default
 # D = 128 tile needs 145 KB): this tile (D = 128: 88 KB), masked calls too.
 MMA_SMALL_TILES = {128: (8, 1, 32, 1, 1)}
