@@ -216,6 +216,24 @@ def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     return stat(times)
 
 
+def event_pairs_ms(fn, iters=20, warmup=3):
+    """Median ms per call of fn: ``iters`` calls enqueued back to back, each between two CUDA
+    events, one synchronize at the end (calls of a millisecond or more: the host stays ahead, so
+    this is GPU time). Shared by the attention and group_norm experiments."""
+    import torch  # noqa: PLC0415
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(iters)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
 def events_ms(fn, budget_s=1.5, min_iters=3, max_iters=200):
     """Median ms per call of fn, each call between two CUDA events (GPU time of one call with
     the host's launch cost in front of it), over 3 batches after 2 warm-up calls; the batch size

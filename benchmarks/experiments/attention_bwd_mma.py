@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -31,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gpuops as go
 from gpuops import dtypes as dt
+from gpuops.bench import event_pairs_ms
 from gpuops.ops import attention_backward as ab
 
 SHAPES = ((2, 16, 4096, 128, False), (2, 16, 4096, 128, True), (4, 16, 2048, 64, True))
@@ -38,18 +38,7 @@ BACKENDS = (("sdpa_flash", SDPBackend.FLASH_ATTENTION, "flash"),
             ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION, "cudnn"))
 
 
-def time_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(iters)]
-    for s, e in pairs:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+time_ms = event_pairs_ms
 
 
 def tiles_for(d, spec):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import time
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import gpuops as go
 from gpuops.ops import group_norm as GN
-from gpuops.bench import graph_replay_us
+from gpuops.bench import event_pairs_ms, graph_replay_us
 
 REPS = 20
 
@@ -54,17 +53,7 @@ def graph_us(fn, reps=REPS, replays=20):
 
 def eager_us(fn, iters=30):
     """As gpuops.bench: CUDA events around each call (host-bound calls measure the host)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(iters)]
-    for s, e in pairs:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return event_pairs_ms(fn, iters=iters) * 1e3
 
 
 def host_us(fn, iters=200):
