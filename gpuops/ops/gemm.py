@@ -22,6 +22,7 @@ call can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from math import prod
 
 import numpy as np
@@ -48,7 +49,9 @@ _HALFS = (dt.float16, dt.bfloat16)
 _TC_ARCHS = ("80", "86", "89", "90")          # mma.sync, ldmatrix, cp.async
 
 
+@lru_cache(maxsize=4096)
 def _kname(fn, *targs) -> str:
+    # remembered: launchers name their kernel on every call (the host path is the decode cost)
     return f"gpuops::gemm::{fn}<{', '.join(str(t) for t in targs)}>"
 
 
@@ -449,7 +452,24 @@ def _merge_batch(op, plan, batch, a_bs, b_bs, r_bs, max_fold_m=None):
         plan.bshape, plan.a_sb, plan.b_sb, plan.r_sb = (1, 1, 1), (0, 0, 0), (0, 0, 0), (0, 0, 0)
 
 
+_plan_cache: dict = {}
+
+
 def _plan(op, a: Tensor, b: Tensor, residual: Tensor | None, max_fold_m=None) -> _Plan:
+    """The call's _Plan, remembered per shapes and strides (a model repeats its GEMMs; planning
+    is ~a quarter of a call's host time). Plans are never changed after they are made."""
+    key = (op, a.shape, a.strides, b.shape, b.strides, max_fold_m,
+           None if residual is None else (residual.shape, residual.strides))
+    p = _plan_cache.get(key)
+    if p is None:
+        p = _plan_uncached(op, a, b, residual, max_fold_m)
+        if len(_plan_cache) >= 4096:
+            _plan_cache.clear()
+        _plan_cache[key] = p
+    return p
+
+
+def _plan_uncached(op, a: Tensor, b: Tensor, residual: Tensor | None, max_fold_m=None) -> _Plan:
     batch, M, N, K, out_shape = matmul_shapes(op, a.shape, b.shape)
     if a.ndim == 1:
         a_str, a_bs = (0, a.strides[0]), ()
@@ -577,8 +597,15 @@ def _gemv_mma_plan(sms, N, K, batch, dual):
     waves of the resident slots (a block streams up to 32 rows x K of the weight, so a partly
     empty last wave idles SMs for a whole block's time); a split costs a reduce launch and a
     workspace round trip, counted as 5% of fill. Each split keeps >= 1024 k (4 steps per warp)."""
+    return _gemv_mma_plan_of(sms, N, K, batch, tuple(GEMV_MMA_NT[dual].items()))
+
+
+@lru_cache(maxsize=1024)
+def _gemv_mma_plan_of(sms, N, K, batch, nt_occupancies):
+    # remembered per shape and table (tests swap the tables): the search is ~60 integer divisions,
+    # a quarter of a decode GEMV's host time
     best = None
-    for nt, occ in GEMV_MMA_NT[dual].items():
+    for nt, occ in nt_occupancies:
         slots = occ * sms
         for s in range(1, 9):
             k_split = _cdiv(_cdiv(K, s), 256) * 256
@@ -601,20 +628,26 @@ def _gemv_pipe_plan(sms, N, K, batch, dual, plan):
     still busy in the last round of tiles keep enough in flight (the memory stays saturated to the
     end), else the share of block-rounds that hold a tile; larger tiles (fewer reads of A per
     weight byte) on ties."""
+    return _gemv_pipe_plan_of(sms, N, K, batch, dual, tuple(GEMV_PIPE[plan][dual]),
+                              GEMV_PIPE_INFLIGHT)
+
+
+@lru_cache(maxsize=1024)
+def _gemv_pipe_plan_of(sms, N, K, batch, dual, configs, inflight):
     best = None
     packs = 2 if dual else 1
     steps = max(1, _cdiv(K, 256))
-    for nt, u, minb in GEMV_PIPE[plan][dual]:
+    for nt, u, minb in configs:
         tiles = _cdiv(N, 8 * nt)
         if tiles >= 2 ** 31 or u > steps:
             continue
         gx = min(tiles, max(1, minb * sms // batch))
         per_block = batch * 8 * u * nt * packs * 512
-        if gx * per_block < GEMV_PIPE_INFLIGHT:
+        if gx * per_block < inflight:
             continue
         rounds = _cdiv(tiles, gx)
         last = tiles - gx * (rounds - 1)
-        fill = 1.0 if last * per_block >= GEMV_PIPE_INFLIGHT else tiles / (gx * rounds)
+        fill = 1.0 if last * per_block >= inflight else tiles / (gx * rounds)
         key = (round(fill, 6), nt)
         if best is None or key > best[0]:
             best = (key, (nt, u, minb, gx))
