@@ -1450,7 +1450,8 @@ EMU_ROPE_K_CASES = [
 
 
 @needs_emu
-@pytest.mark.parametrize("case", EMU_ROPE_K_CASES, ids=lambda c: f"D{c[3]}-R{2 * c[4]}-{c[5]}-{c[7]}")
+@pytest.mark.parametrize("case", EMU_ROPE_K_CASES,
+                         ids=lambda c: f"D{c[3]}-R{2 * c[4]}-{c[5]}-{c[7]}")
 def test_emulated_rope_k_prepass(case, rng):
     """The pre-pass writes K rotated exactly as the in-loop form rotates a K tile (fp32 math,
     one rounding: _rope_like_mma), pass-through columns copied, into a new array of K's shape;
@@ -1642,8 +1643,8 @@ def test_emulated_mma_extras_two_stages(rng, monkeypatch):
     """The extras hooks on a two-stage schedule (K/V double-buffered; no extras schedule uses
     it yet, a later MMA_TILES change may): block-sparse key tiles skipped between visited ones
     (the buffers alternate per visited tile, not per tile index; the first tile off), varlen
-    and varlen + rotary (both forms) give bit for bit what the one-stage schedule of the same tile gives
-    (same tiles, same order), and the block-sparse output meets the reference."""
+    and varlen + rotary (both forms) give bit for bit what the one-stage schedule of the same
+    tile gives (same tiles, same order), and the block-sparse output meets the reference."""
     from gpuops.ops import _layout as lay  # noqa: PLC0415
     from gpuops.runtime.modules import KernelModule  # noqa: PLC0415
     monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
@@ -2041,12 +2042,15 @@ def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("half,D", [(32, 128), (64, 128), (48, 96), (10, 64), (16, 32),
                                     (128, 256)])
-def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleaved, half, D, rng,
-                                                               mma_only):
+@pytest.mark.parametrize("form", at.ROTARY_FORMS)
+def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleaved, half, D, form,
+                                                               rng, mma_only, monkeypatch):
     """Fused RoPE on the tensor-core kernel ('auto'; partial and full rotary, 8-byte and
-    one-pair items): against the float64 reference with the mma bound (which counts the
-    rounding of the rotated q and k to the storage dtype), and against gpuops.apply_rotary
-    followed by the mma kernel, which rounds them the same way: the same error level."""
+    one-pair items; K pre-pass or in-loop, PLAN["rotary"]): against the float64 reference with
+    the mma bound (which counts the rounding of the rotated q and k to the storage dtype), and
+    against gpuops.apply_rotary followed by the mma kernel, which rounds them the same way: the
+    same error level."""
+    monkeypatch.setitem(at.PLAN, "rotary", form)
     B, S, Hq, Hkv = 2, 1000, 8, 2
     q = _rand(rng, (B, S, Hq, D), dtype)
     k, v = (_rand(rng, (B, S, Hkv, D), dtype) for _ in range(2))
@@ -2068,3 +2072,50 @@ def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleav
     e_fused = float((out.double() - exp_t).norm() / exp_t.norm())
     e_two = float((two_step.double() - exp_t).norm() / exp_t.norm())
     assert e_fused < 1.25 * e_two, (e_fused, e_two)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_rotary_forms_agree_and_prepass_graph_replays(dtype, rng, mma_only, monkeypatch):
+    """The K pre-pass form and the in-loop form give the same bits (dense 'bshd' with GQA and
+    partial GPT-J rotary, 'bhsd' full NeoX, packed sequences); q and k are left as they were;
+    a CUDA graph captured around a pre-pass call (scratch from torch's graph pool) replays new
+    q / k / v copied in place to what an eager call gives."""
+    tdt = getattr(torch, dtype)
+    cases = []
+    q = torch.randn(2, 700, 8, 128, device="cuda", dtype=tdt)
+    k, v = (torch.randn(2, 700, 2, 128, device="cuda", dtype=tdt) for _ in range(2))
+    cos, sin = (_cuda(x, "float32") for x in _tables(700, 32))
+    cases.append(lambda: go.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, layout="bshd", rotary_cos=cos,
+        rotary_sin=sin, rotary_interleaved=True))
+    qb, kb, vb = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=tdt) for _ in range(3))
+    cb, sb = (_cuda(x, dtype) for x in _tables(1000, 32, dtype))
+    cases.append(lambda: go.scaled_dot_product_attention(qb, kb, vb, rotary_cos=cb,
+                                                         rotary_sin=sb))
+    lengths = [300, 1, 0, 1025]
+    cu = torch.from_numpy(_cu(lengths)).cuda()
+    qv, kv_, vv = (torch.randn(sum(lengths), 4, 128, device="cuda", dtype=tdt) for _ in range(3))
+    cv, sv = (_cuda(x, "float32") for x in _tables(1025, 64))
+    cases.append(lambda: go.varlen_attention(qv, kv_, vv, cu, cu, 1025, 1025, is_causal=True,
+                                             rotary_cos=cv, rotary_sin=sv))
+    saved = [x.clone() for x in (q, k, qb, kb, qv, kv_)]
+    for i, fn in enumerate(cases):
+        monkeypatch.setitem(at.PLAN, "rotary", "in_loop")
+        a = fn()
+        monkeypatch.setitem(at.PLAN, "rotary", "prepass")
+        b = fn()
+        assert torch.equal(a, b), i
+    for x, y in zip((q, k, qb, kb, qv, kv_), saved):
+        assert torch.equal(x, y)
+    fn = cases[0]
+    fn()                                                     # warm (compiles, loads)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = fn()
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, fn())

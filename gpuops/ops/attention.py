@@ -26,7 +26,9 @@ that does not is left out, and ``'auto'`` then sends calls that use them to ``'s
 sparsity is a template flag of the SIMT kernel, instantiated in its own module
 (``attention.flash_fwd_sparse``) so the dense kernels keep their register budget; the mma kernel
 likewise has EXTRAS bits (varlen, block sparsity, rotary) instantiated in
-``attention.flash_mma_extras_{f16,bf16}`` (cuda_src/attention/flash_mma_extras.cuh).
+``attention.flash_mma_extras_{f16,bf16}`` (cuda_src/attention/flash_mma_extras.cuh); its fused
+rotary rotates K once per call beforehand (``attention.rope_k``, cuda_src/attention/rope_k.cu)
+and Q in the kernel (``PLAN["rotary"]``).
 
 Design notes, floors and predictions: benchmarks/notes_attention.md.
 """
@@ -1242,7 +1244,12 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
       key) uses row s: positions are sequence indices, P >= max(Sq, Sk) (a KV cache whose keys
       start elsewhere needs rotary_positions offsets: not yet). The first R = 2 x cos.shape[-1]
       <= D elements of each head rotate; ``rotary_interleaved=False`` pairs (f, f + R/2)
-      (GPT-NeoX / Llama / HF ``rotate_half``), ``True`` pairs (2f, 2f + 1) (GPT-J).
+      (GPT-NeoX / Llama / HF ``rotate_half``), ``True`` pairs (2f, 2f + 1) (GPT-J). q and k
+      are never written. The tensor-core kernel (``PLAN["rotary"] = "prepass"``, the default)
+      first rotates K once into a temporary array of K's size (B x Hkv x Sk x D elements, from
+      the caller's allocator, freed on return; with GQA smaller than q) and rotates Q inside
+      the kernel; ``"in_loop"`` rotates each K tile in shared memory instead (no temporary,
+      slower: once per query block). Both give the same bits.
     * ``variant``: 'auto' (the best kernel for the device and inputs), 'mma' or 'simt'.
       'mma': FlashAttention-2's forward on tensor cores (mma.sync, fp32 accumulators), taken
       for fp16/bf16 on sm_80+ when the head dim is 32, 64, 96, 128 or 256 and q, k, v rows are
