@@ -1345,14 +1345,15 @@ def _mma_name(dtype, D, extras, masked=False):
 def _rotary_names(dtype, D, half, interleaved, form, varlen=False):
     """The launches of an mma call with rotary tables under PLAN["rotary"] = form: the in-loop
     instantiation (varlen + rotary, also for dense calls), or the K pre-pass (16-byte packs
-    where the rotated part splits into whole packs, else one element) and the Q-only one."""
-    if form == "in_loop":
+    where the rotated part splits into whole packs, else one element) and the Q-only one
+    (where instantiated: MMA_EXTRAS_MISSING, else the in-loop one)."""
+    q_only = (at.MMA_VARLEN if varlen else 0) | at.MMA_ROTARY_Q
+    if form == "in_loop" or q_only in at.MMA_EXTRAS_MISSING.get(D, ()):
         return [_mma_name(dtype, D, at.MMA_VARLEN | at.MMA_ROTARY)]
     d = dt.BY_NAME[dtype]
     v = 8 if at._rotary_vec_ok(d, at.FlashExtras(rot_half=half,
                                                  rot_interleaved=interleaved)) else 1
-    return [at.rope_k_expr(d, v),
-            _mma_name(dtype, D, (at.MMA_VARLEN if varlen else 0) | at.MMA_ROTARY_Q)]
+    return [at.rope_k_expr(d, v), _mma_name(dtype, D, q_only)]
 
 
 # (lengths q, lengths k or None (= q), Hq, Hkv, D, max_seqlen extra, options, dtype)
@@ -1777,11 +1778,15 @@ def test_auto_takes_mma_for_varlen_sparse_and_rotary(form, rng, monkeypatch):
     # D = 256: every extras instantiation (rotary on its own schedule, MMA_EXTRAS_TILES)
     assert sparse("float16", D=256) == _mma_name("float16", 256, at.MMA_SPARSE)
     assert varlen("bfloat16", D=256) == _mma_name("bfloat16", 256, at.MMA_VARLEN)
-    assert rotary("bfloat16", D=256) == _mma_name("bfloat16", 256, rot_dense)
+    # D = 256 has no Q-only instantiation (MMA_EXTRAS_MISSING): the in-loop one either way
+    assert (at.MMA_ROTARY_Q in at.MMA_EXTRAS_MISSING[256]) and rotary("bfloat16", D=256) == \
+        _mma_name("bfloat16", 256, at.MMA_VARLEN | at.MMA_ROTARY)
     # the extras instantiations have no attn_mask code: rotary + attn_mask takes SIMT
     assert rotary("bfloat16", mask=True) == rotary("bfloat16", mask=True, variant="mma") == "simt"
     # an extras instantiation a head dim lacks (MMA_EXTRAS_MISSING) sends its calls to SIMT
-    monkeypatch.setitem(at.MMA_EXTRAS_MISSING, 256, (at.MMA_VARLEN, rot_dense))
+    monkeypatch.setitem(at.MMA_EXTRAS_MISSING, 256,
+                        (at.MMA_VARLEN, at.MMA_VARLEN | at.MMA_ROTARY, at.MMA_ROTARY_Q,
+                         at.MMA_VARLEN | at.MMA_ROTARY_Q))
     assert varlen("bfloat16", D=256) == rotary("bfloat16", D=256) == "simt"
     assert sparse("float16", D=256) == _mma_name("float16", 256, at.MMA_SPARSE)
     tc["on"] = False                                        # sm_75 and older

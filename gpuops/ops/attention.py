@@ -151,17 +151,16 @@ ROTARY_FORMS = ("prepass", "in_loop")
 # at MMA_TILES' D = 128 sparse spilled 8-32 bytes on sm_80..90 and varlen 4 on sm_80, while
 # varlen + rotary fits (255 registers); D = 256 rotary at BC 64 spilled 20 bytes on sm_80..89;
 # benchmarks/notes_attention.md). Q-only rotary (the pre-pass form) fits FA2's D = 128 tile
-# (255 registers, dense and varlen) but spilled 24 / 32 bytes on sm_90 at D = 256 BC 64 (dense /
-# varlen). D = 128's is MMA_MASK_TILES[128] (compiled in the dense module
-# too: the GPU test comparing varlen with per-sequence SDPA bit for bit times both on it).
+# (255 registers, dense and varlen). D = 128's is MMA_MASK_TILES[128] (compiled in the dense
+# module too: the GPU test comparing varlen with per-sequence SDPA bit for bit times both on it).
 MMA_EXTRAS_TILES = {(128, MMA_SPARSE): (4, 2, 32, False, 2, 1),
                     (128, MMA_VARLEN): (4, 2, 32, False, 2, 1),
-                    (256, MMA_VARLEN | MMA_ROTARY): (4, 1, 32, False, 2, 1),
-                    (256, MMA_ROTARY_Q): (4, 1, 32, False, 2, 1),
-                    (256, MMA_VARLEN | MMA_ROTARY_Q): (4, 1, 32, False, 2, 1)}
-# Extras not instantiated for a head dim (such calls take the SIMT kernel): none now; the
-# mechanism stays for a schedule that cannot fit them.
-MMA_EXTRAS_MISSING: dict = {}
+                    (256, MMA_VARLEN | MMA_ROTARY): (4, 1, 32, False, 2, 1)}
+# Extras not instantiated for a head dim. Such calls take the SIMT kernel, except the Q-only
+# rotary ones, which fall back to the in-loop form (mma_extras). D = 256: Q-only rotary spilled
+# on sm_90 (ptxas, NVRTC 12.9) at BC 64 (24 / 32 bytes, dense / varlen) and, oddly, at BC 32
+# (16 / 20 bytes, where the in-loop form fits at 253 registers); 0 on sm_80/86/89.
+MMA_EXTRAS_MISSING: dict = {256: (MMA_ROTARY_Q, MMA_VARLEN | MMA_ROTARY_Q)}
 
 
 def mma_expr(dtype, d: int, cfg, masked: bool = False, extras: int = MMA_PLAIN) -> str:
@@ -884,7 +883,10 @@ def mma_extras(p, ext: FlashExtras) -> int:
         return MMA_SPARSE
     varlen = MMA_VARLEN if ext.cu_q is not None or p.bottom_right else MMA_PLAIN
     if ext.rot_half:
-        return varlen | MMA_ROTARY_Q if rotary_form() == "prepass" else MMA_VARLEN | MMA_ROTARY
+        q_only = varlen | MMA_ROTARY_Q
+        if rotary_form() == "prepass" and q_only not in MMA_EXTRAS_MISSING.get(p.D, ()):
+            return q_only
+        return MMA_VARLEN | MMA_ROTARY       # in-loop (also where Q-only is not instantiated)
     return varlen
 
 
