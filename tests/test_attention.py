@@ -1342,6 +1342,20 @@ def _mma_name(dtype, D, extras, masked=False):
     return at.mma_expr(dt.BY_NAME[dtype], D, at.mma_config(D, masked, extras), masked, extras)
 
 
+def _rotary_names(dtype, D, half, interleaved, form, varlen=False):
+    """The launches of an mma call with rotary tables under PLAN["rotary"] = form: the in-loop
+    instantiation (varlen + rotary, also for dense calls), or the K pre-pass (16-byte packs
+    where the rotated part splits into whole packs, else one element) and the Q-only one
+    (where instantiated: MMA_EXTRAS_MISSING, else the in-loop one)."""
+    q_only = (at.MMA_VARLEN if varlen else 0) | at.MMA_ROTARY_Q
+    if form == "in_loop" or q_only in at.MMA_EXTRAS_MISSING.get(D, ()):
+        return [_mma_name(dtype, D, at.MMA_VARLEN | at.MMA_ROTARY)]
+    d = dt.BY_NAME[dtype]
+    v = 8 if at._rotary_vec_ok(d, at.FlashExtras(rot_half=half,
+                                                 rot_interleaved=interleaved)) else 1
+    return [at.rope_k_expr(d, v), _mma_name(dtype, D, q_only)]
+
+
 # (lengths q, lengths k or None (= q), Hq, Hkv, D, max_seqlen extra, options, dtype)
 EMU_MMA_VARLEN_CASES = [
     ([70, 0, 1, 33, 5], None, 2, 2, 64, 0, {"is_causal": True}, "bfloat16"),
@@ -1378,11 +1392,28 @@ def test_emulated_mma_varlen(case, rng, monkeypatch):
     if rot is not None:
         cos, sin = _tables(max(lq + lk) + 3, rot[0], dtype if rot[2] == "same" else rot[2])
         opt.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rot[1])
+    q0, k0 = q.copy(), k.copy()
     with emu.Device(sms=2) as dev:
         out, lse = _emu_varlen(dev, q, k, v, cq, ck, max(lq) + extra, max(lk) + extra,
                                dtype=dtype, variant="auto", **opt)
         names = _kernel_names()
-    assert names == [_mma_name(dtype, D, at.MMA_VARLEN | (at.MMA_ROTARY if rot else 0))]
+        if rot is not None:       # the other rotary form: the same bits
+            other = "in_loop" if at.PLAN["rotary"] == "prepass" else "prepass"
+            forms = {at.PLAN["rotary"]: names}
+            monkeypatch.setitem(at.PLAN, "rotary", other)
+            emu.Device.launches.clear()
+            out2, lse2 = _emu_varlen(dev, q, k, v, cq, ck, max(lq) + extra, max(lk) + extra,
+                                     dtype=dtype, variant="auto", **opt)
+            forms[other] = _kernel_names()
+            np.testing.assert_array_equal(out, out2)
+            np.testing.assert_array_equal(lse, lse2)
+    if rot is None:
+        assert names == [_mma_name(dtype, D, at.MMA_VARLEN)]
+    else:
+        for form, seen in forms.items():
+            assert seen == _rotary_names(dtype, D, rot[0], rot[1], form, varlen=True), form
+    np.testing.assert_array_equal(q, q0)      # q and k are never written (rotated or not)
+    np.testing.assert_array_equal(k, k0)
     exp, exp_lse, bound, lbound = varlen_bound(q, k, v, cq, ck, dtype=dtype, mma=True, **opt)
     check(out, exp, bound, f"out {case}")
     check(lse, exp_lse, lbound, f"lse {case}")
@@ -1407,6 +1438,79 @@ def test_emulated_mma_varlen_matches_dense_per_sequence(rng, monkeypatch):
             np.testing.assert_array_equal(lse[:, cu[b]:cu[b + 1]], l_[0])
         assert _kernel_names() == [_mma_name("bfloat16", 64, at.MMA_VARLEN)] + \
             [_mma_name("bfloat16", 64, at.MMA_PLAIN)] * 3
+
+
+# (B, Hkv, Sk, D, half, interleaved, table dtype, layout, dtype): the K pre-pass alone
+EMU_ROPE_K_CASES = [
+    (2, 3, 70, 64, 32, False, "same", "bhsd", "bfloat16"),       # 16-byte packs + partner
+    (1, 2, 65, 128, 32, True, "float32", "bshd", "float16"),     # partial, GPT-J packs
+    (1, 2, 33, 64, 10, False, "float32", "bhsd", "bfloat16"),    # one element: partner unaligned
+    (2, 1, 40, 32, 5, True, "same", "bshd", "float16"),          # GPT-J single pairs, partial
+    (1, 1, 130, 96, 48, False, "float32", "bshd", "bfloat16"),   # full rotary, 3 row blocks
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU_ROPE_K_CASES,
+                         ids=lambda c: f"D{c[3]}-R{2 * c[4]}-{c[5]}-{c[7]}")
+def test_emulated_rope_k_prepass(case, rng):
+    """The pre-pass writes K rotated exactly as the in-loop form rotates a K tile (fp32 math,
+    one rounding: _rope_like_mma), pass-through columns copied, into a new array of K's shape;
+    k itself is untouched (the rows of k are a strided view here: every other kv head)."""
+    B, Hkv, Sk, D, half, interleaved, tdt, layout, dtype = case
+    shp = _shapes(layout, D)
+    big = _rand(rng, shp(B, 2 * Hkv, Sk), dtype)
+    k = big[:, ::2] if layout == "bhsd" else big[:, :, ::2]
+    k0 = k.copy()
+    cos, sin = _tables(Sk + 3, half, dtype if tdt == "same" else tdt)
+    p = at.Problem(B, Hkv, Hkv, Sk, Sk, D, 1.0, -1, -1, False)
+    ext = at.FlashExtras()
+    with emu.Device(sms=2) as dev:
+        call = _emu_call(dev, at.OP, dtype)
+        at._rotary_extras(at.OP, dt.BY_NAME[dtype], dev.tensor(cos), dev.tensor(sin), half,
+                          interleaved, ext)
+        kt = dev.tensor(k)
+        got = at.rope_k_scratch(call, p, kt, kt, kt, kt, layout, ext).obj
+        assert _kernel_names() == [_rotary_names(dtype, D, half, interleaved, "prepass")[0]]
+    exp = _bhsd(_rope_like_mma(_bhsd(k, layout), cos, sin, interleaved, dtype), layout) \
+        .astype(np.float32).astype(_np_dtype(dtype))
+    assert got.shape == k.shape and got.flags.c_contiguous
+    np.testing.assert_array_equal(got.view(np.uint16), exp.view(np.uint16))
+    np.testing.assert_array_equal(k, k0)
+    assert np.any(got != k)
+
+
+@needs_emu
+def test_emulated_rope_k_prepass_varlen_positions_and_long_sequence(rng):
+    """Packed keys: positions restart at every sequence (cu_seqlens_k, read on the device); a
+    sequence longer than max_seqlen_k (a broken precondition) is still rotated to its end (the
+    row-block loop strides past the grid), past the table reading NaN as the in-loop form."""
+    lengths = [70, 0, 5, 140]
+    cu = _cu(lengths)
+    Hkv, D, half, dtype = 2, 64, 24, "bfloat16"   # partial: columns 48.. pass through
+    k = _rand(rng, (cu[-1], Hkv, D), dtype)
+    cos, sin = _tables(100, half)                # rows 0..99: the last sequence runs past
+    p = at.Problem(len(lengths), Hkv, Hkv, 64, 64, D, 1.0, -1, -1, True)   # max_seqlen 64
+    with emu.Device(sms=2) as dev:
+        ext = at.FlashExtras(cu_q=dev.tensor(cu), cu_k=dev.tensor(cu))
+        at._rotary_extras(at.VARLEN_OP, dt.bfloat16, dev.tensor(cos), dev.tensor(sin), half,
+                          False, ext)
+        kt = dev.tensor(k)
+        got = at.rope_k_scratch(_emu_call(dev, at.VARLEN_OP, dtype), p, kt, kt, kt, kt, "thd",
+                                ext).obj
+        assert emu.Device.launches[-1][1] == (4 * Hkv, 1, 1)
+    tab_c = np.concatenate([cos, np.full((200, half), np.nan, np.float32)])
+    tab_s = np.concatenate([sin, np.full((200, half), np.nan, np.float32)])
+    for b in range(len(lengths)):
+        seq = k[cu[b]:cu[b + 1]].transpose(1, 0, 2)          # [Hkv, L, D], row l at position l
+        exp = _rope_like_mma(seq, tab_c, tab_s, False, dtype).transpose(1, 0, 2) \
+            .astype(np.float32).astype(_np_dtype(dtype))
+        np.testing.assert_array_equal(got[cu[b]:cu[b + 1]].view(np.uint16) if b < 3 else
+                                      got[cu[b]:cu[b] + 100].view(np.uint16),
+                                      exp.view(np.uint16) if b < 3 else exp[:100].view(np.uint16))
+    tail = got[cu[3] + 100:cu[4]]
+    assert np.all(np.isnan(tail[..., :2 * half].astype(np.float32)))
+    np.testing.assert_array_equal(tail[..., 2 * half:], k[cu[3] + 100:cu[4], :, 2 * half:])
 
 
 # (B, Hq, Hkv, Sq, Sk, D, block_size, mask batch, mask heads, options, dtype)
@@ -1485,33 +1589,40 @@ EMU_MMA_ROTARY_CASES = [
 
 
 @needs_emu
+@pytest.mark.parametrize("form", at.ROTARY_FORMS)
 @pytest.mark.parametrize("case", EMU_MMA_ROTARY_CASES,
                          ids=lambda c: f"D{c[4]}-R{2 * c[5]}-{c[6]}-{c[8]}-{c[9]}")
-def test_emulated_mma_sdpa_with_rotary(case, rng, monkeypatch):
+def test_emulated_mma_sdpa_with_rotary(case, form, rng, monkeypatch):
     """Against the float64 reference (mma bound plus the rounding of the rotated q and k), and
     bit-equal to the mma kernel of the same schedule run on q and k rotated the same way
-    beforehand (so the rotation in shared memory is exactly fp32 RoPE rounded once to the
-    storage dtype)."""
+    beforehand (so the rotation, in shared memory or by the K pre-pass, is exactly fp32 RoPE
+    rounded once to the storage dtype); q and k are left as they were."""
     Sq, Sk, Hq, Hkv, D, half, interleaved, tdt, layout, dtype = case
     monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
+    monkeypatch.setitem(at.PLAN, "rotary", form)
     shp = _shapes(layout, D)
     q, k, v = _rand(rng, shp(1, Hq, Sq), dtype), _rand(rng, shp(1, Hkv, Sk), dtype), \
         _rand(rng, shp(1, Hkv, Sk), dtype)
     cos, sin = _tables(max(Sq, Sk) + 5, half, dtype if tdt == "same" else tdt)
     kw = dict(is_causal=True, enable_gqa=Hq != Hkv, layout=layout, rotary_cos=cos,
               rotary_sin=sin, rotary_interleaved=interleaved)
+    q0, k0 = q.copy(), k.copy()
     with emu.Device(sms=2) as dev:
         t = [dev.tensor(x) for x in (q, k, v)]
         out, lse = at._forward(_emu_call(dev, at.OP, dtype), *t, None, True, None,
                                kw["enable_gqa"], None, True, layout, "auto", dev.tensor(cos),
                                dev.tensor(sin), interleaved)
         out, lse = out.obj, lse.obj
-        assert _kernel_names() == [_mma_name(dtype, D, at.MMA_VARLEN | at.MMA_ROTARY)]
+        names = _rotary_names(dtype, D, half, interleaved, form)
+        assert _kernel_names() == names
+        np.testing.assert_array_equal(q, q0)
+        np.testing.assert_array_equal(k, k0)
         qr, kr = (_bhsd(_rope_like_mma(_bhsd(x, layout), cos, sin, interleaved, dtype), layout)
                   .astype(np.float32).astype(_np_dtype(dtype)) for x in (q, k))
         # the same schedule without rotary: the dense kernel, or the varlen instantiation (with
         # dense arguments) where the rotary one runs on MMA_EXTRAS_TILES' schedule
-        rot_cfg = at.mma_config(D, False, at.MMA_VARLEN | at.MMA_ROTARY)
+        rot_cfg = at.mma_config(D, False, at.MMA_ROTARY_Q if form == "prepass"
+                                else at.MMA_VARLEN | at.MMA_ROTARY)
         same = at.MMA_PLAIN if rot_cfg == at.MMA_TILES[D] else at.MMA_VARLEN
         assert at.mma_config(D, False, same) == rot_cfg
         monkeypatch.setattr(at, "mma_extras", lambda p, ext: same)
@@ -1533,8 +1644,8 @@ def test_emulated_mma_extras_two_stages(rng, monkeypatch):
     """The extras hooks on a two-stage schedule (K/V double-buffered; no extras schedule uses
     it yet, a later MMA_TILES change may): block-sparse key tiles skipped between visited ones
     (the buffers alternate per visited tile, not per tile index; the first tile off), varlen
-    and varlen + rotary give bit for bit what the one-stage schedule of the same tile gives
-    (same tiles, same order), and the block-sparse output meets the reference."""
+    and varlen + rotary (both forms) give bit for bit what the one-stage schedule of the same
+    tile gives (same tiles, same order), and the block-sparse output meets the reference."""
     from gpuops.ops import _layout as lay  # noqa: PLC0415
     from gpuops.runtime.modules import KernelModule  # noqa: PLC0415
     monkeypatch.setattr(at, "tensor_cores", lambda dev: True)
@@ -1572,17 +1683,23 @@ def test_emulated_mma_extras_two_stages(rng, monkeypatch):
                 outs += [o.obj, l_.obj]
             outs += _emu_varlen(dev, qv, kv_, vv, cu, cu, 150, 150, dtype=dtype, is_causal=True,
                                 variant="mma")
-            outs += _emu_varlen(dev, qv, kv_, vv, cu, cu, 150, 150, dtype=dtype, is_causal=True,
-                                rotary_cos=cos, rotary_sin=sin, variant="mma")
+            for form in at.ROTARY_FORMS:
+                monkeypatch.setitem(at.PLAN, "rotary", form)
+                outs += _emu_varlen(dev, qv, kv_, vv, cu, cu, 150, 150, dtype=dtype,
+                                    is_causal=True, rotary_cos=cos, rotary_sin=sin,
+                                    variant="mma")
             names = _kernel_names()
-        assert names == [at.mma_expr(dt.bfloat16, D, cfg, False, x) for x in
-                         (at.MMA_SPARSE, at.MMA_SPARSE, at.MMA_VARLEN,
-                          at.MMA_VARLEN | at.MMA_ROTARY)]
+        assert [n for n in names if "attn_rope_k" not in n] == [
+            at.mma_expr(dt.bfloat16, D, cfg, False, x) for x in
+            (at.MMA_SPARSE, at.MMA_SPARSE, at.MMA_VARLEN, at.MMA_VARLEN | at.MMA_ROTARY_Q,
+             at.MMA_VARLEN | at.MMA_ROTARY)]
         return outs
 
     got, base = run(two), run(one)
     for i, (a, b) in enumerate(zip(got, base)):
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+    for a, b in zip(got[-4:-2], got[-2:]):    # the rotary forms: the same bits
+        np.testing.assert_array_equal(a, b)
     for (bm, bs), o, l_ in zip(((bm64, 64), (bm16, 16)), got[0:4:2], got[1:4:2]):
         mask = at.expand_block_mask(bm, bs, 128, 448)
         exp, exp_lse, bound, lbound = attn_bound(q, k, v, mask, dtype=dtype, mma=True)
@@ -1590,11 +1707,17 @@ def test_emulated_mma_extras_two_stages(rng, monkeypatch):
         check(l_, exp_lse, lbound, f"lse bs {bs}")
 
 
-def test_auto_takes_mma_for_varlen_sparse_and_rotary(rng, monkeypatch):
+@pytest.mark.parametrize("form", at.ROTARY_FORMS)
+def test_auto_takes_mma_for_varlen_sparse_and_rotary(form, rng, monkeypatch):
     """'auto' and 'mma' send varlen, block-sparse and rotary calls to the tensor-core kernel
-    (EXTRAS = MMA_VARLEN, MMA_SPARSE, MMA_VARLEN | MMA_ROTARY) where it applies; fp32, head
-    dims without an mma instantiation, packed rows the row stride misaligns and devices below
-    sm_80 take 'simt'. (Routing only: the launchers are replaced by recorders.)"""
+    (EXTRAS = MMA_VARLEN, MMA_SPARSE; rotary: MMA_ROTARY_Q, with MMA_VARLEN for packed
+    sequences, under PLAN["rotary"] = "prepass", MMA_VARLEN | MMA_ROTARY for both under
+    "in_loop") where it applies; fp32, head dims without an mma instantiation, packed rows the
+    row stride misaligns and devices below sm_80 take 'simt'. (Routing only: the launchers are
+    replaced by recorders.)"""
+    monkeypatch.setitem(at.PLAN, "rotary", form)
+    rot_dense = at.MMA_ROTARY_Q if form == "prepass" else at.MMA_VARLEN | at.MMA_ROTARY
+    rot_varlen = at.MMA_VARLEN | (at.MMA_ROTARY_Q if form == "prepass" else at.MMA_ROTARY)
     tc = {"on": True}
     monkeypatch.setattr(at, "tensor_cores", lambda dev: tc["on"])
     seen = []
@@ -1641,11 +1764,10 @@ def test_auto_takes_mma_for_varlen_sparse_and_rotary(rng, monkeypatch):
     for variant in ("auto", "mma"):
         assert varlen("bfloat16", variant=variant) == _mma_name("bfloat16", 64, at.MMA_VARLEN)
         assert varlen("float16", D=128, rot=True, variant=variant) == _mma_name(
-            "float16", 128, at.MMA_VARLEN | at.MMA_ROTARY)
+            "float16", 128, rot_varlen)
         assert sparse("bfloat16", D=32, variant=variant) == _mma_name("bfloat16", 32,
                                                                       at.MMA_SPARSE)
-        assert rotary("bfloat16", D=96, variant=variant) == _mma_name(
-            "bfloat16", 96, at.MMA_VARLEN | at.MMA_ROTARY)
+        assert rotary("bfloat16", D=96, variant=variant) == _mma_name("bfloat16", 96, rot_dense)
     assert varlen("bfloat16", variant="simt") == "simt"
     assert sparse("bfloat16", variant="simt") == "simt"
     assert rotary("bfloat16", variant="simt") == "simt"
@@ -1656,11 +1778,15 @@ def test_auto_takes_mma_for_varlen_sparse_and_rotary(rng, monkeypatch):
     # D = 256: every extras instantiation (rotary on its own schedule, MMA_EXTRAS_TILES)
     assert sparse("float16", D=256) == _mma_name("float16", 256, at.MMA_SPARSE)
     assert varlen("bfloat16", D=256) == _mma_name("bfloat16", 256, at.MMA_VARLEN)
-    assert rotary("bfloat16", D=256) == _mma_name("bfloat16", 256, at.MMA_VARLEN | at.MMA_ROTARY)
+    # D = 256 has no Q-only instantiation (MMA_EXTRAS_MISSING): the in-loop one either way
+    assert (at.MMA_ROTARY_Q in at.MMA_EXTRAS_MISSING[256]) and rotary("bfloat16", D=256) == \
+        _mma_name("bfloat16", 256, at.MMA_VARLEN | at.MMA_ROTARY)
     # the extras instantiations have no attn_mask code: rotary + attn_mask takes SIMT
     assert rotary("bfloat16", mask=True) == rotary("bfloat16", mask=True, variant="mma") == "simt"
     # an extras instantiation a head dim lacks (MMA_EXTRAS_MISSING) sends its calls to SIMT
-    monkeypatch.setitem(at.MMA_EXTRAS_MISSING, 256, (at.MMA_VARLEN, at.MMA_VARLEN | at.MMA_ROTARY))
+    monkeypatch.setitem(at.MMA_EXTRAS_MISSING, 256,
+                        (at.MMA_VARLEN, at.MMA_VARLEN | at.MMA_ROTARY, at.MMA_ROTARY_Q,
+                         at.MMA_VARLEN | at.MMA_ROTARY_Q))
     assert varlen("bfloat16", D=256) == rotary("bfloat16", D=256) == "simt"
     assert sparse("float16", D=256) == _mma_name("float16", 256, at.MMA_SPARSE)
     tc["on"] = False                                        # sm_75 and older
@@ -1677,7 +1803,7 @@ def test_mma_extras_configs_and_modules():
         assert set(m.kernels) == {at.mma_expr(dtype, d, at.mma_config(d, False, x), False, x)
                                   for d in at.MMA_TILES for x in at.MMA_EXTRAS
                                   if at.mma_has(d, x)}
-        assert len(m.kernels) == 3 * len(at.MMA_TILES) - missing
+        assert len(m.kernels) == len(at.MMA_EXTRAS) * len(at.MMA_TILES) - missing
         assert not set(m.kernels) & set(at.MMA_MODULES[dtype].kernels)
         assert all(", false, " in e and not e.endswith(", false>") for e in m.kernels)
     for d in at.MMA_TILES:
@@ -1700,6 +1826,33 @@ def test_mma_extras_configs_and_modules():
     assert at.mma_extras(p, at.NO_EXTRAS) == at.MMA_PLAIN
     p.bottom_right = True                                 # a dense bottom-right diagonal
     assert at.mma_extras(p, at.NO_EXTRAS) == at.MMA_VARLEN
+
+
+def test_rotary_plan_routes_the_mma_instantiations(monkeypatch):
+    """PLAN["rotary"]: 'prepass' (the default) -> the Q-only instantiation (with MMA_VARLEN for
+    packed sequences or a bottom-right diagonal) after the K pre-pass; 'in_loop' -> varlen +
+    rotary; anything else raises. The pre-pass module exists for both 16-bit dtypes, 16-byte
+    packs and single elements, on every arch (it has no tensor-core code)."""
+    ext = at.FlashExtras(rot_half=8)
+    dense = at.check_args((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), None, True, None, False,
+                          None, False, "bhsd", "auto")
+    assert at.PLAN["rotary"] == "prepass"
+    assert at.mma_extras(dense, ext) == at.MMA_ROTARY_Q
+    dense.bottom_right = True
+    assert at.mma_extras(dense, ext) == at.MMA_VARLEN | at.MMA_ROTARY_Q
+    assert at.mma_extras(dense, at.FlashExtras(cu_q=1, cu_k=1, rot_half=8)) == \
+        at.MMA_VARLEN | at.MMA_ROTARY_Q
+    monkeypatch.setitem(at.PLAN, "rotary", "in_loop")
+    assert at.mma_extras(dense, ext) == at.MMA_VARLEN | at.MMA_ROTARY
+    dense.bottom_right = False
+    assert at.mma_extras(dense, ext) == at.MMA_VARLEN | at.MMA_ROTARY
+    assert at.mma_extras(dense, at.NO_EXTRAS) == at.MMA_PLAIN
+    monkeypatch.setitem(at.PLAN, "rotary", "fused")
+    with pytest.raises(ValueError, match="PLAN\\['rotary'\\]"):
+        at.mma_extras(dense, ext)
+    assert set(at.ROPE_K_MODULE.kernels) == {at.rope_k_expr(d, v) for d in (dt.float16,
+                                             dt.bfloat16) for v in (8, 1)}
+    assert at.ROPE_K_MODULE.supports(61)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -1894,12 +2047,15 @@ def test_gpu_sdpa_rotary_matches_apply_rotary_then_sdpa(dtype, interleaved, rng)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("half,D", [(32, 128), (64, 128), (48, 96), (10, 64), (16, 32),
                                     (128, 256)])
-def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleaved, half, D, rng,
-                                                               mma_only):
+@pytest.mark.parametrize("form", at.ROTARY_FORMS)
+def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleaved, half, D, form,
+                                                               rng, mma_only, monkeypatch):
     """Fused RoPE on the tensor-core kernel ('auto'; partial and full rotary, 8-byte and
-    one-pair items): against the float64 reference with the mma bound (which counts the
-    rounding of the rotated q and k to the storage dtype), and against gpuops.apply_rotary
-    followed by the mma kernel, which rounds them the same way: the same error level."""
+    one-pair items; K pre-pass or in-loop, PLAN["rotary"]): against the float64 reference with
+    the mma bound (which counts the rounding of the rotated q and k to the storage dtype), and
+    against gpuops.apply_rotary followed by the mma kernel, which rounds them the same way: the
+    same error level."""
+    monkeypatch.setitem(at.PLAN, "rotary", form)
     B, S, Hq, Hkv = 2, 1000, 8, 2
     q = _rand(rng, (B, S, Hq, D), dtype)
     k, v = (_rand(rng, (B, S, Hkv, D), dtype) for _ in range(2))
@@ -1921,3 +2077,50 @@ def test_gpu_mma_sdpa_rotary_against_reference_and_apply_rotary(dtype, interleav
     e_fused = float((out.double() - exp_t).norm() / exp_t.norm())
     e_two = float((two_step.double() - exp_t).norm() / exp_t.norm())
     assert e_fused < 1.25 * e_two, (e_fused, e_two)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_rotary_forms_agree_and_prepass_graph_replays(dtype, rng, mma_only, monkeypatch):
+    """The K pre-pass form and the in-loop form give the same bits (dense 'bshd' with GQA and
+    partial GPT-J rotary, 'bhsd' full NeoX, packed sequences); q and k are left as they were;
+    a CUDA graph captured around a pre-pass call (scratch from torch's graph pool) replays new
+    q / k / v copied in place to what an eager call gives."""
+    tdt = getattr(torch, dtype)
+    cases = []
+    q = torch.randn(2, 700, 8, 128, device="cuda", dtype=tdt)
+    k, v = (torch.randn(2, 700, 2, 128, device="cuda", dtype=tdt) for _ in range(2))
+    cos, sin = (_cuda(x, "float32") for x in _tables(700, 32))
+    cases.append(lambda: go.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, layout="bshd", rotary_cos=cos,
+        rotary_sin=sin, rotary_interleaved=True))
+    qb, kb, vb = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=tdt) for _ in range(3))
+    cb, sb = (_cuda(x, dtype) for x in _tables(1000, 32, dtype))
+    cases.append(lambda: go.scaled_dot_product_attention(qb, kb, vb, rotary_cos=cb,
+                                                         rotary_sin=sb))
+    lengths = [300, 1, 0, 1025]
+    cu = torch.from_numpy(_cu(lengths)).cuda()
+    qv, kv_, vv = (torch.randn(sum(lengths), 4, 128, device="cuda", dtype=tdt) for _ in range(3))
+    cv, sv = (_cuda(x, "float32") for x in _tables(1025, 64))
+    cases.append(lambda: go.varlen_attention(qv, kv_, vv, cu, cu, 1025, 1025, is_causal=True,
+                                             rotary_cos=cv, rotary_sin=sv))
+    saved = [x.clone() for x in (q, k, qb, kb, qv, kv_)]
+    for i, fn in enumerate(cases):
+        monkeypatch.setitem(at.PLAN, "rotary", "in_loop")
+        a = fn()
+        monkeypatch.setitem(at.PLAN, "rotary", "prepass")
+        b = fn()
+        assert torch.equal(a, b), i
+    for x, y in zip((q, k, qb, kb, qv, kv_), saved):
+        assert torch.equal(x, y)
+    fn = cases[0]
+    fn()                                                     # warm (compiles, loads)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = fn()
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, fn())

@@ -48,8 +48,9 @@
 // kernel), helpers in flash_mma_extras.cuh, called from the hooks marked [extras] below (the
 // sequence's rows and diagonal before the key loop; which key tiles are visited and loaded; the
 // per-score block test on edge tiles; RoPE of Q before the loop and of each landed K tile, in
-// shared memory; the lse strides). Each hook is `if constexpr` or folds to the dense expression
-// for EXTRAS = 0: the dense instantiations compile to the same SASS as without the hooks.
+// shared memory, or of Q alone when a pre-pass rotated K: kMmaRotaryQ; the lse strides). Each
+// hook is `if constexpr` or folds to the dense expression for EXTRAS = 0: the dense
+// instantiations compile to the same SASS as without the hooks.
 #include "attention/attn_mma.cuh"
 #include "attention/flash_mma_extras.cuh"
 #include "common/opaque.cuh"
@@ -108,6 +109,7 @@ template <class T, int D, int WARPS, int MT, int BC, bool QREG, int MINB, int ST
           int EXTRAS = kMmaPlain>
 __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwdArgs args) {
   constexpr bool SPARSE = EXTRAS & kMmaSparse, ROTARY = EXTRAS & kMmaRotary;
+  constexpr bool ROTARY_Q = ROTARY || (EXTRAS & kMmaRotaryQ);   // Q rotated before the loop
   constexpr bool VARLEN = EXTRAS & kMmaVarlen;
   constexpr int kThreads = WARPS * 32, BR = 16 * MT * WARPS;
   constexpr int KD = D / 16;    // mma k steps of Q K^T
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
     attn_tile_async<T, BC, D, kThreads>(kv_s, k, j0, a.sk, a.ks[2]);
     if (STAGES == 2) attn_tile_async<T, BC, D, kThreads>(kv_s + kTileBytes, v, j0, a.sk, a.vs[2]);
     cp_async_commit();
-    if constexpr (ROTARY) {   // [extras] rotary: RoPE of Q in place once it landed, before the loop
+    if constexpr (ROTARY_Q) {   // [extras] rotary: RoPE of Q in place once landed, before the loop
       cp_async_wait<0>();
       __syncthreads();
       mma_rope_tile<T, BR, D, kThreads>(smem, a, q0 - shift, sq_real);
@@ -214,8 +216,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) flash_fwd_mma(const FlashFwd
         cp_async_commit();
       }
     }
-    // [extras] rotary: RoPE of the landed K tile in place (Q's, done before the loop, was
-    // published by the loop's first barrier above)
+    // [extras] rotary (in-loop form): RoPE of the landed K tile in place (Q's, done before the
+    // loop, was published by the loop's first barrier above). kMmaRotaryQ: K came rotated.
     if constexpr (ROTARY) {
       mma_rope_tile<T, BC, D, kThreads>(smem + (k_t - q_s), a, k0, a.sk);
       __syncthreads();

@@ -26,6 +26,10 @@
 //   barrier per block), and each K tile as it lands, are rotated in place in shared memory
 //   (mma_rope_tile: fp32 math, then rounded to the storage dtype, which the tensor cores need):
 //   one extra barrier per key tile; the main loop is otherwise unchanged.
+// * rotary of Q only (kMmaRotaryQ; PLAN["rotary"] = "prepass", the default): K was rotated once
+//   per call by the pre-pass attn_rope_k (rope_k.cu: the same fp32 math and rounding, so the
+//   same bits as the in-loop K rotation) into a scratch array the host passes as k; only the Q
+//   tile is rotated, before the loop. The key loop is the dense one (no rotation, no barrier).
 #pragma once
 #include "attention/attn_common.cuh"
 #include "common/vec.cuh"
@@ -41,6 +45,7 @@ constexpr int kMmaPlain = 0;    // dense
 constexpr int kMmaSparse = 1;   // + block_mask
 constexpr int kMmaRotary = 2;   // + rot_cos / rot_sin
 constexpr int kMmaVarlen = 4;   // + cu_q / cu_k and bottom_right
+constexpr int kMmaRotaryQ = 8;  // + rot_cos / rot_sin for Q only: K comes rotated (rope_k.cu)
 
 // Varlen and the bottom-right diagonal: `a` (the kernel's copy of its arguments) narrowed to
 // sequence b for the key loop (q, k, v, sq, sk); returns false when the block's first row q0 lies

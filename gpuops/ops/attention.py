@@ -26,7 +26,9 @@ that does not is left out, and ``'auto'`` then sends calls that use them to ``'s
 sparsity is a template flag of the SIMT kernel, instantiated in its own module
 (``attention.flash_fwd_sparse``) so the dense kernels keep their register budget; the mma kernel
 likewise has EXTRAS bits (varlen, block sparsity, rotary) instantiated in
-``attention.flash_mma_extras_{f16,bf16}`` (cuda_src/attention/flash_mma_extras.cuh).
+``attention.flash_mma_extras_{f16,bf16}`` (cuda_src/attention/flash_mma_extras.cuh); its fused
+rotary rotates K once per call beforehand (``attention.rope_k``, cuda_src/attention/rope_k.cu)
+and Q in the kernel (``PLAN["rotary"]``).
 
 Design notes, floors and predictions: benchmarks/notes_attention.md.
 """
@@ -124,24 +126,41 @@ _SHORT = {dt.float16: "f16", dt.bfloat16: "bf16"}
 
 
 # EXTRAS template argument of flash_fwd_mma (cuda_src/attention/flash_mma_extras.cuh), bits:
-# block mask, rotary tables, packed sequences (and the bottom-right diagonal). Instantiated: 0
-# (dense), MMA_SPARSE, MMA_VARLEN and MMA_VARLEN | MMA_ROTARY (which also runs dense rotary calls:
-# its varlen part costs a few scalar instructions per block). The extras instantiations are
-# unmasked (MASK = false): a call with both an attn_mask and rotary tables takes the SIMT kernel.
-MMA_PLAIN, MMA_SPARSE, MMA_ROTARY, MMA_VARLEN = 0, 1, 2, 4
-MMA_EXTRAS = (MMA_SPARSE, MMA_VARLEN, MMA_VARLEN | MMA_ROTARY)
+# block mask, rotary tables (Q and each K tile in shared memory), packed sequences (and the
+# bottom-right diagonal), rotary of Q only (K rotated beforehand by the pre-pass, rope_k.cu).
+# Instantiated: 0 (dense), MMA_SPARSE, MMA_VARLEN, MMA_VARLEN | MMA_ROTARY (the in-loop rotary
+# form; it also runs dense rotary calls: its varlen part costs a few scalar instructions per
+# block), MMA_ROTARY_Q and MMA_VARLEN | MMA_ROTARY_Q (the pre-pass form, PLAN["rotary"]). The
+# extras instantiations are unmasked (MASK = false): a call with both an attn_mask and rotary
+# tables takes the SIMT kernel.
+MMA_PLAIN, MMA_SPARSE, MMA_ROTARY, MMA_VARLEN, MMA_ROTARY_Q = 0, 1, 2, 4, 8
+MMA_EXTRAS = (MMA_SPARSE, MMA_VARLEN, MMA_VARLEN | MMA_ROTARY, MMA_ROTARY_Q,
+              MMA_VARLEN | MMA_ROTARY_Q)
+# How the tensor-core kernel applies rotary tables (the SIMT kernel always rotates in its tile
+# loads, in fp32 without rounding K: benchmarks/notes_attention.md):
+#   "prepass" (default): K rotated once per call into a scratch array the size of K (attn_rope_k,
+#             cuda_src/attention/rope_k.cu; call.empty, freed when the call returns), then the
+#             mma kernel rotates only Q, before its key loop (MMA_ROTARY_Q);
+#   "in_loop": every K tile rotated in shared memory as it lands, once per query block
+#             (MMA_VARLEN | MMA_ROTARY; run 31: 1.14 ms against 0.53 ms plain at B1 H32 S4096).
+# Same bits either way (the pre-pass uses the in-loop form's math and rounding).
+PLAN = {"rotary": "prepass"}
+ROTARY_FORMS = ("prepass", "in_loop")
 # Schedules of the extras instantiations (head dim, EXTRAS) where MMA_TILES' has no registers to
 # spare for them (ptxas, NVRTC 12.9 and PTX -> ptxas 13.0, sm_80/86/89/90: 0 spills with these;
 # at MMA_TILES' D = 128 sparse spilled 8-32 bytes on sm_80..90 and varlen 4 on sm_80, while
 # varlen + rotary fits (255 registers); D = 256 rotary at BC 64 spilled 20 bytes on sm_80..89;
-# benchmarks/notes_attention.md). D = 128's is MMA_MASK_TILES[128] (compiled in the dense module
-# too: the GPU test comparing varlen with per-sequence SDPA bit for bit times both on it).
+# benchmarks/notes_attention.md). Q-only rotary (the pre-pass form) fits FA2's D = 128 tile
+# (255 registers, dense and varlen). D = 128's is MMA_MASK_TILES[128] (compiled in the dense
+# module too: the GPU test comparing varlen with per-sequence SDPA bit for bit times both on it).
 MMA_EXTRAS_TILES = {(128, MMA_SPARSE): (4, 2, 32, False, 2, 1),
                     (128, MMA_VARLEN): (4, 2, 32, False, 2, 1),
                     (256, MMA_VARLEN | MMA_ROTARY): (4, 1, 32, False, 2, 1)}
-# Extras not instantiated for a head dim (such calls take the SIMT kernel): none now; the
-# mechanism stays for a schedule that cannot fit them.
-MMA_EXTRAS_MISSING: dict = {}
+# Extras not instantiated for a head dim. Such calls take the SIMT kernel, except the Q-only
+# rotary ones, which fall back to the in-loop form (mma_extras). D = 256: Q-only rotary spilled
+# on sm_90 (ptxas, NVRTC 12.9) at BC 64 (24 / 32 bytes, dense / varlen) and, oddly, at BC 32
+# (16 / 20 bytes, where the in-loop form fits at 253 registers); 0 on sm_80/86/89.
+MMA_EXTRAS_MISSING: dict = {256: (MMA_ROTARY_Q, MMA_VARLEN | MMA_ROTARY_Q)}
 
 
 def mma_expr(dtype, d: int, cfg, masked: bool = False, extras: int = MMA_PLAIN) -> str:
@@ -202,6 +221,22 @@ MMA_EXTRAS_MODULES = {
                         archs=_MMA_ARCHS)
     for dtype, short in _SHORT.items()}
 _MMA_EXTRAS_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in MMA_EXTRAS_MODULES.items()}
+
+# The rotary pre-pass of the tensor-core kernel (PLAN["rotary"] = "prepass"): K rotated once per
+# call into a scratch array. Reads FlashFwdArgs (k, its strides, cu_k, the rotary fields), then
+# the scratch pointer and its (b, h, s) strides. V: 16-byte packs, or one element (partial
+# rotary whose packs straddle the rotated part). Tiny kernels: compiled for every arch.
+ROPE_K_THREADS, ROPE_K_ROWS = 256, 64       # kRopeKThreads, kRopeKRows
+ROPE_K_ARGS = ArgSpec(FLASH_ARGS.params[0], "ptr", "i64", "i64", "i64")
+
+
+def rope_k_expr(dtype, v: int) -> str:
+    return f"gpuops::attn_rope_k<{dtype.ctype}, {v}>"
+
+
+ROPE_K_MODULE = KernelModule("attention.rope_k", "attention/rope_k.cu", {
+    rope_k_expr(dtype, v): ROPE_K_ARGS for dtype in _SHORT for v in (16 // dtype.itemsize, 1)})
+_ROPE_K_KERNELS = lay.KernelTable(ROPE_K_MODULE)
 
 for _d, _cfgs in _mma_configs():
     for _cfg in (*_cfgs, *(mma_config(_d, False, _x) for _x in MMA_EXTRAS)):
@@ -829,16 +864,53 @@ def mma_applies(call, p, query, key, value, out, layout) -> bool:
             and tensor_cores(call.device))
 
 
+def rotary_form() -> str:
+    """PLAN["rotary"], checked."""
+    form = PLAN["rotary"]
+    if form not in ROTARY_FORMS:
+        raise ValueError(f"gpuops: PLAN['rotary'] must be one of {list(ROTARY_FORMS)}, got "
+                         f"{form!r}")
+    return form
+
+
 def mma_extras(p, ext: FlashExtras) -> int:
-    """The EXTRAS instantiation (one of MMA_EXTRAS, or 0) a call needs."""
+    """The EXTRAS instantiation (one of MMA_EXTRAS, or 0) a call needs (rotary: by
+    PLAN["rotary"])."""
     if ext.block_mask is not None:
         if ext.rot_half or ext.cu_q is not None or p.bottom_right:
             raise ValueError("gpuops: the block-sparse tensor-core kernel takes neither rotary "
                              "tables nor packed sequences")
         return MMA_SPARSE
+    varlen = MMA_VARLEN if ext.cu_q is not None or p.bottom_right else MMA_PLAIN
     if ext.rot_half:
-        return MMA_VARLEN | MMA_ROTARY
-    return MMA_VARLEN if ext.cu_q is not None or p.bottom_right else MMA_PLAIN
+        q_only = varlen | MMA_ROTARY_Q
+        if rotary_form() == "prepass" and q_only not in MMA_EXTRAS_MISSING.get(p.D, ()):
+            return q_only
+        return MMA_VARLEN | MMA_ROTARY       # in-loop (also where Q-only is not instantiated)
+    return varlen
+
+
+def rope_k_scratch(call, p, query, key, value, out, layout, ext: FlashExtras):
+    """The pre-pass of PLAN["rotary"] = "prepass": K rotated (positions = sequence index, as the
+    in-loop form) into a new array of K's shape in the caller's framework (call.empty: contiguous
+    and 16-byte aligned; its cost is the size of K: B x Hkv x Sk x D, varlen Tk x Hkv x D), which
+    the mma kernel then reads as its k. q and k are not written. Graph-capturable: no host sync,
+    the device reads cu_seqlens_k itself."""
+    scratch = call.empty(tuple(key.shape), call.result_dtype)
+    if scratch.numel == 0:
+        return scratch
+    assert scratch.ptr % 16 == 0, "call.empty gives 16-byte aligned arrays"
+    # the caller (mma_applies) checked K's 16-byte rows with unit d stride; whole packs also need
+    # the rotated part to split into packs (and, GPT-NeoX, the partner pack to start on one)
+    v = 16 // call.result_dtype.itemsize if _rotary_vec_ok(call.result_dtype, ext) else 1
+    ob, oh, os_, _ = _bhsd_strides(scratch, layout)
+    grid = (p.B * p.Hkv, min(65535, max(1, -(-p.Sk // ROPE_K_ROWS))), 1)
+    _check_grid(call.op.name, grid)
+    kernel = _ROPE_K_KERNELS.get(call.device, rope_k_expr(call.result_dtype, v))
+    kernel.launch(grid, (ROPE_K_THREADS, 1, 1), call.stream,
+                  *flash_launch_args(p, query, key, value, None, 0, out, None, layout, True, ext),
+                  scratch.ptr, ob, oh, os_)
+    return scratch
 
 
 def _launch_mma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
@@ -853,6 +925,8 @@ def _launch_mma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layo
         return
     table = (_MMA_EXTRAS_KERNELS if extras else _MMA_KERNELS)[call.result_dtype]
     kernel = table.get(call.device, mma_expr(call.result_dtype, p.D, cfg, masked, extras))
+    if extras & MMA_ROTARY_Q:     # the kernel rotates Q only: K rotated once, beforehand
+        key = rope_k_scratch(call, p, query, key, value, out, layout, ext)
     kernel.launch(grid, (32 * warps, 1, 1), call.stream,
                   *flash_launch_args(p, query, key, value, attn_mask, mask_kind, out, lse, layout,
                                      True, ext),
@@ -1172,7 +1246,12 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
       key) uses row s: positions are sequence indices, P >= max(Sq, Sk) (a KV cache whose keys
       start elsewhere needs rotary_positions offsets: not yet). The first R = 2 x cos.shape[-1]
       <= D elements of each head rotate; ``rotary_interleaved=False`` pairs (f, f + R/2)
-      (GPT-NeoX / Llama / HF ``rotate_half``), ``True`` pairs (2f, 2f + 1) (GPT-J).
+      (GPT-NeoX / Llama / HF ``rotate_half``), ``True`` pairs (2f, 2f + 1) (GPT-J). q and k
+      are never written. The tensor-core kernel (``PLAN["rotary"] = "prepass"``, the default)
+      first rotates K once into a temporary array of K's size (B x Hkv x Sk x D elements, from
+      the caller's allocator, freed on return; with GQA smaller than q) and rotates Q inside
+      the kernel; ``"in_loop"`` rotates each K tile in shared memory instead (no temporary,
+      slower: once per query block). Both give the same bits.
     * ``variant``: 'auto' (the best kernel for the device and inputs), 'mma' or 'simt'.
       'mma': FlashAttention-2's forward on tensor cores (mma.sync, fp32 accumulators), taken
       for fp16/bf16 on sm_80+ when the head dim is 32, 64, 96, 128 or 256 and q, k, v rows are
