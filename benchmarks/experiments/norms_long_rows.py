@@ -1,7 +1,19 @@
 """Norms over long rows: every long-row plan of the forward ops, CUDA-graph timed, against the
-same run's copy bandwidth; and layer_norm / rms_norm at [32768, 4096] against Liger.
+same run's copy bandwidth and the peers (torch eager, torch.compile, Liger where it runs the
+shape); softmax / log_softmax on the same long rows against torch eager / torch.compile; and
+layer_norm / rms_norm at [32768, 4096] against Liger. Every time is CUDA-graph replay (20 calls
+per graph, median of 20 replays).
 
 Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
+  auto          LONG_ROWS="auto" (the default): ring_async where each block gets >= `lead` tiles
+                ([16, 1M]), else ring2 (16-byte units) / ring
+  ring_async    LONG_ROWS="ring_async": ring2's exchange, tiles copied into the shared-memory
+                ring by cp.async `lead` tiles ahead (one 512-thread block per SM, 7 slots, lead
+                5, lag 3 on the H100): predicted [16, 1M] bf16 rms_norm 25-27.5 us (81-89% of
+                copy), fp32 47-50 us (89-95%), layer_norm within +1 us of rms_norm, add_rms_norm
+                bf16 47-51 us, fp32 92-98 us (notes_norms.md, "ring_async")
+  ring_async_lag2 / ring_async_lag4   ASYNC_LAG 2 / 4 (lead 6 / 4)
+  ring_async_t256   256-thread tiles (16 KiB): 2 blocks per SM of 7 slots
   ring2         LONG_ROWS="ring2": the ring's tiles, each tile's partial published as
                 self-validating 64-bit words (tag = a launch epoch kept on the device): no
                 memset, no atomics, no merger, no statistics read back (norm_ring.cuh ring2_rows)
@@ -13,6 +25,9 @@ Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
   one_launch    LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None: run 6's pipelined split kernel
   two_launches  LONG_ROWS="split", FORCE_TWO_LAUNCHES: partials, then a reverse-order re-read
                 (run 13's default for these shapes: ONE_LAUNCH_MAX_WAVES=1)
+Peers (--peers, default all; long rows): torch (F.rms_norm, F.layer_norm, x + r then
+F.rms_norm), torch.compile of the same (dynamic=False), liger (Liger's RMSNorm / LayerNorm /
+FusedAddRMSNorm functions; they refuse rows over 64 KB: reported as failed).
 
 Floors (bytes / 3000 GB/s): [16, 1048576] bf16 in + out 67 MB -> 22.4 us, fp32 134 MB -> 44.7 us,
 add_rms_norm twice those; [8, 393216] bf16 12.6 MB -> 4.2 us, fp32 25.2 MB -> 8.4 us.
@@ -25,7 +40,6 @@ Predictions (notes_norms.md, "Run 13 follow-up"; ring measured 35.1 us in run 20
 line naming the kernel that ran and its resident blocks per SM; rms_norm; Liger.
   per_row      layer_norm_fwd (w, b loaded with x, one exchange; 56 regs, 4 blocks/SM): run 21
                205.9 us bf16
-  persistent   layer_norm_rows (one resident wave, w, b in shared memory): run 21 215.9 us
   two_pass     layer_norm_two_pass (runs 11-14's algorithm: floats, two block sums, w, b after;
                48 regs, 5 blocks/SM): predicted 184-190 us bf16 (runs 11/14: ~185-189)
   compact      layer_norm_compact (raw x, one exchange, w, b pack by pack after; 32 regs,
@@ -33,8 +47,9 @@ line naming the kernel that ran and its resident blocks per SM; rms_norm; Liger.
                compact")
 Liger 179.4 us (run 21). fp32 (4 packs per thread): compact does not apply (layer_norm_fwd runs).
 
-Quick runs: `--plans two_pass,compact,per_row --skip-long` (whole rows only), `--plans ring2
---skip-4096` (one long-row plan only). --plans takes long-row plans and WHOLE_ROWS options.
+Quick runs: `--plans two_pass,compact,per_row --skip-long` (whole rows only), `--plans
+ring_async,ring2,ring --skip-4096 --peers torch` (long rows only). --plans takes long-row plans
+and WHOLE_ROWS options; --skip-softmax leaves out the softmax rows.
 """
 from __future__ import annotations
 
@@ -52,6 +67,11 @@ from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
 PLANS = {
+    "auto": dict(LONG_ROWS="auto"),
+    "ring_async": dict(LONG_ROWS="ring_async"),
+    "ring_async_lag2": dict(LONG_ROWS="ring_async", ASYNC_LAG=2),
+    "ring_async_lag4": dict(LONG_ROWS="ring_async", ASYNC_LAG=4),
+    "ring_async_t256": dict(LONG_ROWS="ring_async", ring_threads=256),
     "ring2": dict(LONG_ROWS="ring2"),
     "ring2_t256": dict(LONG_ROWS="ring2", ring_threads=256),
     "ring": dict(LONG_ROWS="ring"),
@@ -69,7 +89,8 @@ class _Plan:
 
     def __enter__(self):
         self.saved = {k: getattr(N, k) for k in ("LONG_ROWS", "ONE_LAUNCH_MAX_WAVES",
-                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS")}
+                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS",
+                                                 "ASYNC_LAG")}
         self.tuning = dict(N.TUNING)
         for k, v in self.settings.items():
             if hasattr(N, k):
@@ -96,15 +117,73 @@ def _describe(op, d, shape):
     ring = N._long_rows_ring(kind, plan, d, vec, n, shape[0], 0)
     if ring is not None:
         r, grid = ring
-        return (f"{N.LONG_ROWS} grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
-                f"{r.smem // 1024} KiB smem, capacity {r.capacity}")
+        regs = getattr(getattr(r.kernel, "raw", None), "num_regs", "?")
+        return (f"{r.variant} grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, lead "
+                f"{r.lead}, {r.smem // 1024} KiB smem, capacity {r.capacity}, {regs} regs")
     used, grid, phases = N._grid(plan, shape[0], False)
     return (f"{len(phases)} launch(es) of {used.kernel.name.split('::')[-1]}: grid {grid} x "
             f"{used.block[0]} thr, C {used.C}, capacity {used.capacity}")
 
 
-def _long_rows(fw, copy, rows, plans):
-    for shape in ((16, 1048576), (8, 393216)):
+def _record(rows, copy, name, shape, d, plan, fn, nbytes, what=""):
+    """Times fn by graph replay and prints / records one row; a peer that fails (Liger's row
+    limit, a compile error) is recorded with its error instead."""
+    try:
+        us = graph_replay_us(fn)
+    except Exception as e:  # noqa: BLE001  (a peer that does not run this shape)
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=plan, us=None,
+                         error=msg))
+        print(f"{name:<13}{str(shape):<14}{d.name:<9} {plan:<16}   failed: {msg}", flush=True)
+        return
+    gbps = nbytes / (us * 1e-6) / 1e9
+    rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=plan, us=us, gbps=gbps,
+                     pct_copy=100 * gbps / copy, launch=what))
+    print(f"{name:<13}{str(shape):<14}{d.name:<9} {plan:<16}{us:9.1f} us {gbps:7.0f} GB/s "
+          f"{100 * gbps / copy:5.1f}%   {what}", flush=True)
+
+
+def _norm_peers(fw, peers, x, r, w, b, shape):
+    """{(op, peer): fn} of the peers that import here (a failing call is reported by _record)."""
+    torch = fw.torch
+    F = torch.nn.functional
+    n = shape[-1:]
+    eager = {"rms_norm": lambda: F.rms_norm(x, n, w, 1e-6),
+             "layer_norm": lambda: F.layer_norm(x, n, w, b, 1e-5),
+             "add_rms_norm": lambda: (lambda h: (F.rms_norm(h, n, w, 1e-6), h))(x + r)}
+    out = {}
+    if "torch" in peers:
+        out.update({(op, "torch"): fn for op, fn in eager.items()})
+    if "torch.compile" in peers:
+        comp = {"rms_norm": torch.compile(lambda a, c: F.rms_norm(a, n, c, 1e-6), dynamic=False),
+                "layer_norm": torch.compile(lambda a, c, e: F.layer_norm(a, n, c, e, 1e-5),
+                                            dynamic=False),
+                "add_rms_norm": torch.compile(lambda a, q, c: (F.rms_norm(a + q, n, c, 1e-6),
+                                                               a + q), dynamic=False)}
+        out[("rms_norm", "torch.compile")] = lambda: comp["rms_norm"](x, w)
+        out[("layer_norm", "torch.compile")] = lambda: comp["layer_norm"](x, w, b)
+        out[("add_rms_norm", "torch.compile")] = lambda: comp["add_rms_norm"](x, r, w)
+    if "liger" in peers:
+        try:
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        except ImportError:
+            pass
+        else:
+            out[("rms_norm", "liger")] = lambda: LigerRMSNormFunction.apply(
+                x, w, 1e-6, 0.0, "llama", False)
+            out[("layer_norm", "liger")] = lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+            out[("add_rms_norm", "liger")] = lambda: LigerFusedAddRMSNormFunction.apply(
+                x, r, w, 1e-6, 0.0, "llama", False)
+    return out
+
+
+LONG_SHAPES = ((16, 1048576), (8, 393216))
+
+
+def _long_rows(fw, copy, rows, plans, peers):
+    for shape in LONG_SHAPES:
         for d in (dt.bfloat16, dt.float32):
             x = fw.randn(shape, d)
             r = fw.randn(shape, d)
@@ -113,18 +192,35 @@ def _long_rows(fw, copy, rows, plans):
             cases = {"rms_norm": (lambda: go.rms_norm(x, shape[-1:], w), moved),
                      "layer_norm": (lambda: go.layer_norm(x, shape[-1:], w, b), moved),
                      "add_rms_norm": (lambda: go.add_rms_norm(x, r, w), 2 * moved)}
+            peer_fns = _norm_peers(fw, peers, x, r, w, b, shape) if peers else {}
             for name, (fn, nbytes) in cases.items():
                 for plan in plans:
-                    settings = PLANS[plan]
-                    with _Plan(settings):
+                    with _Plan(PLANS[plan]):
                         fn()
                         what = _describe(name, d, shape)
-                        us = graph_replay_us(fn)
-                    gbps = nbytes / (us * 1e-6) / 1e9
-                    rows.append(dict(op=name, shape=list(shape), dtype=d.name, plan=plan, us=us,
-                                     gbps=gbps, pct_copy=100 * gbps / copy, launch=what))
-                    print(f"{name:<13}{str(shape):<14}{d.name:<9} {plan:<13}{us:9.1f} us "
-                          f"{gbps:7.0f} GB/s {100 * gbps / copy:5.1f}%   {what}", flush=True)
+                        _record(rows, copy, name, shape, d, plan, fn, nbytes, what)
+                for (op, peer), pfn in peer_fns.items():
+                    if op == name:
+                        _record(rows, copy, name, shape, d, peer, pfn, nbytes)
+
+
+def _softmax_rows(fw, copy, rows, peers):
+    """softmax / log_softmax on the long rows (gpuops' default plan; notes_softmax.md: two
+    kernels, per-chunk partials then a merge-and-apply re-reading the chunk from L2)."""
+    torch = fw.torch
+    for shape in LONG_SHAPES:
+        for d in (dt.bfloat16, dt.float32):
+            x = fw.randn(shape, d)
+            nbytes = 2 * x.numel() * d.itemsize
+            for name, ours, eager in (("softmax", go.softmax, torch.softmax),
+                                      ("log_softmax", go.log_softmax, torch.log_softmax)):
+                _record(rows, copy, name, shape, d, "gpuops", lambda: ours(x, -1), nbytes)
+                if "torch" in peers:
+                    _record(rows, copy, name, shape, d, "torch", lambda: eager(x, -1), nbytes)
+                if "torch.compile" in peers:
+                    comp = torch.compile(lambda a: eager(a, -1), dynamic=False)
+                    _record(rows, copy, name, shape, d, "torch.compile", lambda: comp(x),
+                            nbytes)
 
 
 def _describe_whole(d, n, rows):
@@ -181,6 +277,9 @@ def main():
                          f"(default: all of {list(PLANS)} and {list(N.WHOLE_ROWS_PLANS)})")
     ap.add_argument("--skip-4096", action="store_true", help="only the long-row shapes")
     ap.add_argument("--skip-long", action="store_true", help="only [32768, 4096]")
+    ap.add_argument("--skip-softmax", action="store_true", help="no softmax rows")
+    ap.add_argument("--peers", default="torch,torch.compile,liger",
+                    help="long-row peers: comma-separated of torch, torch.compile, liger")
     args = ap.parse_args()
     chosen = [p for p in args.plans.split(",") if p]
     unknown = [p for p in chosen if p not in PLANS and p not in N.WHOLE_ROWS_PLANS]
@@ -192,8 +291,11 @@ def main():
     copy = fw.copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
+    peers = [p for p in args.peers.split(",") if p]
     if not args.skip_long:
-        _long_rows(fw, copy, rows, plans)
+        _long_rows(fw, copy, rows, plans, peers)
+        if not args.skip_softmax:
+            _softmax_rows(fw, copy, rows, peers)
     if not args.skip_4096:
         _rows_4096(fw, copy, rows, whole_options)
     if args.json:

@@ -15,16 +15,9 @@ namespace gpuops {
 // then a block's warps merge their (count, mean, M2) through shared memory, every thread the same
 // warps in the same order (Chan): one exchange (two barriers) per row, as rms_norm's one sum,
 // instead of a block-wide mean before the deviations. The values of a thread stay in registers.
-// `after_sum` runs once every value has been read (the first pass): from there on the values are
-// in registers, so loads issued there (layer_norm_rows: the next row) are never waited for here,
-// whatever scoreboard the compiler shares between them and v's loads.
-struct NoOp {
-  __device__ __forceinline__ void operator()() const {}
-};
-
-template <int VEC, int PACKS, class Src, class AfterSum = NoOp>
+template <int VEC, int PACKS, class Src>
 __device__ __forceinline__ MeanM2 chunk_stats(const Src& v, int u0, int units, bool block_rows,
-                                              float* scratch, AfterSum after_sum = {}) {
+                                              float* scratch) {
   const int step = static_cast<int>(blockDim.x);
   float t[2] = {0.0f, 0.0f};                     // sum, count of the valid values
 #pragma unroll
@@ -35,7 +28,6 @@ __device__ __forceinline__ MeanM2 chunk_stats(const Src& v, int u0, int units, b
 #pragma unroll
     for (int j = 0; j < VEC; ++j) t[0] += f[j];   // past the end: 0
   }
-  after_sum();
   warp_sum_n<2>(t);
   MeanM2 s;
   s.n = t[1];
@@ -316,113 +308,6 @@ layer_norm_compact(const T* x, long long x_stride, T* y, long long y_stride,
   normalize_store<T, VEC, PACKS>(v, s.mean, rstd, w, b, late, y + row * y_stride, u0, units);
 }
 
-// y = (x - mean) * rstd * w + b for this thread's units of a whole row, w and b from shared
-// memory (`wb`: this thread's units, w's PACKS then b's, blockDim.x apart; written by this
-// thread only, so no barrier), one pack at a time.
-template <class T, int VEC, int PACKS>
-__device__ __forceinline__ void normalize_store_held(const RawTile<T, VEC, PACKS>& v, float mean,
-                                                     float rstd, const uint4* wb, bool has_w,
-                                                     bool has_b, T* y_row, int u0, int units) {
-  using R = RawUnit<T, VEC>;
-  const int step = static_cast<int>(blockDim.x);
-#pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-    const int u = u0 + p * step;
-    if (u < units) {
-      float f[VEC];
-      R::unpack(v.u[p], f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) f[j] = (f[j] - mean) * rstd;
-      if (has_w) {
-        float g[VEC];
-        R::unpack(wb[p * step], g);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] *= g[j];
-      }
-      if (has_b) {
-        float g[VEC];
-        R::unpack(wb[(PACKS + p) * step], g);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] += g[j];
-      }
-      R::store(y_row + static_cast<long long>(u) * VEC, R::pack(f));
-    }
-  }
-}
-
-// One whole row of layer_norm_rows: the statistics of `cur` (its loads issued a row earlier),
-// with the loads of this block's next row into `next` issued as soon as cur's values have all
-// been read once (they stay in flight through the reductions, the exchange and this row's
-// stores: w and b are in shared memory, so nothing after the issue waits on a global load),
-// then y. mean_out / rstd_out: null or one float per row.
-template <class T, int VEC, int PACKS>
-__device__ __forceinline__ void layer_norm_whole_row(
-    const RawTile<T, VEC, PACKS>& cur, RawTile<T, VEC, PACKS>& next, long long row,
-    long long next_row, const T* x, long long x_stride, T* y, long long y_stride,
-    const uint4* wb, bool has_w, bool has_b, float* mean_out, float* rstd_out, long long rows,
-    int u0, int units, float inv_n, float eps, float* scratch) {
-  const MeanM2 s = chunk_stats<VEC, PACKS>(RawPacks<T, VEC, PACKS>{cur}, u0, units, true,
-                                            scratch, [&]() {
-    if (next_row < rows) next.load(x + next_row * x_stride, u0, units);
-  });
-  const float rstd = rsqrtf(s.m2 * inv_n + eps);
-  if (mean_out != nullptr && threadIdx.x == 0) {
-    mean_out[row] = s.mean;
-    rstd_out[row] = rstd;
-  }
-  normalize_store_held<T, VEC, PACKS>(cur, s.mean, rstd, wb, has_w, has_b, y + row * y_stride,
-                                      u0, units);
-}
-
-// Whole rows on a persistent grid (C == 1, blockDim.x > 32 threads per row, blockDim.y == 1,
-// 16-byte units, gridDim.x <= the resident blocks; arguments as layer_norm_fwd, partials /
-// counters / C / phase unused; dynamic shared memory: 2 * PACKS * blockDim.x * 16 bytes): block
-// i takes rows i, i + gridDim.x, ... w and b are read once, into shared memory (registers would
-// spill: two row buffers and w, b take 32 of the 64); each row's x is loaded while the previous
-// row is reduced and stored (two raw buffers, alternating: no register copies that would wait
-// for the loads). The per-row kernel (layer_norm_fwd) has nothing in flight from the moment its
-// row lands until the SM starts its next block; here every block always has a row in flight.
-// Selected by norms.py's WHOLE_ROWS.
-template <class T, int VEC, int PACKS>
-__global__ void __launch_bounds__(1024, 1)
-layer_norm_rows(const T* x, long long x_stride, T* y, long long y_stride, const T* __restrict__ w,
-                const T* __restrict__ b, float* mean_out, float* rstd_out, float* partials,
-                unsigned* counters, long long rows, int n, int C, int phase, float eps) {
-  static_assert(VEC > 1, "16-byte units");
-  extern __shared__ uint4 held_wb[];
-  __shared__ float scratch[96];
-  const int units = n / VEC;
-  const int u0 = static_cast<int>(threadIdx.x);
-  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN, as torch
-  const long long step = gridDim.x;
-  long long row = blockIdx.x;
-  RawTile<T, VEC, PACKS> xa, xb;
-  if (row < rows) xa.load(x + row * x_stride, u0, units);
-  uint4* wb = held_wb + threadIdx.x;
-  {
-    RawTile<T, VEC, PACKS> wt, bt;
-    if (w != nullptr) wt.load(w, u0, units);
-    if (b != nullptr) bt.load(b, u0, units);
-#pragma unroll
-    for (int p = 0; p < PACKS; ++p) {
-      if (w != nullptr) wb[p * blockDim.x] = wt.u[p];
-      if (b != nullptr) wb[(PACKS + p) * blockDim.x] = bt.u[p];
-    }
-  }
-  const bool has_w = w != nullptr, has_b = b != nullptr;
-  while (row < rows) {
-    layer_norm_whole_row<T, VEC, PACKS>(xa, xb, row, row + step, x, x_stride, y, y_stride, wb,
-                                        has_w, has_b, mean_out, rstd_out, rows, u0, units, inv_n,
-                                        eps, scratch);
-    row += step;
-    if (row >= rows) break;
-    layer_norm_whole_row<T, VEC, PACKS>(xb, xa, row, row + step, x, x_stride, y, y_stride, wb,
-                                        has_w, has_b, mean_out, rstd_out, rows, u0, units, inv_n,
-                                        eps, scratch);
-    row += step;
-  }
-}
-
 // One row of a split launch in one pass: publish the chunk's statistics, prefetch the chunk of
 // this block's next row into `next` (it streams in while the row's blocks wait for each other),
 // merge if last, wait for the row's statistics, apply.
@@ -493,6 +378,7 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
   static constexpr int kVec = VEC, kPacks = PACKS, K = 3, kWords = 2, kPollBatch = 1;
+  static constexpr int kInputs = 1;          // ring_async: x copied into the slot
   static constexpr bool kPrefetch = true;    // w, b issued before the poll (ring2)
   using Acc = MeanM2;
   const T* x;
@@ -516,6 +402,16 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
 
   __device__ __forceinline__ void issue(long long row, int u0, int units) {
     xt.load(x + row * xs, u0, units);
+  }
+
+  __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
+    ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
+  }
+  __device__ __forceinline__ void land_held(Raw* slot, long long row, int u0, int units,
+                                            float (&part)[3]) {
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) xt.u[p] = slot[p * blockDim.x];
+    land(slot, row, u0, units, part);
   }
 
   // Each pack: two passes over its VEC values (mean, then squared deviations), merged into the
@@ -612,7 +508,22 @@ layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
                  float eps) {
   extern __shared__ uint4 ring_smem[];
   LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
-  ring2_rows(pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
+  ring2_rows<false, LayerNormRing<T, VEC, PACKS>::kPollBatch>(
+      pol, rows, n / VEC, C, D, 1, state, reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// ring2's exchange with tiles copied `lead` ahead by cp.async ("ring_async", norm_ring.cuh;
+// 16-byte units), one block of up to 512 threads per SM: polls of 4 x 32 chunks per round trip.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(512, 1)
+layer_norm_ring_async(const T* x, long long x_stride, T* y, long long y_stride,
+                      const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                      float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
+                      int lead, float eps) {
+  extern __shared__ uint4 ring_smem[];
+  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
+  ring2_rows<true, 4>(pol, rows, n / VEC, C, D, lead, state,
+                      reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

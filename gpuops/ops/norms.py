@@ -49,6 +49,11 @@ LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", 
                         "i32", "i32", "i32", "f32")
 RMS_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
                          "ptr", "i64", "i32", "i32", "i32", "f32")
+# The ring_async kernels: ring2's arguments with `lead` (tiles copied ahead) before eps.
+LN_RING_ASYNC_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
+                             "i32", "i32", "i32", "i32", "f32")
+RMS_RING_ASYNC_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr",
+                              "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "f32")
 
 FUSED, PARTIALS, APPLY = 0, 1, 2          # launch phases, as in norm_rows.cuh
 MAX_N = (1 << 31) - (1 << 20)             # units are int32 in the kernels
@@ -87,21 +92,27 @@ class Kind:
     ring_packs: int = 4
     ring_threads: int = 512
     ring2_template: str | None = None    # the same tiles, ring2's exchange (norm_ring.cuh)
+    ring_async_template: str | None = None   # ring2's exchange, tiles copied ahead (cp.async)
+    ring_inputs: int = 1                  # tensors a ring_async slot holds per tile (x, r)
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
                   True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>",
                   ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>",
-                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>")
+                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>",
+                  ring_async_template="gpuops::layer_norm_ring_async<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
                 True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>",
                 ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>",
-                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>")
+                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>",
+                ring_async_template="gpuops::rms_norm_ring_async<{t}, {v}, {p}, false>")
 # (x and r in flight: half the packs per tile)
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
                     256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>",
                     ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2,
-                    ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, true>")
+                    ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, true>",
+                    ring_async_template="gpuops::rms_norm_ring_async<{t}, {v}, {p}, true>",
+                    ring_inputs=2)
 LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
                       512, False, True, 2)
 RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
@@ -117,21 +128,30 @@ FORCE_TWO_LAUNCHES = False
 # copy); two launches (partials, then apply re-reading the rows, last-read first, from L2) keep
 # the whole device streaming. None: the old rule (one launch whenever C <= capacity).
 ONE_LAUNCH_MAX_WAVES = 1
-# Split rows of the forward ops: "ring2" or "ring" (one pass over memory, norm_ring.cuh; the
-# split rules below where it does not fit; ring2 publishes self-validating partials, no memset,
-# no atomics: ring2_rows; ring arrives at counters zeroed by a memset, the row's last block
-# merges: ring_rows) or "split" (the run-6 plans only: ONE_LAUNCH_MAX_WAVES and
-# FORCE_TWO_LAUNCHES decide one launch or two). All stay selectable for A/B runs
-# (benchmarks/experiments/norms_long_rows.py). "ring" stays the default until ring2 has been
-# measured on the GPU (benchmarks/notes_norms.md: predictions).
-LONG_ROWS = "ring"
-LONG_ROWS_PLANS = ("ring2", "ring", "split")
+# Split rows of the forward ops (one pass over memory where a ring fits, norm_ring.cuh; the split
+# rules below where it does not):
+#   "ring_async" ring2's exchange with tiles copied into the ring by cp.async, `lead` tiles ahead
+#                (one 512-thread block per SM, up to 7 slots: 3+ tiles in flight through every
+#                publish and poll); 16-byte units on sm_80+, else as "ring"
+#   "ring2"      self-validating partials (no memset, no atomics), tiles through registers one
+#                ahead: ring2_rows. Run 22: best at [8, 393216] (bf16 rms 6.5 us, add 9.1)
+#   "ring"       counters zeroed by a memset, the row's last block merges: ring_rows. Run 22:
+#                best at [16, 1M] but for rms_norm bf16 (ring2), 72-76% of copy at best
+#   "split"      the run-6 plans only (ONE_LAUNCH_MAX_WAVES, FORCE_TWO_LAUNCHES)
+#   "auto"       (default) ring_async where its blocks get at least `lead` tiles each (a
+#                pipeline, e.g. [16, 1M]: predicted to win, notes_norms.md), else ring2 on
+#                16-byte units (run 22's winner at [8, 393216]), else ring.
+# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
+LONG_ROWS = "auto"
+LONG_ROWS_PLANS = ("auto", "ring_async", "ring2", "ring", "split")
+# ring_async: a tile is drained ASYNC_LAG steps after it lands (its row's other tiles have that
+# long to be published: > the skew between blocks + one poll round trip), and at least
+# ASYNC_MIN_LEAD tiles are copied ahead (lead - 1 in flight while a block publishes and polls).
+ASYNC_LAG = 3
+ASYNC_MIN_LEAD = 3
 # Whole rows of layer_norm (one block per row, 16-byte units; e.g. [*, 4096]): which kernel.
 #   "per_row"    layer_norm_fwd: x raw in registers, w and b loaded with it (up to 2 packs), one
 #                exchange; 56 registers at 4096 bf16, 4 blocks/SM: 205.9 us in run 21 (86.8%).
-#   "persistent" layer_norm_rows (at most 2 packs per thread): a grid of one resident wave, w and
-#                b in shared memory, the next row's x loaded while this one is reduced and
-#                stored; 48 registers, 5 blocks/SM: 215.9 us in run 21 (82.8%).
 #   "two_pass"   layer_norm_two_pass: the kernel of runs 11-14 (x as floats, a block sum for the
 #                mean, then one of squared deviations, w and b pack by pack after them); 48
 #                registers, 5 blocks/SM: ~185-189 us then (94.7%, 0.97x Liger).
@@ -140,11 +160,12 @@ LONG_ROWS_PLANS = ("ring2", "ring", "split")
 #                8 blocks/SM (64 KB of rows in flight per SM instead of 40).
 # Where an option does not apply (warp rows, split rows, single elements, too many packs or
 # threads), layer_norm_fwd runs. All stay selectable for A/B runs (benchmarks/experiments/
-# norms_long_rows.py --plans per_row,persistent,two_pass,compact --skip-long); predictions:
+# norms_long_rows.py --plans per_row,two_pass,compact --skip-long); predictions:
 # notes_norms.md. Run 22, [32768, 4096] bf16 (Liger 180.1 us): compact 181.9 us (98.3% of copy),
-# two_pass 182.0, per_row 206.0, persistent 214.5; fp32 all within 0.3% of Liger (compact and
-# persistent fall back to layer_norm_fwd there). compact is the default.
-WHOLE_ROWS_PLANS = ("per_row", "persistent", "two_pass", "compact")
+# two_pass 182.0, per_row 206.0 (and "persistent", layer_norm_rows, 214.5 / 215.9 in runs 21-22:
+# removed); fp32 all within 0.3% of Liger (compact falls back to layer_norm_fwd there). compact is
+# the default.
+WHOLE_ROWS_PLANS = ("per_row", "two_pass", "compact")
 WHOLE_ROWS = "compact"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
@@ -191,9 +212,6 @@ def _ring_exprs(kind: Kind, template: str | None) -> dict:
 
 
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
-# layer_norm_rows (persistent whole rows, w and b in shared memory): 16-byte units, PACKS <= 2.
-_ROWS_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_rows<{d.ctype}, {_vec_width(d)}, {p}>"
-               for d in dt.FLOATS for p in (1, 2)}
 # The other whole-row kernels of WHOLE_ROWS (16-byte units): layer_norm_two_pass at every PACKS
 # of layer_norm_fwd, layer_norm_compact (<= 256 threads, 8 blocks/SM) at PACKS <= 2.
 _TWO_PASS_EXPRS = {(d, _vec_width(d), p):
@@ -206,21 +224,27 @@ COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_n
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
+# (ring_async copies 16-byte units only: cp.async has no 2-byte copy)
+_RING_ASYNC_EXPRS = {k.name: {key: e for key, e in _ring_exprs(k, k.ring_async_template).items()
+                              if key[1] > 1} for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
     {**{e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for e in table["layer_norm"].values()},
-     **{e: LN_FWD_ARGS for table in (_ROWS_EXPRS, _TWO_PASS_EXPRS, _COMPACT_EXPRS)
+     **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS)
         for e in table.values()},
-     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}})
+     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()},
+     **{e: LN_RING_ASYNC_ARGS for e in _RING_ASYNC_EXPRS["layer_norm"].values()}})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
     {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
      **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
-        for e in _RING2_EXPRS[k].values()}})
+        for e in _RING2_EXPRS[k].values()},
+     **{e: RMS_RING_ASYNC_ARGS for k in ("rms_norm", "add_rms_norm")
+        for e in _RING_ASYNC_EXPRS[k].values()}})
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -328,7 +352,8 @@ def _grid(plan: Plan, rows: int, persistent: bool):
 @dataclass
 class RingPlan:
     """A ring kernel (norm_ring.cuh) for one row length: C tiles of threads x packs units per
-    row, `depth` slots of shared memory per block (`smem` bytes), `capacity` blocks resident."""
+    row, `depth` slots of shared memory per block (`smem` bytes), `capacity` blocks resident;
+    `lead` tiles loaded ahead (1: through registers; ring_async: copied into slots)."""
     kernel: object
     threads: int
     packs: int
@@ -337,6 +362,14 @@ class RingPlan:
     smem: int
     capacity: int
     kind: object = None
+    lead: int = 1
+    variant: str = "ring"
+
+    @property
+    def lag(self) -> int:
+        """Steps from a tile's landing to its drain: a block may hold at most this many tiles of
+        one row (norm_ring.cuh: forward progress)."""
+        return self.depth - self.lead + 1
 
 
 def ring_shape(kind: Kind, vec: int, n: int, itemsize: int, max_threads: int | None = None):
@@ -372,50 +405,58 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
     """The RingPlan of a row length (cached), or None where no block of 2+ slots fits: two blocks
     per SM with the most slots that allow it (one streams while the other synchronizes), else
     one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB).
-    variant: "ring" or "ring2" (the kernel; the tiles are the same)."""
+    variant: "ring", "ring2" (the kernel; the tiles are the same) or "ring_async" (16-byte units
+    on sm_80+ only; slots of ring_inputs tiles; at least ASYNC_LAG + ASYNC_MIN_LEAD - 1 of them,
+    lead = depth - ASYNC_LAG + 1)."""
     kind = TUNING[kind_name]
-    exprs = (_RING2_EXPRS if variant == "ring2" else _RING_EXPRS)[kind_name]
-    if not exprs:
+    table = {"ring": _RING_EXPRS, "ring2": _RING2_EXPRS, "ring_async": _RING_ASYNC_EXPRS}[variant]
+    exprs = table[kind_name]
+    if (dtype, vec) not in exprs:
         return None
-    key = (variant, kind_name, dtype, vec, n, dev)
+    key = (variant, kind_name, dtype, vec, n, dev, RING_MAX_DEPTH, ASYNC_LAG, ASYNC_MIN_LEAD)
     hit = _plans.get(key)
     if hit is not None and hit[0] is kind:
         return hit[1]
-    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
     info = device.device_info(dev)
-    limit = max(48 * 1024, info.max_smem_per_block_optin)
     plan = None
-    tries = [kind.ring_threads] + [t for t in (256, 128) if t < kind.ring_threads]
-    for max_threads in tries:
-        if plan is not None:
-            break
-        threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
-        for per_sm in (2, 1):
-            for depth in range(RING_MAX_DEPTH, 1, -1):
-                smem = RING_HEADER_BYTES + depth * tile_bytes
-                if smem > limit:
-                    continue
-                fit = _resident_per_sm(kernel, threads, smem)
-                if fit >= per_sm:
-                    plan = RingPlan(kernel, threads, packs, C, depth, smem,
-                                    fit * info.sm_count, kind)
-                    break
+    is_async = variant == "ring_async"
+    if not is_async or getattr(info, "cc", 0) >= 80:         # (cp.async)
+        kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
+        limit = max(48 * 1024, info.max_smem_per_block_optin)
+        inputs = kind.ring_inputs if is_async else 1
+        min_depth = ASYNC_LAG + ASYNC_MIN_LEAD - 1 if is_async else 2
+        tries = [kind.ring_threads] + [t for t in (256, 128) if t < kind.ring_threads]
+        for max_threads in tries:
             if plan is not None:
                 break
+            threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
+            for per_sm in (2, 1):
+                for depth in range(RING_MAX_DEPTH, min_depth - 1, -1):
+                    smem = RING_HEADER_BYTES + depth * tile_bytes * inputs
+                    if smem > limit:
+                        continue
+                    fit = _resident_per_sm(kernel, threads, smem)
+                    if fit >= per_sm:
+                        plan = RingPlan(kernel, threads, packs, C, depth, smem,
+                                        fit * info.sm_count, kind,
+                                        depth - ASYNC_LAG + 1 if is_async else 1, variant)
+                        break
+                if plan is not None:
+                    break
     _plans[key] = (kind, plan)
     return plan
 
 
 def _ring_grid(ring, rows: int):
     """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
-    (all resident), tiles spread evenly, no block holding more than `depth` tiles of one row
+    (all resident), tiles spread evenly, no block holding more than `lag` tiles of one row
     (norm_ring.cuh: forward progress), and fewer than 2^31 tiles (32-bit tile indices)."""
     if ring is None:
         return None
     tiles = rows * ring.C
     per_block = -(-tiles // ring.capacity)
     grid = -(-tiles // per_block)
-    if -(-ring.C // grid) > ring.depth or tiles > (1 << 31) - 1:   # (tile indices are int32)
+    if -(-ring.C // grid) > ring.lag or tiles > (1 << 31) - 1:   # (tile indices are int32)
         return None
     return grid
 
@@ -423,9 +464,8 @@ def _ring_grid(ring, rows: int):
 def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
     """The Plan of the WHOLE_ROWS kernel for `rows` rows of the length of `plan` (a
     layer_norm_fwd plan), or None where layer_norm_fwd runs: "per_row", split or warp rows,
-    single-element units, or rows the option's kernel does not take (persistent and compact:
-    more than 2 packs; persistent: w and b over 48 KiB; compact: more than COMPACT_MAX_THREADS
-    threads, or 2^31 rows or more: one block per row, no loop)."""
+    single-element units, or rows the option's kernel does not take (compact: more than 2 packs,
+    more than COMPACT_MAX_THREADS threads, or 2^31 rows or more: one block per row, no loop)."""
     if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
         raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
                          f"{WHOLE_ROWS_PLANS}")
@@ -433,39 +473,38 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
     if (WHOLE_ROWS == "per_row" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
             or vec == 1):
         return None
-    if WHOLE_ROWS == "persistent" and (plan.packs > 2 or _held_wb_bytes(plan) > 48 * 1024):
-        return None
     if WHOLE_ROWS == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
                                     or rows > (1 << 31) - 1):
         return None
-    exprs = {"persistent": _ROWS_EXPRS, "two_pass": _TWO_PASS_EXPRS,
-             "compact": _COMPACT_EXPRS}[WHOLE_ROWS]
+    exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS}[WHOLE_ROWS]
     key = (WHOLE_ROWS, dtype, vec, plan.packs, threads, dev)
     hit = _plans.get(key)
     if hit is None:
         kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(
             exprs[(dtype, vec, plan.packs)])
-        smem = _held_wb_bytes(plan) if WHOLE_ROWS == "persistent" else 0
-        per_sm = loader.blocks_per_sm(kernel, threads, smem)
+        per_sm = loader.blocks_per_sm(kernel, threads)
         hit = Plan(kernel, (threads, 1, 1), plan.packs, 1,
                    per_sm * device.device_info(dev).sm_count)
         _plans[key] = hit
     return hit
 
 
-def _held_wb_bytes(plan: Plan) -> int:
-    """Dynamic shared memory of layer_norm_rows: w and b, 16 bytes per unit."""
-    return 2 * plan.packs * plan.block[0] * 16
-
-
 def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
-    """(RingPlan, grid) when split rows take a ring kernel (LONG_ROWS "ring" or "ring2"), else
-    None."""
+    """(RingPlan, grid) when split rows take a ring kernel (LONG_ROWS other than "split"; the
+    plan's variant says which), else None."""
     if LONG_ROWS not in LONG_ROWS_PLANS:
         raise ValueError(f"gpuops.ops.norms.LONG_ROWS = {LONG_ROWS!r}: one of {LONG_ROWS_PLANS}")
     if plan.C == 1 or LONG_ROWS == "split":
         return None
-    ring = _ring_plan(kind_name, dtype, vec, n, dev, LONG_ROWS)
+    variant = LONG_ROWS
+    if variant in ("auto", "ring_async"):
+        ring = _ring_plan(kind_name, dtype, vec, n, dev, "ring_async")
+        grid = _ring_grid(ring, rows)
+        if grid is not None and (variant == "ring_async"
+                                 or -(-rows * ring.C // grid) >= ring.lead):
+            return ring, grid
+        variant = "ring2" if variant == "auto" and vec > 1 else "ring"
+    ring = _ring_plan(kind_name, dtype, vec, n, dev, variant)
     grid = _ring_grid(ring, rows)
     return None if grid is None else (ring, grid)
 
@@ -680,12 +719,13 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, ((x.ptr, xs), (y.ptr, ys)), (w, b)) else 1
     plan = _plan("layer_norm", dtype, vec, n, call.device)
     ring = _long_rows_ring("layer_norm", plan, dtype, vec, n, rows, call.device)
-    if ring is not None and LONG_ROWS == "ring2":
+    if ring is not None and ring[0].variant != "ring":
         ring, grid = ring
         state = _ring2_state(call, rows * ring.C * 2)
+        lead = (ring.lead,) if ring.variant == "ring_async" else ()
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
                            _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), state, rows, n, ring.C,
-                           ring.depth, eps, smem=ring.smem)
+                           ring.depth, *lead, eps, smem=ring.smem)
         return y, mean, rstd
     if ring is not None:
         ring, grid = ring
@@ -698,11 +738,9 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
         return y, mean, rstd
     whole = _whole_rows_plan(plan, dtype, vec, call.device, rows)
     if whole is not None:
-        persistent = WHOLE_ROWS == "persistent"     # (one resident wave; else a block per row)
-        grid = min(rows, whole.capacity) if persistent else min(rows, (1 << 31) - 1)
-        whole.kernel.launch((grid, 1, 1), whole.block, call.stream, x.ptr, xs, y.ptr, ys,
-                            _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows, n, 1, FUSED,
-                            eps, smem=_held_wb_bytes(whole) if persistent else 0)
+        whole.kernel.launch((min(rows, (1 << 31) - 1), 1, 1), whole.block, call.stream, x.ptr, xs,
+                            y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows, n, 1,
+                            FUSED, eps)
         return y, mean, rstd
     plan, grid, phases = _grid(plan, rows, False)
     mp, rp, partials, counters = _ptr(mean), _ptr(rstd), 0, 0
@@ -739,12 +777,13 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     kind = "add_rms_norm" if residual is not None else "rms_norm"
     plan = _plan(kind, dtype, vec, n, call.device)
     ring = _long_rows_ring(kind, plan, dtype, vec, n, rows, call.device)
-    if ring is not None and LONG_ROWS == "ring2":
+    if ring is not None and ring[0].variant != "ring":
         ring, grid = ring
         state = _ring2_state(call, rows * ring.C)
+        lead = (ring.lead,) if ring.variant == "ring_async" else ()
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
                            rs, y.ptr, ys, _ptr(h), hs, _ptr(w), _ptr(rstd), state, rows, n,
-                           ring.C, ring.depth, eps, smem=ring.smem)
+                           ring.C, ring.depth, *lead, eps, smem=ring.smem)
         return y, h, rstd
     if ring is not None:
         ring, grid = ring
