@@ -514,13 +514,14 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     """PLAN['wgmma'] picks the module, kernel, grid and B box of each configuration: clusters of 2
     take pairs of tiles along M (grid even, at most one CTA per SM) and a K-major B box of 128
     rows (each CTA of a pair loads half of B and multicasts it)."""
-    launches, encoded = [], []
+    launches, encoded, maps = [], [], []
 
     class FakeKernel:
         def launch(self, grid, block, stream, *args, smem=0):
-            spec = G.WGMMA_TMASTORE_ARGS if epi == 3 else G.WGMMA_ARGS
+            spec = {3: G.WGMMA_TMASTORE_ARGS, 4: G.WGMMA_TMAFUSED_ARGS}.get(epi, G.WGMMA_ARGS)
             spec.struct.pack_into(bytearray(spec.size), 0, *args)
             launches.append((grid, block, smem))
+            maps.append(args[:4])
 
     class FakeCall:
         result_dtype, device, stream = dt.bfloat16, 0, 1
@@ -529,7 +530,7 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
             return _view(shape, ptr=1 << 30, dtype=dtype)
 
     monkeypatch.setattr(G.tma, "encode_tiled", lambda ptr, dtype, dims, strides, box, *r: (
-        encoded.append(box), bytes(128))[1])
+        encoded.append(box), bytes([len(encoded)]) * 128)[1])
     monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
     monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
@@ -545,12 +546,17 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     if epi == 3:   # the tensor-store epilogue: its own kernel, a third map (C) with 16 x 32 boxes
         assert expr == "gpuops::gemm::gemm_wgmma_tmastore<gpuops::bfloat16_t, false, false>"
         assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
+    elif epi == 4:  # and a fourth (the residual's): C's map again without a residual
+        assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
+        assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
+        assert maps[0][3] == maps[0][2] == bytes([3]) * 128
     else:
         fn = "gemm_wgmma" if cl == 1 else "gemm_wgmma_mc2"
         assert expr == f"gpuops::gemm::{fn}<gpuops::bfloat16_t, false, false, {epi}>"
         assert encoded == [(64, 128), (64, 256 // cl)]
     assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
-    assert grid == (132, 1, 1) and block == (384, 1, 1) and smem == G.WGMMA_SMEM
+    assert grid == (132, 1, 1) and block == (384, 1, 1)
+    assert smem == (G.WGMMA_SMEM_FUSED if epi == 4 else G.WGMMA_SMEM)
     # 3 x 3 tiles: 2 units of 2 tiles along M (the last tile row alone) per column -> 6 clusters
     launches.clear()
     G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
@@ -581,8 +587,93 @@ def test_tma_store_gives_way_to_direct_where_it_cannot_or_should_not(monkeypatch
     assert config(bias=1 << 22) == "direct"
     assert config(residual=1 << 22) == "direct"
     assert config(act=3) == "direct"
+    monkeypatch.setattr(G, "_TMA_STORE_GENERIC_FUSED", True)     # the experiment's A/B switch
+    assert config(bias=1 << 22) == "tma_store"
+    monkeypatch.setattr(G, "_TMA_STORE_GENERIC_FUSED", False)
     monkeypatch.setitem(G.PLAN, "wgmma", "base")
     assert config(bias=1 << 22) == "base"
+
+
+def test_tma_fused_routing_and_residual_maps(monkeypatch):
+    """'tma_fused' keeps bare and fused calls (bias, activation, residual) while TMA can write C
+    and read the residual; fp32 outputs, N % 8 != 0, a misaligned C and residuals TMA cannot
+    read (row broadcast, transposed, misaligned rows) go to 'direct'. The residual's map has C's
+    geometry: (N, M[, batch dims innermost first]), 32 x 16 boxes, 64-byte swizzle."""
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+
+    def plan(M=300, N=520, r_sm=520, r_sn=1, batch=1, bshape=(1, 1, 1), r_sb=(0, 0, 0)):
+        return types.SimpleNamespace(M=M, N=N, r_sm=r_sm, r_sn=r_sn, batch=batch, bshape=bshape,
+                                     r_sb=r_sb)
+
+    def config(p=None, **launch):
+        p, L = p or plan(), G._Launch()
+        L.c = 1 << 20
+        for k, v in launch.items():
+            setattr(L, k, v)
+        return G._wgmma_call_config(p, L)
+
+    res = 1 << 22
+    assert config() == "tma_fused"
+    assert config(bias=1 << 21, bias_s=1) == "tma_fused"
+    assert config(act=3) == "tma_fused"
+    assert config(bias=1 << 21, bias_s=1, act=2, residual=res) == "tma_fused"
+    assert config(bias=1 << 21, bias_s=0) == "direct"               # a broadcast bias
+    assert config(bias=1 << 21, bias_s=2) == "direct"               # a strided bias
+    assert config(bias=(1 << 21) + 2, bias_s=1) == "direct"         # not 4-byte aligned
+    assert config(plan(N=60, r_sm=60)) == "direct"                  # N % 8: C
+    assert config(c=(1 << 20) + 8, bias=1 << 21) == "direct"
+    assert config(out_f32=1, residual=res) == "direct"
+    assert config(plan(r_sm=0), residual=res) == "direct"           # row residual (broadcast)
+    assert config(plan(r_sm=1, r_sn=300), residual=res) == "direct"  # transposed residual
+    assert config(plan(r_sm=524), residual=res) == "direct"         # rows 1048 B apart
+    assert config(residual=res + 2) == "direct"                     # misaligned base
+    assert config(plan(M=1, r_sm=0), residual=res) == "tma_fused"   # one row: no row stride
+    L = G._Launch()
+    L.residual = res
+    assert G._wgmma_residual_plan(plan(), L, 2) == ((520, 300), (1040,), (32, 16))
+    # batch 2 x 3 (bshape outermost first), residual broadcast over the outer dim
+    p = plan(batch=6, bshape=(1, 2, 3), r_sb=(0, 0, 300 * 520))
+    assert G._wgmma_residual_plan(p, L, 2) == (
+        (520, 300, 3, 1, 1), (1040, 312000, 936000, 936000), (32, 16, 1, 1, 1))
+    p = plan(batch=6, bshape=(1, 2, 3), r_sb=(0, 3 * 300 * 520, 300 * 520))
+    assert G._wgmma_residual_plan(p, L, 2) == (
+        (520, 300, 3, 2, 1), (1040, 312000, 936000, 1872000), (32, 16, 1, 1, 1))
+    assert config(p, residual=res) == "tma_fused"
+
+    # the launch: a fourth map for the residual, tma_fused's shared memory
+    launches, encoded = [], []
+
+    class FakeKernel:
+        def launch(self, grid, block, stream, *args, smem=0):
+            G.WGMMA_TMAFUSED_ARGS.struct.pack_into(bytearray(G.WGMMA_TMAFUSED_ARGS.size), 0,
+                                                   *args)
+            launches.append((args, smem))
+
+    class FakeCall:
+        result_dtype, device, stream = dt.bfloat16, 0, 1
+
+        def empty(self, shape, dtype):
+            return _view(shape, ptr=1 << 30, dtype=dtype)
+
+    monkeypatch.setattr(G.tma, "encode_tiled", lambda ptr, dtype, dims, strides, box, *r: (
+        encoded.append((ptr, dims, strides, box, r)), bytes([len(encoded)]) * 128)[1])
+    monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
+    monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
+        launches.append((module.name, expr)), FakeKernel())[1])
+    G._wgmma_map_cache.clear()
+    x, w = _view((4096, 2048), dtype=dt.bfloat16), _view((6144, 2048), ptr=1 << 24,
+                                                           dtype=dt.bfloat16)
+    r = _view((4096, 6144), ptr=1 << 28, dtype=dt.bfloat16)
+    G.gemm(FakeCall(), "linear", x, G._transposed(w), residual=r, activation="gelu",
+           variant="wgmma")
+    (name, expr), (args, smem) = launches
+    assert name == "gemm.wgmma_tma_fused_bf16"
+    assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
+    assert smem == G.WGMMA_SMEM_FUSED
+    assert encoded[3] == (1 << 28, (6144, 4096), (12288,), (32, 16), (G.tma.SWIZZLE_64B,))
+    assert args[3] == bytes([4]) * 128 and args[2] == bytes([3]) * 128
+    G._wgmma_map_cache.clear()
 
 
 def test_wgmma_constants_match_the_kernel():
@@ -595,6 +686,13 @@ def test_wgmma_constants_match_the_kernel():
     stage = (G.WGMMA_BM + G.WGMMA_BN) * G.WGMMA_BK * 2
     epi = 8 * 16 * consts["kWgEpiLd"] * 4
     assert G.WGMMA_SMEM == G.WGMMA_STAGES * stage + epi + 2 * G.WGMMA_STAGES * 8 + 1024
+    # tma_fused: boxes of 1 KiB per consumer warp, two bias rows, one barrier per box
+    boxes = consts["kWgFusedBoxes"]
+    assert boxes == G.WGMMA_FUSED_BOXES
+    assert G.WGMMA_SMEM_FUSED == (G.WGMMA_STAGES * stage + 8 * boxes * 1024 + 2 * G.WGMMA_BN * 2
+                                  + 2 * G.WGMMA_STAGES * 8 + 8 * boxes * 8 + 1024)
+    assert "kWgFusedSmemBytes =\n    kWgFusedBarOffset + 2 * kWgStages * 8 + 8 * kWgFusedBoxes * 8 + 1024" in text
+    assert G.WGMMA_SMEM_FUSED <= 227 * 1024
     assert "kWgSmemBytes = kWgBarOffset + 2 * kWgStages * 8 + 1024" in text
     assert G.WGMMA_SMEM <= 227 * 1024
 
