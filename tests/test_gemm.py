@@ -676,6 +676,69 @@ def test_tma_fused_routing_and_residual_maps(monkeypatch):
     G._wgmma_map_cache.clear()
 
 
+def _tma_fused_schedule(tiles, has_res, refill_wait=1, chunk_wait=3, boxes=4):
+    """A model of one warp's lane 0 in 'tma_fused' (cuda_src/gemm/wgmma.cu,
+    wg_fused_residual_prologue / wg_epilogue_tma_fused) over a sequence of tiles, each given as
+    its count of live 32-column chunks (0: the warp's rows lie past M): which box holds what, and
+    which store groups may still read a box (cp.async.bulk.wait_group.read N completes all but the
+    N most recent groups). refill_wait / chunk_wait: the kernel's N before a residual refill /
+    before the math of chunk c >= 4 without a residual. Returns the violations: a TMA load or
+    the math writing a box that a store may still read, or a chunk's math finding another
+    chunk's residual in its box."""
+    bad, pending, content = [], [], [None] * boxes
+
+    def wait_read(n):
+        del pending[:max(0, len(pending) - n)]
+
+    def load(box, tile, chunk):
+        if box in pending:
+            bad.append(f"tile {tile}: residual of chunk {chunk} loaded into box {box} while a "
+                       "store reads it")
+        content[box] = ("res", tile, chunk)
+
+    for ti, live in enumerate(tiles):
+        if has_res and live:                       # main loop, k-tile pf_kt
+            wait_read(0)
+            for b in range(min(boxes, live)):
+                load(b, ti, b)
+        if not live:
+            continue
+        if not has_res:
+            wait_read(0)
+        for c in range(live):
+            box = c % boxes
+            if has_res:
+                if content[box] != ("res", ti, c):
+                    bad.append(f"tile {ti} chunk {c}: box {box} holds {content[box]}")
+            elif c >= boxes:
+                wait_read(chunk_wait)
+            if box in pending:
+                bad.append(f"tile {ti} chunk {c}: writes box {box} while a store reads it")
+            content[box] = ("out", ti, c)
+            pending.append(box)                    # the chunk's tensor store
+            cn = c + boxes - 1
+            if has_res and c >= 1 and cn < live:
+                wait_read(refill_wait)
+                load(cn % boxes, ti, cn)
+    return bad
+
+
+def test_tma_fused_box_schedule():
+    """The box reuse of 'tma_fused' (4 boxes per warp; the residual of chunk c + 3 goes into
+    chunk c - 1's box after wait_group.read 1; without a residual, chunk c >= 4 waits with
+    wait_group.read 3) over tiles with every count of live chunks, warps past M among them; the
+    model must catch one wait too lax in either place."""
+    import random
+    rng = random.Random(0)
+    seqs = [[8] * 5, list(range(9)), [1, 8, 3, 0, 8, 5]] + [
+        [rng.randint(0, 8) for _ in range(12)] for _ in range(200)]
+    for seq in seqs:
+        for has_res in (False, True):
+            assert _tma_fused_schedule(seq, has_res) == [], (seq, has_res)
+    assert _tma_fused_schedule([8, 8], True, refill_wait=2)
+    assert _tma_fused_schedule([8, 8], False, chunk_wait=4)
+
+
 def test_wgmma_constants_match_the_kernel():
     """ops/gemm.py's tile, threads and shared-memory size mirror cuda_src/gemm/wgmma.cu."""
     text = (ROOT / "cuda_src/gemm/wgmma.cu").read_text()
@@ -1735,6 +1798,119 @@ def test_gpu_wgmma_fused_epilogue(act, dtype, config, monkeypatch):
         assert out.dtype == torch.float32
         _check(out, a, b, dtype, bias=bias32, act=act, residual=res32, out_dtype="float32",
                what="out_dtype=float32", tile=WG_TILE)
+
+
+def _spy_wgmma_configs(monkeypatch):
+    """The wgmma configuration every following call ran (after _wgmma_call_config's routing)."""
+    ran = []
+    route = G._wgmma_call_config
+    monkeypatch.setattr(G, "_wgmma_call_config", lambda p, L: (ran.append(route(p, L)), ran[-1])[1])
+    return ran
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", WG_DTYPES)
+def test_gpu_wgmma_tma_fused(dtype, monkeypatch):
+    """'tma_fused' (residual by TMA into the store boxes, bias row by cp.async): every epilogue
+    combination against float64 with NaN-poisoned outputs; M edges inside a warp's 16 rows and
+    inside a tile, N edges inside a 32-column chunk and inside a tile (chunks past N skipped),
+    one k-tile (residual and bias issued at k-tile 0) and many (issued 8 before the end), more
+    tiles than SMs (barrier parities and bias rows across tiles, ragged tiles among them)."""
+    _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    ran = _spy_wgmma_configs(monkeypatch)
+    for M, N, K in ((200, 264, 136), (70, 72, 64), (130, 776, 1000), (4097, 4104, 640)):
+        a, b = _randn((M, K), dtype), _randn((K, N), dtype)
+        bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+        what = f"tma_fused {dtype} {(M, N, K)}"
+        _check(go.matmul(a, b, bias=bias, variant="wgmma"), a, b, dtype, bias=bias,
+               what=f"{what} bias", tile=WG_TILE)
+        _check(go.matmul(a, b, residual=res, variant="wgmma"), a, b, dtype, residual=res,
+               what=f"{what} residual", tile=WG_TILE)
+        _check(go.matmul(a, b, activation="gelu", alpha=0.5, variant="wgmma"), a, b, dtype,
+               act="gelu", alpha=0.5, what=f"{what} gelu", tile=WG_TILE)
+        for act in ACTS:
+            out = go.matmul(a, b, bias=bias, activation=act, residual=res, alpha=-0.75,
+                            variant="wgmma")
+            _check(out, a, b, dtype, bias=bias, act=act, residual=res, alpha=-0.75,
+                   what=f"{what} bias+{act}+residual", tile=WG_TILE)
+        assert set(ran) == {"tma_fused"}, ran
+        ran.clear()
+    # a linear layer (K-major weight) and a residual with a row stride wider than N
+    x, w, bias = _randn((300, 512), dtype), _randn((264, 512), dtype), _randn((264,), dtype)
+    res = _randn((300, 272), dtype)[:, :264]
+    out = go.matmul(x, w.T, bias=bias, activation="silu", residual=res, variant="wgmma")
+    _check(out, x, w.T, dtype, bias=bias, act="silu", residual=res, what="padded residual",
+           tile=WG_TILE)
+    assert ran == ["tma_fused"]
+    ran.clear()
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", WG_DTYPES)
+def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
+    """Batched residuals through the 5-D residual map (per matrix, broadcast over a batch dim,
+    shared by the batch), in a CUDA graph too; calls 'tma_fused' cannot take run 'direct' and are
+    still right: fp32 output, N % 8 != 0, a row or transposed or misaligned residual, a broadcast
+    or misaligned bias."""
+    _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    ran = _spy_wgmma_configs(monkeypatch)
+    M, N, K = 37, 136, 72
+    a, b = _randn((3, 2, M, K), dtype), _randn((3, 2, K, N), dtype)
+    bias = _randn((N,), dtype)
+    for what, res in (("per matrix", _randn((3, 2, M, N), dtype)),
+                      ("broadcast dim", _randn((3, 1, M, N), dtype)),
+                      ("shared", _randn((M, N), dtype))):
+        out = go.matmul(a, b, bias=bias, activation="gelu_tanh", residual=res, variant="wgmma")
+        _check(out, a, b, dtype, bias=bias, act="gelu_tanh", residual=res,
+               what=f"tma_fused batched residual {what}", tile=WG_TILE)
+    assert set(ran) == {"tma_fused"}, ran
+    ran.clear()
+
+    x, w = _randn((300, 320), dtype), _randn((320, 520), dtype)
+    bias, res = _randn((520,), dtype), _randn((300, 520), dtype)
+    cases = {
+        "fp32 out": dict(bias=bias.float(), residual=res.float(), out_dtype=torch.float32),
+        "row residual": dict(bias=bias, residual=_randn((520,), dtype)),
+        "transposed residual": dict(residual=_randn((520, 300), dtype).T),
+        "misaligned residual": dict(residual=_randn((300 * 520 + 1,), dtype)[1:].view(300, 520)),
+        "broadcast bias": dict(bias=_randn((1,), dtype), residual=res),
+        "misaligned bias": dict(bias=_randn((521,), dtype)[1:]),
+    }
+    for what, kw in cases.items():
+        out = go.matmul(x, w, activation="silu", variant="wgmma", **kw)
+        kw.pop("out_dtype", None)
+        _check(out, x, w, dtype, act="silu", out_dtype="float32" if what == "fp32 out" else None,
+               what=f"tma_fused fallback {what}", tile=WG_TILE, **kw)
+        assert ran == ["direct"], (what, ran)
+        ran.clear()
+    x, w = _randn((300, 320), dtype), _randn((320, 100), dtype)      # N % 8 != 0
+    out = go.matmul(x, w, bias=_randn((100,), dtype), variant="wgmma")
+    assert ran == ["direct"]
+    ran.clear()
+
+    # captured once, replayed with new inputs and a new residual
+    a, b = _randn((512, 136), dtype), _randn((136, 776), dtype)
+    bias, res = _randn((776,), dtype), _randn((512, 776), dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.matmul(a, b, bias=bias, residual=res, variant="wgmma")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = go.matmul(a, b, bias=bias, activation="gelu", residual=res, variant="wgmma")
+    for _ in range(2):
+        a.copy_(_randn(a.shape, dtype))
+        res.copy_(_randn(res.shape, dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what="graph tma_fused",
+               tile=WG_TILE)
+    assert set(ran) == {"tma_fused"}, ran
 
 
 @gpu

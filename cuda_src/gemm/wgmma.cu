@@ -645,7 +645,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         continue;
       }
     }
-    if constexpr (kTmaC) {              // every tile (the host checked what TMA needs)
+    if constexpr (EPI == 4) {           // bare: EPI 3's code (its fused forms are not built)
+      wg_epilogue_fragments<T, false, Act::kIdentity, kStoreTensor>(
+          p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), tma_c,
+          (int)t.z);
+      continue;
+    }
+    if constexpr (EPI == 3) {           // every tile (the host checked what TMA needs)
       wg_epilogue_whole<T, kStoreTensor>(p, o, acc, m_base, t.n0, lane,
                                          reinterpret_cast<unsigned char*>(stage_c), tma_c, (int)t.z);
       continue;
