@@ -34,6 +34,10 @@
 //  * EPI = 3 'tma_store' epilogue (kernel gemm_wgmma_tmastore, a third tensor map for C): each
 //    warp hands 32-column chunks of its rows to the TMA unit (tensor-map store from shared
 //    memory) and goes on to the next tile while they drain;
+//  * EPI = 4 'tma_fused' (kernel gemm_wgmma_tmafused, a fourth tensor map for the residual): EPI
+//    3 for bare calls; fused calls keep the tensor stores, with the residual loaded by TMA into
+//    the boxes the output leaves from and the bias row through shared memory, so no global load
+//    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused);
 //  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
 //    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
 //    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.

@@ -178,7 +178,10 @@ GEMV_MMA_PIPE = {
 #             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
 #             understood yet). Run 30: "tma_store" (C through a tensor map, stores overlapped
-#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since.
+#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since (its
+#             fused calls run "direct"). "tma_fused": "tma_store" for bare calls, and fused
+#             epilogues through the same tensor stores (residual by TMA, bias via shared memory;
+#             benchmarks/experiments/wgmma_fused_epilogue.py times it against "direct").
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
 #             timed side by side by benchmarks/experiments/gemm_simt_sweep.py). Run 31 (H100,
