@@ -1887,8 +1887,9 @@ def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
                what=f"tma_fused fallback {what}", tile=WG_TILE, **kw)
         assert ran == ["direct"], (what, ran)
         ran.clear()
-    x, w = _randn((300, 320), dtype), _randn((320, 100), dtype)      # N % 8 != 0
-    out = go.matmul(x, w, bias=_randn((100,), dtype), variant="wgmma")
+    x, w, bias = _randn((300, 320), dtype), _padded(320, 100, dtype), _randn((100,), dtype)
+    out = go.matmul(x, w, bias=bias, variant="wgmma")                # N % 8 != 0
+    _check(out, x, w, dtype, bias=bias, what="tma_fused fallback N % 8", tile=WG_TILE)
     assert ran == ["direct"]
     ran.clear()
 
