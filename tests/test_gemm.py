@@ -514,13 +514,14 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     """PLAN['wgmma'] picks the module, kernel, grid and B box of each configuration: clusters of 2
     take pairs of tiles along M (grid even, at most one CTA per SM) and a K-major B box of 128
     rows (each CTA of a pair loads half of B and multicasts it)."""
-    launches, encoded = [], []
+    launches, encoded, maps = [], [], []
 
     class FakeKernel:
         def launch(self, grid, block, stream, *args, smem=0):
-            spec = G.WGMMA_TMASTORE_ARGS if epi == 3 else G.WGMMA_ARGS
+            spec = {3: G.WGMMA_TMASTORE_ARGS, 4: G.WGMMA_TMAFUSED_ARGS}.get(epi, G.WGMMA_ARGS)
             spec.struct.pack_into(bytearray(spec.size), 0, *args)
             launches.append((grid, block, smem))
+            maps.append(args[:4])
 
     class FakeCall:
         result_dtype, device, stream = dt.bfloat16, 0, 1
@@ -529,7 +530,7 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
             return _view(shape, ptr=1 << 30, dtype=dtype)
 
     monkeypatch.setattr(G.tma, "encode_tiled", lambda ptr, dtype, dims, strides, box, *r: (
-        encoded.append(box), bytes(128))[1])
+        encoded.append(box), bytes([len(encoded)]) * 128)[1])
     monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
     monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
     monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
@@ -545,12 +546,17 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     if epi == 3:   # the tensor-store epilogue: its own kernel, a third map (C) with 16 x 32 boxes
         assert expr == "gpuops::gemm::gemm_wgmma_tmastore<gpuops::bfloat16_t, false, false>"
         assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
+    elif epi == 4:  # and a fourth (the residual's): C's map again without a residual
+        assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
+        assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
+        assert maps[0][3] == maps[0][2] == bytes([3]) * 128
     else:
         fn = "gemm_wgmma" if cl == 1 else "gemm_wgmma_mc2"
         assert expr == f"gpuops::gemm::{fn}<gpuops::bfloat16_t, false, false, {epi}>"
         assert encoded == [(64, 128), (64, 256 // cl)]
     assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
-    assert grid == (132, 1, 1) and block == (384, 1, 1) and smem == G.WGMMA_SMEM
+    assert grid == (132, 1, 1) and block == (384, 1, 1)
+    assert smem == (G.WGMMA_SMEM_FUSED if epi == 4 else G.WGMMA_SMEM)
     # 3 x 3 tiles: 2 units of 2 tiles along M (the last tile row alone) per column -> 6 clusters
     launches.clear()
     G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
@@ -581,8 +587,156 @@ def test_tma_store_gives_way_to_direct_where_it_cannot_or_should_not(monkeypatch
     assert config(bias=1 << 22) == "direct"
     assert config(residual=1 << 22) == "direct"
     assert config(act=3) == "direct"
+    monkeypatch.setattr(G, "_TMA_STORE_GENERIC_FUSED", True)     # the experiment's A/B switch
+    assert config(bias=1 << 22) == "tma_store"
+    monkeypatch.setattr(G, "_TMA_STORE_GENERIC_FUSED", False)
     monkeypatch.setitem(G.PLAN, "wgmma", "base")
     assert config(bias=1 << 22) == "base"
+
+
+def test_tma_fused_routing_and_residual_maps(monkeypatch):
+    """'tma_fused' keeps bare and fused calls (bias, activation, residual) while TMA can write C
+    and read the residual; fp32 outputs, N % 8 != 0, a misaligned C and residuals TMA cannot
+    read (row broadcast, transposed, misaligned rows) go to 'direct'. The residual's map has C's
+    geometry: (N, M[, batch dims innermost first]), 32 x 16 boxes, 64-byte swizzle."""
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+
+    def plan(M=300, N=520, r_sm=520, r_sn=1, batch=1, bshape=(1, 1, 1), r_sb=(0, 0, 0)):
+        return types.SimpleNamespace(M=M, N=N, r_sm=r_sm, r_sn=r_sn, batch=batch, bshape=bshape,
+                                     r_sb=r_sb)
+
+    def config(p=None, **launch):
+        p, L = p or plan(), G._Launch()
+        L.c = 1 << 20
+        for k, v in launch.items():
+            setattr(L, k, v)
+        return G._wgmma_call_config(p, L)
+
+    res = 1 << 22
+    assert config() == "tma_fused"
+    assert config(bias=1 << 21, bias_s=1) == "tma_fused"
+    assert config(act=3) == "tma_fused"
+    assert config(bias=1 << 21, bias_s=1, act=2, residual=res) == "tma_fused"
+    assert config(bias=1 << 21, bias_s=0) == "direct"               # a broadcast bias
+    assert config(bias=1 << 21, bias_s=2) == "direct"               # a strided bias
+    assert config(bias=(1 << 21) + 2, bias_s=1) == "direct"         # not 4-byte aligned
+    assert config(plan(N=60, r_sm=60)) == "direct"                  # N % 8: C
+    assert config(c=(1 << 20) + 8, bias=1 << 21) == "direct"
+    assert config(out_f32=1, residual=res) == "direct"
+    assert config(plan(r_sm=0), residual=res) == "direct"           # row residual (broadcast)
+    assert config(plan(r_sm=1, r_sn=300), residual=res) == "direct"  # transposed residual
+    assert config(plan(r_sm=524), residual=res) == "direct"         # rows 1048 B apart
+    assert config(residual=res + 2) == "direct"                     # misaligned base
+    assert config(plan(M=1, r_sm=0), residual=res) == "tma_fused"   # one row: no row stride
+    L = G._Launch()
+    L.residual = res
+    assert G._wgmma_residual_plan(plan(), L, 2) == ((520, 300), (1040,), (32, 16))
+    # batch 2 x 3 (bshape outermost first), residual broadcast over the outer dim
+    p = plan(batch=6, bshape=(1, 2, 3), r_sb=(0, 0, 300 * 520))
+    assert G._wgmma_residual_plan(p, L, 2) == (
+        (520, 300, 3, 1, 1), (1040, 312000, 936000, 936000), (32, 16, 1, 1, 1))
+    p = plan(batch=6, bshape=(1, 2, 3), r_sb=(0, 3 * 300 * 520, 300 * 520))
+    assert G._wgmma_residual_plan(p, L, 2) == (
+        (520, 300, 3, 2, 1), (1040, 312000, 936000, 1872000), (32, 16, 1, 1, 1))
+    assert config(p, residual=res) == "tma_fused"
+
+    # the launch: a fourth map for the residual, tma_fused's shared memory
+    launches, encoded = [], []
+
+    class FakeKernel:
+        def launch(self, grid, block, stream, *args, smem=0):
+            G.WGMMA_TMAFUSED_ARGS.struct.pack_into(bytearray(G.WGMMA_TMAFUSED_ARGS.size), 0,
+                                                   *args)
+            launches.append((args, smem))
+
+    class FakeCall:
+        result_dtype, device, stream = dt.bfloat16, 0, 1
+
+        def empty(self, shape, dtype):
+            return _view(shape, ptr=1 << 30, dtype=dtype)
+
+    monkeypatch.setattr(G.tma, "encode_tiled", lambda ptr, dtype, dims, strides, box, *r: (
+        encoded.append((ptr, dims, strides, box, r)), bytes([len(encoded)]) * 128)[1])
+    monkeypatch.setattr(G, "effective_arch", lambda dev: 90)
+    monkeypatch.setattr(G.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(G._kernels, "get", lambda module, expr, dev: (
+        launches.append((module.name, expr)), FakeKernel())[1])
+    G._wgmma_map_cache.clear()
+    x, w = _view((4096, 2048), dtype=dt.bfloat16), _view((6144, 2048), ptr=1 << 24,
+                                                           dtype=dt.bfloat16)
+    r = _view((4096, 6144), ptr=1 << 28, dtype=dt.bfloat16)
+    G.gemm(FakeCall(), "linear", x, G._transposed(w), residual=r, activation="gelu",
+           variant="wgmma")
+    (name, expr), (args, smem) = launches
+    assert name == "gemm.wgmma_tma_fused_bf16"
+    assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
+    assert smem == G.WGMMA_SMEM_FUSED
+    assert encoded[3] == (1 << 28, (6144, 4096), (12288,), (32, 16), (G.tma.SWIZZLE_64B,))
+    assert args[3] == bytes([4]) * 128 and args[2] == bytes([3]) * 128
+    G._wgmma_map_cache.clear()
+
+
+def _tma_fused_schedule(tiles, has_res, refill_wait=1, chunk_wait=3, boxes=4):
+    """A model of one warp's lane 0 in 'tma_fused' (cuda_src/gemm/wgmma.cu,
+    wg_fused_residual_prologue / wg_epilogue_tma_fused) over a sequence of tiles, each given as
+    its count of live 32-column chunks (0: the warp's rows lie past M): which box holds what, and
+    which store groups may still read a box (cp.async.bulk.wait_group.read N completes all but the
+    N most recent groups). refill_wait / chunk_wait: the kernel's N before a residual refill /
+    before the math of chunk c >= 4 without a residual. Returns the violations: a TMA load or
+    the math writing a box that a store may still read, or a chunk's math finding another
+    chunk's residual in its box."""
+    bad, pending, content = [], [], [None] * boxes
+
+    def wait_read(n):
+        del pending[:max(0, len(pending) - n)]
+
+    def load(box, tile, chunk):
+        if box in pending:
+            bad.append(f"tile {tile}: residual of chunk {chunk} loaded into box {box} while a "
+                       "store reads it")
+        content[box] = ("res", tile, chunk)
+
+    for ti, live in enumerate(tiles):
+        if has_res and live:                       # main loop, k-tile pf_kt
+            wait_read(0)
+            for b in range(min(boxes, live)):
+                load(b, ti, b)
+        if not live:
+            continue
+        if not has_res:
+            wait_read(0)
+        for c in range(live):
+            box = c % boxes
+            if has_res:
+                if content[box] != ("res", ti, c):
+                    bad.append(f"tile {ti} chunk {c}: box {box} holds {content[box]}")
+            elif c >= boxes:
+                wait_read(chunk_wait)
+            if box in pending:
+                bad.append(f"tile {ti} chunk {c}: writes box {box} while a store reads it")
+            content[box] = ("out", ti, c)
+            pending.append(box)                    # the chunk's tensor store
+            cn = c + boxes - 1
+            if has_res and c >= 1 and cn < live:
+                wait_read(refill_wait)
+                load(cn % boxes, ti, cn)
+    return bad
+
+
+def test_tma_fused_box_schedule():
+    """The box reuse of 'tma_fused' (4 boxes per warp; the residual of chunk c + 3 goes into
+    chunk c - 1's box after wait_group.read 1; without a residual, chunk c >= 4 waits with
+    wait_group.read 3) over tiles with every count of live chunks, warps past M among them; the
+    model must catch one wait too lax in either place."""
+    import random
+    rng = random.Random(0)
+    seqs = [[8] * 5, list(range(9)), [1, 8, 3, 0, 8, 5]] + [
+        [rng.randint(0, 8) for _ in range(12)] for _ in range(200)]
+    for seq in seqs:
+        for has_res in (False, True):
+            assert _tma_fused_schedule(seq, has_res) == [], (seq, has_res)
+    assert _tma_fused_schedule([8, 8], True, refill_wait=2)
+    assert _tma_fused_schedule([8, 8], False, chunk_wait=4)
 
 
 def test_wgmma_constants_match_the_kernel():
@@ -595,6 +749,13 @@ def test_wgmma_constants_match_the_kernel():
     stage = (G.WGMMA_BM + G.WGMMA_BN) * G.WGMMA_BK * 2
     epi = 8 * 16 * consts["kWgEpiLd"] * 4
     assert G.WGMMA_SMEM == G.WGMMA_STAGES * stage + epi + 2 * G.WGMMA_STAGES * 8 + 1024
+    # tma_fused: boxes of 1 KiB per consumer warp, two bias rows, one barrier per box
+    boxes = consts["kWgFusedBoxes"]
+    assert boxes == G.WGMMA_FUSED_BOXES
+    assert G.WGMMA_SMEM_FUSED == (G.WGMMA_STAGES * stage + 8 * boxes * 1024 + 2 * G.WGMMA_BN * 2
+                                  + 2 * G.WGMMA_STAGES * 8 + 8 * boxes * 8 + 1024)
+    assert "kWgFusedSmemBytes =\n    kWgFusedBarOffset + 2 * kWgStages * 8 + 8 * kWgFusedBoxes * 8 + 1024" in text
+    assert G.WGMMA_SMEM_FUSED <= 227 * 1024
     assert "kWgSmemBytes = kWgBarOffset + 2 * kWgStages * 8 + 1024" in text
     assert G.WGMMA_SMEM <= 227 * 1024
 
@@ -1637,6 +1798,120 @@ def test_gpu_wgmma_fused_epilogue(act, dtype, config, monkeypatch):
         assert out.dtype == torch.float32
         _check(out, a, b, dtype, bias=bias32, act=act, residual=res32, out_dtype="float32",
                what="out_dtype=float32", tile=WG_TILE)
+
+
+def _spy_wgmma_configs(monkeypatch):
+    """The wgmma configuration every following call ran (after _wgmma_call_config's routing)."""
+    ran = []
+    route = G._wgmma_call_config
+    monkeypatch.setattr(G, "_wgmma_call_config", lambda p, L: (ran.append(route(p, L)), ran[-1])[1])
+    return ran
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", WG_DTYPES)
+def test_gpu_wgmma_tma_fused(dtype, monkeypatch):
+    """'tma_fused' (residual by TMA into the store boxes, bias row by cp.async): every epilogue
+    combination against float64 with NaN-poisoned outputs; M edges inside a warp's 16 rows and
+    inside a tile, N edges inside a 32-column chunk and inside a tile (chunks past N skipped),
+    one k-tile (residual and bias issued at k-tile 0) and many (issued 8 before the end), more
+    tiles than SMs (barrier parities and bias rows across tiles, ragged tiles among them)."""
+    _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    ran = _spy_wgmma_configs(monkeypatch)
+    for M, N, K in ((200, 264, 136), (70, 72, 64), (130, 776, 1000), (4097, 4104, 640)):
+        a, b = _randn((M, K), dtype), _randn((K, N), dtype)
+        bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+        what = f"tma_fused {dtype} {(M, N, K)}"
+        _check(go.matmul(a, b, bias=bias, variant="wgmma"), a, b, dtype, bias=bias,
+               what=f"{what} bias", tile=WG_TILE)
+        _check(go.matmul(a, b, residual=res, variant="wgmma"), a, b, dtype, residual=res,
+               what=f"{what} residual", tile=WG_TILE)
+        _check(go.matmul(a, b, activation="gelu", alpha=0.5, variant="wgmma"), a, b, dtype,
+               act="gelu", alpha=0.5, what=f"{what} gelu", tile=WG_TILE)
+        for act in ACTS:
+            out = go.matmul(a, b, bias=bias, activation=act, residual=res, alpha=-0.75,
+                            variant="wgmma")
+            _check(out, a, b, dtype, bias=bias, act=act, residual=res, alpha=-0.75,
+                   what=f"{what} bias+{act}+residual", tile=WG_TILE)
+        assert set(ran) == {"tma_fused"}, ran
+        ran.clear()
+    # a linear layer (K-major weight) and a residual with a row stride wider than N
+    x, w, bias = _randn((300, 512), dtype), _randn((264, 512), dtype), _randn((264,), dtype)
+    res = _randn((300, 272), dtype)[:, :264]
+    out = go.matmul(x, w.T, bias=bias, activation="silu", residual=res, variant="wgmma")
+    _check(out, x, w.T, dtype, bias=bias, act="silu", residual=res, what="padded residual",
+           tile=WG_TILE)
+    assert ran == ["tma_fused"]
+    ran.clear()
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", WG_DTYPES)
+def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
+    """Batched residuals through the 5-D residual map (per matrix, broadcast over a batch dim,
+    shared by the batch), in a CUDA graph too; calls 'tma_fused' cannot take run 'direct' and are
+    still right: fp32 output, N % 8 != 0, a row or transposed or misaligned residual, a broadcast
+    or misaligned bias."""
+    _skip_unless_hopper()
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    ran = _spy_wgmma_configs(monkeypatch)
+    M, N, K = 37, 136, 72
+    a, b = _randn((3, 2, M, K), dtype), _randn((3, 2, K, N), dtype)
+    bias = _randn((N,), dtype)
+    for what, res in (("per matrix", _randn((3, 2, M, N), dtype)),
+                      ("broadcast dim", _randn((3, 1, M, N), dtype)),
+                      ("shared", _randn((M, N), dtype))):
+        out = go.matmul(a, b, bias=bias, activation="gelu_tanh", residual=res, variant="wgmma")
+        _check(out, a, b, dtype, bias=bias, act="gelu_tanh", residual=res,
+               what=f"tma_fused batched residual {what}", tile=WG_TILE)
+    assert set(ran) == {"tma_fused"}, ran
+    ran.clear()
+
+    x, w = _randn((300, 320), dtype), _randn((320, 520), dtype)
+    bias, res = _randn((520,), dtype), _randn((300, 520), dtype)
+    cases = {
+        "fp32 out": dict(bias=bias.float(), residual=res.float(), out_dtype=torch.float32),
+        "row residual": dict(bias=bias, residual=_randn((520,), dtype)),
+        "transposed residual": dict(residual=_randn((520, 300), dtype).T),
+        "misaligned residual": dict(residual=_randn((300 * 520 + 1,), dtype)[1:].view(300, 520)),
+        "broadcast bias": dict(bias=_randn((1,), dtype), residual=res),
+        "misaligned bias": dict(bias=_randn((521,), dtype)[1:]),
+    }
+    for what, kw in cases.items():
+        out = go.matmul(x, w, activation="silu", variant="wgmma", **kw)
+        kw.pop("out_dtype", None)
+        _check(out, x, w, dtype, act="silu", out_dtype="float32" if what == "fp32 out" else None,
+               what=f"tma_fused fallback {what}", tile=WG_TILE, **kw)
+        assert ran == ["direct"], (what, ran)
+        ran.clear()
+    x, w, bias = _randn((300, 320), dtype), _padded(320, 100, dtype), _randn((100,), dtype)
+    out = go.matmul(x, w, bias=bias, variant="wgmma")                # N % 8 != 0
+    _check(out, x, w, dtype, bias=bias, what="tma_fused fallback N % 8", tile=WG_TILE)
+    assert ran == ["direct"]
+    ran.clear()
+
+    # captured once, replayed with new inputs and a new residual
+    a, b = _randn((512, 136), dtype), _randn((136, 776), dtype)
+    bias, res = _randn((776,), dtype), _randn((512, 776), dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.matmul(a, b, bias=bias, residual=res, variant="wgmma")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = go.matmul(a, b, bias=bias, activation="gelu", residual=res, variant="wgmma")
+    for _ in range(2):
+        a.copy_(_randn(a.shape, dtype))
+        res.copy_(_randn(res.shape, dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what="graph tma_fused",
+               tile=WG_TILE)
+    assert set(ran) == {"tma_fused"}, ran
 
 
 @gpu

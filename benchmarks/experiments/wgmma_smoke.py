@@ -178,9 +178,9 @@ def correctness_one(cfg):
             print(f"ok   module {G.WGMMA_MODULES[cfg][d].name} ({lm.origin}, {lm.target.label}, "
                   f"{time.time() - t0:.1f} s): {k.raw.num_regs} registers, "
                   f"max dynamic smem {device.device_info(0).max_smem_per_block_optin} B "
-                  f"(needs {G.WGMMA_SMEM})", flush=True)
+                  f"(needs {G._wgmma_smem(cfg)})", flush=True)
             if G.WGMMA_CONFIGS[cfg][1] > 1:
-                n = k.max_active_clusters(G.WGMMA_THREADS, G.WGMMA_SMEM)
+                n = k.max_active_clusters(G.WGMMA_THREADS, G._wgmma_smem(cfg))
                 cl = G.WGMMA_CONFIGS[cfg][1]
                 sms = device.device_info(0).sm_count
                 print(f"     clusters of {cl}: {n} resident at once (cuOccupancyMaxActiveClusters"

@@ -34,11 +34,16 @@
 //  * EPI = 3 'tma_store' epilogue (kernel gemm_wgmma_tmastore, a third tensor map for C): each
 //    warp hands 32-column chunks of its rows to the TMA unit (tensor-map store from shared
 //    memory) and goes on to the next tile while they drain;
+//  * EPI = 4 'tma_fused' (kernel gemm_wgmma_tmafused, a fourth tensor map for the residual): EPI
+//    3 for bare calls; fused calls keep the tensor stores, with the residual loaded by TMA into
+//    the boxes the output leaves from and the bias row through shared memory, so no global load
+//    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused);
 //  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
 //    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
 //    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
 #include "gemm/gemm_common.cuh"
 #include "gemm/wgmma_common.cuh"
+#include "common/mma.cuh"
 #include "common/opaque.cuh"
 
 namespace gpuops {
@@ -58,6 +63,17 @@ constexpr int kWgBarOffset = kWgEpiOffset + 8 * kWgEpiWarpBytes;
 // and 1 KiB of slack to align the ring to 1024 bytes (the 128-byte swizzle pattern's period)
 constexpr int kWgSmemBytes = kWgBarOffset + 2 * kWgStages * 8 + 1024;
 static_assert(kWgSmemBytes <= 227 * 1024, "wgmma shared memory exceeds sm_90's 227 KiB");
+// 'tma_fused' (EPI 4) lays out the space after the ring differently: 4 boxes of 16 x 32 16-bit
+// elements (1 KiB, 64-byte swizzle) per consumer warp, where the residual arrives by TMA and the
+// output leaves by TMA; a bias row of kWgBN elements per tile, double-buffered; the ring's
+// barriers; one barrier per residual box.
+constexpr int kWgFusedBoxes = 4;
+constexpr int kWgFusedWarpBytes = kWgFusedBoxes * 1024;
+constexpr int kWgFusedBiasOffset = kWgEpiOffset + 8 * kWgFusedWarpBytes;
+constexpr int kWgFusedBarOffset = kWgFusedBiasOffset + 2 * kWgBN * 2;
+constexpr int kWgFusedSmemBytes =
+    kWgFusedBarOffset + 2 * kWgStages * 8 + 8 * kWgFusedBoxes * 8 + 1024;
+static_assert(kWgFusedSmemBytes <= 227 * 1024, "tma_fused shared memory exceeds 227 KiB");
 
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 static_assert((2 * kWgConsumerRegs + kWgProducerRegs) * 128 <= 65536, "register file");
@@ -159,6 +175,7 @@ __device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* de
 constexpr int kStoreDirect = 0, kStoreTensor = 1;
 constexpr int kWgBoxRowBytes = 64, kWgBoxBufBytes = 16 * kWgBoxRowBytes;
 static_assert(2 * kWgBoxBufBytes <= kWgEpiWarpBytes, "two boxes per warp's staging area");
+static_assert(kWgFusedWarpBytes == kWgFusedBoxes * kWgBoxBufBytes, "EPI 4: boxes per warp");
 static_assert(kWgEpiWarpBytes % 512 == 0 && kWgBoxBufBytes % 512 == 0,
               "64-byte-swizzled boxes start on 512-byte boundaries");
 
@@ -281,14 +298,128 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 #undef GPUOPS_WG_EPI
 }
 
+// Epilogue 'tma_fused' (EPI 4) of a fused call (bias, activation and / or residual; 16-bit C,
+// N % 8 == 0, and a residual TMA can read: the host checks): act(alpha * acc + bias) + residual
+// with no global load in the chunk loop, so the proxy fence before each tensor store has only
+// this thread's shared-memory accesses to order (run 30: with generic bias / residual loads in
+// flight across it, the tma_store epilogue cost +37-39%).
+//  * residual: boxes of 16 rows x 32 columns in the C map's geometry and 64-byte swizzle, loaded
+//    by TMA (tma_r) into the warp's 4 box buffers, so each thread finds its residual pair at the
+//    address where it writes its result: ld.shared, math, st.shared in place, fence, tensor store
+//    of the box. Chunks 0..3 were loaded during the main loop (wg_fused_residual_prologue);
+//    chunk c + 3 (c = 1..4) is loaded into chunk c - 1's box as soon as that box's store has read
+//    it, three chunks before its use. res_bar: the 4 boxes' mbarriers (one completion per load),
+//    res_phase: their parities in bits 0..3 (other bits are the caller's), lane-uniform, kept
+//    across tiles by the caller.
+//  * bias: the tile's kWgBN bias values (T) in shared memory (bias_row, or null without bias),
+//    copied by cp.async during the main loop and published before the epilogue (no load in
+//    flight here); read as broadcast pairs.
+// Chunks wholly past N are skipped (no load, no math, no store); the chunks a warp handles are a
+// prefix 0..L-1 of the tile's 8, so the bulk groups of a tile are consecutive.
+template <class T, Act A>
+__device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const float (&acc)[128],
+                                                      long long m_base, long long n0, int lane,
+                                                      unsigned char* buf,
+                                                      const unsigned char* bias_row,
+                                                      const TmaDesc* tma_c, const TmaDesc* tma_r,
+                                                      int z, unsigned int res_bar,
+                                                      unsigned int& res_phase, bool batched,
+                                                      const int (&rc)[3]) {
+  if (m_base >= p.M) return;                // all 16 rows of the warp lie past M (warp-uniform)
+  unsigned int lane_u = (unsigned int)lane;
+  opaque(lane_u);                           // recomputed per tile (see wg_epilogue_fragments)
+  lane = (int)lane_u;
+  const int g = lane >> 2, tq = lane & 3, sw = (g >> 1) & 3;
+  const bool has_bias = bias_row != nullptr, has_res = p.residual != nullptr;
+  // the boxes' previous stores (last tile's) have read them; without a residual nothing else did
+  // this wait (with one, wg_fused_residual_prologue did it before loading chunks 0..3)
+  if (!has_res) {
+    if (lane == 0) bulk_wait_read<0>();
+    __syncwarp();
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    if (n0 + 32 * c >= p.N) break;          // this and later chunks lie past N (warp-uniform)
+    const int box = c & (kWgFusedBoxes - 1);
+    unsigned char* chunk = buf + box * kWgBoxBufBytes;
+    if (has_res) {
+      mbar_wait(res_bar + 8 * box, (res_phase >> box) & 1u);
+      res_phase ^= 1u << box;
+    } else if (c >= kWgFusedBoxes) {
+      if (lane == 0) bulk_wait_read<kWgFusedBoxes - 1>();   // chunk c - 4's store read the box
+      __syncwarp();
+    }
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = 4 * c + jj;             // n8 block: columns 8j + 2t, + 1 of the tile
+      // 16-byte unit jj of the 64-byte box row; rows g and g + 8 share the swizzle
+      unsigned char* at = chunk + ((jj ^ sw) * 16) + 4 * tq;
+      unsigned int* lo_at = reinterpret_cast<unsigned int*>(at + g * kWgBoxRowBytes);
+      unsigned int* hi_at = reinterpret_cast<unsigned int*>(at + (g + 8) * kWgBoxRowBytes);
+      float bz[8] = {}, r_lo[8] = {}, r_hi[8] = {};
+      if (has_bias)
+        Vec16<T>::unpack(make_uint4(*reinterpret_cast<const unsigned int*>(
+                                        bias_row + (8 * j + 2 * tq) * 2), 0u, 0u, 0u), bz);
+      if (has_res) {
+        Vec16<T>::unpack(make_uint4(*lo_at, 0u, 0u, 0u), r_lo);
+        Vec16<T>::unpack(make_uint4(*hi_at, 0u, 0u, 0u), r_hi);
+      }
+      float lo[2], hi[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        lo[e] = activate<A>(p.alpha * acc[4 * j + e] + bz[e]) + r_lo[e];
+        hi[e] = activate<A>(p.alpha * acc[4 * j + 2 + e] + bz[e]) + r_hi[e];
+      }
+      *lo_at = Vec16<T>::pack2(lo[0], lo[1]);
+      *hi_at = Vec16<T>::pack2(hi[0], hi[1]);
+    }
+    fence_proxy_async_smem();               // the st.shared above, before the TMA unit reads
+    __syncwarp();
+    if (lane == 0) {
+      // rows past M and columns past N are clipped by the map's extents, not written
+      tma_store_3d(tma_c, smem_u32(chunk), (int)n0 + 32 * c, (int)m_base, z);
+      bulk_commit();
+      const int cn = c + kWgFusedBoxes - 1; // the chunk whose residual goes into chunk c - 1's box
+      if (has_res && c >= 1 && cn < 8 && n0 + 32 * cn < p.N) {
+        bulk_wait_read<1>();                // chunk c - 1's store has read its box
+        const int nb = cn & (kWgFusedBoxes - 1);
+        mbar_arrive_expect_tx(res_bar + 8 * nb, kWgBoxBufBytes);
+        tma_load(smem_u32(buf + nb * kWgBoxBufBytes), tma_r, res_bar + 8 * nb, (int)n0 + 32 * cn,
+                 (int)m_base, batched, rc);
+      }
+    }
+  }
+}
+
+// The residual boxes of a tile's first kWgFusedBoxes chunks, issued by lane 0 of each consumer
+// warp during the tile's main loop (EPI 4; see wg_epilogue_tma_fused): the previous tile's stores
+// must have read the boxes first.
+__device__ __forceinline__ void wg_fused_residual_prologue(const GemmArgs& p, long long m_base,
+                                                          long long n0, unsigned char* buf,
+                                                          const TmaDesc* tma_r,
+                                                          unsigned int res_bar, bool batched,
+                                                          const int (&rc)[3]) {
+  bulk_wait_read<0>();
+#pragma unroll
+  for (int b = 0; b < kWgFusedBoxes; ++b) {
+    if (n0 + 32 * b < p.N) {
+      mbar_arrive_expect_tx(res_bar + 8 * b, kWgBoxBufBytes);
+      tma_load(smem_u32(buf + b * kWgBoxBufBytes), tma_r, res_bar + 8 * b, (int)n0 + 32 * b,
+               (int)m_base, batched, rc);
+    }
+  }
+}
+
 // The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
 // otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 3 = tensor
-// store (tma_c).
+// store (tma_c), 4 = tensor store with fused epilogues through shared memory (tma_c, and tma_r
+// for the residual; bare calls run EPI 3's code).
 // CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
 // stage and multicasts it to both, halving B's L2 -> SM traffic).
 template <class T, bool AMN, bool BMN, int EPI, int CL>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaDesc& tma_b,
-                                                const TmaDesc* tma_c, const GemmArgs& p) {
+                                                const TmaDesc* tma_c, const TmaDesc* tma_r,
+                                                const GemmArgs& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(CL == 1 || CL == 2, "clusters of 1 or 2 CTAs along M");
   extern __shared__ __align__(16) unsigned char smem_raw[];   // aligned to 1024 by hand below
@@ -298,8 +429,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   const unsigned int pad = (1024u - (raw & 1023u)) & 1023u;
   const unsigned int sbase = raw + pad;                    // 1024-aligned shared address
   unsigned char* smem = smem_raw + pad;
-  const unsigned int full_bar = sbase + kWgBarOffset;      // + 8 * stage
+  constexpr bool kTmaC = EPI == 3 || EPI == 4;              // C leaves through tma_c
+  const unsigned int full_bar = sbase + (EPI == 4 ? kWgFusedBarOffset : kWgBarOffset);  // + 8 s
   const unsigned int empty_bar = full_bar + 8 * kWgStages;
+  const unsigned int res_bar0 = empty_bar + 8 * kWgStages;  // EPI 4: + 8 (4 warp + box)
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int rank = CL > 1 ? (int)cluster_ctarank() : 0;
@@ -310,10 +443,17 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       mbar_init(full_bar + 8 * s, 1);       // the producer's arrive.expect_tx (+ TMA's bytes)
       mbar_init(empty_bar + 8 * s, 8 * CL); // one arrive per consumer warp of every CTA
     }
+    if constexpr (EPI == 4) {
+#pragma unroll 1
+      for (int i = 0; i < 8 * kWgFusedBoxes; ++i) mbar_init(res_bar0 + 8 * i, 1);  // lane 0's
+    }
     mbar_fence_init();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
-    if constexpr (EPI == 3) tma_prefetch_desc(tma_c);
+    if constexpr (kTmaC) tma_prefetch_desc(tma_c);
+    if constexpr (EPI == 4) {
+      if (p.residual != nullptr) tma_prefetch_desc(tma_r);
+    }
   }
   __syncthreads();
   if constexpr (CL > 1) cluster_sync_all();   // the peers' barriers exist before any multicast
@@ -393,9 +533,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   const unsigned int a_off = cg * 8192;
   // descriptors: WgOperand (wgmma_common.cuh) holds LBO / SBO / k16 step of each layout
   static_assert(WgOperand<true>::kLbo == kWgBoxBytes, "M/N-major LBO = one 64 x 64 TMA box");
-  float* stage_c = reinterpret_cast<float*>(smem + kWgEpiOffset + (cg * 4 + cwarp) * kWgEpiWarpBytes);
+  float* stage_c = reinterpret_cast<float*>(
+      smem + kWgEpiOffset + (cg * 4 + cwarp) * (EPI == 4 ? kWgFusedWarpBytes : kWgEpiWarpBytes));
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
+  // EPI 4: fused calls (bias / activation / residual) take wg_epilogue_tma_fused; this warp's
+  // residual barriers; epi_state: bits 0..3 the barriers' parities, bit 4 the bias row in use
+  // (one register across the main loop: the consumers have none to spare there)
+  const bool fused4 = EPI == 4 && (p.bias != nullptr || p.residual != nullptr || p.act != 0);
+  const unsigned int res_bar = res_bar0 + 8 * kWgFusedBoxes * (cg * 4 + cwarp);
+  unsigned int epi_state = 0;
 
   // a stage is free again once every consumer warp of every CTA that reads it is done with it
   auto release = [&](int s) {
@@ -435,6 +582,29 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       if (kt > 0) release(prev);
       if (prefetch_res && kt == pf_kt && t.m0 < p.M)
         prefetch_residual_l2<T, 64, kWgBN, 128>(p, o, t.m0 + 64 * cg, t.n0, ctid);
+      if constexpr (EPI == 4) {
+        // the residual boxes of chunks 0..3 and the bias row, 8 k-tiles (or the whole main
+        // loop) before the epilogue: their latency hides behind the MMAs
+        if (fused4 && kt == pf_kt) {
+          const long long mb = t.m0 + 64 * cg + 16 * cwarp;
+          if (p.residual != nullptr && lane == 0 && mb < p.M) {
+            int rc[3] = {0, 0, 0};
+            if (sh.batched) batch_coords(p, t.z, p.r_sb, rc);
+            wg_fused_residual_prologue(p, mb, t.n0, reinterpret_cast<unsigned char*>(stage_c),
+                                       tma_r, res_bar, sh.batched, rc);
+          }
+          if (p.bias != nullptr && cg == 0) {
+            // the first warpgroup copies the row (contiguous, 4-byte aligned, N even: the host
+            // checks) as 128 pairs with cp.async, which holds no register until the epilogue;
+            // pairs past N are zero-filled
+            const long long n = t.n0 + 2 * ctid;
+            cp_async4(sbase + kWgFusedBiasOffset + ((epi_state >> 4) & 1) * (kWgBN * 2) + 4 * ctid,
+                      static_cast<const unsigned short*>(p.bias) + (n < p.N ? n : 0),
+                      n < p.N ? 4 : 0);
+            cp_async_commit();
+          }
+        }
+      }
       prev = stage;
       if (++stage == kWgStages) {
         stage = 0;
@@ -450,6 +620,41 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
     const bool whole = !p.out_f32 && t.n0 + kWgBN <= p.N;
+    if constexpr (EPI == 4) {
+      if (fused4) {
+        // the tile's bias row, copied by the first warpgroup during the main loop, published to
+        // both by one named barrier of their 256 threads; two rows by tile parity, so a row is
+        // rewritten only after every warp has passed the next tile's barrier (and so finished
+        // this tile's epilogue)
+        unsigned char* bias_row = nullptr;
+        if (p.bias != nullptr) {
+          bias_row = smem + kWgFusedBiasOffset + ((epi_state >> 4) & 1) * (kWgBN * 2);
+          if (cg == 0) cp_async_wait<0>();
+          named_bar_sync(1, 256);
+          epi_state ^= 16u;
+        }
+        int rc[3] = {0, 0, 0};
+        if (sh.batched && p.residual != nullptr) batch_coords(p, t.z, p.r_sb, rc);
+#define GPUOPS_WG_FUSED(A)                                                                   \
+  wg_epilogue_tma_fused<T, A>(p, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), \
+                              bias_row, tma_c, tma_r, (int)t.z, res_bar, epi_state, sh.batched, rc)
+        switch (p.act) {
+          case 1: GPUOPS_WG_FUSED(Act::kRelu); break;
+          case 2: GPUOPS_WG_FUSED(Act::kSilu); break;
+          case 3: GPUOPS_WG_FUSED(Act::kGeluErf); break;
+          case 4: GPUOPS_WG_FUSED(Act::kGeluTanh); break;
+          default: GPUOPS_WG_FUSED(Act::kIdentity); break;
+        }
+#undef GPUOPS_WG_FUSED
+        continue;
+      }
+    }
+    if constexpr (EPI == 4) {           // bare: EPI 3's code (its fused forms are not built)
+      wg_epilogue_fragments<T, false, Act::kIdentity, kStoreTensor>(
+          p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), tma_c,
+          (int)t.z);
+      continue;
+    }
     if constexpr (EPI == 3) {           // every tile (the host checked what TMA needs)
       wg_epilogue_whole<T, kStoreTensor>(p, o, acc, m_base, t.n0, lane,
                                          reinterpret_cast<unsigned char*>(stage_c), tma_c, (int)t.z);
@@ -525,7 +730,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       for (int i = 0; i < 128 - 16; ++i) acc[i] = acc[i + 16];
     }
   }
-  if constexpr (EPI == 3) bulk_wait<0>();  // the copies read this CTA's shared memory
+  if constexpr (kTmaC) bulk_wait<0>();    // the copies read this CTA's shared memory
   if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only
@@ -536,7 +741,7 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, nullptr, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, nullptr, nullptr, p);
 }
 
 // EPI 3 ('tma_store'): C leaves through a third tensor map (dims N, M, batch; 32 x 16 boxes;
@@ -546,7 +751,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma_tmastore(const __grid_constant__ TmaDesc tma_a,
                         const __grid_constant__ TmaDesc tma_b,
                         const __grid_constant__ TmaDesc tma_c, const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, 3, 1>(tma_a, tma_b, &tma_c, p);
+  gemm_wgmma_body<T, AMN, BMN, 3, 1>(tma_a, tma_b, &tma_c, nullptr, p);
+}
+
+// EPI 4 ('tma_fused'): as EPI 3, and a fourth map for the residual (dims N, M[, batch dims],
+// 32 x 16 boxes, 64-byte swizzle: C's box geometry on the residual's strides; the host passes
+// C's map again when the call has no residual). Shared memory: kWgFusedSmemBytes.
+template <class T, bool AMN, bool BMN>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    gemm_wgmma_tmafused(const __grid_constant__ TmaDesc tma_a,
+                        const __grid_constant__ TmaDesc tma_b,
+                        const __grid_constant__ TmaDesc tma_c,
+                        const __grid_constant__ TmaDesc tma_r, const GemmArgs p) {
+  gemm_wgmma_body<T, AMN, BMN, 4, 1>(tma_a, tma_b, &tma_c, &tma_r, p);
 }
 
 // Clusters of 2 CTAs along M (compile-time cluster shape: a plain cuLaunchKernel launches
@@ -555,7 +772,7 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kWgThreads, 1)
     gemm_wgmma_mc2(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                    const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, nullptr, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, nullptr, nullptr, p);
 }
 
 }  // namespace gemm

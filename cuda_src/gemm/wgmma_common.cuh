@@ -123,6 +123,12 @@ __device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity)
   }
 }
 
+// Named barrier `id` (1..15; 0 is __syncthreads) of `count` threads (a multiple of 32): the
+// consumer warpgroups synchronize among themselves while the producer warp runs on.
+__device__ __forceinline__ void named_bar_sync(unsigned int id, unsigned int count) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
 // ------------------------------------------------------------------------------------ TMA
 
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {

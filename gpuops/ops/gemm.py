@@ -181,7 +181,10 @@ GEMV_MMA_PIPE = {
 #             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
 #             understood yet). Run 30: "tma_store" (C through a tensor map, stores overlapped
-#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since.
+#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since (its
+#             fused calls run "direct"). "tma_fused": "tma_store" for bare calls, and fused
+#             epilogues through the same tensor stores (residual by TMA, bias via shared memory;
+#             benchmarks/experiments/wgmma_fused_epilogue.py times it against "direct").
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
 #             timed side by side by benchmarks/experiments/gemm_simt_sweep.py). Run 31 (H100,
@@ -249,6 +252,12 @@ WGMMA_BM, WGMMA_BN, WGMMA_BK, WGMMA_STAGES = 128, 256, 64, 4
 WGMMA_THREADS = 384
 WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 * 4 \
     + 2 * WGMMA_STAGES * 8 + 1024
+# 'tma_fused' (epilogue 4): 4 boxes of 1 KiB per consumer warp instead of the 20 KiB staging
+# area, two bias rows of 256 16-bit values, one mbarrier per box (kWgFusedSmemBytes in wgmma.cu)
+WGMMA_FUSED_BOXES = 4
+WGMMA_SMEM_FUSED = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 \
+    + 8 * WGMMA_FUSED_BOXES * 1024 + 2 * WGMMA_BN * 2 + 2 * WGMMA_STAGES * 8 \
+    + 8 * WGMMA_FUSED_BOXES * 8 + 1024
 
 
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
@@ -256,8 +265,8 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
 # rolled 32-column chunks), 1 'direct' (fragments straight to global memory, activation chosen
 # per tile), 3 'tma_store' (below). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
 # (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "tma_store": (3, 1), "mc2": (0, 2),
-                 "mc2_direct": (1, 2)}
+WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "tma_store": (3, 1), "tma_fused": (4, 1),
+                 "mc2": (0, 2), "mc2_direct": (1, 2)}
 # 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
 # chunk (kernel gemm_wgmma_tmastore), so the warps start the next tile while it drains. Run 30
 # (H100, CUDA graphs, bf16 linear, % of cuBLAS): 4096x6144x512 100, x1024 95.7, x2048 89.0,
@@ -265,6 +274,15 @@ WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "tma_store": (3, 1), "mc2": (
 # ~0 us (direct 6.6). Calls with a fused epilogue (bias, activation, residual) and calls whose C
 # TMA cannot write (fp32 out, N % 8 != 0, misaligned) run 'direct' (see _wgmma_call_config).
 WGMMA_TMASTORE_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "9P25qf4i")
+# 'tma_fused' (epilogue 4, kernel gemm_wgmma_tmafused): 'tma_store' for bare calls, and fused
+# epilogues through the same tensor stores: the residual arrives by TMA through a fourth map (C's
+# box geometry on the residual) into the boxes the output leaves from, the bias through shared
+# memory, so no global load is in flight at the per-chunk proxy fence (notes_gemm.md,
+# "Fused epilogues through tensor stores"). Calls whose residual TMA cannot read run 'direct'.
+WGMMA_TMAFUSED_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", "9P25qf4i")
+# Experiment switch (benchmarks/experiments/wgmma_fused_epilogue.py): True lets 'tma_store' run
+# fused calls itself, with run 30's generic bias / residual loads (measured slow), for A/B.
+_TMA_STORE_GENERIC_FUSED = False
 
 
 _WGMMA_ALL = WGMMA_CONFIGS
@@ -274,12 +292,22 @@ def _wgmma_expr(d, a_mn, b_mn, config="base"):
     epi, cl = _WGMMA_ALL[config]
     if epi == 3:
         return _kname("gemm_wgmma_tmastore", d.ctype, _b(a_mn), _b(b_mn))
+    if epi == 4:
+        return _kname("gemm_wgmma_tmafused", d.ctype, _b(a_mn), _b(b_mn))
     return _kname("gemm_wgmma" if cl == 1 else f"gemm_wgmma_mc{cl}", d.ctype, _b(a_mn), _b(b_mn),
                   epi)
 
 
+def _wgmma_spec(config):
+    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS}.get(_WGMMA_ALL[config][0], WGMMA_ARGS)
+
+
+def _wgmma_smem(config):
+    return WGMMA_SMEM_FUSED if _WGMMA_ALL[config][0] == 4 else WGMMA_SMEM
+
+
 def _wgmma_kernels(config):
-    spec = WGMMA_TMASTORE_ARGS if _WGMMA_ALL[config][0] == 3 else WGMMA_ARGS
+    spec = _wgmma_spec(config)
     return lambda d: {_wgmma_expr(d, a_mn, b_mn, config): spec
                       for a_mn in (False, True) for b_mn in (False, True)}
 
@@ -953,12 +981,18 @@ def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
     resident = None
+    smem = _wgmma_smem(config)
     if cluster > 1 and hasattr(kernel, "max_active_clusters"):
-        resident = kernel.max_active_clusters(WGMMA_THREADS, WGMMA_SMEM)
+        resident = kernel.max_active_clusters(WGMMA_THREADS, smem)
     blocks = _wgmma_grid(p, cluster, device.sm_count(call.device), resident)
-    maps_c = (_wgmma_map_c(p, L, dtype),) if _WGMMA_ALL[config][0] == 3 else ()
+    epi = _WGMMA_ALL[config][0]
+    maps_c = ()
+    if epi in (3, 4):
+        maps_c = (_wgmma_map_c(p, L, dtype),)
+    if epi == 4:   # the residual's map, or C's again (unused) when the call has none
+        maps_c += (_wgmma_map_r(p, L, dtype) if L.residual else maps_c[0],)
     kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b, *maps_c,
-                  *_gemm_args(p, L, 0), smem=WGMMA_SMEM)
+                  *_gemm_args(p, L, 0), smem=smem)
 
 
 def _wgmma_map_c(p: _Plan, L: _Launch, dtype):
@@ -970,16 +1004,63 @@ def _wgmma_map_c(p: _Plan, L: _Launch, dtype):
                             tma.SWIZZLE_64B)
 
 
+def _wgmma_residual_plan(p: _Plan, L: _Launch, itemsize: int):
+    """The residual's tensor map for 'tma_fused': ``(dims, byte strides, box)`` in C's geometry
+    (N innermost, then M, then the batch dims innermost first when batch > 1, as A's and B's
+    maps; a broadcast batch dim gets extent 1), boxes of 32 columns x 16 rows; or None where TMA
+    cannot read it (a column stride other than 1, a row broadcast, a base or a row / batch stride
+    not a multiple of 16 bytes)."""
+    if p.r_sn != 1 and p.N > 1:
+        return None
+    if p.M > 1 and p.r_sm <= 0:
+        return None
+    dims = [p.N, p.M]
+    strides = [p.r_sm * itemsize if p.M > 1 else _round16(p.N * itemsize)]
+    if p.batch > 1:
+        prev = strides[-1] * p.M
+        for ext, st in zip(reversed(p.bshape), reversed(p.r_sb)):
+            if st != 0 and ext > 1:
+                if st < 0:
+                    return None
+                dims.append(ext)
+                strides.append(st * itemsize)
+            else:
+                dims.append(1)
+                strides.append(_round16(prev))
+            prev = strides[-1] * dims[-1]
+    box = [32, 16] + [1] * (len(dims) - 2)
+    if tma.check_tiled(L.residual, tma.DTYPE_UINT16, dims, strides, box, tma.SWIZZLE_64B):
+        return None
+    return tuple(dims), tuple(strides), tuple(box)
+
+
+def _wgmma_map_r(p: _Plan, L: _Launch, dtype):
+    """The residual's tensor map of a 'tma_fused' call (_wgmma_call_config checked that it
+    exists)."""
+    dims, strides, box = _wgmma_residual_plan(p, L, dtype.itemsize)
+    return tma.encode_tiled(L.residual, tma.DTYPE_UINT16, dims, strides, box, tma.SWIZZLE_64B)
+
+
 def _wgmma_call_config(p: _Plan, L: _Launch) -> str:
-    """PLAN['wgmma'] for this call; 'tma_store' gives way to 'direct' where its tensor map cannot
-    write C (fp32 out, N % 8 != 0, a C not 16-byte aligned) and for fused epilogues (run 30:
-    with tensor stores bias cost +37% and residual +39% over the bare product, with direct -5%
-    and +17.5%)."""
+    """PLAN['wgmma'] for this call. 'tma_store' and 'tma_fused' give way to 'direct' where their
+    tensor map cannot write C (fp32 out, N % 8 != 0, a C not 16-byte aligned); 'tma_store' also
+    for fused epilogues (run 30: with its generic bias / residual loads, bias cost +37% and
+    residual +39% over the bare product, with direct -5% and +17.5%), 'tma_fused' only for a
+    residual its fourth tensor map cannot read or a bias that is not contiguous and 4-byte
+    aligned (a broadcast or strided bias)."""
     config = _wgmma_config()
-    if _WGMMA_ALL[config][0] == 3 and (
-            L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31
-            or L.bias or L.residual or L.act):
+    epi = _WGMMA_ALL[config][0]
+    if epi not in (3, 4):
+        return config
+    if L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31:
         return "direct"
+    fused = bool(L.bias or L.residual or L.act)
+    if epi == 3 and fused and not _TMA_STORE_GENERIC_FUSED:
+        return "direct"
+    if epi == 4 and L.residual and _wgmma_residual_plan(p, L, 2) is None:
+        return "direct"
+    if epi == 4 and L.bias and (L.bias_s != 1 or L.bias % 4):
+        return "direct"   # the kernel copies the bias row in 4-byte pairs (cp.async)
     return config
 
 
