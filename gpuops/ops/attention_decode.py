@@ -155,9 +155,11 @@ SPLIT_MODULE = KernelModule("attention.decode_split", "attention/decode_split.cu
     **{_split_expr(d, dim, 1, 1, paged): SPLIT_ARGS
        for d in dt.FLOATS for dim in GENERAL_D for paged in (False, True)}})
 # The cp.async-staged split kernels (same source, template STAGES > 0): a module of their own so
-# that the default path never compiles them.
+# that the default path never compiles them; sm_80+ only (chosen only there: the source's
+# synchronous fallback for older archs compiles, sm_61 checked without spills, but gains nothing).
 STAGED_MODULE = KernelModule("attention.decode_split_staged", "attention/decode_split.cu",
-                             {expr: SPLIT_ARGS for expr in _staged_configs()})
+                             {expr: SPLIT_ARGS for expr in _staged_configs()},
+                             archs=("80", "86", "89", "90"))
 COMBINE_MODULE = KernelModule("attention.decode_combine", "attention/decode_combine.cu", {
     f"gpuops::decode_combine<{d.ctype}>": COMBINE_ARGS for d in dt.FLOATS})
 APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append.cu", {
