@@ -101,6 +101,46 @@ inline std::vector<unsigned> emu_block_order(unsigned nblocks) {
   }
   return order;
 }
+// Dynamic shared memory (extern __shared__, rewritten by host_source to point here): one buffer
+// of the launch's size, poisoned with 0xFF bytes; the blocks of a cooperative launch run one
+// after another, so they can share it.
+std::vector<unsigned char> emu_dynamic_smem_buf;
+unsigned char* emu_dynamic_smem = nullptr;
+extern "C" void emu_set_dynamic_smem(unsigned long long bytes) {
+  emu_dynamic_smem_buf.assign(bytes + 16, 0xFF);
+  emu_dynamic_smem = emu_dynamic_smem_buf.data() + (-reinterpret_cast<std::uintptr_t>(
+      emu_dynamic_smem_buf.data()) & 15);
+}
+// cp.async (common/async_copy.cuh's host branch): a copy waits in the issuing thread's open group,
+// commit closes the group, wait(n) performs all but the newest n committed groups; so a kernel
+// that reads a slot before the wait that covers its copy reads stale (poisoned) bytes, as it may
+// on the GPU. Copies still pending when a thread's block ends are performed then.
+struct EmuCopy { void* dst; const void* src; int bytes; };
+thread_local std::vector<EmuCopy> emu_open_copies;
+thread_local std::vector<std::vector<EmuCopy>> emu_copy_groups;
+inline void emu_perform(const std::vector<EmuCopy>& g) {
+  for (const EmuCopy& c : g) {
+    if (c.bytes > 0) std::memcpy(c.dst, c.src, c.bytes);
+    std::memset(static_cast<unsigned char*>(c.dst) + c.bytes, 0, 16 - c.bytes);
+  }
+}
+inline void emu_async_copy16(void* dst, const void* src, int bytes) {
+  emu_open_copies.push_back({dst, src, bytes});
+}
+inline void emu_async_copy_commit() {
+  emu_copy_groups.push_back(std::move(emu_open_copies));
+  emu_open_copies.clear();
+}
+inline void emu_async_copy_wait(int n) {
+  while (static_cast<int>(emu_copy_groups.size()) > n) {
+    emu_perform(emu_copy_groups.front());
+    emu_copy_groups.erase(emu_copy_groups.begin());
+  }
+}
+inline void emu_async_copy_drain() {
+  emu_async_copy_commit();
+  emu_async_copy_wait(0);
+}
 // Cooperative kernels run each block on a pool of worker threads, one per CUDA thread of the
 // block, started once per launch (thread creation per block would dominate).
 template <class F>
@@ -115,6 +155,7 @@ void emu_launch(unsigned gx, unsigned gy, unsigned bx, unsigned by, bool coop, F
         blockIdx = {blk % gx, blk / gx, 0};
         threadIdx = {t % bx, t / bx, 0};
         f();
+        emu_async_copy_drain();
       }
     return;
   }
@@ -132,6 +173,7 @@ void emu_launch(unsigned gx, unsigned gy, unsigned bx, unsigned by, bool coop, F
         blockIdx = {blk % gx, blk / gx, 0};
         threadIdx = {t % bx, t / bx, 0};
         f();
+        emu_async_copy_drain();
         // a thread that returned early still takes part in the barriers of the next block
         // (its lanes' shuffles of this block were all before its return: see the kernels)
         block.arrive_and_wait();
@@ -170,9 +212,13 @@ _ASM_RE = [
 ]
 
 
+_EXTERN_SMEM = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+)\s+(\w+)\s*\[\s*\]\s*;")
+
+
 def host_source(cu_path: str) -> str | None:
     """The module's assembled source with its PTX asm replaced; None if some asm is unknown."""
     text = assemble(cu_path).text
+    text = _EXTERN_SMEM.sub(r"\1* \2 = reinterpret_cast<\1*>(emu_dynamic_smem);", text)
     for a, b in _ASM:
         text = text.replace(a, b)
     for rx, b in _ASM_RE:
@@ -230,6 +276,7 @@ class EmuModule:
         key = hashlib.sha256(src.encode()).hexdigest()[:16]
         so = os.path.join(workdir, f"{module.name}.{key}.so")
         self.module, self.so, self.proc = module, so, None
+        self.launches = []        # (expr, grid, dynamic smem, launch attributes) per launch
         if not os.path.exists(so):
             cpp = so[:-3] + ".cpp"
             with open(cpp, "w") as f:
@@ -254,9 +301,11 @@ class EmuModule:
         fn.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
         spec = self.module.kernels[expr]
 
-        def launch(grid, block, stream, *args, smem=0):
+        def launch(grid, block, stream, *args, smem=0, attrs=()):
             buf = ctypes.create_string_buffer(max(1, spec.size))
             spec.struct.pack_into(buf, 0, *args)
+            self.lib.emu_set_dynamic_smem(ctypes.c_ulonglong(smem))
+            self.launches.append((expr, tuple(grid), smem, tuple(attrs)))
             fn(buf, grid[0], grid[1], block[0], block[1])
         return types.SimpleNamespace(launch=launch)
 

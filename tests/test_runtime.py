@@ -573,3 +573,35 @@ def test_kernel_handles_cached_until_modules_are_forgotten(monkeypatch):
     loader.clear_memory_cache()
     assert loader.kernel(Mod, 0, "k<float>") is not first and len(calls) == 3
     loader.clear_memory_cache()
+
+
+def test_launch_attribute_structs_match_cuda_h(monkeypatch):
+    """CUlaunchAttribute (id, 4 pad bytes, a 64-byte 8-aligned union) and CUlaunchConfig as in
+    cuda.h, the PDL attribute id (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6),
+    and launches with attributes go through cuLaunchKernelEx with them (a stand-in driver
+    function here), or plain cuLaunchKernel where the driver has none."""
+    import ctypes  # noqa: PLC0415
+    from gpuops.runtime import launch as L  # noqa: PLC0415
+    assert ctypes.sizeof(L._CuLaunchAttribute) == 72 and L._CuLaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(L._CuLaunchConfig) == 56 and L._CuLaunchConfig.attrs.offset == 40
+    assert L.PDL == ((6, 1),)
+    seen, plain = [], []
+
+    def fake_ex(config_addr, func, params, extra):
+        cfg = L._CuLaunchConfig.from_address(config_addr)
+        attrs = (L._CuLaunchAttribute * cfg.numAttrs).from_address(cfg.attrs)
+        seen.append(((cfg.gridDimX, cfg.gridDimY, cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream),
+                     [(a.id, a.value[0]) for a in attrs], func, extra is not None))
+        return 0
+
+    k = Kernel.__new__(Kernel)
+    k.name, k.ptr, k.spec, k._smem_limit, k._by_pointers = "k", 1234, ArgSpec("ptr", "i32"), 0, False
+    k._launch = lambda *a: plain.append(a)
+    monkeypatch.setattr(L, "_launch_ex", fake_ex)
+    k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6, attrs=L.PDL)
+    assert seen == [((3, 2, 128, 0, 77), [(6, 1)], 1234, True)] and not plain
+    k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6)
+    assert len(plain) == 1 and len(seen) == 1
+    monkeypatch.setattr(L, "_launch_ex", False)          # a driver without cuLaunchKernelEx
+    k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6, attrs=L.PDL)
+    assert len(plain) == 2 and len(seen) == 1

@@ -2,6 +2,7 @@
 // One block per output row (b, q head, query token); every split slot of the workspace was
 // written by decode_split (an empty split writes lse = -inf), so the merge needs no length.
 #include "attention/decode_common.cuh"
+#include "common/pdl.cuh"
 #include "common/reduce.cuh"
 
 namespace gpuops {
@@ -27,6 +28,10 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine(
   // all splits one load after the other made this kernel ~8 us of B1 S8192's 27; run 14 with
   // 4-at-a-time loads after the reductions: ~4 us.)
   constexpr int kPre = 8;
+  // Launched as a PDL secondary of the split kernel (attention_decode.PDL): this block may be
+  // running before the splits are done; every load below (and the output stores) comes after
+  // the wait. A no-op for an ordinary launch.
+  pdl_wait();
   T* orow = out + ((b * sq + i) * hq + h) * static_cast<long long>(d);
   const float* po = ws_o + row * nsplit * static_cast<long long>(d);
   const bool vec4 = (d & 3) == 0;                 // ws_o rows are then 16-byte aligned

@@ -202,6 +202,52 @@ class _CuLaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
 
+# Launch attributes (cuLaunchKernelEx; CUlaunchAttributeID in cuda.h). An attribute is given to
+# Kernel.launch as (id, int value); the int sits at the start of CUlaunchAttributeValue (64 bytes).
+ATTR_COOPERATIVE = 2
+ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# Programmatic dependent launch (sm_90+; device side: cuda_src/common/pdl.cuh): the launched kernel
+# may start while the previous kernel of the stream runs, once that kernel's blocks have all
+# executed griddepcontrol.launch_dependents; it must execute griddepcontrol.wait before touching
+# memory the previous kernel uses. Captured into CUDA graphs as programmatic edges (CUDA 12.3+).
+PDL = ((ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, 1),)
+MAX_ATTRS = 4
+
+
+class _CuLaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): id, 4 bytes of padding, a 64-byte value union (8-aligned)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int64 * 8)]
+
+
+_launch_ex = None             # cuLaunchKernelEx from libcuda, False where the driver lacks it
+
+
+def launch_ex_available() -> bool:
+    """Whether the driver has cuLaunchKernelEx (CUDA 11.8+), the entry point for launches with
+    attributes. Without it Kernel.launch ignores attributes (plain cuLaunchKernel)."""
+    global _launch_ex
+    if _launch_ex is None:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.c_void_p] * 4
+            fn.restype = ctypes.c_int
+            _launch_ex = fn
+        except (OSError, AttributeError):
+            _launch_ex = False
+    return _launch_ex is not False
+
+
+def _ex_scratch():
+    """This thread's CUlaunchConfig and attribute array (the config points at the array)."""
+    s = getattr(_tls, "ex", None)
+    if s is None:
+        attrs = (_CuLaunchAttribute * MAX_ATTRS)()
+        config = _CuLaunchConfig()
+        config.attrs = ctypes.addressof(attrs)
+        s = _tls.ex = (config, attrs, ctypes.addressof(config))
+    return s
+
+
 class Kernel:
     """One loaded kernel function: ``kernel.launch(grid, block, stream, *args)``."""
 
@@ -256,18 +302,25 @@ class Kernel:
         self._clusters[key] = value
         return value
 
-    def launch(self, grid, block, stream: int, *args, smem: int = 0) -> None:
+    def launch(self, grid, block, stream: int, *args, smem: int = 0, attrs=()) -> None:
         """Enqueue on the raw CUDA stream handle ``stream`` (an int). ``grid``/``block`` are
         3-tuples; args are flat, as described by the kernel's ArgSpec. ``smem`` is dynamic
         shared memory in bytes; above the kernel's current limit (48 KiB less its static shared
         memory by default) the limit is raised once. ``smem`` plus the static part must stay
         within the device's opt-in maximum (227 KiB per block on sm_90; 48 KiB on sm_61, which
-        has no opt-in): callers size it from ``DeviceInfo.max_smem_per_block_optin``."""
+        has no opt-in): callers size it from ``DeviceInfo.max_smem_per_block_optin``.
+        ``attrs``: launch attributes, (id, int value) pairs (e.g. ``PDL``), launched through
+        cuLaunchKernelEx; where the driver has no cuLaunchKernelEx they are dropped (the plain
+        launch keeps full stream order, which every attribute used here only relaxes). Callers
+        pass only attributes the device supports (PDL: compute capability 9.0+)."""
         if smem > self._smem_limit:
             self._raise_smem_limit(smem)
         buf, size, extra, _ = _scratch()
         spec = self.spec
         spec.struct.pack_into(buf, 0, *args)
+        if attrs and launch_ex_available():
+            self._launch_with_attrs(grid, block, stream, smem, attrs, buf, size, extra)
+            return
         if self._by_pointers:
             self._launch(self.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                          smem, stream, _param_pointers(spec), 0)
@@ -275,3 +328,24 @@ class Kernel:
         size.value = spec.size
         self._launch(self.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                      smem, stream, 0, extra)
+
+    def _launch_with_attrs(self, grid, block, stream, smem, attrs, buf, size, extra) -> None:
+        if len(attrs) > MAX_ATTRS:
+            raise ValueError(f"gpuops: at most {MAX_ATTRS} launch attributes, got {len(attrs)}")
+        config, table, config_addr = _ex_scratch()
+        (config.gridDimX, config.gridDimY, config.gridDimZ) = grid
+        (config.blockDimX, config.blockDimY, config.blockDimZ) = block
+        config.sharedMemBytes = smem
+        config.hStream = stream or None
+        for i, (attr_id, value) in enumerate(attrs):
+            table[i].id = attr_id
+            table[i].value[0] = int(value) & 0xFFFFFFFF    # the union's leading int
+        config.numAttrs = len(attrs)
+        if self._by_pointers:
+            rc = _launch_ex(config_addr, self.ptr, _param_pointers(self.spec), None)
+        else:
+            size.value = self.spec.size
+            rc = _launch_ex(config_addr, self.ptr, None, extra)
+        if rc != 0:
+            raise RuntimeError(f"gpuops: cuLaunchKernelEx of {self.name} failed: CUresult {rc} "
+                               f"(attributes {tuple(attrs)})")

@@ -1,0 +1,178 @@
+"""Decode attention, change 3 (notes_attention_decode.md): programmatic dependent launch (PDL) of
+the combine (and of the split kernel) and the cp.async-staged split kernel, A/B against the
+current default in one run.
+
+Shapes: GQA 16/8, D 128, one query token, full caches, bf16: B1 S8192 (floor 11.2 us at
+3000 GB/s, target <= 13.2 us) and B16 S4096 (floor 89.5 us; 90.4% in run 27, must stay >= 85%).
+Timing as decode_attention_plans.py: CUDA-graph replay (gpuops.bench.graph_replay_us: 20 calls
+per graph, medians of 20 replays) with the KV caches ROTATED through > 3x the 50 MB L2, next to
+torch SDPA on the same rotated caches; paged (page 16, random page order) for the same variants.
+
+Variants (attention_decode knobs, restored after each):
+  default          STAGED 0, PDL off, COMBINE separate (run 27: B1 20.4 us, B16 98.8 us)
+  pdl=combine      the combine launched as a PDL secondary (predicted B1 ~18.5 us)
+  pdl=all          also the split kernel a PDL secondary of the previous call's combine
+  staged=N         the split kernel with a ring of N steps filled by cp.async (N = 4, 6, 8;
+                   predicted split kernel alone 12.5-13.5 us at B1, vs 16.1)
+  staged=N pdl=... both (predicted B1 ~14.5 us = 77%)
+  staged=6 fused   the in-kernel last-block merge on the staged kernel
+Also "split kernel only" (combine replaced by a no-op) for staged 0 / 4 / 6 / 8, the plan of
+each variant (kernel, splits, dynamic shared memory) and each variant's max |diff| from the
+default's output on the same inputs (same splits: a few bf16 ulps at most).
+
+    python benchmarks/experiments/decode_attention_pdl_staged.py [--quick] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import torch  # noqa: E402
+
+import gpuops as go  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us  # noqa: E402
+from gpuops.ops import attention_decode as AD  # noqa: E402
+from gpuops.runtime import device, launch  # noqa: E402
+
+L2_BYTES = 50 << 20
+VARIANTS = [
+    ("default", {}),
+    ("pdl=combine", {"PDL": "combine"}),
+    ("pdl=all", {"PDL": "all"}),
+    ("staged=4", {"STAGED": 4}),
+    ("staged=6", {"STAGED": 6}),
+    ("staged=8", {"STAGED": 8}),
+    ("staged=4 pdl=combine", {"STAGED": 4, "PDL": "combine"}),
+    ("staged=6 pdl=combine", {"STAGED": 6, "PDL": "combine"}),
+    ("staged=8 pdl=combine", {"STAGED": 8, "PDL": "combine"}),
+    ("staged=6 pdl=all", {"STAGED": 6, "PDL": "all"}),
+    ("staged=8 pdl=all", {"STAGED": 8, "PDL": "all"}),
+    ("staged=6 fused", {"STAGED": 6, "COMBINE": "fused"}),
+]
+QUICK = ("default", "pdl=combine", "staged=6", "staged=8", "staged=6 pdl=combine",
+         "staged=6 pdl=all")
+PAGED = ("default", "pdl=combine", "staged=6", "staged=8", "staged=6 pdl=combine",
+         "staged=6 pdl=all")
+
+
+@contextlib.contextmanager
+def knobs(**kw):
+    saved = {k: getattr(AD, k) for k in ("PDL", "STAGED", "COMBINE")}
+    try:
+        for k, v in kw.items():
+            setattr(AD, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(AD, k, v)
+
+
+class _NoLaunch:
+    def launch(self, *a, **k):
+        pass
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="fewer variants")
+    args = ap.parse_args()
+    fw = _Framework()
+    copy = fw.copy_bandwidth_gbps()
+    info = device.device_info(0)
+    print(f"copy {copy:.0f} GB/s, {info.name} cc {info.cc}, cuLaunchKernelEx "
+          f"{launch.launch_ex_available()}, PDL used: {AD._pdl_ok(0)}", flush=True)
+    rows, checks = [], []
+    variants = [v for v in VARIANTS if not args.quick or v[0] in QUICK]
+
+    def record(**row):
+        row["gbps"] = row["bytes"] / (row["us"] * 1e-6) / 1e9
+        row["pct_copy"] = 100 * row["gbps"] / copy
+        rows.append(row)
+        print(f"{row['op']:<17}{row['shape']!s:<22}{row['what']:<34}"
+              f"{row['us']:9.2f} us {row['pct_copy']:6.1f}%  {row.get('plan', '')}", flush=True)
+
+    def plan_of(op, shape_k):
+        for key, p in AD._plans.items():
+            if key[0] == op and key[3] == shape_k and key[7] == AD.STAGED:
+                expr, module, smem, _, _, nsplit, chunk = p
+                return f"{module.name.split('.')[-1]} {nsplit}x{chunk} smem={smem}"
+        return ""
+
+    td, dname = torch.bfloat16, "bfloat16"
+    for (b, s, hq, hkv, dim) in ((1, 8192, 16, 8, 128), (16, 4096, 16, 8, 128)):
+        kv_bytes = 2 * b * s * hkv * dim * td.itemsize
+        nrot = max(1, -(-3 * L2_BYTES // kv_bytes))
+        torch.manual_seed(0)
+        q = torch.randn(b, 1, hq, dim, device="cuda", dtype=td)
+        caches = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=td),
+                   torch.randn(b, s, hkv, dim, device="cuda", dtype=td)) for _ in range(nrot)]
+        lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        page, per = 16, s // 16
+        perm = torch.randperm(b * per, device="cuda").reshape(b, per).to(torch.int32)
+        pages = [(k.reshape(b * per, page, hkv, dim)[perm.reshape(-1).argsort()].contiguous(),
+                  v.reshape(b * per, page, hkv, dim)[perm.reshape(-1).argsort()].contiguous())
+                 for k, v in caches]
+        shape = (b, s, hq, hkv, dim)
+        common = dict(shape=list(shape), dtype=dname, bytes=kv_bytes, rotated=nrot)
+
+        def rotating(fn, items):
+            state = {"i": 0}
+
+            def call():
+                item = items[state["i"] % len(items)]
+                state["i"] += 1
+                return fn(*item)
+            return call
+
+        dec = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches)
+        pag = rotating(lambda k, v: go.paged_attention(q, k, v, perm, lens), pages)
+        sdpa = rotating(lambda k, v: AD._sdpa(q, k, v), caches)
+        record(op="torch_sdpa", what="rotated", us=graph_replay_us(sdpa), **common)
+        base = go.decode_attention(q, *caches[0], lens).float()
+        kshape = tuple(caches[0][0].shape)
+        for name, kw in variants:
+            with knobs(**kw):
+                out = go.decode_attention(q, *caches[0], lens).float()
+                diff = (out - base).abs().max().item()
+                checks.append(dict(shape=list(shape), variant=name, max_abs_diff=diff))
+                plan = plan_of("decode_attention", kshape)
+                record(op="decode_attention", what=name, us=graph_replay_us(dec), variant=name,
+                       combine=AD.LAST_COMBINE, plan=plan, max_abs_diff=diff, **common)
+                if name in PAGED:
+                    pout = go.paged_attention(q, *pages[0], perm, lens).float()
+                    assert torch.allclose(pout, out, atol=1e-2), f"paged != contiguous ({name})"
+                    record(op="paged_attention", what=name, us=graph_replay_us(pag),
+                           variant=name, combine=AD.LAST_COMBINE,
+                           plan=plan_of("paged_attention", tuple(pages[0][0].shape)), **common)
+        print("max |diff| from default: " + ", ".join(
+            f"{c['variant']} {c['max_abs_diff']:.3g}" for c in checks if c["shape"] == list(shape)),
+            flush=True)
+        # the split kernel alone: separate merge, its combine launch replaced by a no-op
+        saved = AD._kernel
+
+        def no_combine(module, dev, expr, _saved=saved):
+            return _NoLaunch() if module is AD.COMBINE_MODULE else _saved(module, dev, expr)
+        for stages in (0, 4, 6, 8):
+            AD._kernel = no_combine
+            try:
+                with knobs(STAGED=stages, COMBINE="separate", PDL="off"):
+                    record(op="decode_attention", what=f"split kernel only, staged={stages}",
+                           us=graph_replay_us(dec), variant=f"split_only staged={stages}",
+                           plan=plan_of("decode_attention", kshape), **common)
+            finally:
+                AD._kernel = saved
+        del caches, pages
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbps": copy, "gpu": info.name, "rows": rows, "checks": checks}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+// Programmatic dependent launch (PDL, sm_90+): a kernel launched with the launch attribute
+// PROGRAMMATIC_STREAM_SERIALIZATION (gpuops.runtime.launch: attrs=PDL) may start while the
+// previous kernel of its stream is still running, once every block of that kernel has executed
+// pdl_launch_dependents() (or exited). The dependent kernel must call pdl_wait() before it touches
+// any memory the previous kernel writes or reads: the wait returns when the previous grid has
+// completed and its memory operations are visible. Without the attribute, or on older archs,
+// both are no-ops (the ordinary stream order already holds), so one source serves every arch and
+// both launch forms. PTX: griddepcontrol (ISA 7.8, sm_90).
+#pragma once
+
+namespace gpuops {
+
+// Let the next kernel of the stream (if it was launched as a PDL secondary) be scheduled now.
+// Says nothing about this kernel's memory: the secondary's pdl_wait() still waits for all of it.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Wait until the previous kernel of the stream has completed and its writes are visible.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+}  // namespace gpuops
