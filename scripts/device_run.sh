@@ -30,7 +30,8 @@ export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
 PY=${PY:-python3}
 stages=${*:-tests tests61 bench}
 # every benchmark/experiment command is cut off after $STAGE_TIMEOUT seconds, so that one stuck
-# stage cannot take the device call (and the logs tarred at the end) with it
+# stage cannot take the device call (and the logs tarred at the end) with it.
+# TEST_K: a pytest -k expression for every test file (TEST_ARGS is split on spaces, so no -k there)
 T="timeout ${STAGE_TIMEOUT:-3000}"
 status=0
 
@@ -87,7 +88,7 @@ for stage in $stages; do
           (
             name=$(basename "$f" .py); start=$(date +%s)
             env "${envs[@]}" timeout -k 5 "${FILE_TIMEOUT:-240}" $PY -m pytest -m gpu "$f" -q -rfE --tb=short \
-              -p no:cacheprovider --junitxml="$DETAIL/${tag}_${name}.xml" ${TEST_ARGS:-} > "$DETAIL/${tag}_${name}.log" 2>&1
+              -p no:cacheprovider --junitxml="$DETAIL/${tag}_${name}.xml" ${TEST_ARGS:-} ${TEST_K:+-k "$TEST_K"} > "$DETAIL/${tag}_${name}.log" 2>&1
             rc=$?; [ $rc -eq 5 ] && rc=0   # 5: no GPU tests in the file
             echo "$tag $name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$DETAIL/${tag}_${name}.log")"
           ) &
