@@ -138,11 +138,13 @@ ONE_LAUNCH_MAX_WAVES = 1
 #   "ring"       counters zeroed by a memset, the row's last block merges: ring_rows. Run 22:
 #                best at [16, 1M] but for rms_norm bf16 (ring2), 72-76% of copy at best
 #   "split"      the run-6 plans only (ONE_LAUNCH_MAX_WAVES, FORCE_TWO_LAUNCHES)
-#   "auto"       (default) ring_async where its blocks get at least `lead` tiles each (a
-#                pipeline, e.g. [16, 1M]: predicted to win, notes_norms.md), else ring2 on
-#                16-byte units (run 22's winner at [8, 393216]), else ring.
-# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
-LONG_ROWS = "auto"
+#   "auto"       ring_async where its blocks get at least `lead` tiles each (a pipeline, e.g.
+#                [16, 1M]: predicted to win, notes_norms.md), else ring2 on 16-byte units (run
+#                22's winner at [8, 393216]), else ring.
+# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py). The default stays
+# "ring" (GPU-tested; its SASS is unchanged by the ring_async work) until ring_async and "auto"
+# have run on a GPU (2026-11-23: written and emulator-tested, no device time left).
+LONG_ROWS = "ring"
 LONG_ROWS_PLANS = ("auto", "ring_async", "ring2", "ring", "split")
 # ring_async: a tile is drained ASYNC_LAG steps after it lands (its row's other tiles have that
 # long to be published: > the skew between blocks + one poll round trip), and at least
