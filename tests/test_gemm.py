@@ -494,26 +494,19 @@ def test_wgmma_launch_packs_its_arguments(monkeypatch):
     G._wgmma_map_cache.clear()
 
 
-def test_wgmma_grid_counts_units_and_resident_clusters():
-    """Persistent grid: whole clusters, at most one CTA per SM, at most as many clusters as the
-    driver says can be resident (cuOccupancyMaxActiveClusters), never more than the work."""
+def test_wgmma_grid_is_one_block_per_sm_at_most():
+    """Persistent grid: at most one CTA per SM, never more than the tiles of the batch."""
     from types import SimpleNamespace
     p = SimpleNamespace(M=4096, N=6144, batch=1)               # 32 x 24 tiles
-    assert G._wgmma_grid(p, 1, 132) == 132
-    assert G._wgmma_grid(p, 2, 132) == 132
-    assert G._wgmma_grid(p, 2, 132, 60) == 120                 # 60 clusters fit: not 66
-    assert G._wgmma_grid(p, 2, 133, None) == 132               # whole clusters only
-    small = SimpleNamespace(M=300, N=520, batch=2)             # 3 x 3 tiles, 2 x 3 pairs
-    assert G._wgmma_grid(small, 1, 132) == 18
-    assert G._wgmma_grid(small, 2, 132) == 24
-    assert G._wgmma_grid(small, 2, 132, 5) == 10
+    assert G._wgmma_grid(p, 132) == 132
+    small = SimpleNamespace(M=300, N=520, batch=2)             # 3 x 3 tiles, 2 matrices
+    assert G._wgmma_grid(small, 132) == 18
 
 
 @pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
 def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
-    """PLAN['wgmma'] picks the module, kernel, grid and B box of each configuration: clusters of 2
-    take pairs of tiles along M (grid even, at most one CTA per SM) and a K-major B box of 128
-    rows (each CTA of a pair loads half of B and multicasts it)."""
+    """PLAN['wgmma'] picks the module, kernel, grid, maps and shared memory of each
+    configuration."""
     launches, encoded, maps = [], [], []
 
     class FakeKernel:
@@ -537,7 +530,7 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
         launches.append((module.name, expr)), FakeKernel())[1])
     monkeypatch.setitem(G.PLAN, "wgmma", config)
     G._wgmma_map_cache.clear()
-    epi, cl = G.WGMMA_CONFIGS[config]
+    epi = G.WGMMA_CONFIGS[config]
     x, w = _view((4096, 2048), dtype=dt.bfloat16), _view((6144, 2048), ptr=1 << 24,
                                                            dtype=dt.bfloat16)
     G.gemm(FakeCall(), "linear", x, G._transposed(w), variant="wgmma")
@@ -551,17 +544,16 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
         assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
         assert maps[0][3] == maps[0][2] == bytes([3]) * 128
     else:
-        fn = "gemm_wgmma" if cl == 1 else "gemm_wgmma_mc2"
-        assert expr == f"gpuops::gemm::{fn}<gpuops::bfloat16_t, false, false, {epi}>"
-        assert encoded == [(64, 128), (64, 256 // cl)]
+        assert expr == f"gpuops::gemm::gemm_wgmma<gpuops::bfloat16_t, false, false, {epi}>"
+        assert encoded == [(64, 128), (64, 256)]
     assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
     assert grid == (132, 1, 1) and block == (384, 1, 1)
     assert smem == (G.WGMMA_SMEM_FUSED if epi == 4 else G.WGMMA_SMEM)
-    # 3 x 3 tiles: 2 units of 2 tiles along M (the last tile row alone) per column -> 6 clusters
+    # 3 x 3 tiles: one block each
     launches.clear()
     G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
            _view((64, 520), ptr=1 << 24, dtype=dt.bfloat16), variant="wgmma")
-    assert launches[1][0] == ((9, 1, 1) if cl == 1 else (12, 1, 1))
+    assert launches[1][0] == (9, 1, 1)
     monkeypatch.setitem(G.PLAN, "wgmma", "nope")
     with pytest.raises(ValueError, match="PLAN\\['wgmma'\\]"):
         G.gemm(FakeCall(), "matmul", x, G._transposed(w), variant="wgmma")
@@ -781,11 +773,10 @@ def test_wgmma_layout_simulation():
 def test_wgmma_module_compiles_for_sm90a(dtype, config):
     """The wgmma module of each configuration for sm_90a: no spills, no 'wgmma serialized'
     warning from ptxas, the register split (setmaxnreg) and, in the SASS when nvdisasm is
-    installed, HGMMA.64x256x16 fed by TMA (UTMALDG, multicast with clusters) and mbarriers."""
+    installed, HGMMA.64x256x16 fed by TMA (UTMALDG) and mbarriers."""
     if config != "base" and dtype is dt.float16:
         pytest.skip("configurations are compiled for bf16 here (the kernel is the same code)")
     m = G.WGMMA_MODULES[config][dtype]
-    cluster = G.WGMMA_CONFIGS[config][1]
     c = nvrtc.compile_source(m.assembled.text, m.assembled.main_file, m.name,
                              nvrtc.Target(90, "cubin", "a"), m.options, m.name_expressions,
                              verbose=True)
@@ -813,7 +804,6 @@ def test_wgmma_module_compiles_for_sm90a(dtype, config):
     for op in ("UTMALDG.2D", "UTMALDG.5D", "SYNCS.ARRIVE", "USETMAXREG.DEALLOC",
                "USETMAXREG.TRY_ALLOC", "WARPGROUP.ARRIVE"):
         assert op in sass, op
-    assert ("UTMALDG.2D.MULTICAST" in sass) == (cluster > 1)
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -1711,7 +1701,7 @@ def test_gpu_linear_gradients_match_torch(act, dtype):
 
 WG_TILE = (G.WGMMA_BM, G.WGMMA_BN)
 WG_DTYPES = ["bfloat16", "float16"]
-# every kernel configuration (PLAN['wgmma']: epilogue staged / direct, clusters of 1 / 2)
+# every kernel configuration (PLAN['wgmma']: the epilogues)
 WG_CONFIGS = sorted(G.WGMMA_CONFIGS)
 
 
@@ -1963,8 +1953,7 @@ def test_gpu_wgmma_errors():
 @needs_torch_cuda
 @pytest.mark.parametrize("config", WG_CONFIGS)
 def test_gpu_wgmma_in_cuda_graph(config, monkeypatch):
-    """Tensor maps travel by value in the launch: captured once, replayed with new data (the
-    cluster configurations' occupancy query is made, and cached, before the capture)."""
+    """Tensor maps travel by value in the launch: captured once, replayed with new data."""
     _skip_unless_hopper()
     monkeypatch.setitem(G.PLAN, "wgmma", config)
     a, b = _randn((512, 136), "bfloat16"), _randn((136, 776), "bfloat16")

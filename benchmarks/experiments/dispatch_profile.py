@@ -32,7 +32,6 @@ class FakeKernel(launch.Kernel):
         self._launch = lambda *a: None
         self._smem_limit = 1 << 30     # never raised: no cupy.RawKernel behind it
         self._by_pointers = spec.needs_pointers
-        self._clusters = {}
 
 
 class FakeModule:

@@ -17,11 +17,10 @@ first stage that fails:
   gemm    the full kernel (go.matmul variant='wgmma', outputs poisoned with NaN) at 64x256x16,
           128x256x64, 256x256x64 with readable patterns (A = identity with B = row index / column
           index, ones, small random integers), all four operand layouts at 128x256x64.
-  gemm_direct, gemm_mc2, gemm_mc2_direct
-          the same for the other kernel configurations (gemm.WGMMA_CONFIGS: the direct epilogue,
-          2-CTA clusters with B multicast), plus 384x512x128 (3 tile rows: a cluster's second
-          tile past M) and a linear (K-major B: half boxes per CTA); each its own process, so a
-          hang in one configuration does not hide the others.
+  gemm_direct
+          the same for the direct epilogue configuration (gemm.WGMMA_CONFIGS), plus 384x512x128
+          (3 tile rows) and a linear (K-major B); its own process, so a hang there does not hide
+          the other stages.
 
 Each stage prints PASS / FAIL / ERROR with a short diagnosis and runs in its own process (a
 sticky CUDA error or a hang in one stage cannot take the others down; --inline runs them in this
@@ -48,9 +47,8 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import numpy as np  # noqa: E402
 
-STAGES = ("params", "tma", "mma", "gemm", "gemm_direct", "gemm_mc2", "gemm_mc2_direct")
-STAGE_TIMEOUT_S = {"params": 40, "tma": 30, "mma": 30, "gemm": 45, "gemm_direct": 40,
-                   "gemm_mc2": 40, "gemm_mc2_direct": 40}
+STAGES = ("params", "tma", "mma", "gemm", "gemm_direct")
+STAGE_TIMEOUT_S = {"params": 40, "tma": 30, "mma": 30, "gemm": 45, "gemm_direct": 40}
 HINTS = {
     "params": "the launch path: kernel parameters do not reach the kernel as packed "
               "(runtime/launch.py: kernelParams for over-aligned parameters)",
@@ -61,10 +59,6 @@ HINTS = {
     "gemm": "the pipeline of wgmma.cu (stage ring, mbarrier phases, persistent tile loop, "
             "epilogue), given that params / tma / mma pass",
     "gemm_direct": "the direct epilogue of wgmma.cu (wg_epilogue_direct), given that gemm passes",
-    "gemm_mc2": "the 2-CTA cluster path of wgmma.cu (cluster_sync_all, remote empty arrives "
-                "(count 16), multicast B halves, expect_tx bytes, work units of 2 tiles), given "
-                "that gemm passes",
-    "gemm_mc2_direct": "clusters + direct epilogue; compare gemm_mc2 and gemm_direct",
 }
 
 
@@ -451,9 +445,7 @@ def stage_gemm(out, config="base"):
 
 
 RUNNERS = {"params": stage_params, "tma": stage_tma, "mma": stage_mma, "gemm": stage_gemm,
-           "gemm_direct": lambda out: stage_gemm(out, "direct"),
-           "gemm_mc2": lambda out: stage_gemm(out, "mc2"),
-           "gemm_mc2_direct": lambda out: stage_gemm(out, "mc2_direct")}
+           "gemm_direct": lambda out: stage_gemm(out, "direct")}
 
 
 def run_stage(name):

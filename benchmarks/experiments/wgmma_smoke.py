@@ -9,8 +9,8 @@ Steps (each prints one line, or a diagnosis and stops):
    rows / columns / k blocks look wrong) are reported;
 3. the same for all four operand layouts (K- or M/N-major A and B: the transpose bits and the
    M/N-major descriptors), fp16, a ragged 300x520x200, the fused epilogue, a batch;
-   Steps 2-3 run for every kernel configuration of gemm.WGMMA_CONFIGS (PLAN['wgmma']:
-   epilogue staged / direct, clusters of 1 / 2 CTAs with B multicast);
+   Steps 2-3 run for every kernel configuration of gemm.WGMMA_CONFIGS (PLAN['wgmma']: the
+   epilogues);
 4. timings (CUDA events, median of `REPS` back-to-back calls per event pair, outputs NOT
    poisoned: run 21 timed one call per event pair with the NaN memset of the output included,
    so host time and a memset of up to 128 MiB sat in every gpuops row but not in cuBLAS's):
@@ -152,7 +152,7 @@ def correctness(configs):
     good = []
     for cfg in configs:
         G.PLAN["wgmma"] = cfg
-        print(f"--- configuration {cfg}: (epilogue, cluster) = {G.WGMMA_CONFIGS[cfg]}", flush=True)
+        print(f"--- configuration {cfg}: epilogue {G.WGMMA_CONFIGS[cfg]}", flush=True)
         if correctness_one(cfg):
             good.append(cfg)
         else:
@@ -179,13 +179,6 @@ def correctness_one(cfg):
                   f"{time.time() - t0:.1f} s): {k.raw.num_regs} registers, "
                   f"max dynamic smem {device.device_info(0).max_smem_per_block_optin} B "
                   f"(needs {G._wgmma_smem(cfg)})", flush=True)
-            if G.WGMMA_CONFIGS[cfg][1] > 1:
-                n = k.max_active_clusters(G.WGMMA_THREADS, G._wgmma_smem(cfg))
-                cl = G.WGMMA_CONFIGS[cfg][1]
-                sms = device.device_info(0).sm_count
-                print(f"     clusters of {cl}: {n} resident at once (cuOccupancyMaxActiveClusters"
-                      f"; {sms // cl} would use every SM)", flush=True)
-                RESULTS.setdefault("resident_clusters", {})[cfg] = n
     except Exception as exc:
         fail(f"loading the module: {type(exc).__name__}: {exc}\n{getattr(exc, 'log', '')}", 2)
 
@@ -236,8 +229,7 @@ def correctness_one(cfg):
     b = torch.randn(1024, 4096, device="cuda", dtype=bf)
     ok &= diagnose(run(a, b, "persistent"), a.double() @ b.double(),
                    "2048x4096x1024 (256 tiles on 132 SMs)")
-    # linear: K-major B (with clusters: two 128-row half boxes, one per CTA, multicast), 5 tile
-    # rows (the last cluster's second tile lies past M), bias + gelu on whole tiles (direct)
+    # linear: K-major B, 5 tile rows, bias + gelu on whole tiles (direct)
     x = torch.randn(640, 512, device="cuda", dtype=bf)
     w = torch.randn(768, 512, device="cuda", dtype=bf)
     bias = torch.randn(768, device="cuda", dtype=bf)
@@ -346,7 +338,7 @@ def bench(configs):
     w = torch.randn(N, K, device="cuda", dtype=bf)
     bias = torch.randn(N, device="cuda", dtype=bf)
     res = torch.randn(M, N, device="cuda", dtype=bf)
-    for cfg in [c for c in configs if G.WGMMA_CONFIGS[c][1] == 1] or configs[:1]:
+    for cfg in configs:
         rows = {"bare": lambda: go.linear(x, w, variant="wgmma"),
                 "bias": lambda: go.linear(x, w, bias, variant="wgmma"),
                 "bias+gelu": lambda: go.linear(x, w, bias, "gelu", variant="wgmma"),
@@ -374,24 +366,16 @@ def main():
             ap.error(f"unknown configuration {c!r}; known: {sorted(G.WGMMA_CONFIGS)}")
     t0 = time.time()
     from gpuops.runtime import config  # noqa: PLC0415
-    # two phases: the configurations without clusters are checked and timed first, so that a
-    # cluster configuration that hangs (fail() stops the script) leaves their timings behind
-    failed = []
-    for phase in ([c for c in configs if G.WGMMA_CONFIGS[c][1] == 1],
-                  [c for c in configs if G.WGMMA_CONFIGS[c][1] > 1]):
-        if not phase:
-            continue
-        os.environ["GPUOPS_DEBUG_POISON"] = "1"       # checks: unwritten outputs read as NaN
+    os.environ["GPUOPS_DEBUG_POISON"] = "1"       # checks: unwritten outputs read as NaN
+    config.refresh()
+    good = correctness(configs)
+    failed = [c for c in configs if c not in good]
+    RESULTS["failed_configs"] = failed
+    if good and not args.no_bench:
+        # timings without the NaN memset of every output (see the docstring)
+        os.environ["GPUOPS_DEBUG_POISON"] = "0"
         config.refresh()
-        good = correctness(phase)
-        failed += [c for c in phase if c not in good]
-        RESULTS["failed_configs"] = failed
-        if good and not args.no_bench:
-            # timings without the NaN memset of every output (see the docstring)
-            os.environ["GPUOPS_DEBUG_POISON"] = "0"
-            config.refresh()
-            bench(good)
-        _dump()
+        bench(good)
     print(f"total {time.time() - t0:.1f} s; configurations that failed their checks: "
           f"{failed or 'none'}", flush=True)
     _dump()

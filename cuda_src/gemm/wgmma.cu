@@ -27,7 +27,7 @@
 // residual loaded before the current chunk's math. The chunk loop is rolled: the accumulators
 // shift down by 16 registers per chunk, so the activation code exists once.
 //
-// Configurations (template EPI / CL; ops/gemm.py WGMMA_CONFIGS, PLAN["wgmma"]), for A/B runs:
+// Configurations (template EPI; ops/gemm.py WGMMA_CONFIGS, PLAN["wgmma"]), for A/B runs:
 //  * EPI = 1 'direct' epilogue (wg_epilogue_fragments): whole tiles of a 16-bit C go from the
 //    fragments to global memory without staging (the tensor cores idle during the epilogue,
 //    since both consumer warpgroups finish a tile together: it must be short);
@@ -37,10 +37,7 @@
 //  * EPI = 4 'tma_fused' (kernel gemm_wgmma_tmafused, a fourth tensor map for the residual): EPI
 //    3 for bare calls; fused calls keep the tensor stores, with the residual loaded by TMA into
 //    the boxes the output leaves from and the bias row through shared memory, so no global load
-//    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused);
-//  * CL = 2 (gemm_wgmma_mc2, __cluster_dims__(2, 1, 1)): CTA pairs take two tiles along M that
-//    share B; each CTA loads half of B's stage and multicasts it to both (L2 -> SM traffic per
-//    k-tile 48 -> 32 KiB); a stage is free when the consumers of both CTAs are done with it.
+//    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused).
 #include "gemm/gemm_common.cuh"
 #include "gemm/wgmma_common.cuh"
 #include "common/mma.cuh"
@@ -79,37 +76,33 @@ constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 static_assert((2 * kWgConsumerRegs + kWgProducerRegs) * 128 <= 65536, "register file");
 
 // The work of one launch: batch x tiles_m x tiles_n output tiles (the host keeps the count below
-// 2^31), ktiles steps of K each, walked in units of CL tiles stacked along M (CL = cluster size:
-// the CTAs of a cluster take the CL tiles of one unit, which share their B columns). Computed by
-// each warpgroup after its setmaxnreg: a value live across setmaxnreg would be spilled by ptxas.
-template <int CL>
+// 2^31), ktiles steps of K each. Computed by each warpgroup after its setmaxnreg: a value live
+// across setmaxnreg would be spilled by ptxas.
 struct WgShape {
-  int tiles_m, tiles_n, units_m, units_per_z, work, ktiles;
+  int tiles_m, tiles_n, tiles, work, ktiles;
   bool batched;
   __device__ __forceinline__ explicit WgShape(const GemmArgs& p) {
     tiles_m = (int)((p.M + kWgBM - 1) / kWgBM);
     tiles_n = (int)((p.N + kWgBN - 1) / kWgBN);
-    units_m = (tiles_m + CL - 1) / CL;
-    units_per_z = units_m * tiles_n;
-    work = units_per_z * (int)p.batch;
+    tiles = tiles_m * tiles_n;
+    work = tiles * (int)p.batch;
     ktiles = (int)((p.K + kWgBK - 1) / kWgBK);
     batched = p.batch > 1;
   }
 };
 
-// The output tile and batch matrix of work unit u, for the CTA of cluster rank `rank`.
+// The output tile and batch matrix of work item w.
 struct WgTile {
   long long z, m0, n0;
 };
 
-template <int CL>
-__device__ __forceinline__ WgTile wg_tile(const WgShape<CL>& sh, int u, int rank) {
+__device__ __forceinline__ WgTile wg_tile(const WgShape& sh, int w) {
   WgTile t;
-  const int z = u / sh.units_per_z;
-  int um, tn;
-  tile_coords(u - z * sh.units_per_z, sh.units_m, sh.tiles_n, um, tn);
+  const int z = w / sh.tiles;
+  int tm, tn;
+  tile_coords(w - z * sh.tiles, sh.tiles_m, sh.tiles_n, tm, tn);
   t.z = z;
-  t.m0 = (long long)(um * CL + rank) * kWgBM;
+  t.m0 = (long long)tm * kWgBM;
   t.n0 = (long long)tn * kWgBN;
   return t;
 }
@@ -131,20 +124,6 @@ __device__ __forceinline__ void tma_load(unsigned int dst, const TmaDesc* desc, 
                                          int c0, int c1, bool batched, const int (&bc)[3]) {
   if (batched) tma_load_5d(dst, desc, bar, c0, c1, bc[0], bc[1], bc[2]);
   else tma_load_2d(dst, desc, bar, c0, c1);
-}
-
-// tma_load into the same offset of every CTA of the cluster (a plain load when CL == 1).
-template <int CL>
-__device__ __forceinline__ void tma_load_all(unsigned int dst, const TmaDesc* desc,
-                                             unsigned int bar, int c0, int c1, bool batched,
-                                             const int (&bc)[3]) {
-  if constexpr (CL == 1) {
-    tma_load(dst, desc, bar, c0, c1, batched, bc);
-  } else {
-    constexpr unsigned short kMask = (1u << CL) - 1;
-    if (batched) tma_load_5d_mc(dst, desc, bar, c0, c1, bc[0], bc[1], bc[2], kMask);
-    else tma_load_2d_mc(dst, desc, bar, c0, c1, kMask);
-  }
 }
 
 // Epilogues 'direct' (EPI = 1) and 'tma_store' (EPI = 3), straight from the accumulator
@@ -414,18 +393,13 @@ __device__ __forceinline__ void wg_fused_residual_prologue(const GemmArgs& p, lo
 // otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 3 = tensor
 // store (tma_c), 4 = tensor store with fused epilogues through shared memory (tma_c, and tma_r
 // for the residual; bare calls run EPI 3's code).
-// CL: cluster size along M (1, or 2: the two CTAs' tiles share B; each CTA loads half of B's
-// stage and multicasts it to both, halving B's L2 -> SM traffic).
-template <class T, bool AMN, bool BMN, int EPI, int CL>
+template <class T, bool AMN, bool BMN, int EPI>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaDesc& tma_b,
                                                 const TmaDesc* tma_c, const TmaDesc* tma_r,
                                                 const GemmArgs& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(CL == 1 || CL == 2, "clusters of 1 or 2 CTAs along M");
   extern __shared__ __align__(16) unsigned char smem_raw[];   // aligned to 1024 by hand below
   const unsigned int raw = smem_u32(smem_raw);
-  // the same padding in every CTA (the same kernel, the same static layout): multicast writes
-  // and remote arrives use CTA-relative offsets
   const unsigned int pad = (1024u - (raw & 1023u)) & 1023u;
   const unsigned int sbase = raw + pad;                    // 1024-aligned shared address
   unsigned char* smem = smem_raw + pad;
@@ -435,13 +409,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   const unsigned int res_bar0 = empty_bar + 8 * kWgStages;  // EPI 4: + 8 (4 warp + box)
 
   const int tid = threadIdx.x, wg = tid / 128;
-  const int rank = CL > 1 ? (int)cluster_ctarank() : 0;
 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kWgStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);       // the producer's arrive.expect_tx (+ TMA's bytes)
-      mbar_init(empty_bar + 8 * s, 8 * CL); // one arrive per consumer warp of every CTA
+      mbar_init(empty_bar + 8 * s, 8);      // one arrive per consumer warp
     }
     if constexpr (EPI == 4) {
 #pragma unroll 1
@@ -456,17 +429,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     }
   }
   __syncthreads();
-  if constexpr (CL > 1) cluster_sync_all();   // the peers' barriers exist before any multicast
 
   if (wg == 0) {
     // ------------------------------------------------------------------ producer warpgroup
     setmaxnreg_dec<kWgProducerRegs>();
     if (tid == 0) {
-      const WgShape<CL> sh(p);
+      const WgShape sh(p);
       int stage = 0;
       unsigned int phase = 0;
-      for (int u = blockIdx.x / CL; u < sh.work; u += gridDim.x / CL) {
-        const WgTile t = wg_tile(sh, u, rank);
+      for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
+        const WgTile t = wg_tile(sh, w);
         int ca[3] = {0, 0, 0}, cb[3] = {0, 0, 0};
         if (sh.batched) {
           batch_coords(p, t.z, p.a_sb, ca);
@@ -474,21 +446,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         }
         // M/N-major operands come as 64-wide boxes; boxes wholly past M / N are not loaded
         // (their rows / columns of the product are never stored, so stale shared memory there is
-        // moot). With CL = 2 the second tile of a unit may lie wholly past M: no A at all (its
-        // CTA still loads and multicasts its half of B).
+        // moot). a_live and b_live always hold (the loop visits only tiles inside M x N): the
+        // checks stay because with them ptxas emits, byte for byte, the code run 33 measured,
+        // and without them it reschedules the whole kernel, the consumers' loops included
+        // (benchmarks/notes_gemm.md, 2026-11-23).
         const bool a_live = t.m0 < p.M;
         const int a_boxes = !a_live ? 0 : AMN ? (t.m0 + 64 < p.M ? 2 : 1) : 1;
         const int b_boxes = BMN ? (int)min(4LL, (p.N - t.n0 + 63) / 64) : 1;
-        // K-major B with CL = 2: half boxes of 128 rows; a half wholly past N is not loaded (no
-        // box starts outside the tensor), the same count in both CTAs of the pair
-        constexpr int kRows = kWgBN / CL;
-        const int b_halves = (int)min((long long)CL, (p.N - t.n0 + kRows - 1) / kRows);
+        const int b_live = (int)min(1LL, (p.N - t.n0 + kWgBN - 1) / kWgBN);   // K-major B: 0 or 1
         const unsigned int a_bytes = AMN ? a_boxes * kWgBoxBytes : (a_live ? kWgABytes : 0);
-        const unsigned int bytes =
-            a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_halves * (kWgBBytes / CL));
+        const unsigned int bytes = a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_live * kWgBBytes);
         for (int kt = 0; kt < sh.ktiles; ++kt) {
-          if constexpr (CL > 1) mbar_wait_cluster(empty_bar + 8 * stage, phase ^ 1);
-          else mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
           const unsigned int fb = full_bar + 8 * stage;
           mbar_arrive_expect_tx(fb, bytes);
           const unsigned int sa = sbase + stage * kWgStageBytes, sb = sa + kWgABytes;
@@ -501,15 +470,11 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
             tma_load(sa, &tma_a, fb, k0, (int)t.m0, sh.batched, ca);
           }
           if (BMN) {
-            // 64-column boxes; with CL = 2, rank r loads boxes r, r + 2 for both CTAs
 #pragma unroll 1
-            for (int i = rank; i < b_boxes; i += CL)
-              tma_load_all<CL>(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0,
-                               sh.batched, cb);
-          } else if (rank < b_halves) {
-            // one box of kWgBN / CL rows (the host encodes B's map with that box)
-            tma_load_all<CL>(sb + rank * kRows * 128, &tma_b, fb, k0, (int)t.n0 + kRows * rank,
-                             sh.batched, cb);
+            for (int i = 0; i < b_boxes; ++i)
+              tma_load(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0, sh.batched, cb);
+          } else if (b_live > 0) {
+            tma_load(sb, &tma_b, fb, k0, (int)t.n0, sh.batched, cb);
           }
           if (++stage == kWgStages) {
             stage = 0;
@@ -518,13 +483,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         }
       }
     }
-    if constexpr (CL > 1) cluster_sync_all();
     return;
   }
 
   // -------------------------------------------------------------------- consumer warpgroups
   setmaxnreg_inc<kWgConsumerRegs>();
-  const WgShape<CL> sh(p);
+  const WgShape sh(p);
   const int cg = wg - 1;                         // rows 64 cg .. 64 cg + 63 of the tile
   const int ctid = tid - 128 * wg;               // thread in the warpgroup
   const int cwarp = ctid / 32, lane = tid % 32;
@@ -544,22 +508,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   const unsigned int res_bar = res_bar0 + 8 * kWgFusedBoxes * (cg * 4 + cwarp);
   unsigned int epi_state = 0;
 
-  // a stage is free again once every consumer warp of every CTA that reads it is done with it
+  // a stage is free again once every consumer warp is done with it
   auto release = [&](int s) {
-    if (lane == 0) {
-      mbar_arrive(empty_bar + 8 * s);
-      if constexpr (CL > 1) {
-#pragma unroll
-        for (int r = 1; r < CL; ++r) mbar_arrive_remote(empty_bar + 8 * s, (rank + r) % CL);
-      }
-    }
+    if (lane == 0) mbar_arrive(empty_bar + 8 * s);
   };
 
   float acc[128];
   int stage = 0;
   unsigned int phase = 0;
-  for (int u = blockIdx.x / CL; u < sh.work; u += gridDim.x / CL) {
-    const WgTile t = wg_tile(sh, u, rank);
+  for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
+    const WgTile t = wg_tile(sh, w);
     const BatchOffsets o = batch_offsets(p, t.z);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -580,7 +538,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       wgmma_wait<1>();
       reg_fence(acc);
       if (kt > 0) release(prev);
-      if (prefetch_res && kt == pf_kt && t.m0 < p.M)
+      if (prefetch_res && kt == pf_kt && t.m0 < p.M)   // t.m0 < p.M always holds: see a_live
         prefetch_residual_l2<T, 64, kWgBN, 128>(p, o, t.m0 + 64 * cg, t.n0, ctid);
       if constexpr (EPI == 4) {
         // the residual boxes of chunks 0..3 and the bias row, 8 k-tiles (or the whole main
@@ -731,7 +689,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     }
   }
   if constexpr (kTmaC) bulk_wait<0>();    // the copies read this CTA's shared memory
-  if constexpr (CL > 1) cluster_sync_all();   // no peer arrives on this CTA's barriers later
 #else
   __trap();   // not reached: the module is built for sm_90a only
 #endif
@@ -741,7 +698,7 @@ template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
                const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 1>(tma_a, tma_b, nullptr, nullptr, p);
+  gemm_wgmma_body<T, AMN, BMN, EPI>(tma_a, tma_b, nullptr, nullptr, p);
 }
 
 // EPI 3 ('tma_store'): C leaves through a third tensor map (dims N, M, batch; 32 x 16 boxes;
@@ -751,7 +708,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma_tmastore(const __grid_constant__ TmaDesc tma_a,
                         const __grid_constant__ TmaDesc tma_b,
                         const __grid_constant__ TmaDesc tma_c, const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, 3, 1>(tma_a, tma_b, &tma_c, nullptr, p);
+  gemm_wgmma_body<T, AMN, BMN, 3>(tma_a, tma_b, &tma_c, nullptr, p);
 }
 
 // EPI 4 ('tma_fused'): as EPI 3, and a fourth map for the residual (dims N, M[, batch dims],
@@ -763,16 +720,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                         const __grid_constant__ TmaDesc tma_b,
                         const __grid_constant__ TmaDesc tma_c,
                         const __grid_constant__ TmaDesc tma_r, const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, 4, 1>(tma_a, tma_b, &tma_c, &tma_r, p);
-}
-
-// Clusters of 2 CTAs along M (compile-time cluster shape: a plain cuLaunchKernel launches
-// clusters; the grid must be even), B multicast.
-template <class T, bool AMN, bool BMN, int EPI>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kWgThreads, 1)
-    gemm_wgmma_mc2(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
-                   const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, EPI, 2>(tma_a, tma_b, nullptr, nullptr, p);
+  gemm_wgmma_body<T, AMN, BMN, 4>(tma_a, tma_b, &tma_c, &tma_r, p);
 }
 
 }  // namespace gemm

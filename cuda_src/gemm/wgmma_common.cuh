@@ -27,7 +27,6 @@
 //  * mbarrier phases: try_wait.parity(P) succeeds once the phase with parity P has completed; a
 //    fresh barrier is in phase 0, so waiting for parity 1 passes at once ("previous phase done").
 #pragma once
-#include "common/cluster.cuh"
 #include "common/dtypes.cuh"
 
 namespace gpuops {
@@ -155,68 +154,6 @@ __device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* des
       " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
       :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2),
          "r"(c3), "r"(c4), "r"(bar)
-      : "memory");
-}
-
-// ------------------------------------------------------------------------------------ clusters
-// Thread-block clusters (sm_90): the CTAs of a cluster can arrive on each other's mbarriers and a
-// TMA load can write one box into the shared memory of several CTAs at once (multicast), each at
-// the same CTA-relative address, signalling each destination CTA's mbarrier at the same offset.
-
-// cluster_ctarank(): common/cluster.cuh.
-
-// Every thread of every CTA of the cluster (not .aligned: the producer warpgroup arrives from
-// divergent code); release/acquire orders the mbarrier inits before the peers' first remote
-// arrive or multicast, and the last remote arrives before a CTA exits.
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// Arrive on the mbarrier at the same shared offset in CTA `cta` of this cluster.
-__device__ __forceinline__ void mbar_arrive_remote(unsigned int bar, unsigned int cta) {
-  asm volatile(
-      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
-      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}"
-      :: "r"(bar), "r"(cta) : "memory");
-}
-
-// try_wait with cluster-scope acquire: the phase was completed by arrivals from other CTAs too
-// (their consumers released a stage this CTA's TMA multicast will overwrite).
-__device__ __forceinline__ bool mbar_try_wait_cluster(unsigned int bar, unsigned int parity) {
-  unsigned int done;
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  return done != 0;
-}
-
-__device__ __forceinline__ void mbar_wait_cluster(unsigned int bar, unsigned int parity) {
-  while (!mbar_try_wait_cluster(bar, parity)) {
-  }
-}
-
-// tma_load_2d / _5d, written to every CTA of `mask` (bit i: cluster rank i).
-__device__ __forceinline__ void tma_load_2d_mc(unsigned int dst, const TmaDesc* desc,
-                                               unsigned int bar, int c0, int c1,
-                                               unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
-      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(bar),
-         "h"(mask)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_5d_mc(unsigned int dst, const TmaDesc* desc,
-                                               unsigned int bar, int c0, int c1, int c2, int c3,
-                                               int c4, unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3, %4, %5, %6}], [%7], %8;"
-      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2),
-         "r"(c3), "r"(c4), "r"(bar), "h"(mask)
       : "memory");
 }
 

@@ -176,14 +176,15 @@ GEMV_MMA_PIPE = {
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
 #             the rule;
-#   "wgmma": a key of WGMMA_CONFIGS (the wgmma kernel's epilogue and cluster configuration).
+#   "wgmma": a key of WGMMA_CONFIGS (the wgmma kernel's epilogue configuration).
 #             Run 23 (H100, bf16, % of cuBLAS a @ b): "direct" (registers straight to global in
 #             whole tiles) 83.8 / 82.7 / 82.5 at 8192^3 / 4096x6144x2048 / 4096x2048x6144,
-#             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (slower: not
-#             understood yet). Run 30: "tma_store" (C through a tensor map, stores overlapped
-#             with the next tile) 89-100% of cuBLAS in CUDA graphs: the default since (its
-#             fused calls run "direct"). "tma_fused": "tma_store" for bare calls, and fused
-#             epilogues through the same tensor stores (residual by TMA, bias via shared memory;
+#             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (removed after
+#             run 33, still 38-62%: benchmarks/notes_gemm.md). Run 30: "tma_store" (C through
+#             a tensor map, stores overlapped with the next tile) 89-100% of cuBLAS in CUDA
+#             graphs: the default since (its fused calls run "direct"). "tma_fused":
+#             "tma_store" for bare calls, and fused epilogues through the same tensor stores
+#             (residual by TMA, bias via shared memory;
 #             benchmarks/experiments/wgmma_fused_epilogue.py times it against "direct").
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
@@ -261,12 +262,10 @@ WGMMA_SMEM_FUSED = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 \
 
 
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
-# the chosen one is compiled): (epilogue, cluster size). Epilogue 0 'staged' (shared memory,
-# rolled 32-column chunks), 1 'direct' (fragments straight to global memory, activation chosen
-# per tile), 3 'tma_store' (below). Cluster 2: CTA pairs along M share B, each loads half of it and multicasts it
-# (benchmarks/notes_gemm.md, run 22 plan). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": (0, 1), "direct": (1, 1), "tma_store": (3, 1), "tma_fused": (4, 1),
-                 "mc2": (0, 2), "mc2_direct": (1, 2)}
+# the chosen one is compiled): the epilogue. 0 'staged' (shared memory, rolled 32-column chunks),
+# 1 'direct' (fragments straight to global memory, activation chosen per tile), 3 'tma_store' and
+# 4 'tma_fused' (below). 'base' is the configuration run 21 measured.
+WGMMA_CONFIGS = {"base": 0, "direct": 1, "tma_store": 3, "tma_fused": 4}
 # 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
 # chunk (kernel gemm_wgmma_tmastore), so the warps start the next tile while it drains. Run 30
 # (H100, CUDA graphs, bf16 linear, % of cuBLAS): 4096x6144x512 100, x1024 95.7, x2048 89.0,
@@ -285,25 +284,21 @@ WGMMA_TMAFUSED_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap"
 _TMA_STORE_GENERIC_FUSED = False
 
 
-_WGMMA_ALL = WGMMA_CONFIGS
-
-
 def _wgmma_expr(d, a_mn, b_mn, config="base"):
-    epi, cl = _WGMMA_ALL[config]
+    epi = WGMMA_CONFIGS[config]
     if epi == 3:
         return _kname("gemm_wgmma_tmastore", d.ctype, _b(a_mn), _b(b_mn))
     if epi == 4:
         return _kname("gemm_wgmma_tmafused", d.ctype, _b(a_mn), _b(b_mn))
-    return _kname("gemm_wgmma" if cl == 1 else f"gemm_wgmma_mc{cl}", d.ctype, _b(a_mn), _b(b_mn),
-                  epi)
+    return _kname("gemm_wgmma", d.ctype, _b(a_mn), _b(b_mn), epi)
 
 
 def _wgmma_spec(config):
-    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS}.get(_WGMMA_ALL[config][0], WGMMA_ARGS)
+    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS}.get(WGMMA_CONFIGS[config], WGMMA_ARGS)
 
 
 def _wgmma_smem(config):
-    return WGMMA_SMEM_FUSED if _WGMMA_ALL[config][0] == 4 else WGMMA_SMEM
+    return WGMMA_SMEM_FUSED if WGMMA_CONFIGS[config] == 4 else WGMMA_SMEM
 
 
 def _wgmma_kernels(config):
@@ -866,7 +861,7 @@ def _round16(n):
 
 def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box, dim=None):
     """How the wgmma kernel reads an operand X[r][k] (A: r = m, 128-row box; B seen as B^T: r = n,
-    256-row box, 128 with 2-CTA clusters: each CTA loads half) through a TMA tensor map: ``(mn_major, dims, byte strides, box)``, or
+    256-row box) through a TMA tensor map: ``(mn_major, dims, byte strides, box)``, or
     ``(None, reason)``. K-major: dims (K, R, batch...), one box of 64 k x rows_box rows;
     M/N-major: dims (R, K, batch...), boxes of 64 r x 64 k (the kernel issues 2 or 4 per stage).
     The innermost dim needs unit stride, every other byte stride a positive multiple of 16, the
@@ -910,30 +905,29 @@ _wgmma_map_cache: dict = {}
 
 def _wgmma_config():
     cfg = PLAN["wgmma"]
-    if cfg not in _WGMMA_ALL:
+    if cfg not in WGMMA_CONFIGS:
         raise ValueError(f"gpuops: PLAN['wgmma'] must be one of {sorted(WGMMA_CONFIGS)}, "
                          f"got {cfg!r}")
     return cfg
 
 
-def _wgmma_maps(op, p: _Plan, L: _Launch, dtype, cluster=1):
+def _wgmma_maps(op, p: _Plan, L: _Launch, dtype):
     """The two tensor maps and layouts of a wgmma launch: ((a_mn, map_a), (b_mn, map_b)),
     remembered per pointers, extents and strides (a model repeats the same GEMMs). Raises
     ValueError naming the operand TMA cannot read (the caller falls back to 'mma' when the
-    variant was not asked for). cluster: CTAs per cluster (a K-major B box has 256 / cluster
-    rows: each CTA of a pair loads half of B's stage)."""
+    variant was not asked for)."""
     key = (L.a, L.b, p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.bshape, p.a_sb, p.b_sb,
-           dtype.itemsize, cluster)
+           dtype.itemsize)
     hit = _wgmma_map_cache.get(key)
     if hit is None:
-        hit = _wgmma_maps_uncached(op, p, L, dtype, cluster)
+        hit = _wgmma_maps_uncached(op, p, L, dtype)
         if len(_wgmma_map_cache) >= 4096:
             _wgmma_map_cache.clear()
         _wgmma_map_cache[key] = hit
     return hit
 
 
-def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, cluster=1):
+def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
     names = _OPERAND_NAMES.get(op, ("a", "b"))
     tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
     if tiles >= 2 ** 31 or max(p.M, p.N, p.K) >= 2 ** 31:
@@ -943,7 +937,7 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, cluster=1):
     for name, ptr, args in ((names[0], L.a, (p.M, p.K, p.a_sm, p.a_sk, p.bshape, p.a_sb, L.a,
                                             dtype.itemsize, WGMMA_BM, "M")),
                             (names[1], L.b, (p.N, p.K, p.b_sn, p.b_sk, p.bshape, p.b_sb, L.b,
-                                            dtype.itemsize, WGMMA_BN // cluster, "N"))):
+                                            dtype.itemsize, WGMMA_BN, "N"))):
         plan = _wgmma_operand(*args)
         if plan[0] is None:
             raise ValueError(
@@ -963,29 +957,19 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, cluster=1):
     return tuple(out)
 
 
-def _wgmma_grid(p: _Plan, cluster, sms, resident_clusters=None):
-    """Persistent grid: one CTA per SM at most, in whole clusters, and no more clusters than
-    can be resident at once (when the driver says); work units are `cluster` tiles stacked
-    along M (the kernel's WgShape)."""
-    units = _cdiv(_cdiv(p.M, WGMMA_BM), cluster) * _cdiv(p.N, WGMMA_BN) * p.batch
-    slots = max(sms // cluster, 1)
-    if resident_clusters:
-        slots = min(slots, resident_clusters)
-    return cluster * min(units, slots)
+def _wgmma_grid(p: _Plan, sms):
+    """Persistent grid: one CTA per SM at most, never more than the output tiles."""
+    return min(_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch, max(sms, 1))
 
 
 def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
-    """One persistent launch: min(tiles, SMs) blocks (whole clusters) walk every output tile."""
+    """One persistent launch: min(tiles, SMs) blocks walk every output tile of the batch."""
     (a_mn, map_a), (b_mn, map_b) = maps
-    cluster = _WGMMA_ALL[config][1]
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
-    resident = None
     smem = _wgmma_smem(config)
-    if cluster > 1 and hasattr(kernel, "max_active_clusters"):
-        resident = kernel.max_active_clusters(WGMMA_THREADS, smem)
-    blocks = _wgmma_grid(p, cluster, device.sm_count(call.device), resident)
-    epi = _WGMMA_ALL[config][0]
+    blocks = _wgmma_grid(p, device.sm_count(call.device))
+    epi = WGMMA_CONFIGS[config]
     maps_c = ()
     if epi in (3, 4):
         maps_c = (_wgmma_map_c(p, L, dtype),)
@@ -1049,7 +1033,7 @@ def _wgmma_call_config(p: _Plan, L: _Launch) -> str:
     residual its fourth tensor map cannot read or a bias that is not contiguous and 4-byte
     aligned (a broadcast or strided bias)."""
     config = _wgmma_config()
-    epi = _WGMMA_ALL[config][0]
+    epi = WGMMA_CONFIGS[config]
     if epi not in (3, 4):
         return config
     if L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31:
@@ -1138,7 +1122,7 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         else:
             config = _wgmma_call_config(p, L)
             try:
-                maps = _wgmma_maps(op, p, L, dtype, _WGMMA_ALL[config][1])
+                maps = _wgmma_maps(op, p, L, dtype)
             except ValueError:
                 if variant == "wgmma":
                     raise

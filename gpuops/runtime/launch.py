@@ -251,8 +251,7 @@ def _ex_scratch():
 class Kernel:
     """One loaded kernel function: ``kernel.launch(grid, block, stream, *args)``."""
 
-    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit", "_by_pointers",
-                 "_clusters")
+    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit", "_by_pointers")
 
     def __init__(self, name: str, raw_kernel, spec: ArgSpec):
         from cupy.cuda import driver  # noqa: PLC0415
@@ -265,7 +264,6 @@ class Kernel:
         # a parameter aligned beyond 8 bytes (CUtensorMap: 64) may sit at another offset in the
         # cubin than in the packed struct: kernelParams (see the module docstring)
         self._by_pointers = spec.needs_pointers
-        self._clusters = {}              # (block, smem) -> max co-resident clusters, or None
 
     def _raise_smem_limit(self, smem: int) -> None:
         # The kernel's own limit, not 48 KiB: by default it is 48 KiB *minus its static shared
@@ -276,31 +274,6 @@ class Kernel:
                 return
         self.raw.max_dynamic_shared_size_bytes = smem
         self._smem_limit = smem
-
-    def max_active_clusters(self, block: int, smem: int):
-        """How many clusters of this kernel (compiled with a fixed cluster shape,
-        ``__cluster_dims__``) can be resident at once with `block` threads and `smem` bytes of
-        dynamic shared memory: cuOccupancyMaxActiveClusters (not wrapped by CuPy: ctypes on
-        libcuda). A persistent kernel must not launch more (the rest would run after the
-        others, not beside them). None when the driver cannot say; remembered per shape."""
-        key = (block, smem)
-        if key in self._clusters:
-            return self._clusters[key]
-        if smem > self._smem_limit:
-            self._raise_smem_limit(smem)
-        value = None
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-        except (OSError, AttributeError):
-            fn = None
-        if fn is not None:
-            # the grid only has to be a whole number of clusters (the compiled shape, <= 8 CTAs)
-            config = _CuLaunchConfig(8, 1, 1, block, 1, 1, smem, None, None, 0)
-            count = ctypes.c_int(0)
-            rc = fn(ctypes.byref(count), ctypes.c_void_p(self.ptr), ctypes.byref(config))
-            value = count.value if rc == 0 and count.value > 0 else None
-        self._clusters[key] = value
-        return value
 
     def launch(self, grid, block, stream: int, *args, smem: int = 0, attrs=()) -> None:
         """Enqueue on the raw CUDA stream handle ``stream`` (an int). ``grid``/``block`` are
