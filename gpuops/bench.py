@@ -216,6 +216,19 @@ def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     return stat(times)
 
 
+def rotating(fn, items):
+    """A callable that calls fn(*item) for the next of `items` on each call, round robin: inputs
+    rotated through more bytes than the L2 holds, so that a timed call reads them from memory
+    (captured in a graph, each replayed call keeps its own item)."""
+    state = {"i": 0}
+
+    def call():
+        item = items[state["i"] % len(items)]
+        state["i"] += 1
+        return fn(*item)
+    return call
+
+
 def event_pairs_ms(fn, iters=20, warmup=3):
     """Median ms per call of fn: ``iters`` calls enqueued back to back, each between two CUDA
     events, one synchronize at the end (calls of a millisecond or more: the host stays ahead, so

@@ -743,15 +743,9 @@ def test_gpu_fused_merge_matches_separate(rng, monkeypatch, shape):
     torch.testing.assert_close(lse, lse_s, rtol=1e-5, atol=1e-5)
 
 
-@gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
-def test_gpu_fused_merge_in_a_cuda_graph(rng, op, monkeypatch):
-    """Captured once, replayed with other lengths (empty splits, an empty sequence, full caches):
-    every replay right (the counters reset themselves: no memset node in the graph) and equal bit
-    for bit to an eager call on another stream (another counter slice, the same arithmetic)."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
-    b, s_max, hq, hkv, d, ps = 2, 4096, 16, 8, 128, 16
+def _graph_case(b=2, s_max=4096, hq=16, hkv=8, d=128, ps=16):
+    """The CUDA-graph tests' problem (bf16): contiguous caches, the same keys in a page pool in
+    reversed page order, one query token, lengths (full, 100)."""
     k = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
     v = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
     table = torch.arange(b * s_max // ps, device="cuda", dtype=torch.int32).flip(0).reshape(b, -1)
@@ -761,6 +755,19 @@ def test_gpu_fused_merge_in_a_cuda_graph(rng, op, monkeypatch):
     vp[table.reshape(-1).long()] = v.reshape(-1, ps, hkv, d)
     q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
     lens = torch.tensor([s_max, 100], dtype=torch.int32, device="cuda")
+    return k, v, kp, vp, table, q, lens
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
+def test_gpu_fused_merge_in_a_cuda_graph(rng, op, monkeypatch):
+    """Captured once, replayed with other lengths (empty splits, an empty sequence, full caches):
+    every replay right (the counters reset themselves: no memset node in the graph) and equal bit
+    for bit to an eager call on another stream (another counter slice, the same arithmetic)."""
+    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
+    s_max = 4096
+    k, v, kp, vp, table, q, lens = _graph_case(s_max=s_max)
 
     def step():
         if op == "paged_attention":
@@ -877,16 +884,8 @@ def test_gpu_staged_pdl_in_a_cuda_graph(rng, monkeypatch, op, staged, pdl):
     output right, equal bit for bit to eager calls with plain launches."""
     monkeypatch.setattr(A, "STAGED", staged)
     monkeypatch.setattr(A, "PDL", pdl)
-    b, s_max, hq, hkv, d, ps = 2, 4096, 16, 8, 128, 16
-    k = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
-    v = torch.randn(b, s_max, hkv, d, device="cuda").bfloat16()
-    table = torch.arange(b * s_max // ps, device="cuda", dtype=torch.int32).flip(0).reshape(b, -1)
-    kp = torch.empty(b * s_max // ps, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vp = torch.empty_like(kp)
-    kp[table.reshape(-1).long()] = k.reshape(-1, ps, hkv, d)
-    vp[table.reshape(-1).long()] = v.reshape(-1, ps, hkv, d)
-    q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
-    lens = torch.tensor([s_max, 100], dtype=torch.int32, device="cuda")
+    s_max = 4096
+    k, v, kp, vp, table, q, lens = _graph_case(s_max=s_max)
 
     def attend(x):
         if op == "paged_attention":

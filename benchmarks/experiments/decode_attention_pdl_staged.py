@@ -34,9 +34,11 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us, rotating  # noqa: E402
 from gpuops.ops import attention_decode as AD  # noqa: E402
 from gpuops.runtime import device, launch  # noqa: E402
+
+from decode_attention_plans import paged_copies  # noqa: E402  (this folder is on sys.path)
 
 L2_BYTES = 50 << 20
 VARIANTS = [
@@ -112,23 +114,9 @@ def main():
         caches = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=td),
                    torch.randn(b, s, hkv, dim, device="cuda", dtype=td)) for _ in range(nrot)]
         lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-        page, per = 16, s // 16
-        perm = torch.randperm(b * per, device="cuda").reshape(b, per).to(torch.int32)
-        pages = [(k.reshape(b * per, page, hkv, dim)[perm.reshape(-1).argsort()].contiguous(),
-                  v.reshape(b * per, page, hkv, dim)[perm.reshape(-1).argsort()].contiguous())
-                 for k, v in caches]
+        perm, pages = paged_copies(caches)
         shape = (b, s, hq, hkv, dim)
         common = dict(shape=list(shape), dtype=dname, bytes=kv_bytes, rotated=nrot)
-
-        def rotating(fn, items):
-            state = {"i": 0}
-
-            def call():
-                item = items[state["i"] % len(items)]
-                state["i"] += 1
-                return fn(*item)
-            return call
-
         dec = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches)
         pag = rotating(lambda k, v: go.paged_attention(q, k, v, perm, lens), pages)
         sdpa = rotating(lambda k, v: AD._sdpa(q, k, v), caches)

@@ -30,7 +30,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us, rotating  # noqa: E402
 from gpuops.ops import attention_decode as AD  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
@@ -40,6 +40,18 @@ L2_BYTES = 50 << 20
 class _NoLaunch:
     def launch(self, *a, **k):
         pass
+
+
+def paged_copies(caches, page=16):
+    """(block_table, [(k_pages, v_pages), ...]): each [B, S, Hkv, D] cache pair copied into a
+    page pool of `page` tokens per page, the pages in a random order (one table for all)."""
+    b, s, hkv, dim = caches[0][0].shape
+    per = s // page
+    perm = torch.randperm(b * per, device="cuda").reshape(b, per).to(torch.int32)
+    order = perm.reshape(-1).argsort()
+    pages = [(k.reshape(b * per, page, hkv, dim)[order].contiguous(),
+              v.reshape(b * per, page, hkv, dim)[order].contiguous()) for k, v in caches]
+    return perm, pages
 
 
 def main():
@@ -69,24 +81,9 @@ def main():
             caches = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=td),
                        torch.randn(b, s, hkv, dim, device="cuda", dtype=td)) for _ in range(nrot)]
             lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-            page = 16
-            per = s // page
-            perm = torch.randperm(b * per, device="cuda").reshape(b, per).to(torch.int32)
-            pages = [(k.reshape(b * per, page, hkv, dim)[perm.reshape(-1).argsort()].contiguous(),
-                      v.reshape(b * per, page, hkv, dim)[perm.reshape(-1).argsort()].contiguous())
-                     for k, v in caches]
+            perm, pages = paged_copies(caches)
             shape = (b, s, hq, hkv, dim)
             dname = str(td).split(".")[-1]
-
-            def rotating(fn, items):
-                state = {"i": 0}
-
-                def call():
-                    item = items[state["i"] % len(items)]
-                    state["i"] += 1
-                    return fn(*item)
-                return call
-
             dec = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches)
             pag = rotating(lambda k, v: go.paged_attention(q, k, v, perm, lens), pages)
             ref = go.decode_attention(q, *caches[0], lens)

@@ -154,6 +154,21 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   const int lig = lane % L;                       // lane in the key group (L divides 32)
   const int group = hq / hkv;
 
+  // Element offsets of key j's K and V rows (this kv head): through the block table when PAGED
+  auto kv_rows = [&](int j, long long& kb, long long& vb) {
+    if (PAGED) {
+      const int pi = j / page_size;
+      int page = block_table[b * table_s0 + pi * table_s1];
+      page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);  // never out of bounds
+      const int row = j - pi * page_size;
+      kb = page * k_s0 + row * k_s1 + kvh * k_sh;
+      vb = page * v_s0 + row * v_s1 + kvh * v_sh;
+    } else {
+      kb = b * k_s0 + j * k_s1 + kvh * k_sh;
+      vb = b * v_s0 + j * v_s1 + kvh * v_sh;
+    }
+  };
+
   // K/V rows of keys j0 .. j0 + U - 1 of this lane's key group -> registers (zeros from `bound`)
   using KvRegs = Raw[U][NV];
   auto load_keys = [&](int j0, int bound, KvRegs& kr, KvRegs& vr) {
@@ -162,17 +177,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
       const int j = j0 + u;
       if (j < bound) {
         long long kb, vb;
-        if (PAGED) {
-          const int pi = j / page_size;
-          int page = block_table[b * table_s0 + pi * table_s1];
-          page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);  // never out of bounds
-          const int row = j - pi * page_size;
-          kb = page * k_s0 + row * k_s1 + kvh * k_sh;
-          vb = page * v_s0 + row * v_s1 + kvh * v_sh;
-        } else {
-          kb = b * k_s0 + j * k_s1 + kvh * k_sh;
-          vb = b * v_s0 + j * v_s1 + kvh * v_sh;
-        }
+        kv_rows(j, kb, vb);
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
           const int d = (n * L + lig) * VEC;
@@ -211,19 +216,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
       const int j = j0 + u;
       const bool ok = j < bound;
       long long kb = 0, vb = 0;
-      if (ok) {
-        if (PAGED) {
-          const int pi = j / page_size;
-          int page = block_table[b * table_s0 + pi * table_s1];
-          page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);  // never out of bounds
-          const int row = j - pi * page_size;
-          kb = page * k_s0 + row * k_s1 + kvh * k_sh;
-          vb = page * v_s0 + row * v_s1 + kvh * v_sh;
-        } else {
-          kb = b * k_s0 + j * k_s1 + kvh * k_sh;
-          vb = b * v_s0 + j * v_s1 + kvh * v_sh;
-        }
-      }
+      if (ok) kv_rows(j, kb, vb);
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const int d = (n * L + lig) * VEC;

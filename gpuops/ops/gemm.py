@@ -475,6 +475,18 @@ def _merge_batch(op, plan, batch, a_bs, b_bs, r_bs, max_fold_m=None):
         plan.bshape, plan.a_sb, plan.b_sb, plan.r_sb = (1, 1, 1), (0, 0, 0), (0, 0, 0), (0, 0, 0)
 
 
+def _remembered(cache: dict, key, make, limit=4096):
+    """cache[key], made by make() on a miss (an exception leaves nothing behind); the cache is
+    emptied when it reaches `limit` entries (a model's GEMMs are few; a sweep's are not)."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = make()
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
 _plan_cache: dict = {}
 
 
@@ -483,13 +495,7 @@ def _plan(op, a: Tensor, b: Tensor, residual: Tensor | None, max_fold_m=None) ->
     is ~a quarter of a call's host time). Plans are never changed after they are made."""
     key = (op, a.shape, a.strides, b.shape, b.strides, max_fold_m,
            None if residual is None else (residual.shape, residual.strides))
-    p = _plan_cache.get(key)
-    if p is None:
-        p = _plan_uncached(op, a, b, residual, max_fold_m)
-        if len(_plan_cache) >= 4096:
-            _plan_cache.clear()
-        _plan_cache[key] = p
-    return p
+    return _remembered(_plan_cache, key, lambda: _plan_uncached(op, a, b, residual, max_fold_m))
 
 
 def _plan_uncached(op, a: Tensor, b: Tensor, residual: Tensor | None, max_fold_m=None) -> _Plan:
@@ -918,13 +924,7 @@ def _wgmma_maps(op, p: _Plan, L: _Launch, dtype):
     variant was not asked for)."""
     key = (L.a, L.b, p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.bshape, p.a_sb, p.b_sb,
            dtype.itemsize)
-    hit = _wgmma_map_cache.get(key)
-    if hit is None:
-        hit = _wgmma_maps_uncached(op, p, L, dtype)
-        if len(_wgmma_map_cache) >= 4096:
-            _wgmma_map_cache.clear()
-        _wgmma_map_cache[key] = hit
-    return hit
+    return _remembered(_wgmma_map_cache, key, lambda: _wgmma_maps_uncached(op, p, L, dtype))
 
 
 def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
