@@ -865,6 +865,22 @@ def _round16(n):
     return (n + 15) // 16 * 16
 
 
+def _tma_batch_dims(dims: list, strides: list, bshape, bstrides, itemsize: int) -> None:
+    """Append a GEMM operand's batch dims (innermost first) to its tensor map's dims and byte
+    strides: a batch dim of extent 1 or stride 0 (broadcast) gets extent 1 (the kernel then uses
+    coordinate 0) and the stride that continues the layout, rounded to 16 bytes (TMA wants every
+    stride a multiple of 16); the others their extent and stride."""
+    prev = strides[-1] * dims[-1]
+    for ext, st in zip(reversed(bshape), reversed(bstrides)):
+        if st != 0 and ext > 1:
+            dims.append(ext)
+            strides.append(st * itemsize)
+        else:
+            dims.append(1)
+            strides.append(_round16(prev))
+        prev = strides[-1] * dims[-1]
+
+
 def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box, dim=None):
     """How the wgmma kernel reads an operand X[r][k] (A: r = m, 128-row box; B seen as B^T: r = n,
     256-row box) through a TMA tensor map: ``(mn_major, dims, byte strides, box)``, or
@@ -888,15 +904,7 @@ def _wgmma_operand(R, K, sr, sk, bshape, bstrides, ptr, itemsize, rows_box, dim=
         dims = [inner, outer]
         strides = [so * itemsize if outer > 1 else _round16(inner * itemsize)]
         if prod(bshape) > 1:
-            prev = strides[-1] * outer
-            for ext, st in zip(reversed(bshape), reversed(bstrides)):
-                if st != 0 and ext > 1:
-                    dims.append(ext)
-                    strides.append(st * itemsize)
-                else:
-                    dims.append(1)
-                    strides.append(_round16(prev))
-                prev = strides[-1] * dims[-1]
+            _tma_batch_dims(dims, strides, bshape, bstrides, itemsize)
         box = [64, 64] if mn_major else [64, rows_box]
         box += [1] * (len(dims) - 2)
         why = tma.check_tiled(ptr, tma.DTYPE_UINT16, dims, strides, box, tma.SWIZZLE_128B)
@@ -1000,18 +1008,10 @@ def _wgmma_residual_plan(p: _Plan, L: _Launch, itemsize: int):
         return None
     dims = [p.N, p.M]
     strides = [p.r_sm * itemsize if p.M > 1 else _round16(p.N * itemsize)]
+    if p.batch > 1 and any(st < 0 for ext, st in zip(p.bshape, p.r_sb) if ext > 1):
+        return None
     if p.batch > 1:
-        prev = strides[-1] * p.M
-        for ext, st in zip(reversed(p.bshape), reversed(p.r_sb)):
-            if st != 0 and ext > 1:
-                if st < 0:
-                    return None
-                dims.append(ext)
-                strides.append(st * itemsize)
-            else:
-                dims.append(1)
-                strides.append(_round16(prev))
-            prev = strides[-1] * dims[-1]
+        _tma_batch_dims(dims, strides, p.bshape, p.r_sb, itemsize)
     box = [32, 16] + [1] * (len(dims) - 2)
     if tma.check_tiled(L.residual, tma.DTYPE_UINT16, dims, strides, box, tma.SWIZZLE_64B):
         return None
