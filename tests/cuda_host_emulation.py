@@ -115,31 +115,32 @@ extern "C" void emu_set_dynamic_smem(unsigned long long bytes) {
 // commit closes the group, wait(n) performs all but the newest n committed groups; so a kernel
 // that reads a slot before the wait that covers its copy reads stale (poisoned) bytes, as it may
 // on the GPU. Copies still pending when a thread's block ends are performed then.
-struct EmuCopy { void* dst; const void* src; int bytes; };
+// The same interface as tests/cuda_emu/emu.h's (emu::cp_async*), so that common/async_copy.cuh
+// runs under either emulator.
+struct EmuCopy { unsigned char* dst; const void* src; int src_bytes; int bytes; };
 thread_local std::vector<EmuCopy> emu_open_copies;
 thread_local std::vector<std::vector<EmuCopy>> emu_copy_groups;
-inline void emu_perform(const std::vector<EmuCopy>& g) {
-  for (const EmuCopy& c : g) {
-    if (c.bytes > 0) std::memcpy(c.dst, c.src, c.bytes);
-    std::memset(static_cast<unsigned char*>(c.dst) + c.bytes, 0, 16 - c.bytes);
-  }
+namespace emu {
+inline void cp_async(unsigned char* dst, const void* src, int src_bytes, int bytes) {
+  emu_open_copies.push_back({dst, src, src_bytes, bytes});
 }
-inline void emu_async_copy16(void* dst, const void* src, int bytes) {
-  emu_open_copies.push_back({dst, src, bytes});
-}
-inline void emu_async_copy_commit() {
+inline void cp_async_commit() {
   emu_copy_groups.push_back(std::move(emu_open_copies));
   emu_open_copies.clear();
 }
-inline void emu_async_copy_wait(int n) {
+inline void cp_async_wait(int n) {
   while (static_cast<int>(emu_copy_groups.size()) > n) {
-    emu_perform(emu_copy_groups.front());
+    for (const EmuCopy& c : emu_copy_groups.front()) {
+      if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
+      std::memset(c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+    }
     emu_copy_groups.erase(emu_copy_groups.begin());
   }
 }
+}  // namespace emu
 inline void emu_async_copy_drain() {
-  emu_async_copy_commit();
-  emu_async_copy_wait(0);
+  emu::cp_async_commit();
+  emu::cp_async_wait(0);
 }
 // Cooperative kernels run each block on a pool of worker threads, one per CUDA thread of the
 // block, started once per launch (thread creation per block would dominate).

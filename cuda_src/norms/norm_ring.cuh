@@ -43,7 +43,7 @@
 // so slots need no barriers of their own.
 #pragma once
 #include "norms/norm_rows.cuh"
-#include "common/mma.cuh"     // cp_async16 / cp_async_commit / cp_async_wait, smem_addr (sm_80+)
+#include "common/async_copy.cuh"
 
 namespace gpuops {
 
@@ -207,35 +207,23 @@ __device__ __forceinline__ void ring_copy_async(typename RawUnit<T, VEC>::type* 
     const int unit = u0 + p * static_cast<int>(blockDim.x);
     const bool in = unit < units;
     const T* src = row + (in ? static_cast<long long>(unit) * VEC : 0);
-#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
-    slot[p * blockDim.x] = in ? RawUnit<T, VEC>::load(src) : RawUnit<T, VEC>::zero();
-#else
-    cp_async16(smem_addr(slot + p * blockDim.x), src, in ? 16 : 0);
-#endif
+    async_copy16(reinterpret_cast<uint4*>(slot + p * blockDim.x), src, in);
   }
-}
-
-__device__ __forceinline__ void ring_copy_commit() {
-#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
-  cp_async_commit();
-#endif
 }
 
 // Waits until at most `pending` of this thread's committed copy groups are outstanding (the
 // instruction takes an immediate; pending < 8 = RING_MAX_DEPTH).
 __device__ __forceinline__ void ring_copy_wait(int pending) {
-#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
   switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<7>(); break;
+    case 0: async_copy_wait<0>(); break;
+    case 1: async_copy_wait<1>(); break;
+    case 2: async_copy_wait<2>(); break;
+    case 3: async_copy_wait<3>(); break;
+    case 4: async_copy_wait<4>(); break;
+    case 5: async_copy_wait<5>(); break;
+    case 6: async_copy_wait<6>(); break;
+    default: async_copy_wait<7>(); break;
   }
-#endif
 }
 
 // "ring": the loop of the file comment over a policy P (LayerNormRing in layer_norm.cu,
@@ -429,7 +417,7 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
           pol.issue_async(slot_of(j), ahead.row, ahead.u0(tile_units), units);
           ahead.advance(stride, C);
         }
-        ring_copy_commit();                        // (a group per tile, empty past K: the
+        async_copy_commit();                        // (a group per tile, empty past K: the
       }                                            //  wait below counts groups)
       RingTile cur(first, C);
       int slot = 0, ahead_slot = lead == D ? 0 : lead, drain_slot = 0;   // (lag 1: lead = D)
@@ -446,7 +434,7 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
           pol.issue_async(slot_of(ahead_slot), ahead.row, ahead.u0(tile_units), units);
           ahead.advance(stride, C);
         }
-        ring_copy_commit();
+        async_copy_commit();
         ahead_slot = next_slot(ahead_slot, D);
         slot = next_slot(slot, D);
         cur.advance(stride, C);
