@@ -1829,15 +1829,14 @@ def test_mma_extras_configs_and_modules():
 
 
 def test_rotary_plan_routes_the_mma_instantiations(monkeypatch):
-    """PLAN["rotary"]: 'prepass' -> the Q-only instantiation (with MMA_VARLEN for packed
-    sequences or a bottom-right diagonal) after the K pre-pass; 'in_loop' (the default until the
-    pre-pass has run on a GPU) -> varlen + rotary; anything else raises. The pre-pass module exists for both 16-bit dtypes, 16-byte
-    packs and single elements, on every arch (it has no tensor-core code)."""
+    """PLAN["rotary"]: 'prepass' (the default since run 34) -> the Q-only instantiation (with
+    MMA_VARLEN for packed sequences or a bottom-right diagonal) after the K pre-pass; 'in_loop'
+    -> varlen + rotary; anything else raises. The pre-pass module exists for both 16-bit dtypes,
+    16-byte packs and single elements, on every arch (it has no tensor-core code)."""
     ext = at.FlashExtras(rot_half=8)
     dense = at.check_args((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), None, True, None, False,
                           None, False, "bhsd", "auto")
-    assert at.PLAN["rotary"] == "in_loop"
-    monkeypatch.setitem(at.PLAN, "rotary", "prepass")
+    assert at.PLAN["rotary"] == "prepass"
     assert at.mma_extras(dense, ext) == at.MMA_ROTARY_Q
     dense.bottom_right = True
     assert at.mma_extras(dense, ext) == at.MMA_VARLEN | at.MMA_ROTARY_Q

@@ -287,6 +287,7 @@ def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_kernel", lambda module, dev, expr: emulated[module.name].kernel(expr))
     monkeypatch.setattr(A, "_sm_count", lambda dev: 3)
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 3 * 4)
+    monkeypatch.setattr(A, "_pdl_ok", lambda dev: False)   # an emulated device: no PDL
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
     # the fused merge's counters: host arrays (zeroed, as _alloc_counters gives them), fresh
     # bookkeeping per test
@@ -577,6 +578,7 @@ def test_emulated_pdl_launches(staged_emu, emulated, monkeypatch, rng, pdl):
     q = _arr(rng, (b, 1, hq, d), dtype)
     k, v = _arr(rng, (b, 96, hkv, d), dtype), _arr(rng, (b, 96, hkv, d), dtype)
     lens = np.array([96, 31], np.int32)
+    monkeypatch.setattr(A, "PDL", "off")
     base = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
     assert split.launches[-1][3] == () and comb.launches[-1][3] == ()
     monkeypatch.setattr(A, "PDL", pdl)

@@ -9,13 +9,16 @@ per graph, medians of 20 replays) with the KV caches ROTATED through > 3x the 50
 torch SDPA on the same rotated caches; paged (page 16, random page order) for the same variants.
 
 Variants (attention_decode knobs, restored after each):
-  default          STAGED 0, PDL off, COMBINE separate (run 27: B1 20.4 us, B16 98.8 us)
-  pdl=combine      the combine launched as a PDL secondary (predicted B1 ~18.5 us)
+  default          the module's defaults (run 34 on: STAGED 0, PDL combine, COMBINE separate)
+  pdl=off          plain launches (run 27: B1 20.4 us, B16 98.8 us; run 34: 20.37 / 99.01)
+  pdl=combine      the combine launched as a PDL secondary (run 34: 19.50 / 98.44)
   pdl=all          also the split kernel a PDL secondary of the previous call's combine
   staged=N         the split kernel with a ring of N steps filled by cp.async (N = 4, 6, 8;
                    predicted split kernel alone 12.5-13.5 us at B1, vs 16.1)
   staged=N pdl=... both (predicted B1 ~14.5 us = 77%)
   staged=6 fused   the in-kernel last-block merge on the staged kernel
+  fused [pdl=all]  the last-block merge on the register path (run 22: 22.4 vs 20.3 separate)
+(run 34: every staged variant slower than the register path, at both shapes)
 Also "split kernel only" (combine replaced by a no-op) for staged 0 / 4 / 6 / 8, the plan of
 each variant (kernel, splits, dynamic shared memory) and each variant's max |diff| from the
 default's output on the same inputs (same splits: a few bf16 ulps at most).
@@ -43,6 +46,7 @@ from decode_attention_plans import paged_copies  # noqa: E402  (this folder is o
 L2_BYTES = 50 << 20
 VARIANTS = [
     ("default", {}),
+    ("pdl=off", {"PDL": "off"}),
     ("pdl=combine", {"PDL": "combine"}),
     ("pdl=all", {"PDL": "all"}),
     ("staged=4", {"STAGED": 4}),
@@ -54,11 +58,12 @@ VARIANTS = [
     ("staged=6 pdl=all", {"STAGED": 6, "PDL": "all"}),
     ("staged=8 pdl=all", {"STAGED": 8, "PDL": "all"}),
     ("staged=6 fused", {"STAGED": 6, "COMBINE": "fused"}),
+    ("fused", {"COMBINE": "fused"}),
+    ("fused pdl=all", {"COMBINE": "fused", "PDL": "all"}),
 ]
-QUICK = ("default", "pdl=combine", "staged=6", "staged=8", "staged=6 pdl=combine",
-         "staged=6 pdl=all")
-PAGED = ("default", "pdl=combine", "staged=6", "staged=8", "staged=6 pdl=combine",
-         "staged=6 pdl=all")
+# (run 34: the staged split lost at every depth; PDL "combine" became the default)
+QUICK = ("default", "pdl=off", "pdl=all", "staged=6", "fused", "fused pdl=all")
+PAGED = ("default", "pdl=off", "pdl=all", "fused")
 
 
 @contextlib.contextmanager

@@ -138,16 +138,15 @@ MMA_EXTRAS = (MMA_SPARSE, MMA_VARLEN, MMA_VARLEN | MMA_ROTARY, MMA_ROTARY_Q,
               MMA_VARLEN | MMA_ROTARY_Q)
 # How the tensor-core kernel applies rotary tables (the SIMT kernel always rotates in its tile
 # loads, in fp32 without rounding K: benchmarks/notes_attention.md):
-#   "prepass": K rotated once per call into a scratch array the size of K (attn_rope_k,
-#             cuda_src/attention/rope_k.cu; call.empty, freed when the call returns), then the
-#             mma kernel rotates only Q, before its key loop (MMA_ROTARY_Q). Predicted 0.56-0.58
-#             ms at B1 H32 S4096 (notes_attention.md); not yet run on a GPU (2026-11-23: no device
-#             time left), so not the default until it is;
-#   "in_loop" (default, GPU-tested; its SASS is unchanged by the pre-pass work): every K tile
-#             rotated in shared memory as it lands, once per query block (MMA_VARLEN |
-#             MMA_ROTARY; run 31: 1.14 ms against 0.53 ms plain at B1 H32 S4096).
+#   "prepass" (default since run 34): K rotated once per call into a scratch array the size of K
+#             (attn_rope_k, cuda_src/attention/rope_k.cu; call.empty, freed when the call
+#             returns), then the mma kernel rotates only Q, before its key loop (MMA_ROTARY_Q).
+#             Run 34 (H100, B1 H32 S4096 D128 causal bf16, events): 0.561 ms (predicted
+#             0.56-0.58), in_loop 1.091, plain 0.483, apply_rotary + SDPA 0.519 (0.93x of it);
+#   "in_loop" every K tile rotated in shared memory as it lands, once per query block
+#             (MMA_VARLEN | MMA_ROTARY; run 34: 1.09 ms, interleaved 1.55).
 # Same bits either way (the pre-pass uses the in-loop form's math and rounding).
-PLAN = {"rotary": "in_loop"}
+PLAN = {"rotary": "prepass"}
 ROTARY_FORMS = ("prepass", "in_loop")
 # Schedules of the extras instantiations (head dim, EXTRAS) where MMA_TILES' has no registers to
 # spare for them (ptxas, NVRTC 12.9 and PTX -> ptxas 13.0, sm_80/86/89/90: 0 spills with these;
@@ -1250,12 +1249,12 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
       start elsewhere needs rotary_positions offsets: not yet). The first R = 2 x cos.shape[-1]
       <= D elements of each head rotate; ``rotary_interleaved=False`` pairs (f, f + R/2)
       (GPT-NeoX / Llama / HF ``rotate_half``), ``True`` pairs (2f, 2f + 1) (GPT-J). q and k
-      are never written. The tensor-core kernel rotates each K tile in shared memory as it
-      lands (``PLAN["rotary"] = "in_loop"``, the default: no temporary, but once per query
-      block); ``"prepass"`` first rotates K once into a temporary array of K's size (B x Hkv x
-      Sk x D elements, from the caller's allocator, freed on return; with GQA smaller than q)
-      and rotates Q inside the kernel (predicted ~2x faster; not yet GPU-tested). Both give the
-      same bits.
+      are never written. The tensor-core kernel first rotates K once into a temporary array of
+      K's size (B x Hkv x Sk x D elements, from the caller's allocator, freed on return; with
+      GQA smaller than q) and rotates Q inside the kernel (``PLAN["rotary"] = "prepass"``, the
+      default); ``"in_loop"`` rotates each K tile in shared memory as it lands instead (no
+      temporary, but once per query block: 1.9x slower on an H100 at S = 4096). Both give
+      the same bits.
     * ``variant``: 'auto' (the best kernel for the device and inputs), 'mma' or 'simt'.
       'mma': FlashAttention-2's forward on tensor cores (mma.sync, fp32 accumulators), taken
       for fp16/bf16 on sm_80+ when the head dim is 32, 64, 96, 128 or 256 and q, k, v rows are

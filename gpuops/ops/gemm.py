@@ -182,16 +182,19 @@ GEMV_MMA_PIPE = {
 #             "base" 72.1 / 55.1 / 70.7, the cluster-multicast forms 48.7-54.3 (removed after
 #             run 33, still 38-62%: benchmarks/notes_gemm.md). Run 30: "tma_store" (C through
 #             a tensor map, stores overlapped with the next tile) 89-100% of cuBLAS in CUDA
-#             graphs: the default since (its fused calls run "direct"). "tma_fused":
+#             graphs (its fused calls run "direct"). "tma_fused" (the default since run 34):
 #             "tma_store" for bare calls, and fused epilogues through the same tensor stores
-#             (residual by TMA, bias via shared memory;
-#             benchmarks/experiments/wgmma_fused_epilogue.py times it against "direct").
+#             (residual by TMA, bias via shared memory). Run 34 (graphs, bf16 linear,
+#             4096x6144x2048 / 4096x2048x6144, us): bare 140.9 / 133.5 (tma_store 141.0 /
+#             132.6), bias 148.8 / 134.8 (direct 171.1 / 142.8), bias+gelu 172.8 / 148.7
+#             (direct 198.6 / 162.4), residual 163.5 / 138.5 (direct 184.8 / 145.1):
+#             benchmarks/experiments/wgmma_fused_epilogue.py.
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
 #             timed side by side by benchmarks/experiments/gemm_simt_sweep.py). Run 31 (H100,
 #             % of cuBLAS fp32 at 4096^3 / 2048^3 / 8192x8192x4096): base 75.7 / 61.4 / 76.6,
 #             k16 77.8 / 63.5 / 79.8 (the default since), w64x64_k16 73.0 / 71.4 / 73.8.
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_store", "warp_tiled": "k16"}
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "k16"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.

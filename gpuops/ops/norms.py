@@ -131,20 +131,27 @@ ONE_LAUNCH_MAX_WAVES = 1
 # Split rows of the forward ops (one pass over memory where a ring fits, norm_ring.cuh; the split
 # rules below where it does not):
 #   "ring_async" ring2's exchange with tiles copied into the ring by cp.async, `lead` tiles ahead
-#                (one 512-thread block per SM, up to 7 slots: 3+ tiles in flight through every
-#                publish and poll); 16-byte units on sm_80+, else as "ring"
+#                (one 512-thread block per SM, up to 7 slots); 16-byte units on sm_80+, else as
+#                "ring". Run 34 (H100): correct, but slower everywhere: [16, 1M] 63-66% of copy
+#                (ring 64-75%), [8, 393216] 32-80% (ring2 41-88%); predicted 80-88%: missed
+#                (benchmarks/notes_norms.md, run 34). Kept selectable for A/B only.
 #   "ring2"      self-validating partials (no memset, no atomics), tiles through registers one
-#                ahead: ring2_rows. Run 22: best at [8, 393216] (bf16 rms 6.5 us, add 9.1)
-#   "ring"       counters zeroed by a memset, the row's last block merges: ring_rows. Run 22:
-#                best at [16, 1M] but for rms_norm bf16 (ring2), 72-76% of copy at best
+#                ahead: ring2_rows. Runs 22 and 34: best where each block holds one tile
+#                ([8, 393216]: bf16 rms 6.7 us vs ring 9.3, layer 10.3 vs 13.7, add 9.5 vs 12.5)
+#   "ring"       counters zeroed by a memset, the row's last block merges: ring_rows. Runs 22 and
+#                34: best where blocks hold several tiles ([16, 1M], 4 each: layer_norm fp32 73.4
+#                us vs ring2 106.3; every draining warp of ring2 merges the row's C partials
+#                itself, which costs more as C and the tiles per block grow), but for rms_norm
+#                bf16 (ring2 31.1 us vs 34.8)
 #   "split"      the run-6 plans only (ONE_LAUNCH_MAX_WAVES, FORCE_TWO_LAUNCHES)
-#   "auto"       ring_async where its blocks get at least `lead` tiles each (a pipeline, e.g.
-#                [16, 1M]: predicted to win, notes_norms.md), else ring2 on 16-byte units (run
-#                22's winner at [8, 393216]), else ring.
-# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py). The default stays
-# "ring" (GPU-tested; its SASS is unchanged by the ring_async work) until ring_async and "auto"
-# have run on a GPU (2026-11-23: written and emulator-tested, no device time left).
-LONG_ROWS = "ring"
+#   "auto"       (default since run 34) ring2 on 16-byte units where every block of its grid
+#                holds one tile, or for rms_norm (one word per partial) with C <= 64 partials
+#                per row; else ring. Run 34's best plan at each of its 12 long-row shapes
+#                (3 ops x bf16 / fp32 x [16, 1M] / [8, 393216]); within 3% of the best at
+#                layer_norm fp32 [8, 393216] (ring 19.3 us vs ring2 19.8).
+# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
+LONG_ROWS = "auto"
+AUTO_RING2_MAX_C = 64
 LONG_ROWS_PLANS = ("auto", "ring_async", "ring2", "ring", "split")
 # ring_async: a tile is drained ASYNC_LAG steps after it lands (its row's other tiles have that
 # long to be published: > the skew between blocks + one poll round trip), and at least
@@ -499,13 +506,20 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
     if plan.C == 1 or LONG_ROWS == "split":
         return None
     variant = LONG_ROWS
-    if variant in ("auto", "ring_async"):
+    if variant == "ring_async":
         ring = _ring_plan(kind_name, dtype, vec, n, dev, "ring_async")
         grid = _ring_grid(ring, rows)
-        if grid is not None and (variant == "ring_async"
-                                 or -(-rows * ring.C // grid) >= ring.lead):
+        if grid is not None:
             return ring, grid
-        variant = "ring2" if variant == "auto" and vec > 1 else "ring"
+        variant = "ring"
+    if variant == "auto":
+        variant = "ring"
+        if vec > 1:
+            ring = _ring_plan(kind_name, dtype, vec, n, dev, "ring2")
+            grid = _ring_grid(ring, rows)
+            if grid is not None and (rows * ring.C <= grid or (
+                    kind_name == "rms_norm" and ring.C <= AUTO_RING2_MAX_C)):
+                return ring, grid
     ring = _ring_plan(kind_name, dtype, vec, n, dev, variant)
     grid = _ring_grid(ring, rows)
     return None if grid is None else (ring, grid)
