@@ -21,10 +21,11 @@ Kernels (cuda_src/attention/):
   it slower at B1 (22.4 us vs 20.3).
 * ``decode_append.cu``: the paged-cache writer.
 
-Experiment knobs (read at every call; notes_attention_decode.md, change 3): ``STAGED`` (the split
-kernel's K/V staged through a per-thread cp.async ring of N steps in shared memory, sm_80+,
-16-bit dtypes) and ``PDL`` (programmatic dependent launch of the combine, and of the split
-kernel, sm_90). Both off by default until measured.
+Knobs (read at every call; notes_attention_decode.md, change 3): ``PDL`` (programmatic dependent
+launch of the combine, and of the split kernel, sm_90; "combine" by default since run 34: -0.9 us
+at B1 S8192) and ``STAGED`` (the split kernel's K/V staged through a per-thread cp.async ring of
+N steps in shared memory, sm_80+, 16-bit dtypes; off: slower than the register path at every
+depth in runs 34-35, kept for A/B until removed).
 
 The lengths (``cache_seqlens``, int32 on the device) are read by the kernels, never by the host:
 the ops are capturable in a CUDA graph and the graph can be replayed with other lengths. For the
