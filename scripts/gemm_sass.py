@@ -2,7 +2,7 @@
 K-tile loops: instructions issued per tensor-core instruction (HMMA/IMMA) on the loop's
 steady-state path.
 
-    python scripts/gemm_sass.py [--arch 90] [--module gemm.mma_bf16] [--kernel SUBSTRING] \
+    python scripts/gemm_sass.py [--arch 90|90a] [--module gemm.mma_bf16] [--kernel SUBSTRING] \
         [--trips N] [--dump FILE.sass]
 
 Without --kernel, every kernel of the module is reported. Loops are backward branches; the
@@ -244,7 +244,7 @@ def report(name, insns, resources, trips, cold):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--module", default="gemm.mma_bf16")
-    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--arch", default="90", help="90, 90a (arch-specific modules), 86, ...")
     ap.add_argument("--kernel", default=None, help="substring of the name expression")
     ap.add_argument("--dump", default=None, help="write the selected kernels' SASS here")
     ap.add_argument("--trips", type=int, default=1,
@@ -257,7 +257,7 @@ def main(argv=None):
     if not exprs:
         raise SystemExit(f"no kernel of {m.name} matches {args.kernel!r}")
     comp = nvrtc.compile_source(m.assembled.text, m.assembled.main_file, m.name,
-                                nvrtc.Target(args.arch), m.options, exprs, verbose=True)
+                                nvrtc.Target.parse(str(args.arch)), m.options, exprs, verbose=True)
     funcs = disassemble(comp.image)
     dump = open(args.dump, "w") if args.dump else None
     for expr in exprs:

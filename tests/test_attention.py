@@ -279,7 +279,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="'layout' must be one of"):
         f(q, kv, kv, enable_gqa=True, layout="sbhd")
     with pytest.raises(ValueError, match="'variant' must be one of"):
-        f(q, kv, kv, enable_gqa=True, variant="wgmma")
+        f(q, kv, kv, enable_gqa=True, variant="fast")
     with pytest.raises(TypeError, match="'window_size' must be None or a pair"):
         f(q, kv, kv, enable_gqa=True, window_size=3)
     with pytest.raises(ValueError, match="'window_size' entries must be >= 0"):
@@ -695,7 +695,80 @@ def mma_only(monkeypatch):
 @pytest.mark.parametrize("case", GPU_MMA_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_mma_against_reference(case, dtype, rng, mma_only):
-    _gpu_case(case, dtype, rng, "auto", True)
+    _gpu_case(case, dtype, rng, "mma", True)
+
+
+# The Hopper kernel ('wgmma', sm_90): both head dims, query / key tails of one tile and beyond
+# (1, 17, 100, 300, 1000, 4097), causal with Sq <, =, > Sk, windows (rows that see no key: 0 and
+# lse -inf), GQA 2 / 8, 'bshd', a custom scale, lse; outputs poisoned (NaN) before each call.
+GPU_WGMMA_CASES = [
+    (1, 2, 2, 1, 1, 128, {}),
+    (2, 4, 2, 17, 17, 64, {"is_causal": True}),
+    (1, 8, 1, 128, 128, 128, {}),
+    (1, 2, 2, 4097, 4097, 128, {"is_causal": True}),
+    (1, 2, 2, 4097, 4097, 128, {}),
+    (1, 2, 1, 4097, 4097, 64, {"window_size": (256, 0)}),
+    (2, 4, 2, 128, 4097, 128, {"window_size": (-1, 300)}),
+    (1, 4, 4, 1000, 1000, 128, {"layout": "bshd", "scale": 0.05}),
+    (2, 2, 2, 4097, 17, 64, {"layout": "bshd", "is_causal": True}),
+    (1, 2, 2, 1000, 4097, 64, {"window_size": (100, 100)}),
+    (1, 2, 2, 600, 1000, 128, {"is_causal": True}),
+    (1, 2, 2, 300, 100, 64, {"window_size": (0, 0)}),
+]
+
+
+@pytest.fixture
+def wgmma_only(monkeypatch):
+    """The Hopper kernel must take the call (a fallback to 'mma' or SIMT fails the test)."""
+    if not at.wgmma_device(torch.cuda.current_device()):
+        pytest.skip("no wgmma path on this device/GPUOPS_ARCH (sm_90 needed)")
+
+    def no_fallback(*args, **kw):
+        raise AssertionError("fell back from the wgmma kernel")
+    monkeypatch.setattr(at, "_launch_simt", no_fallback)
+    monkeypatch.setattr(at, "_launch_best", no_fallback)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_WGMMA_CASES, ids=lambda c: f"{c[:6]}-{sorted(c[6])}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", ["auto", "wgmma"])
+def test_gpu_wgmma_against_reference(case, dtype, variant, rng, wgmma_only):
+    _gpu_case(case, dtype, rng, variant, True)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_wgmma_nan_rows_strided_views_and_graph(rng, wgmma_only):
+    """NaN in one query row gives NaN in that row only; q as a transposed view ([B, S, H, D]
+    memory read as 'bhsd') and k / v as column slices of wider rows; the call replays in a CUDA
+    graph with new values."""
+    q = _cuda(_rand(rng, (2, 300, 4, 128), "bfloat16"), "bfloat16").transpose(1, 2)
+    kv = _cuda(_rand(rng, (2, 4, 500, 256), "bfloat16"), "bfloat16")
+    k, v = kv[..., :128], kv[..., 128:]
+    q[1, 2, 7, 3] = float("nan")
+    out = go.scaled_dot_product_attention(q, k, v, is_causal=True, variant="wgmma")
+    exp, _, bound, _ = attn_bound(_host(q), _host(k), _host(v), dtype="bfloat16", is_causal=True,
+                                  mma=True)
+    check(_host(out), exp, bound, "wgmma strided")
+    assert torch.isnan(out[1, 2, 7]).all() and not torch.isnan(out[1, 2, 8]).any()
+    assert not torch.isnan(out[0]).any()
+    q[1, 2, 7, 3] = 0.0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True,
+                                                       variant="wgmma")
+    q.copy_(q * 0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    exp2, exp2_lse = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True,
+                                                     variant="wgmma")
+    assert torch.equal(g_out, exp2) and torch.equal(g_lse, exp2_lse)
+    ref2, ref2_lse, bound2, lbound2 = attn_bound(_host(q), _host(k), _host(v), dtype="bfloat16",
+                                                 is_causal=True, mma=True)
+    check(_host(g_out), ref2, bound2, "wgmma graph")
+    check(_host(g_lse), ref2_lse, lbound2, "wgmma graph lse")
 
 
 @gpu
@@ -1061,28 +1134,125 @@ def test_cpu_fallback_varlen_and_block_sparse_torch(rng):
     np.testing.assert_allclose(out.double().numpy(), exp, rtol=1e-5, atol=1e-6)
 
 
-def test_variants_without_extras_send_auto_to_simt_and_refuse_them(monkeypatch):
-    """'simt' and 'mma' read the appended fields (varlen, block mask, rotary), so 'auto' keeps
-    its choice for calls that use them. A tensor-core variant added to _VARIANTS (and to what
-    'auto' may pick) without that support: 'auto' still reaches it for plain calls, but
-    varlen / block-sparse / rotary calls go to 'simt', and naming it for them is an error."""
-    def fake(*args):
-        raise AssertionError("not expected")
+def test_variants_without_extras_send_auto_to_mma_and_refuse_them(monkeypatch):
+    """'simt' and 'mma' read the appended fields (varlen, block mask, rotary); 'wgmma' does not.
+    'auto' reaches its own launcher (wgmma first) for plain calls; varlen / block-sparse /
+    rotary calls go to 'mma' (the tensor-core kernel where it applies, else SIMT), and naming
+    'wgmma' for them is an error. Were 'mma' to lose that support too, they would go to 'simt'."""
     exts = (at.FlashExtras(cu_q=1, cu_k=1), at.FlashExtras(block_mask=1, block_size=64),
             at.FlashExtras(rot_half=4))
+    assert "wgmma" in at._AUTO_PICKS and "wgmma" not in at._EXTRAS_VARIANTS
+    assert at._variant_launcher(at.OP, "auto", at.NO_EXTRAS) is at._launch_auto
+    assert at._variant_launcher(at.OP, "wgmma", at.NO_EXTRAS) is at._launch_wgmma
     for ext in exts:
-        assert at._variant_launcher(at.OP, "auto", ext) is at._VARIANTS["auto"]
-        assert at._variant_launcher(at.OP, "mma", ext) is at._VARIANTS["mma"]
-        assert at._variant_launcher(at.OP, "simt", ext) is at._VARIANTS["simt"]
-    monkeypatch.setattr(at, "VARIANTS", at.VARIANTS + ("wgmma",))
-    monkeypatch.setattr(at, "_VARIANTS", {**at._VARIANTS, "auto": fake, "wgmma": fake})
-    monkeypatch.setattr(at, "_AUTO_PICKS", ("wgmma", "mma", "simt"))
-    assert at._variant_launcher(at.OP, "auto", at.NO_EXTRAS) is fake
-    for ext in exts:
-        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_simt
-        assert at._variant_launcher(at.OP, "mma", ext) is at._VARIANTS["mma"]
+        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_best
+        assert at._variant_launcher(at.OP, "mma", ext) is at._launch_best
+        assert at._variant_launcher(at.OP, "simt", ext) is at._launch_simt
         with pytest.raises(ValueError, match="variant='wgmma' does not support varlen"):
             at._variant_launcher(at.VARLEN_OP, "wgmma", ext)
+    monkeypatch.setattr(at, "_EXTRAS_VARIANTS", {"simt"})
+    for ext in exts:
+        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_simt
+        with pytest.raises(ValueError, match="variant='mma' does not support varlen"):
+            at._variant_launcher(at.VARLEN_OP, "mma", ext)
+
+
+class _FakeCall:
+    def __init__(self, dtype, device=0, op=at.OP):
+        self.result_dtype, self.device = dtype, device
+        self.op = type("Op", (), {"name": op})()
+
+
+def _problem(B=1, Hq=2, Hkv=2, Sq=300, Sk=300, D=128, scale=0.1, left=-1, right=0,
+             bottom_right=False):
+    return at.Problem(B, Hq, Hkv, Sq, Sk, D, scale, left, right, bottom_right)
+
+
+def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
+    """wgmma_unsupported names why the Hopper kernel cannot take a call (None: it can): 16-bit
+    dtypes, head dims 64 / 128, no attn_mask, no varlen / sparsity / rotary / bottom-right
+    diagonal, a positive scale, keys present, an sm_90 device."""
+    monkeypatch.setattr(at, "wgmma_device", lambda dev: True)
+    bf, f16 = dt.bfloat16, dt.float16
+    assert at.wgmma_unsupported(_FakeCall(bf), _problem(), None, at.NO_EXTRAS) is None
+    assert at.wgmma_unsupported(_FakeCall(f16), _problem(D=64), None, at.NO_EXTRAS) is None
+    cases = [((dt.float32, _problem(), None, at.NO_EXTRAS), "dtype"),
+             ((bf, _problem(D=96), None, at.NO_EXTRAS), "head dim 96"),
+             ((bf, _problem(D=256), None, at.NO_EXTRAS), "head dim 256"),
+             ((bf, _problem(), object(), at.NO_EXTRAS), "attn_mask"),
+             ((bf, _problem(), None, at.FlashExtras(rot_half=4)), "rotary"),
+             ((bf, _problem(bottom_right=True), None, at.NO_EXTRAS), "varlen"),
+             ((bf, _problem(scale=0.0), None, at.NO_EXTRAS), "scale"),
+             ((bf, _problem(scale=-1.0), None, at.NO_EXTRAS), "scale"),
+             ((bf, _problem(Sk=0), None, at.NO_EXTRAS), "empty key"),
+             ]
+    for (dtype, p, mask, ext), why in cases:
+        got = at.wgmma_unsupported(_FakeCall(dtype), p, mask, ext)
+        assert got is not None and why in got, (why, got)
+    monkeypatch.setattr(at, "wgmma_device", lambda dev: False)
+    assert "sm_90" in at.wgmma_unsupported(_FakeCall(bf), _problem(), None, at.NO_EXTRAS)
+
+
+def test_wgmma_routing(monkeypatch):
+    """'auto' launches the wgmma kernel when it applies and its tensor maps exist (WGMMA_AUTO),
+    else goes on as 'mma'; an explicit 'wgmma' raises with the reason instead of falling back."""
+    log = []
+    monkeypatch.setattr(at, "wgmma_device", lambda dev: True)
+    monkeypatch.setattr(at, "_launch_wgmma_maps", lambda *a: log.append("wgmma"))
+    monkeypatch.setattr(at, "_launch_best", lambda *a: log.append("mma"))
+    maps = ["maps"]
+    monkeypatch.setattr(at, "_wgmma_maps", lambda *a: maps[0])
+    call, p = _FakeCall(dt.bfloat16), _problem()
+    args = (None, None, None, None, 0, None, None, "bhsd")
+    at._launch_auto(call, p, *args)
+    at._launch_auto(call, _problem(D=96), *args)
+    maps[0] = None                           # e.g. a stride TMA cannot take
+    at._launch_auto(call, p, *args)
+    monkeypatch.setattr(at, "WGMMA_AUTO", False)
+    maps[0] = "maps"
+    at._launch_auto(call, p, *args)
+    assert log == ["wgmma", "mma", "mma", "mma"]
+    log.clear()
+    at._launch_wgmma(call, p, *args)         # explicit: WGMMA_AUTO does not matter
+    assert log == ["wgmma"]
+    with pytest.raises(ValueError, match="variant='wgmma' does not take head dim 96"):
+        at._launch_wgmma(call, _problem(D=96), *args)
+    maps[0] = None
+    with pytest.raises(ValueError, match="variant='wgmma' does not take q, k, v or out in a "
+                                         "layout TMA cannot read"):
+        at._launch_wgmma(call, p, *args)
+    assert log == ["wgmma"]
+
+
+def test_wgmma_tensor_maps(monkeypatch):
+    """_tma_map's 4-D description (d, s, h, b) of 'bhsd' and 'bshd' operands: extents, byte
+    strides (a dim of extent 1 gets a valid stride), the box; None for what TMA cannot read."""
+    from gpuops.runtime import tma  # noqa: PLC0415
+    got = []
+    monkeypatch.setattr(tma, "encode_tiled", lambda *a: got.append(a) or "map")
+
+    class T:
+        def __init__(self, shape, strides, ptr=4096, dtype=dt.bfloat16):
+            self.shape, self.strides, self.ptr, self.dtype = shape, strides, ptr, dtype
+    B, H, S, D = 2, 3, 100, 128
+    bhsd = T((B, H, S, D), (H * S * D, S * D, D, 1))
+    assert at._tma_map(bhsd, "bhsd", (B, H, S, D), 128) == "map"
+    assert got[-1] == (4096, tma.DTYPE_UINT16, (D, S, H, B), [2 * D, 2 * S * D, 2 * H * S * D],
+                       (64, 128, 1, 1))
+    bshd = T((B, S, H, D), (S * H * D, H * D, D, 1))
+    assert at._tma_map(bshd, "bshd", (B, H, S, D), 64) == "map"
+    assert got[-1][3:] == ([2 * H * D, 2 * D, 2 * S * H * D], (64, 64, 1, 1))
+    one = T((1, 1, S, D), (0, 0, D, 1))      # broadcast batch / head: strides replaced
+    assert at._tma_map(one, "bhsd", (1, 1, S, D), 64) == "map"
+    assert got[-1][3] == [2 * D, 2 * D, 2 * D]
+    n = len(got)
+    assert at._tma_map(T((B, H, S, D), (H * S * D, S * D, D, 1), ptr=4104), "bhsd",
+                       (B, H, S, D), 64) is None                        # base not 16-aligned
+    assert at._tma_map(T((B, H, S, D), (H * S * D, S * D, 1, S)), "bhsd",
+                       (B, H, S, D), 64) is None                        # d not contiguous
+    assert at._tma_map(T((B, H, S, 64), (H * S * 68, S * 68, 68, 1)), "bhsd",
+                       (B, H, S, 64), 64) is None                       # 136-byte rows
+    assert len(got) == n
 
 
 def test_vec_flag_with_rotary_needs_whole_packs():

@@ -53,7 +53,7 @@ HINTS = {
     "params": "the launch path: kernel parameters do not reach the kernel as packed "
               "(runtime/launch.py: kernelParams for over-aligned parameters)",
     "tma": "tensor maps (runtime/tma.py, ops/gemm.py _wgmma_operand) or the mbarrier / "
-           "expect_tx path (wgmma_common.cuh)",
+           "expect_tx path (common/wgmma.cuh)",
     "mma": "wgmma descriptors (WgOperand: LBO / SBO / k16 step / swizzle bits), transpose "
            "bits, or the accumulator fragment mapping",
     "gemm": "the pipeline of wgmma.cu (stage ring, mbarrier phases, persistent tile loop, "

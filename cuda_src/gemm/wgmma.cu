@@ -39,7 +39,7 @@
 //    the boxes the output leaves from and the bias row through shared memory, so no global load
 //    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused).
 #include "gemm/gemm_common.cuh"
-#include "gemm/wgmma_common.cuh"
+#include "common/wgmma.cuh"
 #include "common/mma.cuh"
 #include "common/opaque.cuh"
 
@@ -495,7 +495,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   // this warpgroup's 64 rows inside a stage's A tile: K-major rows of 128 bytes, or the second
   // 64 x 64 box of an M-major tile; both 8192 bytes on
   const unsigned int a_off = cg * 8192;
-  // descriptors: WgOperand (wgmma_common.cuh) holds LBO / SBO / k16 step of each layout
+  // descriptors: WgOperand (common/wgmma.cuh) holds LBO / SBO / k16 step of each layout
   static_assert(WgOperand<true>::kLbo == kWgBoxBytes, "M/N-major LBO = one 64 x 64 TMA box");
   float* stage_c = reinterpret_cast<float*>(
       smem + kWgEpiOffset + (cg * 4 + cwarp) * (EPI == 4 ? kWgFusedWarpBytes : kWgEpiWarpBytes));

@@ -15,7 +15,7 @@
 //    with the GEMM's own descriptors (WgOperand), accumulators stored raw (fp32) through the
 //    fragment mapping the GEMM's epilogue assumes.
 #include "gemm/gemm_common.cuh"
-#include "gemm/wgmma_common.cuh"
+#include "common/wgmma.cuh"
 
 // Where wgmma_probe_params copies its parameters: [0, 128) map a, [128, 256) map b, [256, 552)
 // GemmArgs, then at 552 the low 6 bits of the generic address of map a (TMA needs 64-byte

@@ -17,12 +17,17 @@ Kernels (cuda_src/attention/flash_fwd.cu), fp32 math for fp32/fp16/bf16 storage:
   softmax on the accumulator fragments, P reused in registers as the A operand of P V. Head dims in ``MMA_TILES`` (32, 64, 96, 128, 256) with q, k, v (and out) rows 16-byte
   aligned with unit d stride; anything else takes the SIMT kernel. ``'auto'`` = ``'mma'`` where
   it applies, else ``'simt'``.
-* ``'wgmma'`` (sm_90a, FlashAttention-3's schedule) is the next step.
+* variant ``'wgmma'`` (cuda_src/attention/flash_fwd_wgmma.cu, sm_90a, fp16/bf16, head dims 64 and
+  128): FlashAttention-3's structure: one producer warpgroup issues TMA loads of Q and of K/V
+  tiles into a 2-stage mbarrier ring, two consumer warpgroups of 64 query rows run S = Q K^T and
+  O += P V as warpgroup MMAs (P from registers), S of the next tile issued before P V of this
+  one. Dense calls without attn_mask whose q, k, v and out TMA can describe; ``'auto'`` takes it
+  on sm_90 where it applies (``WGMMA_AUTO``), else as ``'mma'``.
 
 The three ops share the kernel and its one argument struct (FlashFwdArgs): packed sequences
 (varlen), block sparsity and rotary tables are fields that are null / 0 when unused, filled by one
-builder (``flash_launch_args``). 'simt' and 'mma' read them all (``_EXTRAS_VARIANTS``; a variant
-that does not is left out, and ``'auto'`` then sends calls that use them to ``'simt'``). Block
+builder (``flash_launch_args``). 'simt' and 'mma' read them all (``_EXTRAS_VARIANTS``; 'wgmma'
+does not, and ``'auto'`` sends calls that use them to ``'mma'``). Block
 sparsity is a template flag of the SIMT kernel, instantiated in its own module
 (``attention.flash_fwd_sparse``) so the dense kernels keep their register budget; the mma kernel
 likewise has EXTRAS bits (varlen, block sparsity, rotary) instantiated in
@@ -53,7 +58,7 @@ OP = "scaled_dot_product_attention"
 VARLEN_OP = "varlen_attention"
 SPARSE_OP = "block_sparse_attention"
 LAYOUTS = ("bhsd", "bshd")
-VARIANTS = ("auto", "simt", "mma")   # 'wgmma' (sm_90a): next step
+VARIANTS = ("auto", "simt", "mma", "wgmma")
 
 # ---------------------------------------------------------------------------------------------
 # Kernel module. One FlashFwdArgs struct per launch (cuda_src/attention/attn_common.cuh).
@@ -239,6 +244,36 @@ def rope_k_expr(dtype, v: int) -> str:
 ROPE_K_MODULE = KernelModule("attention.rope_k", "attention/rope_k.cu", {
     rope_k_expr(dtype, v): ROPE_K_ARGS for dtype in _SHORT for v in (16 // dtype.itemsize, 1)})
 _ROPE_K_KERNELS = lay.KernelTable(ROPE_K_MODULE)
+
+# 'wgmma' (sm_90a, cuda_src/attention/flash_fwd_wgmma.cu): FlashAttention-3's structure, a
+# producer warpgroup issuing TMA loads and two consumer warpgroups of 64 query rows each
+# (wgmma S = Q K^T from shared memory, O += P V with P in registers). Four tensor maps (q, k, v,
+# out as 4-D [B, H, S, D], any strides) and FlashFwdArgs. Tile and shared memory mirror the
+# kernel's kWgaBM / kWgaBN / WgaLayout.
+WGMMA_DIMS = (64, 128)
+WGMMA_THREADS, WGMMA_BM, WGMMA_BN, WGMMA_STAGES = 384, 128, 128, 2
+WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_ARGS.params[0])
+# False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
+WGMMA_AUTO = True
+
+
+def wgmma_smem(d: int) -> int:
+    q = WGMMA_BM * d * 2
+    stage = 2 * WGMMA_BN * d * 2                   # K and V tiles
+    return q + WGMMA_STAGES * stage + (1 + 3 * WGMMA_STAGES) * 8 + 1024
+
+
+def wgmma_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_fwd_wgmma<{dtype.ctype}, {d}>"
+
+
+WGMMA_MODULES = {
+    dtype: KernelModule(f"attention.flash_wgmma_{short}", "attention/flash_fwd_wgmma.cu",
+                        {wgmma_expr(dtype, d): WGMMA_ARGS for d in WGMMA_DIMS}, archs=("90a",))
+    for dtype, short in _SHORT.items()}
+_WGMMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in WGMMA_MODULES.items()}
+for _d in WGMMA_DIMS:
+    assert wgmma_smem(_d) <= 227 * 1024, _d
 
 for _d, _cfgs in _mma_configs():
     for _cfg in (*_cfgs, *(mma_config(_d, False, _x) for _x in MMA_EXTRAS)):
@@ -777,16 +812,20 @@ def _launch_simt(call, p, query, key, value, attn_mask, mask_kind, out, lse, lay
 _EXTRAS_VARIANTS = {"simt", "mma"}
 
 
-# the variants 'auto' chooses among (_launch_best)
-_AUTO_PICKS = ("mma", "simt")
+# the variants 'auto' chooses among (_launch_auto); 'wgmma' reads none of the appended fields,
+# so calls that use them go to 'mma' (_variant_launcher)
+_AUTO_PICKS = ("wgmma", "mma", "simt")
 
 
 def _variant_launcher(op, variant, ext: FlashExtras):
     if not ext.used:
         return _VARIANTS[variant]
     if variant == "auto":
-        # 'auto' keeps its choice when every variant it may pick reads the appended fields
-        return _VARIANTS["auto"] if set(_AUTO_PICKS) <= _EXTRAS_VARIANTS else _launch_simt
+        # 'auto' keeps its choice when every variant it may pick reads the appended fields; else
+        # the best of those that do ('mma' = the tensor-core kernel where it applies, else SIMT)
+        if set(_AUTO_PICKS) <= _EXTRAS_VARIANTS:
+            return _VARIANTS["auto"]
+        return _VARIANTS["mma"] if "mma" in _EXTRAS_VARIANTS else _launch_simt
     if variant not in _EXTRAS_VARIANTS:
         raise ValueError(f"gpuops.{op}: variant={variant!r} does not support varlen, block "
                          f"sparsity or rotary yet; use one of {sorted(_EXTRAS_VARIANTS)} or "
@@ -937,15 +976,113 @@ def _launch_mma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layo
 
 def _launch_best(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
                  ext: FlashExtras = NO_EXTRAS):
-    """'auto' and 'mma': the tensor-core kernel where it applies, else the SIMT kernel."""
+    """'mma': the tensor-core kernel where it applies, else the SIMT kernel."""
     launch = _launch_mma if (mma_applies(call, p, query, key, value, out, layout)
                              and mma_has(p.D, mma_extras(p, ext), mask_kind != 0)) \
         else _launch_simt
     launch(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout, ext)
 
 
-# 'auto' -> the best variant for the device and inputs ('wgmma' for sm_90a: next step).
-_VARIANTS = {"auto": _launch_best, "simt": _launch_simt, "mma": _launch_best}
+# ---------------------------------------------------------------------------------------------
+# 'wgmma' (sm_90a)
+
+def _tma_map(t: Tensor, layout: str, shape: tuple, box_rows: int):
+    """The 4-D tensor map (d, s, h, b innermost first) of a 16-bit [B, H, S, D] operand in
+    'bhsd' / 'bshd' order, with boxes of 64 head-dim columns x box_rows rows in the 128-byte
+    swizzle; None where TMA cannot describe it (unit d stride, 16-byte aligned base and byte
+    strides). A dim of extent 1 is never stepped: its stride is replaced by a valid one."""
+    from gpuops.runtime import tma  # noqa: PLC0415
+    B, H, S, D = shape
+    sb, sh, ss, sd = _bhsd_strides(t, layout)
+    if sd != 1 and D > 1:
+        return None
+    item = t.dtype.itemsize
+    strides = []
+    for extent, st in ((S, ss), (H, sh), (B, sb)):
+        nbytes = st * item
+        if extent == 1 and (nbytes <= 0 or nbytes % 16):
+            nbytes = 16 * max(1, -(-D * item // 16))
+        strides.append(nbytes)
+    dims, box = (D, S, H, B), (64, box_rows, 1, 1)
+    if tma.check_tiled(t.ptr, tma.DTYPE_UINT16, dims, strides, box, tma.SWIZZLE_128B):
+        return None
+    return tma.encode_tiled(t.ptr, tma.DTYPE_UINT16, dims, strides, box)
+
+
+def wgmma_device(dev: int) -> bool:
+    """The wgmma kernel can run here: an sm_90 GPU with GPUOPS_ARCH not asking for older."""
+    return effective_arch(dev) == 90
+
+
+def wgmma_unsupported(call, p, attn_mask, ext: FlashExtras):
+    """Why the wgmma kernel does not take this call (a phrase), or None. Layout checks that need
+    the tensors (what TMA can describe) come later, in _wgmma_maps."""
+    if call.result_dtype not in _WGMMA_KERNELS:
+        return f"dtype {call.result_dtype} (float16 and bfloat16 only)"
+    if p.D not in WGMMA_DIMS:
+        return f"head dim {p.D} (only {list(WGMMA_DIMS)})"
+    if attn_mask is not None:
+        return "an attn_mask"
+    if ext.used or p.bottom_right:
+        return "varlen, block sparsity or rotary"
+    if not p.scale > 0:
+        return f"scale {p.scale} (positive only)"
+    if p.Sk == 0:
+        return "an empty key sequence"
+    if not wgmma_device(call.device):
+        return "this device (sm_90 only)"
+    return None
+
+
+def _wgmma_maps(p, query, key, value, out, layout):
+    """Tensor maps of q, k, v and out, or None where one of them cannot be described."""
+    maps = (_tma_map(query, layout, (p.B, p.Hq, p.Sq, p.D), WGMMA_BM),
+            _tma_map(key, layout, (p.B, p.Hkv, p.Sk, p.D), WGMMA_BN),
+            _tma_map(value, layout, (p.B, p.Hkv, p.Sk, p.D), 64),
+            _tma_map(out, layout, (p.B, p.Hq, p.Sq, p.D), 64))
+    return None if any(m is None for m in maps) else maps
+
+
+def _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps):
+    grid = (p.B * p.Hq, -(-p.Sq // WGMMA_BM), 1)
+    _check_grid(call.op.name, grid)
+    if 0 in grid:
+        return
+    kernel = _WGMMA_KERNELS[call.result_dtype].get(call.device, wgmma_expr(call.result_dtype,
+                                                                           p.D))
+    kernel.launch(grid, (WGMMA_THREADS, 1, 1), call.stream, *maps,
+                  *flash_launch_args(p, query, key, value, None, 0, out, lse, layout, True),
+                  smem=wgmma_smem(p.D))
+
+
+def _launch_wgmma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
+                  ext: FlashExtras = NO_EXTRAS):
+    """variant='wgmma': the Hopper kernel, or an error saying why it cannot take the call."""
+    why = wgmma_unsupported(call, p, attn_mask, ext)
+    maps = None if why else _wgmma_maps(p, query, key, value, out, layout)
+    if why is None and maps is None:
+        why = ("q, k, v or out in a layout TMA cannot read (unit head-dim stride, 16-byte aligned "
+               "base and strides needed)")
+    if why:
+        raise ValueError(f"gpuops.{call.op.name}: variant='wgmma' does not take {why}; use "
+                         "variant='auto'")
+    _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps)
+
+
+def _launch_auto(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
+                 ext: FlashExtras = NO_EXTRAS):
+    """'auto': the wgmma kernel where it applies (sm_90, WGMMA_AUTO), else as 'mma'."""
+    if WGMMA_AUTO and wgmma_unsupported(call, p, attn_mask, ext) is None:
+        maps = _wgmma_maps(p, query, key, value, out, layout)
+        if maps is not None:
+            _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps)
+            return
+    _launch_best(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout, ext)
+
+
+# 'auto' -> the best variant for the device and inputs.
+_VARIANTS = {"auto": _launch_auto, "simt": _launch_simt, "mma": _launch_best,
+             "wgmma": _launch_wgmma}
 
 
 def _varlen_forward(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -1255,15 +1392,20 @@ def scaled_dot_product_attention(call, query: Tensor, key: Tensor, value: Tensor
       default); ``"in_loop"`` rotates each K tile in shared memory as it lands instead (no
       temporary, but once per query block: 1.9x slower on an H100 at S = 4096). Both give
       the same bits.
-    * ``variant``: 'auto' (the best kernel for the device and inputs), 'mma' or 'simt'.
+    * ``variant``: 'auto' (the best kernel for the device and inputs), 'wgmma', 'mma' or
+      'simt'. 'wgmma' (Hopper, sm_90): FlashAttention-3's structure (TMA loads by a producer
+      warpgroup, warpgroup MMA, P kept in registers; same rounding as 'mma'), for fp16/bf16,
+      head dims 64 and 128, no attn_mask / rotary, a positive scale, and q, k, v, out that
+      TMA can read (unit d stride, 16-byte aligned base and strides); naming it for another
+      call is an error. 'auto' takes it on sm_90 where it applies.
       'mma': FlashAttention-2's forward on tensor cores (mma.sync, fp32 accumulators), taken
       for fp16/bf16 on sm_80+ when the head dim is 32, 64, 96, 128 or 256 and q, k, v rows are
       16-byte aligned with unit d stride (any 'bhsd'/'bshd' strides otherwise); the softmax
       probabilities are rounded to the input dtype for the P V product (as FlashAttention
       does: up to 2^-8 relative for bf16, 2^-11 for fp16, on top of the output's rounding).
       'simt': the FlashAttention-2-style tiled kernel in fp32 on CUDA cores, every arch from
-      sm_61, any head dim, dtype and strides. 'auto' and 'mma' pick 'mma' where it applies and
-      'simt' otherwise (fp32, sm_61/70/75, other head dims, unaligned rows).
+      sm_61, any head dim, dtype and strides. 'auto' (after 'wgmma') and 'mma' pick 'mma' where
+      it applies and 'simt' otherwise (fp32, sm_61/70/75, other head dims, unaligned rows).
       Calls with rotary tables take the same choice (their own mma instantiation), except
       with an attn_mask as well: those take 'simt' (the rotary instantiation has no mask code).
 

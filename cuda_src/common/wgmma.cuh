@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks, as thin inline-PTX wrappers: TMA tensor loads, mbarriers,
+// Hopper (sm_90a) building blocks, as thin inline-PTX wrappers: TMA tensor loads and stores,
 // warpgroup MMA (wgmma.mma_async) with shared-memory matrix descriptors, setmaxnreg. Only
 // modules declared for archs ("90a",) include this file.
 //
@@ -30,7 +30,6 @@
 #include "common/dtypes.cuh"
 
 namespace gpuops {
-namespace gemm {
 
 // A CUtensorMap (cuda.h), opaque: encoded on the host (gpuops/runtime/tma.py) and passed as a
 // __grid_constant__ kernel parameter, whose generic address TMA instructions take.
@@ -154,6 +153,29 @@ __device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* des
       " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
       :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2),
          "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
+// One box of a 4-D tensor map (attention's [B, H, S, D] operands, any order of strides) into
+// shared memory at `dst`, completing on `bar`; out-of-range elements arrive as zeros.
+__device__ __forceinline__ void tma_load_4d(unsigned int dst, const TmaDesc* desc, unsigned int bar,
+                                            int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2),
+         "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// One box of a 4-D tensor map from shared memory at `src` to global memory, in this thread's
+// open bulk group; elements outside the tensor are not written.
+__device__ __forceinline__ void tma_store_4d(const TmaDesc* desc, unsigned int src, int c0, int c1,
+                                             int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+      :: "l"(reinterpret_cast<unsigned long long>(desc)), "r"(src), "r"(c0), "r"(c1), "r"(c2),
+         "r"(c3)
       : "memory");
 }
 
@@ -285,5 +307,141 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 #undef GPUOPS_WGMMA_M64N256K16
 #undef GPUOPS_WGMMA_ACC8
 
-}  // namespace gemm
+// ------------------------------------------------------------------------------------ attention
+// wgmma shapes of the flash attention forward (attention/flash_fwd_wgmma.cu); the operand lists
+// are written out (generated once). TY: "bf16" or "f16".
+//  * SS m64n128k16: D[64 x 128] (+)= A[64 x 16] B[16 x 128], both operands K-major in shared
+//    memory (S = Q K^T: Q rows and K rows have the head dim contiguous). scale_d = 0: D = A B
+//    (the first k step of a tile needs no zeroed accumulators).
+//  * RS m64nNk16: A from registers (4 x .b32 per thread: the m16n8k16 A fragment of warp w's rows
+//    16w .. 16w + 15, i.e. the accumulator fragment of two n8 blocks rounded to 16 bits, so
+//    P = exp2(S - m) feeds O += P V without shared memory), B N-major (V: keys along k, the
+//    head dim contiguous: imm-trans-b = 1).
+
+#define GPUOPS_WGMMA_SS_M64N128K16(TY) \
+  asm volatile( \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n" \
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+      " %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, " \
+      " %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+      " %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, " \
+      " p, 1, 1, 0, 0;\n}" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
+        "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
+        "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
+        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), \
+        "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+struct WgmmaSSM64N128K16 {
+  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[64],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_SS_M64N128K16("bf16");
+  }
+  __device__ __forceinline__ static void run(float16_t, float (&d)[64],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_SS_M64N128K16("f16");
+  }
+};
+#undef GPUOPS_WGMMA_SS_M64N128K16
+
+#define GPUOPS_WGMMA_RS_M64N128K16(TY) \
+  asm volatile( \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n" \
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+      " %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, " \
+      " %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+      " %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, " \
+      " %65, %66, %67}, %68, p, 1, 1, 1;\n}" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
+        "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
+        "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
+        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), \
+        "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+
+struct WgmmaRSM64N128K16 {
+  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[64],
+                                             const unsigned int (&a)[4],
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_RS_M64N128K16("bf16");
+  }
+  __device__ __forceinline__ static void run(float16_t, float (&d)[64],
+                                             const unsigned int (&a)[4],
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_RS_M64N128K16("f16");
+  }
+};
+#undef GPUOPS_WGMMA_RS_M64N128K16
+
+#define GPUOPS_WGMMA_RS_M64N64K16(TY) \
+  asm volatile( \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n" \
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+      " %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, " \
+      " %33, %34, %35}, %36, p, 1, 1, 1;\n}" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), \
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
+        "+f"(d[31]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+
+struct WgmmaRSM64N64K16 {
+  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
+                                             const unsigned int (&a)[4],
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_RS_M64N64K16("bf16");
+  }
+  __device__ __forceinline__ static void run(float16_t, float (&d)[32],
+                                             const unsigned int (&a)[4],
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_RS_M64N64K16("f16");
+  }
+};
+#undef GPUOPS_WGMMA_RS_M64N64K16
+
+template <class T>
+__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], unsigned long long desc_a,
+                                                    unsigned long long desc_b, int scale_d) {
+  WgmmaSSM64N128K16::run(T{}, d, desc_a, desc_b, scale_d);
+}
+
+// O += P V for a head dim N of 64 or 128 (d: N / 2 accumulators)
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[N / 2], const unsigned int (&a)[4],
+                                                unsigned long long desc_b, int scale_d) {
+  static_assert(N == 64 || N == 128, "O += P V: head dims 64 and 128");
+  if constexpr (N == 128) {
+    WgmmaRSM64N128K16::run(T{}, d, a, desc_b, scale_d);
+  } else {
+    WgmmaRSM64N64K16::run(T{}, d, a, desc_b, scale_d);
+  }
+}
+
+// reg_fence for 32-bit register operands (the A fragments wgmma reads asynchronously)
+template <int N>
+__device__ __forceinline__ void reg_fence(unsigned int (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
 }  // namespace gpuops

@@ -1,0 +1,372 @@
+// Flash attention forward on Hopper (variant 'wgmma': sm_90a, fp16/bf16 storage, fp32
+// accumulation), FlashAttention-3's structure on gpuops' Hopper building blocks
+// (common/wgmma.cuh, as the wgmma GEMM uses them):
+//
+//  * one block of 3 warpgroups per (batch x head, 128 query rows): warpgroup 0 is the producer
+//    (one thread issues every TMA load; setmaxnreg gives its registers to the others),
+//    warpgroups 1 and 2 are consumers of 64 query rows each (240 registers);
+//  * Q (128 x D) is loaded once by TMA; K and V tiles of 128 keys stream through a 2-stage ring
+//    of shared memory with mbarriers: "K full" and "V full" per stage (TMA bytes landed; S = Q K^T
+//    starts as soon as K is there) and "empty" per stage (every consumer warp is done with both);
+//  * S = Q K^T: wgmma m64n128k16 with both operands in shared memory (K-major, 128-byte swizzle
+//    as TMA writes it), fp32 accumulators in registers;
+//  * online softmax on the accumulator fragments (the log2 domain, the scale folded into the
+//    exponent: p = exp2(fma(s, scale_log2, -m)), one FFMA per score; visibility (causal /
+//    window bounds, the key tail) only on the tiles that need it); P rounded to T in registers is
+//    directly the A operand of O += P V (wgmma with A from registers, V N-major in shared
+//    memory: no P round trip through shared memory);
+//  * intra-warpgroup overlap (FlashAttention-3, section 3.2): S_{j+1} = Q K_{j+1}^T is issued
+//    before O += P_j V_j, and the softmax of S_{j+1} runs while O += P_j V_j is on the tensor
+//    cores; O is rescaled after that product completes;
+//  * epilogue: O / l rounded to T into this warpgroup's own rows of the Q tile in shared memory
+//    (the swizzled layout a TMA box reads), then one TMA store per 64 columns (rows past the
+//    sequence are clipped by the tensor map); lse = (m + log2 l) ln 2 per row when requested.
+//
+// Tensor maps (host: gpuops/ops/attention.py `_wgmma_maps`): q, k, v, out as 4-D [B, H, S, D]
+// with any strides (bhsd and bshd alike); boxes of 64 head-dim columns (one 128-byte swizzle
+// row) x 128 rows (Q, K) or x 64 rows (V, O). Rows past S arrive as zeros: key tails are masked,
+// query tails are never stored. Same semantics as the mma kernel (flash_fwd_mma.cu): a row that
+// sees no key gives 0 and lse -inf; NaN scores keep NaN; l sums the fp32 p.
+//
+// What it does not take (the host routes these to 'mma'): attn_mask, varlen, block sparsity,
+// rotary, the bottom-right diagonal, a non-positive scale, head dims other than 64 / 128,
+// operands TMA cannot describe (16-byte aligned bases and strides).
+#include "attention/attn_common.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+
+namespace gpuops {
+
+constexpr int kWgaBM = 128;             // query rows per block (2 consumer warpgroups x 64)
+constexpr int kWgaBN = 128;             // keys per tile
+constexpr int kWgaStages = 2;
+constexpr int kWgaThreads = 384;
+constexpr int kWgaProducerRegs = 24, kWgaConsumerRegs = 240;
+static_assert((2 * kWgaConsumerRegs + kWgaProducerRegs) * 128 <= 65536, "register file");
+
+// Shared memory, from a 1024-byte aligned base (the 128-byte swizzle's period): Q as D / 64 boxes
+// of [128 rows][64]; per stage K as D / 64 boxes of [128 keys][64] and V as (128 / 64) x (D / 64)
+// boxes of [64 keys][64] (box kc * D / 64 + dc: keys 64 kc.., columns 64 dc..); the barriers.
+template <int D>
+struct WgaLayout {
+  static constexpr int kDC = D / 64;                 // 64-column chunks of the head dim
+  static constexpr int kQBox = kWgaBM * 128;         // one [128][64] 16-bit box: 16 KiB
+  static constexpr int kKBox = kWgaBN * 128;
+  static constexpr int kVBox = 64 * 128;             // [64][64]: 8 KiB
+  static constexpr int kQ = kDC * kQBox;
+  static constexpr int kK = kDC * kKBox;
+  static constexpr int kV = (kWgaBN / 64) * kDC * kVBox;
+  static constexpr int kStage = kK + kV;
+  static constexpr int kBar = kQ + kWgaStages * kStage;
+  // q_full, then k_full[S], v_full[S], empty[S]
+  static constexpr int kBytes = kBar + (1 + 3 * kWgaStages) * 8 + 1024;
+  static_assert(kBytes <= 227 * 1024, "shared memory");
+};
+
+// The block's query tile (heaviest causal tiles first) and the key range its rows may see.
+struct WgaWork {
+  int b, h, hk, q0, jlo, ntiles;
+  __device__ __forceinline__ explicit WgaWork(const FlashFwdArgs& a) {
+    const int bh = blockIdx.x;
+    b = bh / a.hq;
+    h = bh - b * a.hq;
+    hk = h / a.group;
+    q0 = (gridDim.y - 1 - blockIdx.y) * kWgaBM;
+    const int qlast = attn_imin(q0 + kWgaBM, a.sq) - 1;
+    jlo = 0;
+    int jhi = a.sk;
+    if (a.left >= 0) jlo = attn_imax(0, q0 - a.left);
+    if (a.right >= 0) jhi = attn_imin(a.sk, qlast + a.right + 1);
+    ntiles = jhi > jlo ? (jhi - jlo + kWgaBN - 1) / kWgaBN : 0;
+  }
+};
+
+// Hides the scores of one tile that a row may not see (key past sk, outside the window /
+// causal bound): lane (g, t) of warp rows w0 + g, w0 + g + 8; s[4j + 2hr + e] is key
+// k0 + 8j + 2t + e of row w0 + g + 8hr.
+__device__ __forceinline__ void wga_hide(float (&s)[64], const FlashFwdArgs& a, int w0, int k0,
+                                         int g, int t) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = w0 + g + 8 * hr;
+    int lo = -2 * t, hi = a.sk - 1 - k0 - 2 * t;    // key k0 + 2t + c visible iff lo <= c <= hi
+    if (a.left >= 0) lo = attn_imax(lo, i - a.left - k0 - 2 * t);
+    if (a.right >= 0) hi = attn_imin(hi, i + a.right - k0 - 2 * t);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * j + e;
+        if (c < lo || c > hi) s[4 * j + 2 * hr + e] = attn_neg_inf();
+      }
+  }
+}
+
+// One tile's online softmax on raw scores s (in place: s becomes p = exp2(s scale_log2 - m)):
+// row max (pairwise tree, then the quad's 4 lanes), the new running max m (log2 units), the
+// factor alpha that rescales the old O and l, l += the lane's partial row sums (the quad's
+// partials meet at the end). A row that has seen only -inf subtracts 0 (no NaN).
+__device__ __forceinline__ void wga_softmax(float (&s)[64], float (&m)[2], float (&l)[2],
+                                            float (&alpha)[2], float scale_log2) {
+  float mx[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float w[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j] = attn_max(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
+#pragma unroll
+    for (int step = 1; step < 16; step *= 2)
+#pragma unroll
+      for (int j = 0; j + step < 16; j += 2 * step) w[j] = attn_max(w[j], w[j + step]);
+    mx[hr] = w[0] * scale_log2;
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+    mx[hr] = attn_max(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+    mx[hr] = attn_max(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+  float nbase[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float mnew = attn_max(m[hr], mx[hr]);
+    const float base = mnew == attn_neg_inf() ? 0.0f : mnew;
+    alpha[hr] = attn_exp2(m[hr] - base);
+    nbase[hr] = -base;
+    m[hr] = mnew;
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = attn_exp2(fmaf(s[i], scale_log2, nbase[(i >> 1) & 1]));
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float w[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j] = s[4 * j + 2 * hr] + s[4 * j + 2 * hr + 1];
+#pragma unroll
+    for (int step = 1; step < 16; step *= 2)
+#pragma unroll
+      for (int j = 0; j + step < 16; j += 2 * step) w[j] += w[j + step];
+    l[hr] = fmaf(l[hr], alpha[hr], w[0]);
+  }
+}
+
+// P (fp32 in s) -> the A fragments of O += P V: k step kk covers keys 16kk .. 16kk + 15 = the n8
+// blocks 2kk, 2kk + 1 of S.
+template <class T>
+__device__ __forceinline__ void wga_pack_p(unsigned int (&pf)[8][4], const float (&s)[64]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    pf[kk][0] = pack_b16x2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pf[kk][1] = pack_b16x2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pf[kk][2] = pack_b16x2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pf[kk][3] = pack_b16x2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kWgaThreads, 1)
+    flash_fwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+                    const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o,
+                    const FlashFwdArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "head dims 64 and 128, 16-bit types");
+  using L = WgaLayout<D>;
+  extern __shared__ __align__(16) unsigned char wga_smem_raw[];
+  const unsigned int raw = smem_u32(wga_smem_raw);
+  const unsigned int sbase = raw + ((1024u - (raw & 1023u)) & 1023u);
+  const unsigned int q_s = sbase;
+  const unsigned int q_bar = sbase + L::kBar;
+  const unsigned int kfull_bar = q_bar + 8, vfull_bar = kfull_bar + 8 * kWgaStages;
+  const unsigned int empty_bar = vfull_bar + 8 * kWgaStages;
+  auto k_tile = [&](int stage) { return sbase + L::kQ + stage * L::kStage; };
+  auto v_tile = [&](int stage) { return sbase + L::kQ + stage * L::kStage + L::kK; };
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) {
+    mbar_init(q_bar, 1);
+#pragma unroll
+    for (int s = 0; s < kWgaStages; ++s) {
+      mbar_init(kfull_bar + 8 * s, 1);     // the producer's arrive.expect_tx (+ TMA's bytes)
+      mbar_init(vfull_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, 8);     // one arrive per consumer warp
+    }
+    mbar_fence_init();
+    tma_prefetch_desc(&tma_q);
+    tma_prefetch_desc(&tma_k);
+    tma_prefetch_desc(&tma_v);
+    tma_prefetch_desc(&tma_o);
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer warpgroup
+    setmaxnreg_dec<kWgaProducerRegs>();
+    if (tid == 0) {
+      const WgaWork w(args);
+      mbar_arrive_expect_tx(q_bar, L::kQ);
+#pragma unroll
+      for (int dc = 0; dc < L::kDC; ++dc)
+        tma_load_4d(q_s + dc * L::kQBox, &tma_q, q_bar, 64 * dc, w.q0, w.h, w.b);
+      for (int it = 0; it < w.ntiles; ++it) {
+        const int stage = it % kWgaStages;
+        mbar_wait(empty_bar + 8 * stage, ((it / kWgaStages) & 1) ^ 1);
+        const int k0 = w.jlo + it * kWgaBN;
+        const unsigned int kb = kfull_bar + 8 * stage, vb = vfull_bar + 8 * stage;
+        mbar_arrive_expect_tx(kb, L::kK);
+#pragma unroll
+        for (int dc = 0; dc < L::kDC; ++dc)
+          tma_load_4d(k_tile(stage) + dc * L::kKBox, &tma_k, kb, 64 * dc, k0, w.hk, w.b);
+        mbar_arrive_expect_tx(vb, L::kV);
+#pragma unroll
+        for (int kc = 0; kc < kWgaBN / 64; ++kc)
+#pragma unroll
+          for (int dc = 0; dc < L::kDC; ++dc)
+            tma_load_4d(v_tile(stage) + (kc * L::kDC + dc) * L::kVBox, &tma_v, vb, 64 * dc,
+                        k0 + 64 * kc, w.hk, w.b);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumer warpgroups
+  setmaxnreg_inc<kWgaConsumerRegs>();
+  const FlashFwdArgs& a = args;
+  const WgaWork w(a);
+  const int cg = wg - 1;                          // rows 64 cg .. 64 cg + 63 of the block
+  const int ctid = tid - 128 * wg, cwarp = ctid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int w0 = w.q0 + 64 * cg + 16 * cwarp;     // the warp's first query row
+  const float sl2 = a.scale_log2;
+  // descriptors (WgOperand's constants, common/wgmma.cuh): Q and K K-major, 128-byte rows,
+  // k16 steps of 32 bytes inside a box, the next box every 4 steps; V N-major, k16 steps of 16
+  // keys (2048 bytes), the next 64 keys one box row on, LBO = the next 64 head-dim columns
+  auto q_desc = [&](int kk) {
+    return wgmma_desc(q_s + (kk >> 2) * L::kQBox + cg * 8192 + (kk & 3) * 32, 16, 1024);
+  };
+  auto k_desc = [&](unsigned int kt, int kk) {
+    return wgmma_desc(kt + (kk >> 2) * L::kKBox + (kk & 3) * 32, 16, 1024);
+  };
+  auto v_desc = [&](unsigned int vt, int kk) {
+    return wgmma_desc(vt + (kk >> 2) * L::kDC * L::kVBox + (kk & 3) * 2048, L::kVBox, 1024);
+  };
+
+  float o[D / 2];
+  float s[64];
+  unsigned int pf[8][4];
+  float m[2] = {attn_neg_inf(), attn_neg_inf()}, l[2] = {0.0f, 0.0f}, alpha[2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+
+  auto issue_s = [&](int stage) {      // S = Q K^T of the tile in `stage`
+    const unsigned int kt = k_tile(stage);
+    reg_fence(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss_m64n128k16<T>(s, q_desc(kk), k_desc(kt, kk), kk > 0 ? 1 : 0);
+    wgmma_commit();
+    reg_fence(s);
+  };
+  auto issue_pv = [&](int stage) {     // O += P V of the tile in `stage`
+    const unsigned int vt = v_tile(stage);
+    reg_fence(o);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgaBN / 16; ++kk) wgmma_rs_m64k16<T, D>(o, pf[kk], v_desc(vt, kk), 1);
+    wgmma_commit();
+    reg_fence(o);
+  };
+  auto release = [&](int stage) {
+    if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
+  };
+  // an edge tile: some score of the warp's rows may be hidden (key tail, window / causal bound)
+  auto softmax_tile = [&](int it) {
+    const int k0 = w.jlo + it * kWgaBN;
+    const bool edge = k0 + kWgaBN > a.sk || (a.right >= 0 && k0 + kWgaBN - 1 > w0 + a.right) ||
+                      (a.left >= 0 && k0 < w0 + 15 - a.left);
+    if (edge) wga_hide(s, a, w0, k0, g, t);
+    wga_softmax(s, m, l, alpha, sl2);
+  };
+
+  mbar_wait(q_bar, 0);
+  if (w.ntiles > 0) {
+    int stage = 0;
+    unsigned int phase = 0;
+    mbar_wait(kfull_bar, 0);
+    issue_s(0);
+    wgmma_wait<0>();
+    reg_fence(s);
+    softmax_tile(0);                   // O is 0: no rescale
+    wga_pack_p<T>(pf, s);
+    for (int it = 1; it < w.ntiles; ++it) {
+      const int next = stage ^ 1;
+      const unsigned int next_phase = next == 0 ? phase ^ 1 : phase;
+      mbar_wait(kfull_bar + 8 * next, next_phase);
+      issue_s(next);                   // S_it, while ...
+      mbar_wait(vfull_bar + 8 * stage, phase);
+      issue_pv(stage);                 // ... O += P_{it-1} V_{it-1} follows it
+      wgmma_wait<1>();                 // groups complete in order: S_it is done
+      reg_fence(s);
+      softmax_tile(it);                // under O += P V
+      wgmma_wait<0>();
+      reg_fence(o);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);   // P is read until the product ends
+      release(stage);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+      wga_pack_p<T>(pf, s);
+      stage = next;
+      phase = next_phase;
+    }
+    mbar_wait(vfull_bar + 8 * stage, phase);
+    issue_pv(stage);
+    wgmma_wait<0>();
+    reg_fence(o);
+    release(stage);
+  }
+
+  // ---------------------------------------------------------------------- epilogue
+  // O / l -> T into this warpgroup's 64 rows of the Q tile (its own: the other warpgroup reads
+  // only its rows; every wgmma of this warpgroup reading them is complete), in the box layout
+  // (128-byte swizzle: chunk c of row r at c ^ (r % 8)), then TMA stores of 64 x 64 boxes.
+  float inv[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lt = l[hr];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    inv[hr] = lt == 0.0f ? 0.0f : 1.0f / lt;
+    const int i = w0 + g + 8 * hr;
+    if (a.lse != nullptr && t == 0 && i < a.sq) {
+      a.lse[w.b * a.ls[0] + w.h * a.ls[1] + i * a.ls[2]] =
+          m[hr] == attn_neg_inf() ? attn_neg_inf() : (m[hr] + log2f(lt)) * kAttnLn2;
+    }
+  }
+  unsigned char* smem_o = wga_smem_raw + (sbase - raw) + cg * 8192;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 16 * cwarp + g + 8 * hr;      // r % 8 = g
+      *reinterpret_cast<unsigned int*>(smem_o + (j >> 3) * L::kQBox + r * 128 +
+                                       (((j & 7) ^ g) << 4) + 4 * t) =
+          pack_b16x2<T>(o[4 * j + 2 * hr] * inv[hr], o[4 * j + 2 * hr + 1] * inv[hr]);
+    }
+  }
+  fence_proxy_async_smem();            // the stores above, before the TMA unit reads them
+  named_bar_sync(1 + cg, 128);
+  if (ctid == 0) {
+#pragma unroll
+    for (int dc = 0; dc < L::kDC; ++dc)
+      tma_store_4d(&tma_o, q_s + dc * L::kQBox + cg * 8192, 64 * dc, w.q0 + 64 * cg, w.h, w.b);
+    bulk_commit();
+    bulk_wait<0>();
+  }
+#else
+  __trap();   // not reached: the module is built for sm_90a only
+#endif
+}
+
+}  // namespace gpuops
