@@ -740,6 +740,23 @@ def test_gpu_wgmma_against_reference(case, dtype, variant, rng, wgmma_only):
 
 @gpu
 @needs_torch_cuda
+@pytest.mark.parametrize("schedule", at.WGMMA_SCHEDULES)
+def test_gpu_wgmma_schedules_agree(schedule, rng, wgmma_only, monkeypatch):
+    """Each schedule meets the reference, and the schedules give the same bits (the same
+    products in the same order per warpgroup; only their timing differs)."""
+    monkeypatch.setattr(at, "WGMMA_SCHEDULE", schedule)
+    for case in ((1, 4, 2, 4097, 4097, 128, {"is_causal": True}),
+                 (2, 2, 2, 1000, 777, 64, {"layout": "bshd"})):
+        _gpu_case(case, "bfloat16", rng, "wgmma", True)
+    q, k, v = (_cuda(_rand(rng, (1, 4, 1500, 128), "bfloat16"), "bfloat16") for _ in range(3))
+    got = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    monkeypatch.setattr(at, "WGMMA_SCHEDULE", "overlap")
+    base = go.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+
+
+@gpu
+@needs_torch_cuda
 def test_gpu_wgmma_nan_rows_strided_views_and_graph(rng, wgmma_only):
     """NaN in one query row gives NaN in that row only; q as a transposed view ([B, S, H, D]
     memory read as 'bhsd') and k / v as column slices of wider rows; the call replays in a CUDA
@@ -1185,6 +1202,7 @@ def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
              ((bf, _problem(scale=0.0), None, at.NO_EXTRAS), "scale"),
              ((bf, _problem(scale=-1.0), None, at.NO_EXTRAS), "scale"),
              ((bf, _problem(Sk=0), None, at.NO_EXTRAS), "empty key"),
+             ((bf, _problem(B=2, Hq=40000, Hkv=40000), None, at.NO_EXTRAS), "65535"),
              ]
     for (dtype, p, mask, ext), why in cases:
         got = at.wgmma_unsupported(_FakeCall(dtype), p, mask, ext)

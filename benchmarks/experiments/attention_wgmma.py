@@ -1,6 +1,7 @@
-"""scaled_dot_product_attention forward on Hopper: `variant='wgmma'` (FlashAttention-3's structure)
-side by side with `variant='mma'` (FlashAttention-2's, mma.sync) and torch's FLASH
-(FlashAttention-2) and cuDNN SDPA backends, in one process, bf16, H = 32, S = 4096.
+"""scaled_dot_product_attention forward on Hopper: `variant='wgmma'` (FlashAttention-3's
+structure; each of its WGMMA_SCHEDULES) side by side with `variant='mma'` (FlashAttention-2's,
+mma.sync) and torch's FLASH (FlashAttention-2) and cuDNN SDPA backends, in one process, bf16,
+H = 32, S = 4096.
 
 Shapes: B in --batches, D in --dims (64, 128), causal and not. Kernel time = median of CUDA
 events around single calls after warm-up (each call is 0.1+ ms: host time is noise). TFLOP/s =
@@ -21,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gpuops as go
 from gpuops.bench import event_pairs_ms
+from gpuops.ops import attention as at
 
 
 def main():
@@ -32,6 +34,7 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     args = ap.parse_args()
     H, S = args.heads, args.seq
+    schedule0 = at.WGMMA_SCHEDULE
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for D in (int(x) for x in args.dims.split(",")):
@@ -51,18 +54,22 @@ def main():
                                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     except RuntimeError as exc:        # backend not available for this build
                         print(f"{name}: {exc}")
-                for variant in ("wgmma", "mma"):
+                for name in [f"wgmma_{s}" for s in at.WGMMA_SCHEDULES] + ["mma"]:
+                    variant = name.split("_")[0]
+                    if variant == "wgmma":
+                        at.WGMMA_SCHEDULE = name.split("_", 1)[1]
                     out = go.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                           variant=variant)
-                    errors[variant] = ((out.float() - ref).norm() / ref.norm()).item()
-                    results[variant] = event_pairs_ms(
+                    errors[name] = ((out.float() - ref).norm() / ref.norm()).item()
+                    results[name] = event_pairs_ms(
                         lambda: go.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                 variant=variant))
+                at.WGMMA_SCHEDULE = schedule0
                 flash, mma = results.get("sdpa_flash"), results["mma"]
                 for name, ms in results.items():
                     tf = flops / (ms * 1e-3) / 1e12
                     extra = f" err vs FLASH {errors[name]:.1e}" if name in errors else ""
-                    print(f"B{B} H{H} S{S} D{D} causal={int(causal)} {name:11s} {ms:8.4f} ms "
+                    print(f"B{B} H{H} S{S} D{D} causal={int(causal)} {name:15s} {ms:8.4f} ms "
                           f"{tf:6.1f} TFLOP/s  {flash / ms if flash else 0:5.2f}x FLASH  "
                           f"{mma / ms:5.2f}x mma{extra}")
                     rows.append(dict(B=B, H=H, S=S, D=D, causal=causal, name=name, ms=ms,

@@ -18,6 +18,9 @@
 //  * intra-warpgroup overlap (FlashAttention-3, section 3.2): S_{j+1} = Q K_{j+1}^T is issued
 //    before O += P_j V_j, and the softmax of S_{j+1} runs while O += P_j V_j is on the tensor
 //    cores; O is rescaled after that product completes;
+//  * PINGPONG (template flag; host: attention.WGMMA_SCHEDULE): the two consumer warpgroups
+//    take turns on the tensor cores (named barriers), so one's softmax runs under the other's
+//    products (FlashAttention-3, section 3.1);
 //  * epilogue: O / l rounded to T into this warpgroup's own rows of the Q tile in shared memory
 //    (the swizzled layout a TMA box reads), then one TMA store per 64 columns (rows past the
 //    sequence are clipped by the tensor map); lse = (m + log2 l) ln 2 per row when requested.
@@ -42,6 +45,9 @@ constexpr int kWgaBN = 128;             // keys per tile
 constexpr int kWgaStages = 2;
 constexpr int kWgaThreads = 384;
 constexpr int kWgaProducerRegs = 24, kWgaConsumerRegs = 240;
+// named barriers: 1 + cg the epilogue of consumer warpgroup cg (128 threads), kWgaTurnBar + cg
+// its turn on the tensor cores (PINGPONG: 256 threads, both consumer warpgroups)
+constexpr int kWgaTurnBar = 3;
 static_assert((2 * kWgaConsumerRegs + kWgaProducerRegs) * 128 <= 65536, "register file");
 
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle's period): Q as D / 64 boxes
@@ -63,15 +69,19 @@ struct WgaLayout {
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
-// The block's query tile (heaviest causal tiles first) and the key range its rows may see.
+// The block's query tile and the key range its rows may see. Grid (query tiles, B x Hq): the
+// query tiles of one head are consecutive blocks, so a wave holds few heads and each head's K / V
+// is read from DRAM about once and from L2 by all its tiles (run 38 had heads fastest: at B4
+// H32 a wave touched ~128 heads' K / V, 256 MB, and every block re-read its 2 MB from DRAM:
+// 359 TFLOP/s against 470 at B1); within a head the heaviest causal tiles come first.
 struct WgaWork {
   int b, h, hk, q0, jlo, ntiles;
   __device__ __forceinline__ explicit WgaWork(const FlashFwdArgs& a) {
-    const int bh = blockIdx.x;
+    const int bh = blockIdx.y;
     b = bh / a.hq;
     h = bh - b * a.hq;
     hk = h / a.group;
-    q0 = (gridDim.y - 1 - blockIdx.y) * kWgaBM;
+    q0 = (gridDim.x - 1 - blockIdx.x) * kWgaBM;
     const int qlast = attn_imin(q0 + kWgaBM, a.sq) - 1;
     jlo = 0;
     int jhi = a.sk;
@@ -163,7 +173,7 @@ __device__ __forceinline__ void wga_pack_p(unsigned int (&pf)[8][4], const float
   }
 }
 
-template <class T, int D>
+template <class T, int D, bool PINGPONG>
 __global__ void __launch_bounds__(kWgaThreads, 1)
     flash_fwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                     const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o,
@@ -289,12 +299,27 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     wga_softmax(s, m, l, alpha, sl2);
   };
 
+  // PINGPONG (FlashAttention-3, section 3.1): the two consumer warpgroups take turns issuing
+  // their MMAs; named barrier kWgaTurnBar + cg opens a warpgroup's turn, the other warpgroup
+  // arrives on it when its own issue section ends, so one warpgroup's softmax runs while the
+  // other's products occupy the tensor cores. Warpgroup 0 goes first (warpgroup 1 arrives
+  // once up front) and syncs once more at the end: every arrival is consumed before exit.
+  auto turn_begin = [&]() {
+    if (PINGPONG) named_bar_sync(kWgaTurnBar + cg, 256);
+  };
+  auto turn_end = [&]() {
+    if (PINGPONG) named_bar_arrive(kWgaTurnBar + (cg ^ 1), 256);
+  };
+  if (PINGPONG && cg == 1) named_bar_arrive(kWgaTurnBar, 256);
+
   mbar_wait(q_bar, 0);
   if (w.ntiles > 0) {
     int stage = 0;
     unsigned int phase = 0;
     mbar_wait(kfull_bar, 0);
+    turn_begin();
     issue_s(0);
+    turn_end();
     wgmma_wait<0>();
     reg_fence(s);
     softmax_tile(0);                   // O is 0: no rescale
@@ -303,9 +328,11 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       const int next = stage ^ 1;
       const unsigned int next_phase = next == 0 ? phase ^ 1 : phase;
       mbar_wait(kfull_bar + 8 * next, next_phase);
+      turn_begin();
       issue_s(next);                   // S_it, while ...
       mbar_wait(vfull_bar + 8 * stage, phase);
       issue_pv(stage);                 // ... O += P_{it-1} V_{it-1} follows it
+      turn_end();
       wgmma_wait<1>();                 // groups complete in order: S_it is done
       reg_fence(s);
       softmax_tile(it);                // under O += P V
@@ -321,11 +348,14 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       phase = next_phase;
     }
     mbar_wait(vfull_bar + 8 * stage, phase);
+    turn_begin();
     issue_pv(stage);
+    turn_end();
     wgmma_wait<0>();
     reg_fence(o);
     release(stage);
   }
+  if (PINGPONG && cg == 0) named_bar_sync(kWgaTurnBar, 256);
 
   // ---------------------------------------------------------------------- epilogue
   // O / l -> T into this warpgroup's 64 rows of the Q tile (its own: the other warpgroup reads

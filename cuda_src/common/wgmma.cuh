@@ -127,6 +127,12 @@ __device__ __forceinline__ void named_bar_sync(unsigned int id, unsigned int cou
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
 
+// Arrives at named barrier `id` of `count` threads without waiting for it (the other side
+// syncs): one warpgroup hands the tensor cores to another (attention's ping-pong schedule).
+__device__ __forceinline__ void named_bar_arrive(unsigned int id, unsigned int count) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
 // ------------------------------------------------------------------------------------ TMA
 
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {

@@ -255,6 +255,11 @@ WGMMA_THREADS, WGMMA_BM, WGMMA_BN, WGMMA_STAGES = 384, 128, 128, 2
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_ARGS.params[0])
 # False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
 WGMMA_AUTO = True
+# "overlap": each consumer warpgroup issues its products when ready (S_{j+1} before P_j V_j,
+# the softmax under P_j V_j); "pingpong": besides, the two warpgroups take turns on the tensor
+# cores (named barriers), so one's softmax runs under the other's products (FlashAttention-3).
+WGMMA_SCHEDULES = ("overlap", "pingpong")
+WGMMA_SCHEDULE = "overlap"
 
 
 def wgmma_smem(d: int) -> int:
@@ -263,13 +268,22 @@ def wgmma_smem(d: int) -> int:
     return q + WGMMA_STAGES * stage + (1 + 3 * WGMMA_STAGES) * 8 + 1024
 
 
-def wgmma_expr(dtype, d: int) -> str:
-    return f"gpuops::flash_fwd_wgmma<{dtype.ctype}, {d}>"
+def wgmma_expr(dtype, d: int, schedule: str) -> str:
+    return f"gpuops::flash_fwd_wgmma<{dtype.ctype}, {d}, {_B[schedule == 'pingpong']}>"
+
+
+def wgmma_schedule() -> str:
+    """WGMMA_SCHEDULE, checked."""
+    if WGMMA_SCHEDULE not in WGMMA_SCHEDULES:
+        raise ValueError(f"gpuops: attention.WGMMA_SCHEDULE must be one of {list(WGMMA_SCHEDULES)},"
+                         f" got {WGMMA_SCHEDULE!r}")
+    return WGMMA_SCHEDULE
 
 
 WGMMA_MODULES = {
     dtype: KernelModule(f"attention.flash_wgmma_{short}", "attention/flash_fwd_wgmma.cu",
-                        {wgmma_expr(dtype, d): WGMMA_ARGS for d in WGMMA_DIMS}, archs=("90a",))
+                        {wgmma_expr(dtype, d, sch): WGMMA_ARGS for d in WGMMA_DIMS
+                         for sch in WGMMA_SCHEDULES}, archs=("90a",))
     for dtype, short in _SHORT.items()}
 _WGMMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in WGMMA_MODULES.items()}
 for _d in WGMMA_DIMS:
@@ -1029,6 +1043,8 @@ def wgmma_unsupported(call, p, attn_mask, ext: FlashExtras):
         return f"scale {p.scale} (positive only)"
     if p.Sk == 0:
         return "an empty key sequence"
+    if p.B * p.Hq > 65535:
+        return f"batch x heads = {p.B * p.Hq} (grid y: 65535 at most)"
     if not wgmma_device(call.device):
         return "this device (sm_90 only)"
     return None
@@ -1044,12 +1060,12 @@ def _wgmma_maps(p, query, key, value, out, layout):
 
 
 def _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps):
-    grid = (p.B * p.Hq, -(-p.Sq // WGMMA_BM), 1)
-    _check_grid(call.op.name, grid)
+    # query tiles fastest (a head's tiles share its K / V in L2), batch x heads on y
+    grid = (-(-p.Sq // WGMMA_BM), p.B * p.Hq, 1)
     if 0 in grid:
         return
-    kernel = _WGMMA_KERNELS[call.result_dtype].get(call.device, wgmma_expr(call.result_dtype,
-                                                                           p.D))
+    kernel = _WGMMA_KERNELS[call.result_dtype].get(
+        call.device, wgmma_expr(call.result_dtype, p.D, wgmma_schedule()))
     kernel.launch(grid, (WGMMA_THREADS, 1, 1), call.stream, *maps,
                   *flash_launch_args(p, query, key, value, None, 0, out, lse, layout, True),
                   smem=wgmma_smem(p.D))
