@@ -757,6 +757,20 @@ def test_gpu_wgmma_schedules_agree(schedule, rng, wgmma_only, monkeypatch):
 
 @gpu
 @needs_torch_cuda
+@pytest.mark.parametrize("kv_heads_in_l2", [1, 3])
+def test_gpu_wgmma_head_chunks(kv_heads_in_l2, rng, wgmma_only, monkeypatch):
+    """The grid's walk over (b x h) chunks (a short last chunk: 10 rows in chunks of 3, GQA
+    chunks of 2 x 2 heads) covers every block once: every output row written (outputs are
+    poisoned) and right."""
+    D, S = 64, 300
+    monkeypatch.setattr(at, "WGMMA_L2_BUDGET", kv_heads_in_l2 * 2 * S * D * 2)
+    for case in ((2, 5, 5, S, S, D, {"is_causal": True}),
+                 (2, 4, 2, S, S, D, {"layout": "bshd"})):
+        _gpu_case(case, "bfloat16", rng, "wgmma", True)
+
+
+@gpu
+@needs_torch_cuda
 def test_gpu_wgmma_nan_rows_strided_views_and_graph(rng, wgmma_only):
     """NaN in one query row gives NaN in that row only; q as a transposed view ([B, S, H, D]
     memory read as 'bhsd') and k / v as column slices of wider rows; the call replays in a CUDA
@@ -1202,7 +1216,8 @@ def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
              ((bf, _problem(scale=0.0), None, at.NO_EXTRAS), "scale"),
              ((bf, _problem(scale=-1.0), None, at.NO_EXTRAS), "scale"),
              ((bf, _problem(Sk=0), None, at.NO_EXTRAS), "empty key"),
-             ((bf, _problem(B=2, Hq=40000, Hkv=40000), None, at.NO_EXTRAS), "65535"),
+             ((bf, _problem(B=2, Hq=2 ** 16, Hkv=2 ** 16, Sq=2 ** 21), None, at.NO_EXTRAS),
+              "2^31"),
              ]
     for (dtype, p, mask, ext), why in cases:
         got = at.wgmma_unsupported(_FakeCall(dtype), p, mask, ext)
@@ -1240,6 +1255,18 @@ def test_wgmma_routing(monkeypatch):
                                          "layout TMA cannot read"):
         at._launch_wgmma(call, p, *args)
     assert log == ["wgmma"]
+
+
+def test_wgmma_head_chunks_fit_the_l2_budget():
+    """The grid's (b x h) chunks: K / V of a chunk's heads within WGMMA_L2_BUDGET (GQA: group
+    query heads share one K / V), at least one head, at most all of them."""
+    kv = 2 * 4096 * 128 * 2                                 # one kv head, S 4096, D 128: 2 MiB
+    assert at.wgmma_head_chunk(_problem(B=1, Hq=32, Hkv=32, Sk=4096)) == at.WGMMA_L2_BUDGET // kv
+    assert at.wgmma_head_chunk(_problem(B=1, Hq=32, Hkv=8, Sk=4096)) == 32     # capped: B x Hq
+    assert at.wgmma_head_chunk(_problem(B=4, Hq=32, Hkv=8, Sk=4096)) == \
+        at.WGMMA_L2_BUDGET // kv * 4
+    assert at.wgmma_head_chunk(_problem(B=1, Hq=8, Hkv=8, Sk=2 ** 20)) == 1    # huge heads
+    assert at.wgmma_head_chunk(_problem(B=1, Hq=1, Hkv=1, Sk=1, D=64)) == 1
 
 
 def test_wgmma_tensor_maps(monkeypatch):

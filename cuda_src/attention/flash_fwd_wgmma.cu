@@ -69,19 +69,29 @@ struct WgaLayout {
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
-// The block's query tile and the key range its rows may see. Grid (query tiles, B x Hq): the
-// query tiles of one head are consecutive blocks, so a wave holds few heads and each head's K / V
-// is read from DRAM about once and from L2 by all its tiles (run 38 had heads fastest: at B4
-// H32 a wave touched ~128 heads' K / V, 256 MB, and every block re-read its 2 MB from DRAM:
-// 359 TFLOP/s against 470 at B1); within a head the heaviest causal tiles come first.
+// The block's query tile and the key range its rows may see. Blocks are numbered on x alone
+// and walk the (b x h) rows in chunks of `head_chunk` consecutive ones (host: as many heads
+// as keep their K / V within about half of L2), the chunk's query tiles heaviest first (causal),
+// its heads fastest. So a wave holds few heads and each head's K / V is read from DRAM about
+// once and from L2 by all its tiles (run 38 had every head in every wave: at B4 H32 a wave
+// touched ~128 heads' K / V, 256 MB, and each block re-read its 2 MB from DRAM: 359 TFLOP/s
+// against 470 at B1), and the grid still ends on the lightest causal tiles (run 39 had each
+// head's tiles consecutive: the last heads' heavy tiles ran in the tail, causal B1 -8%).
 struct WgaWork {
   int b, h, hk, q0, jlo, ntiles;
-  __device__ __forceinline__ explicit WgaWork(const FlashFwdArgs& a) {
-    const int bh = blockIdx.y;
+  __device__ __forceinline__ WgaWork(const FlashFwdArgs& a, int head_chunk) {
+    const int ntq = (a.sq + kWgaBM - 1) / kWgaBM;
+    const int bhs = static_cast<int>(gridDim.x) / ntq;               // B x Hq
+    const int per_chunk = ntq * head_chunk;
+    const int chunk = static_cast<int>(blockIdx.x) / per_chunk;
+    const int rem = static_cast<int>(blockIdx.x) - chunk * per_chunk;
+    const int heads = attn_imin(head_chunk, bhs - chunk * head_chunk);   // the last may be short
+    const int tile = rem / heads;
+    const int bh = chunk * head_chunk + (rem - tile * heads);
     b = bh / a.hq;
     h = bh - b * a.hq;
     hk = h / a.group;
-    q0 = (gridDim.x - 1 - blockIdx.x) * kWgaBM;
+    q0 = (ntq - 1 - tile) * kWgaBM;
     const int qlast = attn_imin(q0 + kWgaBM, a.sq) - 1;
     jlo = 0;
     int jhi = a.sk;
@@ -177,7 +187,7 @@ template <class T, int D, bool PINGPONG>
 __global__ void __launch_bounds__(kWgaThreads, 1)
     flash_fwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                     const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o,
-                    const FlashFwdArgs args) {
+                    const FlashFwdArgs args, const int head_chunk) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "head dims 64 and 128, 16-bit types");
   using L = WgaLayout<D>;
@@ -212,7 +222,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     // ------------------------------------------------------------------ producer warpgroup
     setmaxnreg_dec<kWgaProducerRegs>();
     if (tid == 0) {
-      const WgaWork w(args);
+      const WgaWork w(args, head_chunk);
       mbar_arrive_expect_tx(q_bar, L::kQ);
 #pragma unroll
       for (int dc = 0; dc < L::kDC; ++dc)
@@ -241,7 +251,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   // -------------------------------------------------------------------- consumer warpgroups
   setmaxnreg_inc<kWgaConsumerRegs>();
   const FlashFwdArgs& a = args;
-  const WgaWork w(a);
+  const WgaWork w(a, head_chunk);
   const int cg = wg - 1;                          // rows 64 cg .. 64 cg + 63 of the block
   const int ctid = tid - 128 * wg, cwarp = ctid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int w0 = w.q0 + 64 * cg + 16 * cwarp;     // the warp's first query row

@@ -252,14 +252,19 @@ _ROPE_K_KERNELS = lay.KernelTable(ROPE_K_MODULE)
 # kernel's kWgaBM / kWgaBN / WgaLayout.
 WGMMA_DIMS = (64, 128)
 WGMMA_THREADS, WGMMA_BM, WGMMA_BN, WGMMA_STAGES = 384, 128, 128, 2
-WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_ARGS.params[0])
+WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_ARGS.params[0],
+                     "i32")
+# The grid walks (b x h) rows in chunks whose K / V fit this many bytes (about half of an H100's
+# 50 MB L2), each chunk's query tiles heaviest first (cuda_src/attention/flash_fwd_wgmma.cu,
+# WgaWork): a head's K / V is read from DRAM about once, and the grid ends on light tiles.
+WGMMA_L2_BUDGET = 24 << 20
 # False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
 WGMMA_AUTO = True
 # "overlap": each consumer warpgroup issues its products when ready (S_{j+1} before P_j V_j,
 # the softmax under P_j V_j); "pingpong": besides, the two warpgroups take turns on the tensor
 # cores (named barriers), so one's softmax runs under the other's products (FlashAttention-3).
 WGMMA_SCHEDULES = ("overlap", "pingpong")
-WGMMA_SCHEDULE = "overlap"
+WGMMA_SCHEDULE = "pingpong"     # run 39: +3.5-9.1% over "overlap" at all 8 bench shapes
 
 
 def wgmma_smem(d: int) -> int:
@@ -1043,8 +1048,8 @@ def wgmma_unsupported(call, p, attn_mask, ext: FlashExtras):
         return f"scale {p.scale} (positive only)"
     if p.Sk == 0:
         return "an empty key sequence"
-    if p.B * p.Hq > 65535:
-        return f"batch x heads = {p.B * p.Hq} (grid y: 65535 at most)"
+    if -(-p.Sq // WGMMA_BM) * p.B * p.Hq >= 2 ** 31:
+        return f"{p.B * p.Hq} x {p.Sq} query rows (grid: below 2^31 blocks of 128 rows)"
     if not wgmma_device(call.device):
         return "this device (sm_90 only)"
     return None
@@ -1059,16 +1064,22 @@ def _wgmma_maps(p, query, key, value, out, layout):
     return None if any(m is None for m in maps) else maps
 
 
+def wgmma_head_chunk(p) -> int:
+    """(b x h) rows per chunk of the wgmma grid: as many query heads as keep their K / V (shared
+    by `group` consecutive heads) within WGMMA_L2_BUDGET, at least 1."""
+    kv_head_bytes = 2 * p.Sk * p.D * 2
+    return max(1, min(p.B * p.Hq, WGMMA_L2_BUDGET // max(kv_head_bytes, 1) * p.group))
+
+
 def _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps):
-    # query tiles fastest (a head's tiles share its K / V in L2), batch x heads on y
-    grid = (-(-p.Sq // WGMMA_BM), p.B * p.Hq, 1)
+    grid = (-(-p.Sq // WGMMA_BM) * p.B * p.Hq, 1, 1)
     if 0 in grid:
         return
     kernel = _WGMMA_KERNELS[call.result_dtype].get(
         call.device, wgmma_expr(call.result_dtype, p.D, wgmma_schedule()))
     kernel.launch(grid, (WGMMA_THREADS, 1, 1), call.stream, *maps,
                   *flash_launch_args(p, query, key, value, None, 0, out, lse, layout, True),
-                  smem=wgmma_smem(p.D))
+                  wgmma_head_chunk(p), smem=wgmma_smem(p.D))
 
 
 def _launch_wgmma(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
