@@ -765,7 +765,8 @@ def test_gpu_wgmma_head_chunks(kv_heads_in_l2, rng, wgmma_only, monkeypatch):
     D, S = 64, 300
     monkeypatch.setattr(at, "WGMMA_L2_BUDGET", kv_heads_in_l2 * 2 * S * D * 2)
     for case in ((2, 5, 5, S, S, D, {"is_causal": True}),
-                 (2, 4, 2, S, S, D, {"layout": "bshd"})):
+                 (2, 4, 2, S, S, D, {"layout": "bshd", "window_size": (-1, 50)}),
+                 (2, 4, 2, S, S, D, {})):
         _gpu_case(case, "bfloat16", rng, "wgmma", True)
 
 
@@ -1258,9 +1259,12 @@ def test_wgmma_routing(monkeypatch):
 
 
 def test_wgmma_head_chunks_fit_the_l2_budget():
-    """The grid's (b x h) chunks: K / V of a chunk's heads within WGMMA_L2_BUDGET (GQA: group
-    query heads share one K / V), at least one head, at most all of them."""
+    """The grid's (b x h) chunks, causal / windowed: K / V of a chunk's heads within
+    WGMMA_L2_BUDGET (GQA: group query heads share one K / V), at least one head, at most all of
+    them; full rows: one head at a time."""
     kv = 2 * 4096 * 128 * 2                                 # one kv head, S 4096, D 128: 2 MiB
+    assert at.wgmma_head_chunk(_problem(B=4, Hq=32, Hkv=32, Sk=4096, right=-1)) == 1
+    assert at.wgmma_head_chunk(_problem(B=4, Hq=32, Hkv=32, Sk=4096, left=100, right=-1)) > 1
     assert at.wgmma_head_chunk(_problem(B=1, Hq=32, Hkv=32, Sk=4096)) == at.WGMMA_L2_BUDGET // kv
     assert at.wgmma_head_chunk(_problem(B=1, Hq=32, Hkv=8, Sk=4096)) == 32     # capped: B x Hq
     assert at.wgmma_head_chunk(_problem(B=4, Hq=32, Hkv=8, Sk=4096)) == \
