@@ -14,7 +14,6 @@ lengths.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -254,18 +253,6 @@ def _emu_param_types(orig):
     return types_
 
 
-# A few staged split kernels for the emulator (the whole STAGED_MODULE would take g++ minutes):
-# RT 1 / 2 / 4 at D 64 (rings of 6 steps: 2 .. 7 steps per split below, wrapping at RT 4), and
-# the bench config D 128 RT 2 with a ring of 4 (7 steps: wraps).
-STAGED_EMU_EXPRS = [A._split_expr(dt.bfloat16, 64, 8, rt, paged, 6)
-                    for rt in (1, 2, 4) for paged in (False, True)] + [
-    A._split_expr(dt.float16, 64, 8, 2, False, 6),
-    A._split_expr(dt.bfloat16, 128, 8, 2, False, 4),
-    A._split_expr(dt.bfloat16, 128, 8, 2, True, 4)]
-STAGED_EMU = SimpleNamespace(name=A.STAGED_MODULE.name, source=A.STAGED_MODULE.source,
-                             kernels={e: A.STAGED_MODULE.kernels[e] for e in STAGED_EMU_EXPRS})
-
-
 @pytest.fixture(scope="module")
 def emulated():
     if not emu.available():
@@ -276,8 +263,7 @@ def emulated():
     mp = pytest.MonkeyPatch()
     mp.setattr(emu, "_param_types", _emu_param_types(emu._param_types))
     try:
-        return emu.build([A.SPLIT_MODULE, A.COMBINE_MODULE, A.APPEND_MODULE, STAGED_EMU],
-                         str(work))
+        return emu.build([A.SPLIT_MODULE, A.COMBINE_MODULE, A.APPEND_MODULE], str(work))
     finally:
         mp.undo()
 
@@ -403,7 +389,7 @@ def test_emulated_merge_paths(emu_ops, emulated, monkeypatch, rng, combine, dtyp
         q = _arr(rng, (b, sq, hq, d), dtype)
         out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
         assert A.LAST_COMBINE == combine
-        nsplit = next(p for key, p in A._plans.items() if key[0] == "decode_attention")[5]
+        nsplit = next(p for key, p in A._plans.items() if key[0] == "decode_attention")[3]
         assert nsplit >= 3
         ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
         assert_close(out, ref, dtype, f"out {lens}")
@@ -493,82 +479,16 @@ def test_emulated_counter_slices(emu_ops, monkeypatch, rng):
 
 
 @pytest.fixture
-def staged_emu(emu_ops, emulated, monkeypatch):
-    """emu_ops on an sm_90-like device: the staged split kernel and PDL may be chosen."""
-    monkeypatch.setattr(A, "_cc", lambda dev: 90)
-    monkeypatch.setattr(A, "_smem_optin", lambda dev: 227 * 1024)
+def pdl_emu(emu_ops, emulated, monkeypatch):
+    """emu_ops on an sm_90-like device: PDL may be used."""
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: True)
     for m in emulated.values():
         m.launches.clear()
     return emu_ops
 
 
-@pytest.mark.parametrize("dtype,d,hq,hkv,sq,stages", [
-    ("bfloat16", 64, 2, 2, 1, 6), ("bfloat16", 64, 4, 2, 1, 6), ("bfloat16", 64, 8, 2, 1, 6),
-    ("bfloat16", 64, 4, 2, 2, 6), ("float16", 64, 4, 2, 1, 6), ("bfloat16", 128, 4, 2, 1, 4)])
-def test_emulated_staged_split(staged_emu, emulated, monkeypatch, rng, dtype, d, hq, hkv, sq,
-                               stages):
-    """The cp.async ring (copies performed only at the wait that covers them, the ring poisoned):
-    several splits of 2 .. 7 steps (wrapping the ring), lengths that end mid-step, an empty
-    sequence, a window whose start falls inside a chunk, paged. Without a window the staged
-    kernel visits the keys in the register path's order: equal bit for bit."""
-    b, s_max = 3, 208                                   # 13 pages of 16: same S_max paged
-    q = _arr(rng, (b, sq, hq, d), dtype)
-    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
-    lens = np.array([0, 117, 208], np.int32)
-    ring = emulated[A.STAGED_MODULE.name]
-    monkeypatch.setattr(A, "STAGED", stages)
-    out, lse = staged_emu("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    expr, grid, smem, _ = ring.launches[-1]
-    rt = int(expr.split(", ")[3])
-    assert smem == A._staged_smem(dt.BY_NAME[dtype], d, rt, stages) and expr.endswith(f" {stages}>")
-    assert grid[1] >= 2                                              # several splits
-    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(out, ref, dtype, "staged")
-    _assert_lse(lse, ref_lse)
-    monkeypatch.setattr(A, "STAGED", 0)
-    out0, lse0 = staged_emu("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    np.testing.assert_array_equal(out, out0)
-    np.testing.assert_array_equal(lse, lse0)
-    monkeypatch.setattr(A, "STAGED", stages)
-    n = len(ring.launches)
-    for left in (30, 150):
-        out_w = staged_emu("decode_attention", dtype, q, k, v, lens, window_size=(left, 0))[0]
-        ref_w = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, window_size=(left, 0))
-        assert_close(out_w, ref_w, dtype, f"window {left}")
-    assert len(ring.launches) == n + 2
-    if expr.replace(", false, ", ", true, ") in STAGED_EMU.kernels:
-        kp, vp, table = _paged_from(rng, k, v, 16)
-        pout = staged_emu("paged_attention", dtype, q, kp, vp, table, lens)[0]
-        assert ", true, " in ring.launches[-1][0]
-        np.testing.assert_array_equal(pout, out)     # same S_max: same splits, same arithmetic
-
-
-def test_emulated_staged_falls_back(staged_emu, emulated, monkeypatch, rng):
-    """No staged instantiation (fp32, RT 8, a depth not built), sm < 80 or too little shared
-    memory: the register path, same results."""
-    ring = emulated[A.STAGED_MODULE.name]
-    q = _arr(rng, (2, 1, 4, 64), "float32")
-    k, v = _arr(rng, (2, 40, 2, 64), "float32"), _arr(rng, (2, 40, 2, 64), "float32")
-    lens = np.array([40, 9], np.int32)
-    monkeypatch.setattr(A, "STAGED", 6)
-    staged_emu("decode_attention", "float32", q, k, v, lens)
-    monkeypatch.setattr(A, "STAGED", 5)
-    staged_emu("decode_attention", "bfloat16", q.astype(_np("bfloat16")),
-               k.astype(_np("bfloat16")), v.astype(_np("bfloat16")), lens)
-    monkeypatch.setattr(A, "STAGED", 6)
-    monkeypatch.setattr(A, "_cc", lambda dev: 75)
-    staged_emu("decode_attention", "bfloat16", q.astype(_np("bfloat16")),
-               k.astype(_np("bfloat16")), v.astype(_np("bfloat16")), lens)
-    monkeypatch.setattr(A, "_cc", lambda dev: 90)
-    monkeypatch.setattr(A, "_smem_optin", lambda dev: 48 * 1024)
-    staged_emu("decode_attention", "bfloat16", q.astype(_np("bfloat16")),
-               k.astype(_np("bfloat16")), v.astype(_np("bfloat16")), lens)
-    assert not ring.launches
-
-
 @pytest.mark.parametrize("pdl", ["combine", "all"])
-def test_emulated_pdl_launches(staged_emu, emulated, monkeypatch, rng, pdl):
+def test_emulated_pdl_launches(pdl_emu, emulated, monkeypatch, rng, pdl):
     """PDL: the combine (and with "all" the split kernel) launched with the PDL attribute, the
     split kernel told to trigger its dependents; the same results as plain launches (the device
     side is a no-op off sm_90). Not on a device without PDL, nor with the fused merge."""
@@ -579,27 +499,27 @@ def test_emulated_pdl_launches(staged_emu, emulated, monkeypatch, rng, pdl):
     k, v = _arr(rng, (b, 96, hkv, d), dtype), _arr(rng, (b, 96, hkv, d), dtype)
     lens = np.array([96, 31], np.int32)
     monkeypatch.setattr(A, "PDL", "off")
-    base = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
+    base = pdl_emu("decode_attention", dtype, q, k, v, lens)[0]
     assert split.launches[-1][3] == () and comb.launches[-1][3] == ()
     monkeypatch.setattr(A, "PDL", pdl)
-    out = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
+    out = pdl_emu("decode_attention", dtype, q, k, v, lens)[0]
     assert A.LAST_COMBINE == "separate"
     assert comb.launches[-1][3] == launch.PDL
     assert split.launches[-1][3] == (launch.PDL if pdl == "all" else ())
     np.testing.assert_array_equal(out, base)
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: False)
-    staged_emu("decode_attention", dtype, q, k, v, lens)
+    pdl_emu("decode_attention", dtype, q, k, v, lens)
     assert split.launches[-1][3] == () and comb.launches[-1][3] == ()
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: True)
     monkeypatch.setattr(A, "COMBINE", "fused")
     n = len(comb.launches)
-    out_f = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
+    out_f = pdl_emu("decode_attention", dtype, q, k, v, lens)[0]
     assert len(comb.launches) == n and A.LAST_COMBINE == "fused"
     assert split.launches[-1][3] == (launch.PDL if pdl == "all" else ())
     assert_close(out_f, A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens), dtype, "fused")
     monkeypatch.setattr(A, "PDL", "on")
     with pytest.raises(ValueError, match="PDL"):
-        staged_emu("decode_attention", dtype, q, k, v, lens)
+        pdl_emu("decode_attention", dtype, q, k, v, lens)
 
 
 # ------------------------------------------------------------------ GPU
@@ -841,18 +761,16 @@ def _poison_cache(nbytes=64 << 20):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("staged", [0, 4, 6, 8])
 @pytest.mark.parametrize("pdl", ["off", "combine", "all"])
 @pytest.mark.parametrize("shape,dtype", [((1, 8192, 16, 8, 128), "bfloat16"),
                                          ((4, 4097, 16, 8, 128), "float16"),
                                          ((3, 3000, 8, 8, 64), "bfloat16"),
                                          ((2, 2000, 16, 4, 256), "bfloat16"),
-                                         ((2, 1500, 16, 2, 128), "bfloat16")])   # RT 8: registers
-def test_gpu_staged_split_and_pdl(rng, monkeypatch, staged, pdl, shape, dtype):
-    """The cp.async-staged split kernel (ring of 4 / 6 / 8 steps where built; other configs keep
-    the register path) and PDL launches against the float64 reference: full and short lengths,
-    an empty sequence, return_lse, a window, and paged (equal bit for bit to contiguous)."""
-    monkeypatch.setattr(A, "STAGED", staged)
+                                         ((2, 1500, 16, 2, 128), "bfloat16")])   # RT 8
+def test_gpu_split_and_pdl(rng, monkeypatch, pdl, shape, dtype):
+    """Plain and PDL launches of the split kernel and the combine against the float64
+    reference: full and short lengths, an empty sequence, return_lse, a window, and paged (equal
+    bit for bit to contiguous)."""
     monkeypatch.setattr(A, "PDL", pdl)
     b, s, hq, hkv, d = shape
     q = _arr(rng, (b, 1, hq, d), dtype)
@@ -862,7 +780,7 @@ def test_gpu_staged_split_and_pdl(rng, monkeypatch, staged, pdl, shape, dtype):
     _poison_cache()
     out, lse = go.decode_attention(*args, return_lse=True)
     ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(_host(out), ref, dtype, f"staged={staged} pdl={pdl}")
+    assert_close(_host(out), ref, dtype, f"pdl={pdl}")
     _assert_lse(_host(lse), ref_lse)
     _poison_cache()
     out_w = go.decode_attention(*args, window_size=(1000, 0))
@@ -878,13 +796,12 @@ def test_gpu_staged_split_and_pdl(rng, monkeypatch, staged, pdl, shape, dtype):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
-@pytest.mark.parametrize("staged,pdl", [(6, "all"), (8, "combine"), (0, "all")])
-def test_gpu_staged_pdl_in_a_cuda_graph(rng, monkeypatch, op, staged, pdl):
+@pytest.mark.parametrize("pdl", ["combine", "all"])
+def test_gpu_pdl_in_a_cuda_graph(rng, monkeypatch, op, pdl):
     """Three dependent decode calls captured in one graph (each call's q is the previous call's
     output: with PDL "all" each split kernel is a programmatic secondary of the previous combine
     and must wait for it before reading q), replayed with other lengths and queries: every
     output right, equal bit for bit to eager calls with plain launches."""
-    monkeypatch.setattr(A, "STAGED", staged)
     monkeypatch.setattr(A, "PDL", pdl)
     s_max = 4096
     k, v, kp, vp, table, q, lens = _graph_case(s_max=s_max)

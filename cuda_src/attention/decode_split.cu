@@ -23,7 +23,6 @@
 // max(0, pos - left) <= j <= pos (causal among the new tokens; left < 0: no window). A row with
 // no visible key in the split writes lse = -inf and o = 0.
 #include "attention/decode_common.cuh"
-#include "common/async_copy.cuh"
 #include "common/coherent.cuh"
 #include "common/pdl.cuh"
 
@@ -115,16 +114,13 @@ __device__ __forceinline__ void decode_merge_splits(
   }
 }
 
-// STAGES = 0: K/V through registers (one step prefetched where RT * E <= 32). STAGES > 0 (16-byte
-// path, sm_80+ to be useful): a per-thread ring of STAGES steps in dynamic shared memory
-// (STAGES * 2 * U * NV * 16 bytes per thread) filled by cp.async, so that a block keeps STAGES
-// steps of loads in flight instead of one (notes_attention_decode.md, change 3: B1 S8192's blocks
-// are ~8 steps long, and one step in flight made each step cost a full loaded latency).
+// K/V go through registers, the next step's loads issued before this step's math where
+// RT * E <= 32 (DecodeCfg::PREFETCH).
 // pdl (programmatic dependent launch, common/pdl.cuh): bit 0: let the next kernel (the combine,
 // launched as a PDL secondary) be scheduled at once; bit 1: this launch is itself a PDL secondary:
 // wait for the previous kernel before the first memory access (q, lengths, table, K/V may all be
 // its outputs, and the workspace may be memory it still reads).
-template <class T, int D, int VEC, int RT, bool PAGED, int STAGES = 0>
+template <class T, int D, int VEC, int RT, bool PAGED>
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const int* __restrict__ seqlens, const int* __restrict__ block_table,
@@ -143,8 +139,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   constexpr int NG = (kDecodeThreads / 32) * KPW;   // key groups per block
   using Ld = KvLoad<T, VEC>;
   using Raw = typename Ld::Raw;
-  static_assert(STAGES == 0 || VEC > 1, "the staged ring holds 16-byte packs");
-  constexpr bool kRegPrefetch = Cfg::PREFETCH && STAGES == 0;
 
   const int split = blockIdx.y;
   const int rchunk = static_cast<int>(blockIdx.x % row_chunks);
@@ -200,36 +194,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   const int chunk_start = split * chunk;
   const int chunk_end = chunk_start + chunk < s_max ? chunk_start + chunk : s_max;
   KvRegs kr, vr;
-  if (kRegPrefetch) load_keys(chunk_start + warp * KPW * U + lane_off, chunk_end, kr, vr);
-
-  // The staged ring: thread t's slot (stage, i) is ring[(stage * kSlots + i) * threads + t]
-  // (consecutive threads, consecutive 16 bytes: conflict-free); slots 0 .. U*NV-1 hold K,
-  // U*NV .. 2*U*NV-1 V. Step `step` covers keys jbase + step * kStep + (this lane's offset).
-  constexpr int kSlots = 2 * U * NV;
-  extern __shared__ __align__(16) uint4 decode_stage_ring[];
-  auto issue_step = [&](int jbase, int step, int bound) {
-    const int stage = step % (STAGES > 0 ? STAGES : 1);
-    const int j0 = jbase + step * kStep + warp * KPW * U + lane_off;
-    uint4* slot = decode_stage_ring + stage * kSlots * kDecodeThreads + threadIdx.x;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = j0 + u;
-      const bool ok = j < bound;
-      long long kb = 0, vb = 0;
-      if (ok) kv_rows(j, kb, vb);
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        const int d = (n * L + lig) * VEC;
-        async_copy16(slot + (u * NV + n) * kDecodeThreads, k + kb + d * k_sd, ok);
-        async_copy16(slot + (U * NV + u * NV + n) * kDecodeThreads, v + vb + d * v_sd, ok);
-      }
-    }
-    async_copy_commit();
-  };
-  // the first step goes out before the length arrives when no window can move the start (keys
-  // below the chunk's end are inside the cache); only one: a split past a short sequence's
-  // length would otherwise read STAGES steps of cache for nothing (lengths are device values)
-  if (STAGES > 0 && win_left < 0) issue_step(chunk_start, 0, chunk_end);
+  if (Cfg::PREFETCH) load_keys(chunk_start + warp * KPW * U + lane_off, chunk_end, kr, vr);
 
   int len = seqlens[b * seq_stride];
   len = len < 0 ? 0 : (len > s_max ? s_max : len);
@@ -330,46 +295,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   };
 
   int jw = start + warp * KPW * U;
-  if constexpr (STAGES > 0) {
-    // Block-uniform trip count (the shuffles need every lane). Keys before `start` (a window
-    // start inside the chunk) or at/after `end` are zeroed after the copy: past the length the
-    // cache may hold anything (NaN), and p = 0 times NaN is NaN.
-    const int jbase = start <= chunk_start ? chunk_start
-                    : chunk_start + ((start - chunk_start) / kStep) * kStep;
-    const int nsteps = end > jbase ? (end - jbase + kStep - 1) / kStep : 0;
-    const int first = win_left < 0 ? 1 : 0;        // step 0 already issued (bound: chunk_end)
-#pragma unroll 1
-    for (int st = first; st < STAGES; ++st) {
-      if (st < nsteps) issue_step(jbase, st, end);
-      else async_copy_commit();                    // empty group: the wait counts stay uniform
-    }
-#pragma unroll 1
-    for (int step = 0; step < nsteps; ++step) {
-      async_copy_wait<(STAGES > 0 ? STAGES - 1 : 0)>();  // this thread's copies of `step` landed
-      const int stage = step % (STAGES > 0 ? STAGES : 1);
-      const uint4* slot = decode_stage_ring + stage * kSlots * kDecodeThreads + threadIdx.x;
-      const int j0 = jbase + step * kStep + warp * KPW * U + lane_off;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool keep = j0 + u >= start && j0 + u < end;
-#pragma unroll
-        for (int n = 0; n < NV; ++n) {
-          kr[u][n] = keep ? slot[(u * NV + n) * kDecodeThreads] : Ld::zero();
-          vr[u][n] = keep ? slot[(U * NV + u * NV + n) * kDecodeThreads] : Ld::zero();
-        }
-      }
-      attend_keys(j0, kr, vr);
-      // the slot is free once its values are in registers (the "memory" clobbers keep this
-      // copy below those loads)
-      if (step + STAGES < nsteps) issue_step(jbase, step + STAGES, end);
-      else async_copy_commit();
-    }
-    async_copy_wait<0>();   // nothing outstanding when the block ends (zero-fill copies only)
-  } else if (kRegPrefetch) {
   // warp-uniform trip count: the shuffles need every lane of the warp. With PREFETCH the next
   // step's K/V loads are issued before this step's math, so a warp keeps loads in flight while
   // it computes (without it every step waits a full memory latency; run 13 measured B1 S8192
   // bf16 at 41% of copy bandwidth)
+  if (Cfg::PREFETCH) {
     if (start != chunk_start) {                   // a window moved the start: load again
       load_keys(jw + lane_off, end, kr, vr);
     } else {                                      // keep the early loads below the length

@@ -21,11 +21,10 @@ Kernels (cuda_src/attention/):
   it slower at B1 (22.4 us vs 20.3).
 * ``decode_append.cu``: the paged-cache writer.
 
-Knobs (read at every call; notes_attention_decode.md, change 3): ``PDL`` (programmatic dependent
+Knob (read at every call; notes_attention_decode.md, change 3): ``PDL`` (programmatic dependent
 launch of the combine, and of the split kernel, sm_90; "combine" by default since run 34: -0.9 us
-at B1 S8192) and ``STAGED`` (the split kernel's K/V staged through a per-thread cp.async ring of
-N steps in shared memory, sm_80+, 16-bit dtypes; off: slower than the register path at every
-depth in runs 34-35, kept for A/B until removed).
+at B1 S8192). (A cp.async-staged split kernel was slower than the register path at every depth
+in run 34 and was removed: notes_attention_decode.md.)
 
 The lengths (``cache_seqlens``, int32 on the device) are read by the kernels, never by the host:
 the ops are capturable in a CUDA graph and the graph can be replayed with other lengths. For the
@@ -81,13 +80,6 @@ COMBINE = "separate"
 # archs and drivers without cuLaunchKernelEx. Run 34 (H100, B1 S8192 bf16, graph replay, rotated
 # caches): off 20.37 us, "combine" 19.50 (the default since), B16 S4096 99.01 -> 98.44; same bits.
 PDL = "combine"
-# K/V staging of the split kernel (16-bit dtypes, 16-byte path, sm_80+): 0 = registers (one step
-# prefetched), N = a per-thread ring of N steps filled by cp.async (STAGED_STAGES lists the built
-# depths; a config without an instantiation at that depth keeps the register path). Read at every
-# call; part of the plan key.
-STAGED = 0
-STAGED_STAGES = (6,)              # every staged config
-STAGED_SWEEP = (4, 8)             # also built for the bench config (bf16/fp16 D128 RT2)
 COUNTER_CAP = 2048            # split kernel block rows (B x Hkv x row chunks) per slice
 COUNTER_CHUNK = 64            # slices per allocation (64 x 8 KB)
 COUNTER_MAX_SLICES = 1024     # per device (8 MB)
@@ -119,36 +111,8 @@ def _rt_max(dtype, dim, vec):
     return min(8, max(1, 64 // _cfg(dtype, dim, vec)[2]))
 
 
-def _split_expr(d, dim, vec, rt, paged, stages=0):
-    tail = f", {stages}" if stages else ""
-    return f"gpuops::decode_split<{d.ctype}, {dim}, {vec}, {rt}, {_B[paged]}{tail}>"
-
-
-def _unroll(dtype, dim, vec, rt):
-    """U of DecodeCfg: keys in flight per key group per step."""
-    e = _cfg(dtype, dim, vec)[2]
-    return max(1, min(8, 64 // (e * (rt + 1))))
-
-
-def _staged_smem(dtype, dim, rt, stages):
-    """Dynamic shared memory of the staged split kernel: the per-thread ring of K/V packs."""
-    vec = _vec(dtype)
-    nv = _cfg(dtype, dim, vec)[1]
-    return stages * 2 * _unroll(dtype, dim, vec, rt) * nv * 16 * DECODE_THREADS
-
-
-def _staged_configs():
-    for d in (dt.float16, dt.bfloat16):
-        vec = _vec(d)
-        for dim in FAST_D:
-            e = _cfg(d, dim, vec)[2]
-            for rt in RTS:
-                if rt > _rt_max(d, dim, vec) or rt * e > 32:     # DecodeCfg::PREFETCH configs
-                    continue
-                sweep = STAGED_SWEEP if (dim, rt) == (128, 2) else ()
-                for stages in STAGED_STAGES + sweep:
-                    for paged in (False, True):
-                        yield _split_expr(d, dim, vec, rt, paged, stages)
+def _split_expr(d, dim, vec, rt, paged):
+    return f"gpuops::decode_split<{d.ctype}, {dim}, {vec}, {rt}, {_B[paged]}>"
 
 
 SPLIT_MODULE = KernelModule("attention.decode_split", "attention/decode_split.cu", {
@@ -157,12 +121,6 @@ SPLIT_MODULE = KernelModule("attention.decode_split", "attention/decode_split.cu
        for paged in (False, True)},
     **{_split_expr(d, dim, 1, 1, paged): SPLIT_ARGS
        for d in dt.FLOATS for dim in GENERAL_D for paged in (False, True)}})
-# The cp.async-staged split kernels (same source, template STAGES > 0): a module of their own so
-# that the default path never compiles them; sm_80+ only (chosen only there: the source's
-# synchronous fallback for older archs compiles, sm_61 checked without spills, but gains nothing).
-STAGED_MODULE = KernelModule("attention.decode_split_staged", "attention/decode_split.cu",
-                             {expr: SPLIT_ARGS for expr in _staged_configs()},
-                             archs=("80", "86", "89", "90"))
 COMBINE_MODULE = KernelModule("attention.decode_combine", "attention/decode_combine.cu", {
     f"gpuops::decode_combine<{d.ctype}>": COMBINE_ARGS for d in dt.FLOATS})
 APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append.cu", {
@@ -190,24 +148,16 @@ def num_splits(batch, hkv, row_chunks, s_max, slots, waves=None, min_chunk=None)
     return -(-max(s_max, 1) // chunk), chunk
 
 
-def _split_slots(expr, dev, module=None, smem=0):
-    """Resident blocks of the split kernel on the device: SMs x blocks per SM (with `smem` bytes
-    of dynamic shared memory: the staged ring)."""
-    kernel = _kernel(module or SPLIT_MODULE, dev, expr)
-    if smem:                                      # opt in (> 48 KB) before asking the occupancy
-        kernel._raise_smem_limit(smem)
-    return _sm_count(dev) * loader.blocks_per_sm(kernel, DECODE_THREADS, smem)
+def _split_slots(expr, dev):
+    """Resident blocks of the split kernel on the device: SMs x blocks per SM."""
+    return _sm_count(dev) * loader.blocks_per_sm(_kernel(SPLIT_MODULE, dev, expr), DECODE_THREADS)
 
 
 def _cc(dev):
     """The arch the kernels run as on the device: its own, or an older one under GPUOPS_ARCH
-    (compute_61 PTX on an H100 has neither cp.async nor griddepcontrol: the staged ring then
-    copies synchronously, and a PDL secondary would not wait, so PDL must not be used)."""
+    (compute_61 PTX on an H100 has no griddepcontrol: a PDL secondary would not wait, so PDL
+    must not be used)."""
     return loader.runtime_target(SPLIT_MODULE, device.device_info(dev).cc).arch
-
-
-def _smem_optin(dev):
-    return device.device_info(dev).max_smem_per_block_optin
 
 
 def _pdl_ok(dev) -> bool:
@@ -527,7 +477,7 @@ LAST_COMBINE = None           # how the last call merged: "direct" / "fused" / "
 
 
 def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
-    key = (op, dtype, q.shape, k.shape, fast, dev, tuple(SPLIT.values()), STAGED)
+    key = (op, dtype, q.shape, k.shape, fast, dev, tuple(SPLIT.values()))
     p = _plans.get(key)
     if p is None:
         b, sq, hq, dim = q.shape
@@ -544,16 +494,9 @@ def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
         rows = (hq // hkv) * sq
         row_chunks = -(-rows // rt)
         paged = op == "paged_attention"
-        expr, module, smem = _split_expr(dtype, dt_, vec, rt, paged), SPLIT_MODULE, 0
-        if fast and STAGED:
-            staged = _split_expr(dtype, dt_, vec, rt, paged, STAGED)
-            need = _staged_smem(dtype, dt_, rt, STAGED)
-            if (staged in STAGED_MODULE.kernels and _cc(dev) >= 80
-                    and need + 8 * 1024 <= _smem_optin(dev)):
-                expr, module, smem = staged, STAGED_MODULE, need
-        nsplit, chunk = num_splits(b, hkv, row_chunks, s_max,
-                                   _split_slots(expr, dev, module, smem))
-        p = (expr, module, smem, rows, row_chunks, nsplit, chunk)
+        expr = _split_expr(dtype, dt_, vec, rt, paged)
+        nsplit, chunk = num_splits(b, hkv, row_chunks, s_max, _split_slots(expr, dev))
+        p = (expr, rows, row_chunks, nsplit, chunk)
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = p
@@ -575,7 +518,7 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     lse = call.empty((b, hq, sq), dt.float32) if return_lse else None
     if out.numel == 0:
         return (out, lse) if return_lse else out
-    expr, module, smem, rows, row_chunks, nsplit, chunk = _plan(
+    expr, rows, row_chunks, nsplit, chunk = _plan(
         op, dtype, q, k, v, s_max, _fast(dtype, dim, k, v), call.device)
     nrows = b * hq * sq
     block_rows = b * hkv * row_chunks
@@ -605,14 +548,14 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
         tab_ptr, ts0, ts1 = table.ptr, _st(table, 0), _st(table, 1)
         page_size, num_pages = k.shape[1], k.shape[0]
     lse_ptr = 0 if lse is None else lse.ptr
-    _kernel(module, call.device, expr).launch(
+    _kernel(SPLIT_MODULE, call.device, expr).launch(
         (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
         q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, 0 if ws_o is None else ws_o.ptr,
         0 if ws_lse is None else ws_lse.ptr, counters, out.ptr, lse_ptr,
         *(_st(q, i) for i in range(4)), *(_st(k, i) for i in range(4)),
         *(_st(v, i) for i in range(4)), _st(seqlens, 0), ts0, ts1,
         page_size, num_pages, s_max, sq, hq, hkv, dim, rows, row_chunks, chunk, nsplit, left,
-        int(fuse), pdl_flags, sc * 1.4426950408889634, smem=smem, **split_attrs)
+        int(fuse), pdl_flags, sc * 1.4426950408889634, **split_attrs)
     if not fuse:
         _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
             (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
