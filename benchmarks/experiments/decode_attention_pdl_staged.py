@@ -1,7 +1,7 @@
 """Decode attention, change 3 (notes_attention_decode.md): programmatic dependent launch (PDL) of
 the combine (and of the split kernel), A/B against the current default in one run. (The
-cp.async-staged split kernel this experiment also timed lost at every depth in run 34 and was
-removed; the file keeps its name, which the notes cite.)
+cp.async-staged split kernel and the merge in the split kernel's last block that this experiment
+also timed lost in runs 34-35 and were removed; the file keeps its name, which the notes cite.)
 
 Shapes: GQA 16/8, D 128, one query token, full caches, bf16: B1 S8192 (floor 11.2 us at
 3000 GB/s, target <= 13.2 us) and B16 S4096 (floor 89.5 us; 90.4% in run 27, must stay >= 85%).
@@ -10,11 +10,10 @@ per graph, medians of 20 replays) with the KV caches ROTATED through > 3x the 50
 torch SDPA on the same rotated caches; paged (page 16, random page order) for the same variants.
 
 Variants (attention_decode knobs, restored after each):
-  default          the module's defaults (run 34 on: PDL combine, COMBINE separate)
+  default          the module's defaults (run 34 on: PDL combine)
   pdl=off          plain launches (run 27: B1 20.4 us, B16 98.8 us; run 34: 20.37 / 99.01)
   pdl=combine      the combine launched as a PDL secondary (run 34: 19.50 / 98.44)
   pdl=all          also the split kernel a PDL secondary of the previous call's combine
-  fused [pdl=all]  the last-block merge on the register path (run 22: 22.4 vs 20.3 separate)
 Also "split kernel only" (combine replaced by a no-op), the plan of each variant (splits x keys
 per split) and each variant's max |diff| from the default's output on the same inputs (same
 splits: a few bf16 ulps at most).
@@ -45,17 +44,15 @@ VARIANTS = [
     ("pdl=off", {"PDL": "off"}),
     ("pdl=combine", {"PDL": "combine"}),
     ("pdl=all", {"PDL": "all"}),
-    ("fused", {"COMBINE": "fused"}),
-    ("fused pdl=all", {"COMBINE": "fused", "PDL": "all"}),
 ]
 # (run 34: PDL "combine" became the default)
-QUICK = ("default", "pdl=off", "pdl=all", "fused", "fused pdl=all")
-PAGED = ("default", "pdl=off", "pdl=all", "fused")
+QUICK = ("default", "pdl=off", "pdl=all")
+PAGED = ("default", "pdl=off", "pdl=all")
 
 
 @contextlib.contextmanager
 def knobs(**kw):
-    saved = {k: getattr(AD, k) for k in ("PDL", "COMBINE")}
+    saved = {k: getattr(AD, k) for k in ("PDL",)}
     try:
         for k, v in kw.items():
             setattr(AD, k, v)
@@ -122,24 +119,24 @@ def main():
                 checks.append(dict(shape=list(shape), variant=name, max_abs_diff=diff))
                 plan = plan_of("decode_attention", kshape)
                 record(op="decode_attention", what=name, us=graph_replay_us(dec), variant=name,
-                       combine=AD.LAST_COMBINE, plan=plan, max_abs_diff=diff, **common)
+                       plan=plan, max_abs_diff=diff, **common)
                 if name in PAGED:
                     pout = go.paged_attention(q, *pages[0], perm, lens).float()
                     assert torch.allclose(pout, out, atol=1e-2), f"paged != contiguous ({name})"
                     record(op="paged_attention", what=name, us=graph_replay_us(pag),
-                           variant=name, combine=AD.LAST_COMBINE,
+                           variant=name,
                            plan=plan_of("paged_attention", tuple(pages[0][0].shape)), **common)
         print("max |diff| from default: " + ", ".join(
             f"{c['variant']} {c['max_abs_diff']:.3g}" for c in checks if c["shape"] == list(shape)),
             flush=True)
-        # the split kernel alone: separate merge, its combine launch replaced by a no-op
+        # the split kernel alone: its combine launch replaced by a no-op
         saved = AD._kernel
 
         def no_combine(module, dev, expr, _saved=saved):
             return _NoLaunch() if module is AD.COMBINE_MODULE else _saved(module, dev, expr)
         AD._kernel = no_combine
         try:
-            with knobs(COMBINE="separate", PDL="off"):
+            with knobs(PDL="off"):
                 record(op="decode_attention", what="split kernel only", us=graph_replay_us(dec),
                        variant="split_only", plan=plan_of("decode_attention", kshape), **common)
         finally:

@@ -13,12 +13,10 @@ Kernels (cuda_src/attention/):
   K/V for head dims 64/128/256 (template), one-element loads for any other head dim or layout.
   fp32 math (online softmax in the log2 domain), fp16/bf16/fp32 storage. Each split writes its
   normalised partial output and log-sum-exp to an fp32 workspace (``call.empty``).
-* ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp (the
-  "separate" combine, the default). With ``COMBINE = "fused"`` there is no second launch: with
-  one split the split kernel writes the output itself, with several the last block of each (b, kv
-  head, row chunk) to finish merges them (a per-block-row counter in a small per-device, per-stream
-  buffer of zeroed counters that the kernel resets itself: see :func:`_counters`); run 22 measured
-  it slower at B1 (22.4 us vs 20.3).
+* ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp (a second
+  launch, also for one split; a PDL secondary of the split kernel on sm_90). (A merge in the split
+  kernel's last block, one launch, was slower at B1 in runs 22, 27 and 35 and was removed:
+  notes_attention_decode.md.)
 * ``decode_append.cu``: the paged-cache writer.
 
 Knob (read at every call; notes_attention_decode.md, change 3): ``PDL`` (programmatic dependent
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 
 import numpy as np
 
@@ -59,19 +56,6 @@ RTS = (1, 2, 4, 8)            # q rows per block on the 16-byte path
 # Whole waves matter: run 14 measured B16 S4096 at 640 blocks with 528 resident (1.2 waves)
 # 16% slower than at 384 blocks (one wave). Experiments may change these; part of the plan key.
 SPLIT = {"waves": 1, "min_chunk": 128}
-# How the splits are merged: "fused" (in the split kernel: the last block of each (b, kv head,
-# row chunk) merges, or the only split writes the output; one launch) or "separate" (the
-# decode_combine kernel, a second launch). Read at every call. Run 22 (rotated caches, CUDA graph):
-# B1 S8192 fused 22.4 us vs separate 20.3 (the last block's serial merge costs more than the
-# launch it saves; predicted ~18: missed), B16 S4096 98.0 vs 98.9 us: "separate" stays the default.
-COMBINE = "separate"
-# Counters of the fused merge: one unsigned per split-kernel block row (grid x), zeroed once when
-# allocated and reset to 0 by the kernel that used them. Each CUDA stream gets its own slice
-# (COUNTER_CAP counters) so that decode calls running at the same time on different streams never
-# share a counter; slices are handed out from chunks of COUNTER_CHUNK slices per device, allocated
-# (cudaMalloc + cudaMemset + one synchronize) outside stream capture only. A call that finds no
-# slice (first use of the device inside a capture, more than COUNTER_CAP block rows, more than
-# COUNTER_MAX_SLICES streams) takes the "separate" path: slower, never wrong.
 # Programmatic dependent launch (sm_90 only; notes_attention_decode.md, change 3): "off" (plain
 # launches), "combine" (the split kernel lets the combine be scheduled at once; the combine,
 # launched as a PDL secondary, waits for the splits before its first load: hides its launch) or
@@ -80,15 +64,12 @@ COMBINE = "separate"
 # archs and drivers without cuLaunchKernelEx. Run 34 (H100, B1 S8192 bf16, graph replay, rotated
 # caches): off 20.37 us, "combine" 19.50 (the default since), B16 S4096 99.01 -> 98.44; same bits.
 PDL = "combine"
-COUNTER_CAP = 2048            # split kernel block rows (B x Hkv x row chunks) per slice
-COUNTER_CHUNK = 64            # slices per allocation (64 x 8 KB)
-COUNTER_MAX_SLICES = 1024     # per device (8 MB)
 
 INT_DTYPES = (dt.int32,)
 _B = {True: "true", False: "false"}
 
-SPLIT_ARGS = ArgSpec(*["ptr"] * 10, *["i64"] * 4, *["i64"] * 4, *["i64"] * 4, "i64", "i64",
-                     "i64", *["i32"] * 14, "f32")
+SPLIT_ARGS = ArgSpec(*["ptr"] * 7, *["i64"] * 4, *["i64"] * 4, *["i64"] * 4, "i64", "i64",
+                     "i64", *["i32"] * 13, "f32")
 COMBINE_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32")
 APPEND_ARGS = ArgSpec(*["ptr"] * 6, *["i64"] * 16, "i64", "i64", "i64", "i64", *["i32"] * 7,
                       "i64")
@@ -163,66 +144,6 @@ def _cc(dev):
 def _pdl_ok(dev) -> bool:
     """Programmatic dependent launch: sm_90+ and a driver with cuLaunchKernelEx."""
     return _cc(dev) >= 90 and launch_ex_available()
-
-
-# ---------------------------------------------------------------------------------------------
-# Counters of the fused merge.
-
-_counter_chunks: dict = {}    # device -> [base pointers of its chunks]
-_counter_slices: dict = {}    # (device, stream) -> counter pointer
-_counter_free: dict = {}      # device -> slices handed out so far
-_counter_lock = threading.Lock()
-
-
-def _capturing(stream) -> bool:
-    cp = device.cupy_or_none()
-    return cp.cuda.runtime.streamIsCapturing(stream) != cp.cuda.runtime.streamCaptureStatusNone
-
-
-def _alloc_counters(dev, stream, nbytes):
-    """A zeroed device buffer of nbytes that lives as long as the process, or None inside a
-    stream capture (cudaMalloc and a host synchronize are not capturable). The memset runs on the
-    call's stream and the host waits for it, so the zeros are in place for every stream that
-    later gets a slice of the chunk: one host synchronize per COUNTER_CHUNK streams of a device,
-    outside any capture."""
-    if _capturing(stream):
-        return None
-    rt = device.cupy_or_none().cuda.runtime
-    ptr = rt.malloc(nbytes)
-    rt.memsetAsync(ptr, 0, nbytes, stream)
-    rt.streamSynchronize(stream)
-    return ptr
-
-
-def _counters(call, n):
-    """The counters (pointer) of the call's stream, or None: then the caller merges in a second
-    launch. Slices are per stream because a counter may be used by one launch at a time: launches
-    on one stream are ordered, launches on different streams may overlap. A CUDA graph keeps the
-    slice of the stream it was captured on: two graphs captured on one stream must not be
-    replayed at the same time (nor one alongside eager decode calls on its capture stream); set
-    COMBINE = "separate" for that."""
-    if n > COUNTER_CAP:
-        return None
-    key = (call.device, call.stream)
-    ptr = _counter_slices.get(key)
-    if ptr is not None:
-        return ptr
-    with _counter_lock:
-        if key in _counter_slices:
-            return _counter_slices[key]
-        used = _counter_free.get(call.device, 0)
-        chunks = _counter_chunks.setdefault(call.device, [])
-        if used >= COUNTER_MAX_SLICES:
-            return None
-        if used >= len(chunks) * COUNTER_CHUNK:
-            base = _alloc_counters(call.device, call.stream, COUNTER_CHUNK * COUNTER_CAP * 4)
-            if base is None:
-                return None
-            chunks.append(base)
-        ptr = chunks[used // COUNTER_CHUNK] + (used % COUNTER_CHUNK) * COUNTER_CAP * 4
-        _counter_free[call.device] = used + 1
-        _counter_slices[key] = ptr
-        return ptr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +394,6 @@ def _fast(dtype, dim, k: Tensor, v: Tensor) -> bool:
 
 
 _plans: dict = {}
-LAST_COMBINE = None           # how the last call merged: "direct" / "fused" / "separate" (tests)
 
 
 def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
@@ -508,7 +428,6 @@ def _st(t: Tensor, i):
 
 
 def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return_lse):
-    global LAST_COMBINE
     dtype = call.result_dtype
     b, sq, hq, dim = q.shape
     hkv = k.shape[2]
@@ -522,26 +441,16 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
         op, dtype, q, k, v, s_max, _fast(dtype, dim, k, v), call.device)
     nrows = b * hq * sq
     block_rows = b * hkv * row_chunks
-    if COMBINE not in ("fused", "separate"):
-        raise ValueError(f"gpuops.{op}: attention_decode.COMBINE = {COMBINE!r}; expected "
-                         "'fused' or 'separate'")
-    fuse, counters = COMBINE == "fused", 0
-    if fuse and nsplit > 1:
-        ptr = _counters(call, block_rows)
-        fuse, counters = ptr is not None, ptr or 0
-    LAST_COMBINE = ("direct" if nsplit == 1 else "fused") if fuse else "separate"
     if PDL not in ("off", "combine", "all"):
         raise ValueError(f"gpuops.{op}: attention_decode.PDL = {PDL!r}; expected 'off', "
                          "'combine' or 'all'")
     pdl = PDL != "off" and _pdl_ok(call.device)
-    # bit 0: a combine follows (PDL secondary): let it be scheduled; bit 1: wait for the previous
-    # kernel (this launch is a PDL secondary itself)
-    pdl_flags = ((1 if not fuse else 0) | (2 if PDL == "all" else 0)) if pdl else 0
+    # bit 0: the combine follows (PDL secondary): let it be scheduled; bit 1: wait for the
+    # previous kernel (this launch is a PDL secondary itself)
+    pdl_flags = (1 | (2 if PDL == "all" else 0)) if pdl else 0
     split_attrs = {"attrs": _PDL_ATTRS} if pdl and PDL == "all" else {}
-    ws_o = ws_lse = None
-    if not (fuse and nsplit == 1):
-        ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
-        ws_lse = call.empty((nrows * nsplit,), dt.float32)
+    ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
+    ws_lse = call.empty((nrows * nsplit,), dt.float32)
     if table is None:
         tab_ptr, ts0, ts1, page_size, num_pages = 0, 0, 0, 0, 0
     else:
@@ -550,17 +459,15 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     lse_ptr = 0 if lse is None else lse.ptr
     _kernel(SPLIT_MODULE, call.device, expr).launch(
         (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
-        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, 0 if ws_o is None else ws_o.ptr,
-        0 if ws_lse is None else ws_lse.ptr, counters, out.ptr, lse_ptr,
+        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, ws_o.ptr, ws_lse.ptr,
         *(_st(q, i) for i in range(4)), *(_st(k, i) for i in range(4)),
         *(_st(v, i) for i in range(4)), _st(seqlens, 0), ts0, ts1,
         page_size, num_pages, s_max, sq, hq, hkv, dim, rows, row_chunks, chunk, nsplit, left,
-        int(fuse), pdl_flags, sc * 1.4426950408889634, **split_attrs)
-    if not fuse:
-        _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
-            (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
-            ws_o.ptr, ws_lse.ptr, out.ptr, lse_ptr, nsplit, dim, sq, hq,
-            **({"attrs": _PDL_ATTRS} if pdl else {}))
+        pdl_flags, sc * 1.4426950408889634, **split_attrs)
+    _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
+        (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
+        ws_o.ptr, ws_lse.ptr, out.ptr, lse_ptr, nsplit, dim, sq, hq,
+        **({"attrs": _PDL_ATTRS} if pdl else {}))
     return (out, lse) if return_lse else out
 
 
@@ -665,11 +572,11 @@ def decode_attention(call, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     aligned, last-dim-contiguous caches take the 16-byte path, any other head dim (up to 1024)
     or layout the one-element path. On the CPU path the lse comes back in q's dtype.
 
-    One launch: the splits over the keys are merged by the last block of each kv head to finish
-    (``attention_decode.COMBINE = "separate"``: a second kernel), with a few counters per CUDA
-    stream kept by gpuops (allocated at the first call on a device outside graph capture). Calls
-    on different streams may overlap; a captured graph uses its capture stream's counters, so two
-    graphs captured on one stream must not be replayed at the same time.
+    Two launches: the split kernel (each split of the keys writes its partial output and
+    log-sum-exp to a workspace) and the combine, which merges them (on sm_90 launched as a
+    programmatic dependent of the split kernel: ``attention_decode.PDL``). No state is kept
+    between calls: calls on different streams and graphs replayed at the same time are
+    independent.
     """
     s_max = _check_decode(q.shape, k_cache.shape, v_cache.shape, cache_seqlens.shape)
     return _attend(call, "decode_attention", q, k_cache, v_cache, cache_seqlens, None, s_max,
