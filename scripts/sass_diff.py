@@ -8,10 +8,11 @@ Kernels are paired by their source-level name (``gpuops::f<T, 128, ...>``), so a
 mangled name changed (a defaulted template parameter added) is still compared. Per module and
 target: kernels identical / changed / only in one side. Branch targets are compared as resolved
 addresses, so a change anywhere in a function shows up as changed; the numbering of the compiler's
-internal helpers (``__internal_12_$__cuda_sm20_rcp...``) is ignored. --loose also ignores the
+internal helpers (``__internal_12_$__cuda_sm20_rcp...``) and the kernel's own mangled name where
+its code mentions it (``RET.REL.NODEC R10 `(_ZN6gpuops...)``) are ignored. --loose also ignores the
 offsets of kernel-parameter (constant bank 0) reads: a kernel that gained a parameter but runs
 the same instructions compares equal.
-Needs nvdisasm (pip: nvidia-cuda-nvdisasm).
+Needs nvdisasm (pip: nvidia-cuda-nvdisasm; 13.x no longer reads sm_61 cubins).
 """
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def _kernels(root: Path, entry_target: dict, loose: bool) -> dict:
     by_mangled = {m: e for e, m in entry_target["lowered"].items()}
     out = {}
     for name, insns in disassemble(image).items():
-        texts = [_INTERNAL.sub("__internal_", t) for _, t in insns]
+        # (a kernel's own mangled name appears in its code, e.g. RET.REL.NODEC `(name): a
+        # renamed kernel compares equal when only that differs)
+        texts = [_INTERNAL.sub("__internal_", t).replace(name, "<self>") for _, t in insns]
         if loose:
             texts = [_PARAM.sub("c[0x0][param]", t) for t in texts]
         out[by_mangled.get(name, name)] = texts

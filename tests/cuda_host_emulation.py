@@ -199,9 +199,6 @@ _ASM_RE = [
     # (acquire/release atomics, nanosleep) are compiled out on the host
     (re.compile(r'asm volatile\("ld\.global\.cg\.f32 .*?\);', re.S),
      'v = *reinterpret_cast<const volatile float*>(p);'),
-    (re.compile(r'asm volatile\("ld\.global\.cg\.v4\.f32 .*?\);', re.S),
-     'v = make_float4(((const volatile float*)p)[0], ((const volatile float*)p)[1], '
-     '((const volatile float*)p)[2], ((const volatile float*)p)[3]);'),
     (re.compile(r'asm volatile\("st\.global\.cg\.f32 .*?\);', re.S),
      '*reinterpret_cast<volatile float*>(p) = v;'),
     (re.compile(r'asm volatile\("(atom\.acq_rel|red\.release|nanosleep|ld\.acquire).*?\);', re.S),

@@ -14,7 +14,6 @@ lengths.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -239,8 +238,7 @@ def _emu_param_types(orig):
         if m:
             t = m.group(1)
             return ([f"const {t}*"] * 3 + ["const int*"] * 2 + ["float*"] * 2
-                    + ["unsigned*", f"{t}*", "float*"] + ["long long"] * 15 + ["int"] * 14
-                    + ["float"]), True
+                    + ["long long"] * 15 + ["int"] * 13 + ["float"]), True
         m = re.search(r"decode_combine<(.+)>$", expr)
         if m:
             t = m.group(1)
@@ -254,18 +252,6 @@ def _emu_param_types(orig):
     return types_
 
 
-# A few staged split kernels for the emulator (the whole STAGED_MODULE would take g++ minutes):
-# RT 1 / 2 / 4 at D 64 (rings of 6 steps: 2 .. 7 steps per split below, wrapping at RT 4), and
-# the bench config D 128 RT 2 with a ring of 4 (7 steps: wraps).
-STAGED_EMU_EXPRS = [A._split_expr(dt.bfloat16, 64, 8, rt, paged, 6)
-                    for rt in (1, 2, 4) for paged in (False, True)] + [
-    A._split_expr(dt.float16, 64, 8, 2, False, 6),
-    A._split_expr(dt.bfloat16, 128, 8, 2, False, 4),
-    A._split_expr(dt.bfloat16, 128, 8, 2, True, 4)]
-STAGED_EMU = SimpleNamespace(name=A.STAGED_MODULE.name, source=A.STAGED_MODULE.source,
-                             kernels={e: A.STAGED_MODULE.kernels[e] for e in STAGED_EMU_EXPRS})
-
-
 @pytest.fixture(scope="module")
 def emulated():
     if not emu.available():
@@ -276,8 +262,7 @@ def emulated():
     mp = pytest.MonkeyPatch()
     mp.setattr(emu, "_param_types", _emu_param_types(emu._param_types))
     try:
-        return emu.build([A.SPLIT_MODULE, A.COMBINE_MODULE, A.APPEND_MODULE, STAGED_EMU],
-                         str(work))
+        return emu.build([A.SPLIT_MODULE, A.COMBINE_MODULE, A.APPEND_MODULE], str(work))
     finally:
         mp.undo()
 
@@ -289,16 +274,6 @@ def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 3 * 4)
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: False)   # an emulated device: no PDL
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
-    # the fused merge's counters: host arrays (zeroed, as _alloc_counters gives them), fresh
-    # bookkeeping per test
-    buffers = []
-
-    def alloc(dev, stream, nbytes):
-        buffers.append(np.zeros(nbytes // 4, np.uint32))
-        return buffers[-1].ctypes.data
-    monkeypatch.setattr(A, "_alloc_counters", alloc)
-    for name in ("_counter_chunks", "_counter_slices", "_counter_free"):
-        monkeypatch.setattr(A, name, {})
     A._plans.clear()
 
     def run(op_name, dtype, *args, stream=0, **kwargs):
@@ -309,7 +284,6 @@ def emu_ops(emulated, monkeypatch):
         out = op.impl(call, *[conv(a) for a in args], **kwargs)
         out = out if isinstance(out, tuple) else (out,)
         return tuple(np.asarray(o.obj).astype(np.float64) for o in out)
-    run.counters = buffers
     yield run
     A._plans.clear()
     emulated[A.SPLIT_MODULE.name].set_block_order(0)
@@ -384,15 +358,12 @@ def _assert_lse(lse, ref_lse):
     np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("combine", ["fused", "separate"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hq,hkv,sq,d", [(8, 2, 1, 64), (4, 4, 2, 64), (6, 2, 1, 40)])
-def test_emulated_merge_paths(emu_ops, emulated, monkeypatch, rng, combine, dtype, hq, hkv, sq, d):
-    """Several splits, B = 3, GQA, contiguous and paged, merged in the split kernel's last block
-    ("fused") or by decode_combine ("separate"). Called three times on the same counters with
-    other lengths and queries (as graph replays are) and other block orders (the last block to
-    arrive is then not the last split): each result right, every counter back to 0."""
-    monkeypatch.setattr(A, "COMBINE", combine)
+def test_emulated_merge(emu_ops, emulated, monkeypatch, rng, dtype, hq, hkv, sq, d):
+    """Several splits, B = 3, GQA, contiguous and paged, merged by decode_combine. Called three
+    times with other lengths and queries (as graph replays are) and other block orders of the
+    split kernel: each result right."""
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 64)   # 3 .. 6 splits here
     b, s_max, ps = 3, 96, 16
     k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
@@ -402,8 +373,7 @@ def test_emulated_merge_paths(emu_ops, emulated, monkeypatch, rng, combine, dtyp
         lens = np.array(lens, np.int32)
         q = _arr(rng, (b, sq, hq, d), dtype)
         out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
-        assert A.LAST_COMBINE == combine
-        nsplit = next(p for key, p in A._plans.items() if key[0] == "decode_attention")[5]
+        nsplit = next(p for key, p in A._plans.items() if key[0] == "decode_attention")[3]
         assert nsplit >= 3
         ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
         assert_close(out, ref, dtype, f"out {lens}")
@@ -411,167 +381,37 @@ def test_emulated_merge_paths(emu_ops, emulated, monkeypatch, rng, combine, dtyp
         pout, plse = emu_ops("paged_attention", dtype, q, kp, vp, table, lens, return_lse=True)
         np.testing.assert_array_equal(pout, out)      # same S_max: same splits, same arithmetic
         np.testing.assert_array_equal(plse, lse)
-        if combine == "fused":
-            assert len(emu_ops.counters) == 1 and not emu_ops.counters[0].any()
-        else:
-            assert not emu_ops.counters
-
-
-def test_emulated_merge_many_columns(emu_ops, emulated, monkeypatch, rng):
-    """fp32 D 256 with 8 q rows per block: 512 (row, 4-column) items, more than the block's
-    threads (several passes of one thread per item)."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
-    monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 8)
-    emulated[A.SPLIT_MODULE.name].set_block_order(5)
-    b, s_max, hq, hkv, d, dtype = 2, 64, 8, 1, 256, "float32"
-    q = _arr(rng, (b, 1, hq, d), dtype)
-    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
-    lens = np.array([64, 23], np.int32)
-    out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    assert A.LAST_COMBINE == "fused"
-    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(out, ref, dtype, "out")
-    _assert_lse(lse, ref_lse)
-    assert not emu_ops.counters[0].any()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_emulated_one_split_writes_the_output(emu_ops, monkeypatch, rng, dtype):
-    """One split (the sequences fill the slots): the split kernel writes out and lse itself, bit
-    for bit what decode_combine writes for one split (weight exp(0) = 1); no counters."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
+def test_emulated_one_split(emu_ops, rng, dtype):
+    """One split (the sequences fill the slots): decode_combine merges the single split (weight
+    exp(0) = 1), out and lse as the reference."""
     b, s_max, hq, hkv, d, sq = 3, 40, 8, 8, 64, 2
     q = _arr(rng, (b, sq, hq, d), dtype)
     k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
     lens = np.array([40, 1, 0], np.int32)
     out, lse = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    assert A.LAST_COMBINE == "direct" and not emu_ops.counters
+    assert next(p for key, p in A._plans.items() if key[0] == "decode_attention")[3] == 1
     ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
     assert_close(out, ref, dtype, "out")
     _assert_lse(lse, ref_lse)
-    monkeypatch.setattr(A, "COMBINE", "separate")
-    out2, lse2 = emu_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    assert A.LAST_COMBINE == "separate"
-    np.testing.assert_array_equal(out2, out)
-    np.testing.assert_array_equal(lse2, lse)
-
-
-def test_emulated_counter_slices(emu_ops, monkeypatch, rng):
-    """Each stream its own counter slice; no slice (too many block rows, too many streams, first
-    use inside a capture): the separate merge, same results."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
-    monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 32)
-    monkeypatch.setattr(A, "COUNTER_CHUNK", 2)
-    monkeypatch.setattr(A, "COUNTER_MAX_SLICES", 3)
-    b, s_max, hq, hkv, d, dtype = 2, 64, 4, 2, 64, "float32"
-    q = _arr(rng, (b, 1, hq, d), dtype)
-    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
-    lens = np.array([64, 30], np.int32)
-    ref = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens)
-
-    def check(stream, path):
-        out = emu_ops("decode_attention", dtype, q, k, v, lens, stream=stream)[0]
-        assert A.LAST_COMBINE == path, (stream, path)
-        assert_close(out, ref, dtype, f"stream {stream}")
-
-    for stream in (0, 5, 0, 7, 5):                    # slices 0, 1, 0, 2 (a second chunk), 1
-        check(stream, "fused")
-    assert len(emu_ops.counters) == 2
-    assert A._counter_slices[(0, 5)] - A._counter_slices[(0, 0)] == A.COUNTER_CAP * 4
-    check(9, "separate")                              # a fourth stream: past COUNTER_MAX_SLICES
-    monkeypatch.setattr(A, "COUNTER_CAP", 3)          # 4 block rows > 3 counters
-    check(0, "separate")
-    monkeypatch.setattr(A, "COUNTER_CAP", 2048)
-    for name in ("_counter_chunks", "_counter_slices", "_counter_free"):
-        monkeypatch.setattr(A, name, {})
-    monkeypatch.setattr(A, "_alloc_counters", lambda dev, stream, nbytes: None)   # capturing
-    check(0, "separate")
-    monkeypatch.setattr(A, "COMBINE", "both")
-    with pytest.raises(ValueError, match="COMBINE"):
-        emu_ops("decode_attention", dtype, q, k, v, lens)
-    assert all(not c.any() for c in emu_ops.counters)
 
 
 @pytest.fixture
-def staged_emu(emu_ops, emulated, monkeypatch):
-    """emu_ops on an sm_90-like device: the staged split kernel and PDL may be chosen."""
-    monkeypatch.setattr(A, "_cc", lambda dev: 90)
-    monkeypatch.setattr(A, "_smem_optin", lambda dev: 227 * 1024)
+def pdl_emu(emu_ops, emulated, monkeypatch):
+    """emu_ops on an sm_90-like device: PDL may be used."""
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: True)
     for m in emulated.values():
         m.launches.clear()
     return emu_ops
 
 
-@pytest.mark.parametrize("dtype,d,hq,hkv,sq,stages", [
-    ("bfloat16", 64, 2, 2, 1, 6), ("bfloat16", 64, 4, 2, 1, 6), ("bfloat16", 64, 8, 2, 1, 6),
-    ("bfloat16", 64, 4, 2, 2, 6), ("float16", 64, 4, 2, 1, 6), ("bfloat16", 128, 4, 2, 1, 4)])
-def test_emulated_staged_split(staged_emu, emulated, monkeypatch, rng, dtype, d, hq, hkv, sq,
-                               stages):
-    """The cp.async ring (copies performed only at the wait that covers them, the ring poisoned):
-    several splits of 2 .. 7 steps (wrapping the ring), lengths that end mid-step, an empty
-    sequence, a window whose start falls inside a chunk, paged. Without a window the staged
-    kernel visits the keys in the register path's order: equal bit for bit."""
-    b, s_max = 3, 208                                   # 13 pages of 16: same S_max paged
-    q = _arr(rng, (b, sq, hq, d), dtype)
-    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
-    lens = np.array([0, 117, 208], np.int32)
-    ring = emulated[A.STAGED_MODULE.name]
-    monkeypatch.setattr(A, "STAGED", stages)
-    out, lse = staged_emu("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    expr, grid, smem, _ = ring.launches[-1]
-    rt = int(expr.split(", ")[3])
-    assert smem == A._staged_smem(dt.BY_NAME[dtype], d, rt, stages) and expr.endswith(f" {stages}>")
-    assert grid[1] >= 2                                              # several splits
-    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(out, ref, dtype, "staged")
-    _assert_lse(lse, ref_lse)
-    monkeypatch.setattr(A, "STAGED", 0)
-    out0, lse0 = staged_emu("decode_attention", dtype, q, k, v, lens, return_lse=True)
-    np.testing.assert_array_equal(out, out0)
-    np.testing.assert_array_equal(lse, lse0)
-    monkeypatch.setattr(A, "STAGED", stages)
-    n = len(ring.launches)
-    for left in (30, 150):
-        out_w = staged_emu("decode_attention", dtype, q, k, v, lens, window_size=(left, 0))[0]
-        ref_w = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, window_size=(left, 0))
-        assert_close(out_w, ref_w, dtype, f"window {left}")
-    assert len(ring.launches) == n + 2
-    if expr.replace(", false, ", ", true, ") in STAGED_EMU.kernels:
-        kp, vp, table = _paged_from(rng, k, v, 16)
-        pout = staged_emu("paged_attention", dtype, q, kp, vp, table, lens)[0]
-        assert ", true, " in ring.launches[-1][0]
-        np.testing.assert_array_equal(pout, out)     # same S_max: same splits, same arithmetic
-
-
-def test_emulated_staged_falls_back(staged_emu, emulated, monkeypatch, rng):
-    """No staged instantiation (fp32, RT 8, a depth not built), sm < 80 or too little shared
-    memory: the register path, same results."""
-    ring = emulated[A.STAGED_MODULE.name]
-    q = _arr(rng, (2, 1, 4, 64), "float32")
-    k, v = _arr(rng, (2, 40, 2, 64), "float32"), _arr(rng, (2, 40, 2, 64), "float32")
-    lens = np.array([40, 9], np.int32)
-    monkeypatch.setattr(A, "STAGED", 6)
-    staged_emu("decode_attention", "float32", q, k, v, lens)
-    monkeypatch.setattr(A, "STAGED", 5)
-    staged_emu("decode_attention", "bfloat16", q.astype(_np("bfloat16")),
-               k.astype(_np("bfloat16")), v.astype(_np("bfloat16")), lens)
-    monkeypatch.setattr(A, "STAGED", 6)
-    monkeypatch.setattr(A, "_cc", lambda dev: 75)
-    staged_emu("decode_attention", "bfloat16", q.astype(_np("bfloat16")),
-               k.astype(_np("bfloat16")), v.astype(_np("bfloat16")), lens)
-    monkeypatch.setattr(A, "_cc", lambda dev: 90)
-    monkeypatch.setattr(A, "_smem_optin", lambda dev: 48 * 1024)
-    staged_emu("decode_attention", "bfloat16", q.astype(_np("bfloat16")),
-               k.astype(_np("bfloat16")), v.astype(_np("bfloat16")), lens)
-    assert not ring.launches
-
-
 @pytest.mark.parametrize("pdl", ["combine", "all"])
-def test_emulated_pdl_launches(staged_emu, emulated, monkeypatch, rng, pdl):
+def test_emulated_pdl_launches(pdl_emu, emulated, monkeypatch, rng, pdl):
     """PDL: the combine (and with "all" the split kernel) launched with the PDL attribute, the
     split kernel told to trigger its dependents; the same results as plain launches (the device
-    side is a no-op off sm_90). Not on a device without PDL, nor with the fused merge."""
+    side is a no-op off sm_90). Not on a device without PDL."""
     from gpuops.runtime import launch  # noqa: PLC0415
     split, comb = emulated[A.SPLIT_MODULE.name], emulated[A.COMBINE_MODULE.name]
     b, hq, hkv, d, dtype = 2, 4, 2, 64, "bfloat16"
@@ -579,27 +419,20 @@ def test_emulated_pdl_launches(staged_emu, emulated, monkeypatch, rng, pdl):
     k, v = _arr(rng, (b, 96, hkv, d), dtype), _arr(rng, (b, 96, hkv, d), dtype)
     lens = np.array([96, 31], np.int32)
     monkeypatch.setattr(A, "PDL", "off")
-    base = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
+    base = pdl_emu("decode_attention", dtype, q, k, v, lens)[0]
     assert split.launches[-1][3] == () and comb.launches[-1][3] == ()
     monkeypatch.setattr(A, "PDL", pdl)
-    out = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
-    assert A.LAST_COMBINE == "separate"
+    out = pdl_emu("decode_attention", dtype, q, k, v, lens)[0]
     assert comb.launches[-1][3] == launch.PDL
     assert split.launches[-1][3] == (launch.PDL if pdl == "all" else ())
     np.testing.assert_array_equal(out, base)
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: False)
-    staged_emu("decode_attention", dtype, q, k, v, lens)
+    pdl_emu("decode_attention", dtype, q, k, v, lens)
     assert split.launches[-1][3] == () and comb.launches[-1][3] == ()
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: True)
-    monkeypatch.setattr(A, "COMBINE", "fused")
-    n = len(comb.launches)
-    out_f = staged_emu("decode_attention", dtype, q, k, v, lens)[0]
-    assert len(comb.launches) == n and A.LAST_COMBINE == "fused"
-    assert split.launches[-1][3] == (launch.PDL if pdl == "all" else ())
-    assert_close(out_f, A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens), dtype, "fused")
     monkeypatch.setattr(A, "PDL", "on")
     with pytest.raises(ValueError, match="PDL"):
-        staged_emu("decode_attention", dtype, q, k, v, lens)
+        pdl_emu("decode_attention", dtype, q, k, v, lens)
 
 
 # ------------------------------------------------------------------ GPU
@@ -722,11 +555,9 @@ def test_gpu_append_then_attend_in_a_cuda_graph(rng):
 @needs_torch_cuda
 @pytest.mark.parametrize("shape", [(1, 8192, 16, 8, 128), (16, 4096, 16, 8, 128),
                                    (3, 5000, 32, 4, 64), (2, 3000, 8, 8, 80)])
-def test_gpu_fused_merge_matches_separate(rng, monkeypatch, shape):
-    """The bench shapes (and GQA 8, a one-element head dim): the split kernel's last-block merge
-    against the reference and against the decode_combine launch (same partials, another
-    summation order: within an ulp of the storage dtype)."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
+def test_gpu_bench_shapes(rng, shape):
+    """The bench shapes (and GQA 8, a one-element head dim) against the reference, out and lse;
+    one full sequence, the others of random lengths."""
     b, s, hq, hkv, d = shape
     dtype = "bfloat16"
     q = _arr(rng, (b, 1, hq, d), dtype)
@@ -734,15 +565,9 @@ def test_gpu_fused_merge_matches_separate(rng, monkeypatch, shape):
     lens = np.array(([s] + list(rng.integers(0, s + 1, b - 1)))[:b], np.int32)
     args = (_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
     out, lse = go.decode_attention(*args, return_lse=True)
-    assert A.LAST_COMBINE == "fused"
     ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(_host(out), ref, dtype, "fused")
+    assert_close(_host(out), ref, dtype, f"{shape}")
     _assert_lse(_host(lse), ref_lse)
-    monkeypatch.setattr(A, "COMBINE", "separate")
-    out_s, lse_s = go.decode_attention(*args, return_lse=True)
-    assert A.LAST_COMBINE == "separate"
-    torch.testing.assert_close(out, out_s, rtol=1.6e-2, atol=1e-3)
-    torch.testing.assert_close(lse, lse_s, rtol=1e-5, atol=1e-5)
 
 
 def _graph_case(b=2, s_max=4096, hq=16, hkv=8, d=128, ps=16):
@@ -763,11 +588,9 @@ def _graph_case(b=2, s_max=4096, hq=16, hkv=8, d=128, ps=16):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
-def test_gpu_fused_merge_in_a_cuda_graph(rng, op, monkeypatch):
+def test_gpu_decode_in_a_cuda_graph(rng, op):
     """Captured once, replayed with other lengths (empty splits, an empty sequence, full caches):
-    every replay right (the counters reset themselves: no memset node in the graph) and equal bit
-    for bit to an eager call on another stream (another counter slice, the same arithmetic)."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
+    every replay right, out and lse, and equal bit for bit to an eager call on another stream."""
     s_max = 4096
     k, v, kp, vp, table, q, lens = _graph_case(s_max=s_max)
 
@@ -784,52 +607,20 @@ def test_gpu_fused_merge_in_a_cuda_graph(rng, op, monkeypatch):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out, lse = step()
-    assert A.LAST_COMBINE == "fused"
     kh, vh = _host(k), _host(v)
     for new_lens in ([s_max, 1], [0, 333], [17, s_max], [4000, 4001], [s_max, s_max], [129, 0]):
-        for _ in range(2):                   # the same lengths again: the reset counters
-            lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-            q.normal_()
-            g.replay()
-            torch.cuda.synchronize()
-            ref, ref_lse = A.ref_decode_attention(_host(q), kh, vh, np.array(new_lens),
-                                                  return_lse=True)
-            assert_close(_host(out), ref, "bfloat16", f"graph {new_lens}")
-            _assert_lse(_host(lse), ref_lse)
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = A.ref_decode_attention(_host(q), kh, vh, np.array(new_lens),
+                                              return_lse=True)
+        assert_close(_host(out), ref, "bfloat16", f"graph {new_lens}")
+        _assert_lse(_host(lse), ref_lse)
         with torch.cuda.stream(s):
             eager, eager_lse = step()
         s.synchronize()
         assert torch.equal(eager, out) and torch.equal(eager_lse, lse)
-
-
-@gpu
-@needs_torch_cuda
-def test_gpu_fused_merge_on_two_streams_at_once(rng, monkeypatch):
-    """Decode calls on two streams that overlap on the GPU (small grids: 16 splits x 8 kv heads
-    each), many times without a synchronize: each stream has its own counters, so every result
-    is right (with one shared counter array the last-block counts of the two would mix)."""
-    monkeypatch.setattr(A, "COMBINE", "fused")   # not the default (run 22)
-    b, s, hq, hkv, d = 1, 2048, 16, 8, 128
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    work = []
-    for _ in streams:
-        work.append(dict(q=torch.randn(b, 1, hq, d, device="cuda").bfloat16(),
-                         k=torch.randn(b, s, hkv, d, device="cuda").bfloat16(),
-                         v=torch.randn(b, s, hkv, d, device="cuda").bfloat16(),
-                         lens=torch.tensor([s - 7], dtype=torch.int32, device="cuda")))
-    torch.cuda.synchronize()
-    outs = [[], []]
-    for _ in range(50):
-        for i, (st, w) in enumerate(zip(streams, work)):
-            with torch.cuda.stream(st):
-                outs[i].append(go.decode_attention(w["q"], w["k"], w["v"], w["lens"]))
-    assert A.LAST_COMBINE == "fused"
-    torch.cuda.synchronize()
-    for i, w in enumerate(work):
-        ref = A.ref_decode_attention(_host(w["q"]), _host(w["k"]), _host(w["v"]), _host(w["lens"]))
-        assert_close(_host(outs[i][0]), ref, "bfloat16", f"stream {i}")
-        for o in outs[i][1:]:
-            assert torch.equal(o, outs[i][0])
 
 
 def _poison_cache(nbytes=64 << 20):
@@ -841,18 +632,16 @@ def _poison_cache(nbytes=64 << 20):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("staged", [0, 4, 6, 8])
 @pytest.mark.parametrize("pdl", ["off", "combine", "all"])
 @pytest.mark.parametrize("shape,dtype", [((1, 8192, 16, 8, 128), "bfloat16"),
                                          ((4, 4097, 16, 8, 128), "float16"),
                                          ((3, 3000, 8, 8, 64), "bfloat16"),
                                          ((2, 2000, 16, 4, 256), "bfloat16"),
-                                         ((2, 1500, 16, 2, 128), "bfloat16")])   # RT 8: registers
-def test_gpu_staged_split_and_pdl(rng, monkeypatch, staged, pdl, shape, dtype):
-    """The cp.async-staged split kernel (ring of 4 / 6 / 8 steps where built; other configs keep
-    the register path) and PDL launches against the float64 reference: full and short lengths,
-    an empty sequence, return_lse, a window, and paged (equal bit for bit to contiguous)."""
-    monkeypatch.setattr(A, "STAGED", staged)
+                                         ((2, 1500, 16, 2, 128), "bfloat16")])   # RT 8
+def test_gpu_split_and_pdl(rng, monkeypatch, pdl, shape, dtype):
+    """Plain and PDL launches of the split kernel and the combine against the float64
+    reference: full and short lengths, an empty sequence, return_lse, a window, and paged (equal
+    bit for bit to contiguous)."""
     monkeypatch.setattr(A, "PDL", pdl)
     b, s, hq, hkv, d = shape
     q = _arr(rng, (b, 1, hq, d), dtype)
@@ -862,7 +651,7 @@ def test_gpu_staged_split_and_pdl(rng, monkeypatch, staged, pdl, shape, dtype):
     _poison_cache()
     out, lse = go.decode_attention(*args, return_lse=True)
     ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(_host(out), ref, dtype, f"staged={staged} pdl={pdl}")
+    assert_close(_host(out), ref, dtype, f"pdl={pdl}")
     _assert_lse(_host(lse), ref_lse)
     _poison_cache()
     out_w = go.decode_attention(*args, window_size=(1000, 0))
@@ -878,13 +667,12 @@ def test_gpu_staged_split_and_pdl(rng, monkeypatch, staged, pdl, shape, dtype):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("op", ["decode_attention", "paged_attention"])
-@pytest.mark.parametrize("staged,pdl", [(6, "all"), (8, "combine"), (0, "all")])
-def test_gpu_staged_pdl_in_a_cuda_graph(rng, monkeypatch, op, staged, pdl):
+@pytest.mark.parametrize("pdl", ["combine", "all"])
+def test_gpu_pdl_in_a_cuda_graph(rng, monkeypatch, op, pdl):
     """Three dependent decode calls captured in one graph (each call's q is the previous call's
     output: with PDL "all" each split kernel is a programmatic secondary of the previous combine
     and must wait for it before reading q), replayed with other lengths and queries: every
     output right, equal bit for bit to eager calls with plain launches."""
-    monkeypatch.setattr(A, "STAGED", staged)
     monkeypatch.setattr(A, "PDL", pdl)
     s_max = 4096
     k, v, kp, vp, table, q, lens = _graph_case(s_max=s_max)

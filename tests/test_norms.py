@@ -374,10 +374,9 @@ def test_ring_grid_keeps_blocks_progressing():
                     if tiles <= 400:
                         assert _ring_schedule(rows, C, grid, depth), (C, capacity, depth, rows)
     assert not _ring_schedule(2, 10, 4, 2)        # 3 tiles of a row in a block, 2 slots
-    # ring_async: the rule is on the lag (depth - lead + 1), not on the slots
-    ring = N.RingPlan(None, 512, 4, 24, 7, 0, 8, lead=5)
-    assert ring.lag == 3 and N._ring_grid(ring, 1) == 8          # 3 tiles of the row per block
-    assert N._ring_grid(N.RingPlan(None, 512, 4, 25, 7, 0, 8, lead=5), 1) is None     # 4
+    ring = N.RingPlan(None, 512, 4, 24, 3, 0, 8)
+    assert N._ring_grid(ring, 1) == 8                            # 3 tiles of the row per block
+    assert N._ring_grid(N.RingPlan(None, 512, 4, 25, 3, 0, 8), 1) is None             # 4
     assert _ring_schedule(1, 24, 8, 3) and not _ring_schedule(1, 25, 8, 3)
     # tile indices are 32-bit in the kernels (norm_ring.cuh, RingTile): 2^31 tiles or more run
     # the split plans
@@ -473,7 +472,7 @@ def _within(call, ptr, nbytes):
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16])
 @pytest.mark.parametrize("n", [1, 4096, 4097, 20000, 1 << 20])
-@pytest.mark.parametrize("long_rows", ["auto", "ring_async", "ring2", "ring", "split"])
+@pytest.mark.parametrize("long_rows", ["auto", "ring2", "ring", "split"])
 def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
     log, memsets, capacity = recording
     monkeypatch.setattr(N, "LONG_ROWS", long_rows)
@@ -501,22 +500,6 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
         C, phase = args[-3], args[-2]
         vec = int(name.split(",")[1])
         assert vec == (16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1)
-        if "_ring_async<" in name:   # ring2's exchange, tiles copied `lead` ahead
-            assert long_rows == "ring_async" and len(log) == 1 and n > 16384
-            assert vec > 1
-            C, D, lead = args[-4], args[-3], args[-2]
-            packs = int(name.split(",")[2].strip(" >"))
-            threads, packs_, C_, tile_bytes = N.ring_shape(N.TUNING[op], vec, n, dtype.itemsize)
-            assert (block, C, packs) == ((threads, 1, 1), C_, packs_)
-            assert D - lead + 1 == N.ASYNC_LAG and lead >= N.ASYNC_MIN_LEAD
-            assert grid[0] <= capacity and -(-C // grid[0]) <= N.ASYNC_LAG
-            words = rows * C * (2 if op == "layer_norm" else 1)
-            held, held_words = N._ring2_states[(0, 0)]
-            assert held.ptr == args[-7] and held_words >= words
-            assert args[-6] == rows and args[-5] == n
-            stat_ptrs = args[6:8] if op == "layer_norm" else args[9:10]
-            assert all(p != 0 and _within(call, p, rows * 4) for p in stat_ptrs)
-            continue
         if "_ring2<" in name:        # split rows, one pass, self-validating partials
             assert long_rows in ("ring2", "auto") and len(log) == 1 and n > 16384
             D, packs = args[-2], int(name.split(",")[2].strip(" >"))
@@ -547,8 +530,7 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
             assert not memsets and log[0][3][-6] == state
             continue
         if "_ring<" in name:         # split rows, one pass: grid resident, tiles of a ring
-            assert long_rows in ("ring", "ring_async", "auto") and len(log) == 1 and n > 16384
-            assert long_rows == "ring" or vec == 1 or long_rows == "auto"
+            assert long_rows in ("ring", "auto") and len(log) == 1 and n > 16384
             if long_rows == "auto" and vec > 1:     # ring2 would leave a block several tiles
                 assert grid[0] < rows * C and not (op == "rms_norm" and C <= N.AUTO_RING2_MAX_C)
             D, packs = args[-2], int(name.split(",")[2].strip(" >"))
@@ -598,15 +580,14 @@ def test_ring_plans_fit_the_device(monkeypatch):
     monkeypatch.setattr(N.loader, "blocks_per_sm", lambda kernel, threads, smem=0: min(
         2048 // threads, dev["smem_per_sm"] // (smem + 1024)))
     monkeypatch.setattr(N.device, "device_info", lambda d: SimpleNamespace(
-        sm_count=dev["sms"], max_smem_per_block_optin=dev["optin"], cc=dev["cc"]))
+        sm_count=dev["sms"], max_smem_per_block_optin=dev["optin"]))
     monkeypatch.setattr(N, "_plans", {})
 
-    def plan(kind, d, vec, n, sms, smem_per_sm, optin, cc=90, variant="ring"):
-        dev.update(sms=sms, smem_per_sm=smem_per_sm, optin=optin, cc=cc)
+    def plan(kind, d, vec, n, sms, smem_per_sm, optin, variant="ring"):
+        dev.update(sms=sms, smem_per_sm=smem_per_sm, optin=optin)
         N._plans.clear()
         p = N._ring_plan(kind, d, vec, n, 0, variant)
-        return p and (p.threads, p.packs, p.C, p.depth, p.smem, p.capacity) + (
-            (p.lead,) if variant == "ring_async" else ())
+        return p and (p.threads, p.packs, p.C, p.depth, p.smem, p.capacity)
 
     h100 = (132, 228 * 1024, 227 * 1024)
     assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, *h100) == (512, 4, 64, 3, 512 + 3 * 32768,
@@ -619,18 +600,6 @@ def test_ring_plans_fit_the_device(monkeypatch):
     assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, 56, 64 * 1024, 48 * 1024)[3:] == (
         2, 512 + 2 * 16384, 56)                  # P100: one block per SM
     assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, 8, 8 * 1024, 48 * 1024) is None
-    # ring_async: one 512-thread block per SM, 7 slots of 32 KiB, 5 tiles copied ahead (lag 3);
-    # add_rms_norm's slots hold x and r (16 KiB tiles); single elements and pre-sm_80: none
-    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, *h100, variant="ring_async") == (
-        512, 4, 64, 7, 512 + 7 * 32768, 132, 5)
-    assert plan("add_rms_norm", dt.bfloat16, 8, 1 << 20, *h100, variant="ring_async") == (
-        512, 2, 128, 7, 512 + 7 * 32768, 132, 5)
-    assert plan("layer_norm", dt.float32, 4, 1 << 20, *h100, variant="ring_async")[2:] == (
-        128, 7, 512 + 7 * 32768, 132, 5)
-    assert plan("rms_norm", dt.bfloat16, 1, 1 << 20, *h100, variant="ring_async") is None
-    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, *h100, cc=75, variant="ring_async") is None
-    assert plan("rms_norm", dt.bfloat16, 8, 1 << 20, *pascal, cc=61,
-                variant="ring_async") is None
 
 
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
@@ -891,44 +860,6 @@ def test_emulated_long_rows_ring(emulated, dtype, depth, long_rows, rng, monkeyp
         assert all(launch[3] > N.RING_HEADER_BYTES for launch in ring)
         rings += len(ring)
     assert rings >= 3 * len(cases)
-
-
-@needs_emu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lag, max_depth", [(1, 8), (2, 4), (3, 8), (3, 5)])
-def test_emulated_long_rows_ring_async(emulated, dtype, lag, max_depth, rng, monkeypatch):
-    """ring_async (cp.async copies `lead` tiles ahead, emulated with their PTX semantics: a copy
-    lands only at the cp.async.wait_group that covers it, so a wait that counts its groups wrong
-    reads the slot's garbage): lags 1-3, leads 2-6 (ASYNC_MIN_LEAD 2 here), blocks wrapping the
-    ring many times (13 x 5000: 17 tiles per block), a row's tiles spread 3 per block (3 x
-    20000), one tile of a row per block (1 x 4096: what lag 1 allows), rows of single elements or
-    unaligned (the ring kernel instead); every op."""
-    _small_blocks(monkeypatch)
-    monkeypatch.setattr(N, "RING_MAX_DEPTH", max_depth)
-    monkeypatch.setattr(N, "ASYNC_LAG", lag)
-    monkeypatch.setattr(N, "ASYNC_MIN_LEAD", 2)
-    monkeypatch.setattr(N, "LONG_ROWS", "ring_async")
-    dev = emulated
-    used = 0
-    for shape, layout in [((13, 5000), "contig"), ((3, 20000), "contig"), ((5, 3001), "contig"),
-                          ((4, 2056), "offset"), ((2, 4104), "contig"), ((1, 4096), "contig")]:
-        x, w, b, r = _emu_case(rng, shape, dtype)
-        x = emu.strided(x, layout)
-        d = dt.BY_NAME[dtype]
-        vec = _vec_width_of(x, d)
-        expected = 0
-        for kind in ("layer_norm", "layer_norm", "rms_norm", "rms_norm", "add_rms_norm"):
-            ring = N._ring_plan(kind, d, vec, shape[-1], 0, "ring_async")
-            if ring is not None:
-                assert ring.lag == lag and ring.lead == ring.depth - lag + 1 >= 2
-            expected += N._ring_grid(ring, shape[0]) is not None
-        emu.Device.launches = []
-        _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {layout} lag {lag} depth {max_depth}")
-        ring = [launch for launch in emu.Device.launches if "_ring_async<" in launch[0]]
-        assert len(ring) == expected, (shape, [launch[0] for launch in emu.Device.launches])
-        assert vec > 1 or not ring
-        used += len(ring)
-    assert used >= 4                         # (lag 1, fp32: add_rms_norm tiles break the rule)
 
 
 def _ring2_state_words(dev_key=(0, 0)):
@@ -1336,7 +1267,6 @@ def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, long_rows, monke
 
 # The long-row plans, selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
 LONG_ROW_PLANS = {"auto": dict(LONG_ROWS="auto"),
-                  "ring_async": dict(LONG_ROWS="ring_async"),
                   "ring2": dict(LONG_ROWS="ring2"),
                   "ring": dict(LONG_ROWS="ring"),
                   "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
@@ -1359,7 +1289,7 @@ def _poison_allocator(*likes):
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
     """Every long-row plan of the forward ops, rows of 262144 .. 2^20 elements (262147, 393217:
-    single elements, where ring_async runs the ring; 262152: a last tile mostly past the end),
+    single elements; 262152: a last tile mostly past the end),
     outputs NaN-poisoned (out=, and the allocator's blocks)."""
     for name, value in LONG_ROW_PLANS[plan].items():
         monkeypatch.setattr(N, name, value)
@@ -1370,8 +1300,6 @@ def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
         split = N._plan(kind, d, vec, n, torch.cuda.current_device())
         ring = N._long_rows_ring(kind, split, d, vec, n, shape[0], torch.cuda.current_device())
         assert (ring is not None) == (plan not in ("one_launch", "two_launches")), (kind, plan)
-        if plan == "ring_async":
-            assert (ring[0].variant == "ring_async") == (vec > 1), (kind, ring[0].variant)
     x, w, b = _ln_case(shape, dtype)
     what = f"{shape} {dtype} {plan}"
     stats = torch.empty(shape[:1], device="cuda")
@@ -1434,13 +1362,13 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("long_rows", ["ring2", "ring_async", "auto"])
+@pytest.mark.parametrize("long_rows", ["ring2", "auto"])
 def test_gpu_ring2_cuda_graph_replays_and_eager_calls(long_rows, monkeypatch):
-    """ring2 / ring_async under CUDA graph replay: the epoch lives on the device (norm_ring.cuh),
-    so a graph of such launches replayed 5 times on new inputs, with eager calls of other shapes
-    on the same stream in between (sharing the state buffer), gives fresh statistics every time;
-    the launch counter moves by exactly one per launch and the exit counter is back at 0.
-    [16, 2^20] bf16 under ring_async: 8 (add_rms_norm 16) tiles per block, the ring wraps."""
+    """ring2 under CUDA graph replay: the epoch lives on the device (norm_ring.cuh), so a graph
+    of such launches replayed 5 times on new inputs, with eager calls of other shapes on the same
+    stream in between (sharing the state buffer), gives fresh statistics every time; the launch
+    counter moves by exactly one per launch and the exit counter is back at 0. [16, 2^20] bf16
+    on an H100: 4 (add_rms_norm 8) tiles per block, more than its slots: the ring wraps."""
     monkeypatch.setattr(N, "LONG_ROWS", long_rows)
     shape, other = (16, 1 << 20), (3, 393216)
     x, w, b = _ln_case(shape, "bfloat16")
@@ -1462,7 +1390,7 @@ def test_gpu_ring2_cuda_graph_replays_and_eager_calls(long_rows, monkeypatch):
         ly, lm, lr = go.layer_norm_forward(x, shape[-1:], w, b)
         ay, ah = go.add_rms_norm(x, r, w)
     state = N._ring2_states[key][0].obj
-    # launches that use the state buffer: ring2 / ring_async (3), or those "auto" sends there
+    # launches that use the state buffer: ring2 (3), or those "auto" sends there
     dev = torch.cuda.current_device()
     stateful = sum(N._long_rows_ring(kind, N._plan(kind, dt.bfloat16, 8, shape[-1], dev),
                                      dt.bfloat16, 8, shape[-1], shape[0], dev)[0].variant != "ring"
@@ -1514,12 +1442,6 @@ def test_gpu_ring_on_this_device(monkeypatch):
             assert ring.smem <= max(48 * 1024, info.max_smem_per_block_optin)
             grid = N._ring_grid(ring, 16)
             assert grid is not None and grid <= ring.capacity
-    if info.cc >= 80:        # ring_async (A/B only): 16-byte units, lead tiles ahead
-        for kind in ("layer_norm", "rms_norm", "add_rms_norm"):
-            for d, vec in ((dt.bfloat16, 8), (dt.float32, 4)):
-                ring = N._ring_plan(kind, d, vec, 1 << 20, dev, "ring_async")
-                assert ring is not None and ring.lead >= N.ASYNC_MIN_LEAD, (kind, d)
-                assert ring.lag == N.ASYNC_LAG and ring.capacity >= info.sm_count
     # "auto" at the bench shapes of notes_norms.md
     # (run 34's best plan at each shape: ring2 at one tile per block and for rms_norm with C <=
     # 64; the tiles per block and C are this device's, so the expectation is computed from them)

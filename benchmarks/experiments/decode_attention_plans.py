@@ -4,12 +4,11 @@ decode_attention / paged_attention at the issue's shapes (GQA 16/8, D 128, one q
 full caches): B1 S8192 and B16 S4096, bf16 (and fp16 with --all), timed by CUDA-graph replay
 (gpuops.bench.graph_replay_us) with the KV caches ROTATED through enough copies that they cannot
 sit in the 50 MB L2 (a real model reads another layer's cache on every call), next to torch SDPA
-on the same rotated caches. For gpuops also: the two ways of merging the splits in one run
-(attention_decode.COMBINE = "fused": the split kernel's last block per (b, kv head) merges, one
-launch; "separate": the decode_combine kernel, a second launch), the split kernel alone (separate
-merge with the combine replaced by a no-op: what the combine launch costs) and the split rule swept
-(SPLIT waves x min_chunk, waves of the split kernel's resident blocks; fused merge; --no-sweep
-skips it).
+on the same rotated caches. For gpuops also: the caches not rotated (L2-resident), the split
+kernel alone (the combine replaced by a no-op: what the combine launch costs) and the split rule
+swept (SPLIT waves x min_chunk, waves of the split kernel's resident blocks; --no-sweep skips it).
+(Runs 15-27 also timed a merge of the splits in the split kernel's last block, one launch:
+slower at B1, removed after run 35.)
 
 Floors (KV bytes / 3000 GB/s): B1 S8192 bf16 33.6 MB -> 11.2 us; B16 S4096 268 MB -> 89.5 us.
 Run 13 (no rotation, before the combine rewrite and the K/V prefetch): B1 26.9 us (41.5%),
@@ -92,38 +91,21 @@ def main():
             sdpa = rotating(lambda k, v: AD._sdpa(q, k, v), caches)
             common = dict(shape=list(shape), dtype=dname, bytes=kv_bytes, rotated=nrot)
             record(op="torch_sdpa", what="rotated", us=graph_replay_us(sdpa), **common)
-            for combine in ("fused", "separate"):
-                AD.COMBINE = combine
-                try:
-                    for name, fn in (("decode_attention", dec), ("paged_attention", pag)):
-                        us = graph_replay_us(fn)
-                        path = AD.LAST_COMBINE     # what the timed calls did ("direct": 1 split)
-                        record(op=name, what=f"rotated, combine={path}", us=us, combine=path,
-                               **common)
-                    record(op="decode_attention", what=f"not rotated (L2), combine={combine}",
-                           us=graph_replay_us(lambda: go.decode_attention(q, *caches[0], lens)),
-                           combine=AD.LAST_COMBINE, **common)
-                finally:
-                    AD.COMBINE = "fused"
-            fused = go.decode_attention(q, *caches[0], lens)
-            AD.COMBINE = "separate"
-            separate = go.decode_attention(q, *caches[0], lens)
-            AD.COMBINE = "fused"
-            print(f"fused vs separate: max |diff| "
-                  f"{(fused.float() - separate.float()).abs().max().item():.3g}", flush=True)
-            # the split kernel alone: separate merge, its combine replaced by a no-op
+            for name, fn in (("decode_attention", dec), ("paged_attention", pag)):
+                record(op=name, what="rotated", us=graph_replay_us(fn), **common)
+            record(op="decode_attention", what="not rotated (L2)",
+                   us=graph_replay_us(lambda: go.decode_attention(q, *caches[0], lens)), **common)
+            # the split kernel alone: its combine replaced by a no-op
             saved = AD._kernel
 
             def no_combine(module, dev, expr, _saved=saved):
                 return _NoLaunch() if module is AD.COMBINE_MODULE else _saved(module, dev, expr)
             AD._kernel = no_combine
-            AD.COMBINE = "separate"
             try:
                 record(op="decode_attention", what="split kernel only", us=graph_replay_us(dec),
                        **common)
             finally:
                 AD._kernel = saved
-                AD.COMBINE = "fused"
             if args.no_sweep:
                 del caches, pages
                 torch.cuda.empty_cache()

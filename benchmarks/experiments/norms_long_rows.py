@@ -5,15 +5,8 @@ layer_norm / rms_norm at [32768, 4096] against Liger. Every time is CUDA-graph r
 per graph, median of 20 replays).
 
 Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
-  auto          LONG_ROWS="auto" (the default): ring_async where each block gets >= `lead` tiles
-                ([16, 1M]), else ring2 (16-byte units) / ring
-  ring_async    LONG_ROWS="ring_async": ring2's exchange, tiles copied into the shared-memory
-                ring by cp.async `lead` tiles ahead (one 512-thread block per SM, 7 slots, lead
-                5, lag 3 on the H100): predicted [16, 1M] bf16 rms_norm 25-27.5 us (81-89% of
-                copy), fp32 47-50 us (89-95%), layer_norm within +1 us of rms_norm, add_rms_norm
-                bf16 47-51 us, fp32 92-98 us (notes_norms.md, "ring_async")
-  ring_async_lag2 / ring_async_lag4   ASYNC_LAG 2 / 4 (lead 6 / 4)
-  ring_async_t256   256-thread tiles (16 KiB): 2 blocks per SM of 7 slots
+  auto          LONG_ROWS="auto" (the default since run 34): ring2 (16-byte units) where each
+                block of its grid holds one tile, or for rms_norm with C <= 64; else ring
   ring2         LONG_ROWS="ring2": the ring's tiles, each tile's partial published as
                 self-validating 64-bit words (tag = a launch epoch kept on the device): no
                 memset, no atomics, no merger, no statistics read back (norm_ring.cuh ring2_rows)
@@ -47,8 +40,10 @@ line naming the kernel that ran and its resident blocks per SM; rms_norm; Liger.
                compact")
 Liger 179.4 us (run 21). fp32 (4 packs per thread): compact does not apply (layer_norm_fwd runs).
 
+(Run 34 also timed ring2's exchange with the tiles copied into the ring by cp.async several
+tiles ahead: slower at every shape, removed; notes_norms.md.)
 Quick runs: `--plans two_pass,compact,per_row --skip-long` (whole rows only), `--plans
-ring_async,ring2,ring --skip-4096 --peers torch` (long rows only). --plans takes long-row plans
+auto,ring2,ring --skip-4096 --peers torch` (long rows only). --plans takes long-row plans
 and WHOLE_ROWS options; --skip-softmax leaves out the softmax rows.
 """
 from __future__ import annotations
@@ -68,10 +63,6 @@ from gpuops.runtime import device  # noqa: E402
 
 PLANS = {
     "auto": dict(LONG_ROWS="auto"),
-    "ring_async": dict(LONG_ROWS="ring_async"),
-    "ring_async_lag2": dict(LONG_ROWS="ring_async", ASYNC_LAG=2),
-    "ring_async_lag4": dict(LONG_ROWS="ring_async", ASYNC_LAG=4),
-    "ring_async_t256": dict(LONG_ROWS="ring_async", ring_threads=256),
     "ring2": dict(LONG_ROWS="ring2"),
     "ring2_t256": dict(LONG_ROWS="ring2", ring_threads=256),
     "ring": dict(LONG_ROWS="ring"),
@@ -89,8 +80,7 @@ class _Plan:
 
     def __enter__(self):
         self.saved = {k: getattr(N, k) for k in ("LONG_ROWS", "ONE_LAUNCH_MAX_WAVES",
-                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS",
-                                                 "ASYNC_LAG")}
+                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS")}
         self.tuning = dict(N.TUNING)
         for k, v in self.settings.items():
             if hasattr(N, k):
@@ -118,8 +108,8 @@ def _describe(op, d, shape):
     if ring is not None:
         r, grid = ring
         regs = getattr(getattr(r.kernel, "raw", None), "num_regs", "?")
-        return (f"{r.variant} grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, lead "
-                f"{r.lead}, {r.smem // 1024} KiB smem, capacity {r.capacity}, {regs} regs")
+        return (f"{r.variant} grid {grid} x {r.threads} thr, C {r.C}, {r.depth} slots, "
+                f"{r.smem // 1024} KiB smem, capacity {r.capacity}, {regs} regs")
     used, grid, phases = N._grid(plan, shape[0], False)
     return (f"{len(phases)} launch(es) of {used.kernel.name.split('::')[-1]}: grid {grid} x "
             f"{used.block[0]} thr, C {used.C}, capacity {used.capacity}")

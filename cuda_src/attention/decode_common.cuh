@@ -49,8 +49,8 @@ template <class T> struct KvLoad<T, 1> {              // one element (any stride
   static __device__ __forceinline__ void unpack(const Raw& r, float* f) { f[0] = r; }
 };
 
-// Output columns of one merged row: acc * inv, as 4 columns (4c..4c+3) when vec4, else column c.
-// Shared by decode_combine and the split kernel's in-kernel merge, so both round alike.
+// Output columns of one merged row (decode_combine): acc * inv, as 4 columns (4c..4c+3) when
+// vec4, else column c.
 template <class T>
 __device__ __forceinline__ void store_merged(T* orow, int c, const float4& acc, float inv,
                                              bool vec4) {

@@ -4,14 +4,8 @@
 // [split * chunk, (split + 1) * chunk) of its sequence, and RT of the rows (q head of the GQA
 // group, query token) that share the kv head, so each K/V byte is read once per row chunk (the
 // host picks RT >= G * Sq when registers allow: one chunk). The split writes its normalised
-// partial output and log-sum-exp to an fp32 workspace, and the splits are merged by one of:
-//   fuse = 0: nothing here; decode_combine.cu (a second launch) merges them;
-//   fuse = 1, nsplit = 1: the block writes the final output itself (no workspace);
-//   fuse = 1, nsplit > 1: the last block of each (b, kv head, row chunk) to finish merges them
-//     ("last block done": every block publishes its partials, then arrives at the counter of its
-//     blockIdx.x; the block that sees nsplit - 1 arrivals before its own reads all the partials
-//     through L2 and writes the output, and sets the counter back to 0, so the next launch or
-//     graph replay needs no memset). Run 15: the second launch cost ~4 us of B1 S8192's 20.3.
+// partial output and log-sum-exp to an fp32 workspace; decode_combine.cu (a second launch, a PDL
+// secondary on sm_90) merges the splits.
 //
 // Threads: L lanes hold one key row (16-byte packs of VEC elements, NV packs per lane), so a warp
 // walks 32 / L keys at a time and the block 4 * 32 / L; each group keeps U keys' loads in flight,
@@ -23,119 +17,27 @@
 // max(0, pos - left) <= j <= pos (causal among the new tokens; left < 0: no window). A row with
 // no visible key in the split writes lse = -inf and o = 0.
 #include "attention/decode_common.cuh"
-#include "common/async_copy.cuh"
-#include "common/coherent.cuh"
 #include "common/pdl.cuh"
 
 namespace gpuops {
 
-// Online log-sum-exp merge of the state (m, l, acc) with (m2, l2, acc2): m are natural-log
-// maxima (a split's lse with l = 1 and its normalised o), -inf for nothing; NaN propagates.
-__device__ __forceinline__ void lse_merge(float& m, float& l, float4& acc, float m2, float l2,
-                                          const float4& acc2) {
-  if (m2 == -__int_as_float(0x7f800000)) return;   // an empty split (its o is 0)
-  const float mx = fmaxf(m, m2);
-  const float a = expf(m - mx), c = expf(m2 - mx);  // m = -inf: a = 0
-  l = l * a + l2 * c;
-  acc.x = acc.x * a + acc2.x * c;
-  acc.y = acc.y * a + acc2.y * c;
-  acc.z = acc.z * a + acc2.z * c;
-  acc.w = acc.w * a + acc2.w * c;
-  m = mx;
-}
-
-// The last block of a (b, kv head, row chunk): merges the nsplit partials of its `nr` rows
-// (workspace rows row0 .. row0 + nr - 1, row = (b * hq + h) * sq + i) into `out` and `lse_out`.
-// Threads: (row, column unit) items (a unit = 4 columns when d is a multiple of 4), and when
-// there are fewer items than threads, `groups` threads per item take every groups-th split and
-// meet in shared memory. Each thread loads 8 splits' lse and partials before merging them (8
-// loads in flight: B1 S8192 has 64 splits, 2 groups, 4 rounds). Every load is ld.global.cg: the
-// partials were written by other blocks during this launch and L1 is not coherent across SMs.
-template <class T>
-__device__ __forceinline__ void decode_merge_splits(
-    const float* ws_o, const float* ws_lse, T* out, float* lse_out, long long row0, int nr,
-    int nsplit, int d, int sq, int hq) {
-  constexpr int kBatch = 8;
-  const bool vec4 = (d & 3) == 0;
-  const int units = vec4 ? d >> 2 : d;
-  const int items = nr * units;
-  int groups = items >= kDecodeThreads ? 1 : kDecodeThreads / items;
-  if (groups > nsplit) groups = nsplit;
-  const int per_pass = groups == 1 ? kDecodeThreads : items;
-  const int g = threadIdx.x / per_pass;
-  __shared__ float4 sm_acc[kDecodeThreads];
-  __shared__ float sm_gm[kDecodeThreads], sm_gl[kDecodeThreads];
-  for (int i0 = 0; i0 < items; i0 += per_pass) {   // > 1 pass only when groups == 1
-    const int item = i0 + static_cast<int>(threadIdx.x) % per_pass;
-    const bool active = g < groups && item < items;
-    const int r = item / units, c = item - (item / units) * units;
-    const long long row = row0 + r;
-    float m = -__int_as_float(0x7f800000), l = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (active) {
-      const float* lse_row = ws_lse + row * nsplit;
-      const float* o_row = ws_o + row * nsplit * static_cast<long long>(d);
-      for (int s0 = g; s0 < nsplit; s0 += kBatch * groups) {
-        float x[kBatch];
-        float4 y[kBatch];
-#pragma unroll
-        for (int t = 0; t < kBatch; ++t) {
-          const int s = s0 + t * groups;
-          const bool ok = s < nsplit;
-          const float* src = o_row + static_cast<long long>(s) * d;
-          x[t] = ok ? load_cg(lse_row + s) : -__int_as_float(0x7f800000);
-          y[t] = !ok ? make_float4(0.f, 0.f, 0.f, 0.f)
-               : vec4 ? load_cg4(src + 4 * c) : make_float4(load_cg(src + c), 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int t = 0; t < kBatch; ++t) lse_merge(m, l, acc, x[t], 1.f, y[t]);
-      }
-    }
-    if (groups > 1) {                              // block-uniform: one pass
-      sm_acc[threadIdx.x] = acc;
-      sm_gm[threadIdx.x] = m;
-      sm_gl[threadIdx.x] = l;
-      __syncthreads();
-      if (active && g == 0)
-        for (int o = 1; o < groups; ++o) {
-          const int t = threadIdx.x + o * items;
-          lse_merge(m, l, acc, sm_gm[t], sm_gl[t], sm_acc[t]);
-        }
-    }
-    if (active && g == 0) {
-      const int i = static_cast<int>(row % sq);
-      const long long bh = row / sq;               // b * hq + h
-      const long long b = bh / hq, h = bh - b * hq;
-      T* orow = out + ((b * sq + i) * hq + h) * static_cast<long long>(d);
-      const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: 0; NaN stays NaN
-      store_merged<T>(orow, c, acc, inv, vec4);
-      if (lse_out != nullptr && c == 0)
-        lse_out[row] = l == 0.f ? -__int_as_float(0x7f800000) : m + logf(l);
-    }
-  }
-}
-
-// STAGES = 0: K/V through registers (one step prefetched where RT * E <= 32). STAGES > 0 (16-byte
-// path, sm_80+ to be useful): a per-thread ring of STAGES steps in dynamic shared memory
-// (STAGES * 2 * U * NV * 16 bytes per thread) filled by cp.async, so that a block keeps STAGES
-// steps of loads in flight instead of one (notes_attention_decode.md, change 3: B1 S8192's blocks
-// are ~8 steps long, and one step in flight made each step cost a full loaded latency).
+// K/V go through registers, the next step's loads issued before this step's math where
+// RT * E <= 32 (DecodeCfg::PREFETCH).
 // pdl (programmatic dependent launch, common/pdl.cuh): bit 0: let the next kernel (the combine,
 // launched as a PDL secondary) be scheduled at once; bit 1: this launch is itself a PDL secondary:
 // wait for the previous kernel before the first memory access (q, lengths, table, K/V may all be
 // its outputs, and the workspace may be memory it still reads).
-template <class T, int D, int VEC, int RT, bool PAGED, int STAGES = 0>
+template <class T, int D, int VEC, int RT, bool PAGED>
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const int* __restrict__ seqlens, const int* __restrict__ block_table,
-    float* __restrict__ ws_o, float* __restrict__ ws_lse, unsigned* __restrict__ counters,
-    T* __restrict__ out, float* __restrict__ lse_out,
+    float* __restrict__ ws_o, float* __restrict__ ws_lse,
     long long q_sb, long long q_ss, long long q_sh, long long q_sd,
     long long k_s0, long long k_s1, long long k_sh, long long k_sd,
     long long v_s0, long long v_s1, long long v_sh, long long v_sd,
     long long seq_stride, long long table_s0, long long table_s1, int page_size, int num_pages,
     int s_max, int sq, int hq, int hkv, int d_rt, int rows, int row_chunks,
-    int chunk, int nsplit, int win_left, int fuse, int pdl, float scale_log2) {
+    int chunk, int nsplit, int win_left, int pdl, float scale_log2) {
   if (pdl & 2) pdl_wait();
   if (pdl & 1) pdl_launch_dependents();
   using Cfg = DecodeCfg<T, D, VEC, RT>;
@@ -143,8 +45,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   constexpr int NG = (kDecodeThreads / 32) * KPW;   // key groups per block
   using Ld = KvLoad<T, VEC>;
   using Raw = typename Ld::Raw;
-  static_assert(STAGES == 0 || VEC > 1, "the staged ring holds 16-byte packs");
-  constexpr bool kRegPrefetch = Cfg::PREFETCH && STAGES == 0;
 
   const int split = blockIdx.y;
   const int rchunk = static_cast<int>(blockIdx.x % row_chunks);
@@ -200,36 +100,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   const int chunk_start = split * chunk;
   const int chunk_end = chunk_start + chunk < s_max ? chunk_start + chunk : s_max;
   KvRegs kr, vr;
-  if (kRegPrefetch) load_keys(chunk_start + warp * KPW * U + lane_off, chunk_end, kr, vr);
-
-  // The staged ring: thread t's slot (stage, i) is ring[(stage * kSlots + i) * threads + t]
-  // (consecutive threads, consecutive 16 bytes: conflict-free); slots 0 .. U*NV-1 hold K,
-  // U*NV .. 2*U*NV-1 V. Step `step` covers keys jbase + step * kStep + (this lane's offset).
-  constexpr int kSlots = 2 * U * NV;
-  extern __shared__ __align__(16) uint4 decode_stage_ring[];
-  auto issue_step = [&](int jbase, int step, int bound) {
-    const int stage = step % (STAGES > 0 ? STAGES : 1);
-    const int j0 = jbase + step * kStep + warp * KPW * U + lane_off;
-    uint4* slot = decode_stage_ring + stage * kSlots * kDecodeThreads + threadIdx.x;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = j0 + u;
-      const bool ok = j < bound;
-      long long kb = 0, vb = 0;
-      if (ok) kv_rows(j, kb, vb);
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        const int d = (n * L + lig) * VEC;
-        async_copy16(slot + (u * NV + n) * kDecodeThreads, k + kb + d * k_sd, ok);
-        async_copy16(slot + (U * NV + u * NV + n) * kDecodeThreads, v + vb + d * v_sd, ok);
-      }
-    }
-    async_copy_commit();
-  };
-  // the first step goes out before the length arrives when no window can move the start (keys
-  // below the chunk's end are inside the cache); only one: a split past a short sequence's
-  // length would otherwise read STAGES steps of cache for nothing (lengths are device values)
-  if (STAGES > 0 && win_left < 0) issue_step(chunk_start, 0, chunk_end);
+  if (Cfg::PREFETCH) load_keys(chunk_start + warp * KPW * U + lane_off, chunk_end, kr, vr);
 
   int len = seqlens[b * seq_stride];
   len = len < 0 ? 0 : (len > s_max ? s_max : len);
@@ -330,46 +201,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   };
 
   int jw = start + warp * KPW * U;
-  if constexpr (STAGES > 0) {
-    // Block-uniform trip count (the shuffles need every lane). Keys before `start` (a window
-    // start inside the chunk) or at/after `end` are zeroed after the copy: past the length the
-    // cache may hold anything (NaN), and p = 0 times NaN is NaN.
-    const int jbase = start <= chunk_start ? chunk_start
-                    : chunk_start + ((start - chunk_start) / kStep) * kStep;
-    const int nsteps = end > jbase ? (end - jbase + kStep - 1) / kStep : 0;
-    const int first = win_left < 0 ? 1 : 0;        // step 0 already issued (bound: chunk_end)
-#pragma unroll 1
-    for (int st = first; st < STAGES; ++st) {
-      if (st < nsteps) issue_step(jbase, st, end);
-      else async_copy_commit();                    // empty group: the wait counts stay uniform
-    }
-#pragma unroll 1
-    for (int step = 0; step < nsteps; ++step) {
-      async_copy_wait<(STAGES > 0 ? STAGES - 1 : 0)>();  // this thread's copies of `step` landed
-      const int stage = step % (STAGES > 0 ? STAGES : 1);
-      const uint4* slot = decode_stage_ring + stage * kSlots * kDecodeThreads + threadIdx.x;
-      const int j0 = jbase + step * kStep + warp * KPW * U + lane_off;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool keep = j0 + u >= start && j0 + u < end;
-#pragma unroll
-        for (int n = 0; n < NV; ++n) {
-          kr[u][n] = keep ? slot[(u * NV + n) * kDecodeThreads] : Ld::zero();
-          vr[u][n] = keep ? slot[(U * NV + u * NV + n) * kDecodeThreads] : Ld::zero();
-        }
-      }
-      attend_keys(j0, kr, vr);
-      // the slot is free once its values are in registers (the "memory" clobbers keep this
-      // copy below those loads)
-      if (step + STAGES < nsteps) issue_step(jbase, step + STAGES, end);
-      else async_copy_commit();
-    }
-    async_copy_wait<0>();   // nothing outstanding when the block ends (zero-fill copies only)
-  } else if (kRegPrefetch) {
   // warp-uniform trip count: the shuffles need every lane of the warp. With PREFETCH the next
   // step's K/V loads are issued before this step's math, so a warp keeps loads in flight while
   // it computes (without it every step waits a full memory latency; run 13 measured B1 S8192
   // bf16 at 41% of copy bandwidth)
+  if (Cfg::PREFETCH) {
     if (start != chunk_start) {                   // a window moved the start: load again
       load_keys(jw + lane_off, end, kr, vr);
     } else {                                      // keep the early loads below the length
@@ -429,7 +265,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     }
   }
   __syncthreads();
-  const bool direct = fuse != 0 && nsplit == 1;   // the only split: write the output itself
   // rows rr of this block are workspace rows row_base + rr (rr = g * sq + i)
   const long long row_base = (static_cast<long long>(b) * hq + kvh * group) * sq;
   for (int t = threadIdx.x; t < RT * d_rt; t += kDecodeThreads) {
@@ -452,39 +287,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     // natural-log LSE of the split: (m + log2 l) * ln 2
     const float lse_val = lsum > 0.f ? (mx + log2f(lsum)) * 0.6931471805599453f
                                      : -__int_as_float(0x7f800000);
-    if (direct) {            // same values as decode_combine gives for one split (weight 1)
-      const int g = rr / sq, i = rr - g * sq;
-      out[((static_cast<long long>(b) * sq + i) * hq + kvh * group + g) * d_rt + d] =
-          from_float<T>(o_val);
-      if (d == 0 && lse_out != nullptr) lse_out[row] = lse_val;
-    } else {
-      const long long slot = row * nsplit + split;
-      ws_o[slot * d_rt + d] = o_val;
-      if (d == 0) ws_lse[slot] = lse_val;
-    }
+    const long long slot = row * nsplit + split;
+    ws_o[slot * d_rt + d] = o_val;
+    if (d == 0) ws_lse[slot] = lse_val;
   }
-  if (fuse == 0 || direct) return;
-
-  // Last block done. Each thread's partial stores are made visible device-wide before the block
-  // arrives (__threadfence in every writer: sm_61 has no cumulative release), then thread 0
-  // arrives with acquire-release semantics; the last block's threads read the partials after
-  // the barrier that follows that acquire, through L2 (decode_merge_splits).
-  __threadfence();
-  __syncthreads();
-  __shared__ unsigned sm_last;
-  if (threadIdx.x == 0) {
-    const unsigned before = counter_add_acq_rel(counters + blockIdx.x, 1u);
-    const bool last = before == static_cast<unsigned>(nsplit - 1);
-    // every split of this launch has arrived: reset for the next launch (stream order makes the
-    // store visible to it; no block of this launch touches the counter again)
-    if (last) *reinterpret_cast<volatile unsigned*>(counters + blockIdx.x) = 0u;
-    sm_last = last ? 1u : 0u;
-  }
-  __syncthreads();
-  if (sm_last == 0u) return;
-  const int nr = rows - rchunk * RT < RT ? rows - rchunk * RT : RT;
-  decode_merge_splits<T>(ws_o, ws_lse, out, lse_out, row_base + rchunk * RT, nr, nsplit, d_rt,
-                         sq, hq);
 }
 
 }  // namespace gpuops

@@ -18,14 +18,6 @@ __device__ __forceinline__ float load_cg(const float* p) {
   return v;
 }
 
-// Four floats through L2 (p 16-byte aligned).
-__device__ __forceinline__ float4 load_cg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ void store_cg(float* p, float v) {
   asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }

@@ -378,7 +378,6 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
   static constexpr int kVec = VEC, kPacks = PACKS, K = 3, kWords = 2, kPollBatch = 1;
-  static constexpr int kInputs = 1;          // ring_async: x copied into the slot
   static constexpr bool kPrefetch = true;    // w, b issued before the poll (ring2)
   using Acc = MeanM2;
   const T* x;
@@ -402,16 +401,6 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
 
   __device__ __forceinline__ void issue(long long row, int u0, int units) {
     xt.load(x + row * xs, u0, units);
-  }
-
-  __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
-    ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
-  }
-  __device__ __forceinline__ void land_held(Raw* slot, long long row, int u0, int units,
-                                            float (&part)[3]) {
-#pragma unroll
-    for (int p = 0; p < PACKS; ++p) xt.u[p] = slot[p * blockDim.x];
-    land(slot, row, u0, units, part);
   }
 
   // Each pack: two passes over its VEC values (mean, then squared deviations), merged into the
@@ -508,22 +497,8 @@ layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
                  float eps) {
   extern __shared__ uint4 ring_smem[];
   LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
-  ring2_rows<false, LayerNormRing<T, VEC, PACKS>::kPollBatch>(
-      pol, rows, n / VEC, C, D, 1, state, reinterpret_cast<unsigned char*>(ring_smem));
-}
-
-// ring2's exchange with tiles copied `lead` ahead by cp.async ("ring_async", norm_ring.cuh;
-// 16-byte units), one block of up to 512 threads per SM: polls of 4 x 32 chunks per round trip.
-template <class T, int VEC, int PACKS>
-__global__ void __launch_bounds__(512, 1)
-layer_norm_ring_async(const T* x, long long x_stride, T* y, long long y_stride,
-                      const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
-                      float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
-                      int lead, float eps) {
-  extern __shared__ uint4 ring_smem[];
-  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
-  ring2_rows<true, 4>(pol, rows, n / VEC, C, D, lead, state,
-                      reinterpret_cast<unsigned char*>(ring_smem));
+  ring2_rows<LayerNormRing<T, VEC, PACKS>::kPollBatch>(
+      pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

@@ -43,7 +43,6 @@
 // so slots need no barriers of their own.
 #pragma once
 #include "norms/norm_rows.cuh"
-#include "common/async_copy.cuh"
 
 namespace gpuops {
 
@@ -181,50 +180,6 @@ struct RingOutput {
     }
   }
 };
-
-// ------------------------------------------------------------------------- ring_async landing
-//
-// ring2_rows<kAsync = true> ("ring_async"): the tiles are copied global -> ring slot by cp.async
-// (sm_80+; 16-byte units), `lead` tiles ahead of the one being landed, instead of through
-// registers one tile ahead. Why: in the register rings a block has exactly one tile in flight,
-// and none between its landing and the next issue; through the publish and the drain's poll
-// (L2 round trips) the SM streams only what the other block has in flight (run 22: ring2 at
-// 72% of copy, the exchange-heavy layer_norm at 42-45%). With lead - 1 >= 2 tiles always in
-// flight per block, the round trips overlap DRAM traffic, and a thread's copies complete for
-// that thread at its own cp.async.wait_group: the ring stays private per thread (no barrier).
-// Slots: tile k lands from slot k % D, is drained `lag` = D - lead + 1 steps later, and the slot
-// it frees takes tile k + lead (issued at the end of step k, after that drain).
-
-// Copies this thread's units of a tile (PACKS of them, 16 bytes each) into its part of `slot`;
-// units past the row's end are zero-filled (src-size 0: nothing read). Below sm_80 (a module
-// built for every arch): the same through registers, synchronously (correct; not a speed path).
-template <class T, int VEC, int PACKS>
-__device__ __forceinline__ void ring_copy_async(typename RawUnit<T, VEC>::type* slot,
-                                                const T* row, int u0, int units) {
-  static_assert(VEC * sizeof(T) == 16, "ring_async copies 16-byte units");
-#pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-    const int unit = u0 + p * static_cast<int>(blockDim.x);
-    const bool in = unit < units;
-    const T* src = row + (in ? static_cast<long long>(unit) * VEC : 0);
-    async_copy16(reinterpret_cast<uint4*>(slot + p * blockDim.x), src, in);
-  }
-}
-
-// Waits until at most `pending` of this thread's committed copy groups are outstanding (the
-// instruction takes an immediate; pending < 8 = RING_MAX_DEPTH).
-__device__ __forceinline__ void ring_copy_wait(int pending) {
-  switch (pending) {
-    case 0: async_copy_wait<0>(); break;
-    case 1: async_copy_wait<1>(); break;
-    case 2: async_copy_wait<2>(); break;
-    case 3: async_copy_wait<3>(); break;
-    case 4: async_copy_wait<4>(); break;
-    case 5: async_copy_wait<5>(); break;
-    case 6: async_copy_wait<6>(); break;
-    default: async_copy_wait<7>(); break;
-  }
-}
 
 // "ring": the loop of the file comment over a policy P (LayerNormRing in layer_norm.cu,
 // RmsNormRing in rms_norm.cu: a RingOutput), which provides Elem, kVec, kPacks (the tile's T,
@@ -364,16 +319,12 @@ __device__ __forceinline__ typename P::Acc ring2_row_acc(const P& pol,
 //   Acc, acc_zero(), acc_add(acc, v, count), acc_warp(acc)   the row's merge
 //   stats(acc, mu, s)        the row's statistics from the merge
 //   write_stats(row, mu, s)  into mean / rstd (where wanted; the block holding chunk 0)
-// kAsync ("ring_async", above): tiles copied into their slots `lead` tiles ahead (1 <= lead < D),
-// with P also providing kInputs (slot units per tile unit: 2 for add_rms_norm's x and r),
-// issue_async(slot, row, u0, units) and land_held(slot, row, u0, units, part) (land, from the
-// slot). kBatch: chunks per lane per poll round trip (32 * kBatch words at once).
-template <bool kAsync, int kBatch, class P>
+// kBatch: chunks per lane per poll round trip (32 * kBatch words at once).
+template <int kBatch, class P>
 __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, int C, int D,
-                                           int lead, unsigned* state, unsigned char* smem) {
+                                           unsigned* state, unsigned char* smem) {
   using Elem = typename P::Elem;
   constexpr int W = P::kWords;
-  constexpr int kSlotPacks = P::kPacks * (kAsync ? P::kInputs : 1);
   float* scratch = reinterpret_cast<float*>(smem);
   unsigned char* ring = smem + kRingHeaderBytes;
   unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
@@ -383,8 +334,7 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
   const unsigned first = blockIdx.x, step = gridDim.x;
   const int K = first < tiles ? static_cast<int>((tiles - 1 - first) / step) + 1 : 0;
   const RingTile stride(step, C);                  // (step / C, step % C)
-  const int lag = kAsync ? D - lead + 1 : D;       // tile k is drained at step k + lag - 1
-  auto slot_of = [&](int s) { return ring_slot<Elem, P::kVec, kSlotPacks>(ring, s); };
+  auto slot_of = [&](int s) { return ring_slot<Elem, P::kVec, P::kPacks>(ring, s); };
   // Tile j, held in slot j % D (`dslot`). Its row by a division, not by a second cursor, and
   // no count of drained tiles kept: registers live through the landing and the poll.
   auto drain = [&](int j, int dslot) {
@@ -409,39 +359,7 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
     }
   };
 
-  if constexpr (kAsync) {
-    if (K > 0) {
-      RingTile ahead(first, C);                    // the next tile to copy in
-      for (int j = 0; j < lead; ++j) {             // tiles 0 .. lead-1 into slots 0 .. lead-1
-        if (j < K) {
-          pol.issue_async(slot_of(j), ahead.row, ahead.u0(tile_units), units);
-          ahead.advance(stride, C);
-        }
-        async_copy_commit();                        // (a group per tile, empty past K: the
-      }                                            //  wait below counts groups)
-      RingTile cur(first, C);
-      int slot = 0, ahead_slot = lead == D ? 0 : lead, drain_slot = 0;   // (lag 1: lead = D)
-      for (int k = 0; k < K; ++k) {
-        ring_copy_wait(lead - 1);                  // tile k's copies (groups after it pending)
-        float part[P::K];
-        pol.land_held(slot_of(slot), cur.row, cur.u0(tile_units), units, part);
-        publish(cur, part);
-        if (k + 1 - lag >= 0) {                    // frees its slot for tile k + lead
-          drain(k + 1 - lag, drain_slot);
-          drain_slot = next_slot(drain_slot, D);
-        }
-        if (k + lead < K) {
-          pol.issue_async(slot_of(ahead_slot), ahead.row, ahead.u0(tile_units), units);
-          ahead.advance(stride, C);
-        }
-        async_copy_commit();
-        ahead_slot = next_slot(ahead_slot, D);
-        slot = next_slot(slot, D);
-        cur.advance(stride, C);
-      }
-      for (int j = max(0, K + 1 - lag); j < K; ++j) drain(j, j % D);
-    }
-  } else if (K > 0) {
+  if (K > 0) {
     RingTile cur(first, C);
     int slot = 0;
     pol.issue(cur.row, cur.u0(tile_units), units);

@@ -199,7 +199,6 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
   static constexpr int kVec = VEC, kPacks = PACKS, K = 1, kWords = 1, kPollBatch = 2;
-  static constexpr int kInputs = kAdd ? 2 : 1;   // ring_async: x (and r) copied into the slot
   static constexpr bool kPrefetch = true;    // w loads issued before the poll (ring2)
   using Acc = float;
   const T* x;
@@ -233,21 +232,6 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
   __device__ __forceinline__ void issue(long long row, int u0, int units) {
     xt.load(x + row * xs, u0, units);
     if (kAdd) rt.load(r + row * rs, u0, units);
-  }
-
-  // ring_async: x into the slot's first PACKS units, r (kAdd) into the next PACKS.
-  __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
-    ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
-    if (kAdd) ring_copy_async<T, VEC, PACKS>(slot + PACKS * blockDim.x, r + row * rs, u0, units);
-  }
-  __device__ __forceinline__ void land_held(Raw* slot, long long row, int u0, int units,
-                                            float (&part)[1]) {
-#pragma unroll
-    for (int p = 0; p < PACKS; ++p) {
-      xt.u[p] = slot[p * blockDim.x];
-      if (kAdd) rt.u[kAdd ? p : 0] = slot[(PACKS + p) * blockDim.x];
-    }
-    land(slot, row, u0, units, part);
   }
 
   __device__ __forceinline__ void land(Raw* slot, long long row, int u0, int units,
@@ -334,24 +318,8 @@ rms_norm_ring2(const T* x, long long x_stride, const T* r, long long r_stride, T
   extern __shared__ uint4 ring_smem[];
   RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
                                        rstd_out, n, eps);
-  ring2_rows<false, RmsNormRing<T, VEC, PACKS, kAdd>::kPollBatch>(
-      pol, rows, n / VEC, C, D, 1, state, reinterpret_cast<unsigned char*>(ring_smem));
-}
-
-// ring2's exchange with tiles copied `lead` ahead by cp.async ("ring_async", norm_ring.cuh;
-// 16-byte units): one block of up to 512 threads per SM holds D slots (kAdd: x and r per slot),
-// so the 128 registers of (512, 1) allow polls of 4 x 32 chunks per round trip.
-template <class T, int VEC, int PACKS, bool kAdd>
-__global__ void __launch_bounds__(512, 1)
-rms_norm_ring_async(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
-                    long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
-                    float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
-                    int lead, float eps) {
-  extern __shared__ uint4 ring_smem[];
-  RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
-                                       rstd_out, n, eps);
-  ring2_rows<true, 4>(pol, rows, n / VEC, C, D, lead, state,
-                      reinterpret_cast<unsigned char*>(ring_smem));
+  ring2_rows<RmsNormRing<T, VEC, PACKS, kAdd>::kPollBatch>(
+      pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 
 }  // namespace gpuops

@@ -13,19 +13,16 @@ Kernels (cuda_src/attention/):
   K/V for head dims 64/128/256 (template), one-element loads for any other head dim or layout.
   fp32 math (online softmax in the log2 domain), fp16/bf16/fp32 storage. Each split writes its
   normalised partial output and log-sum-exp to an fp32 workspace (``call.empty``).
-* ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp (the
-  "separate" combine, the default). With ``COMBINE = "fused"`` there is no second launch: with
-  one split the split kernel writes the output itself, with several the last block of each (b, kv
-  head, row chunk) to finish merges them (a per-block-row counter in a small per-device, per-stream
-  buffer of zeroed counters that the kernel resets itself: see :func:`_counters`); run 22 measured
-  it slower at B1 (22.4 us vs 20.3).
+* ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp (a second
+  launch, also for one split; a PDL secondary of the split kernel on sm_90). (A merge in the split
+  kernel's last block, one launch, was slower at B1 in runs 22, 27 and 35 and was removed:
+  notes_attention_decode.md.)
 * ``decode_append.cu``: the paged-cache writer.
 
-Knobs (read at every call; notes_attention_decode.md, change 3): ``PDL`` (programmatic dependent
+Knob (read at every call; notes_attention_decode.md, change 3): ``PDL`` (programmatic dependent
 launch of the combine, and of the split kernel, sm_90; "combine" by default since run 34: -0.9 us
-at B1 S8192) and ``STAGED`` (the split kernel's K/V staged through a per-thread cp.async ring of
-N steps in shared memory, sm_80+, 16-bit dtypes; off: slower than the register path at every
-depth in runs 34-35, kept for A/B until removed).
+at B1 S8192). (A cp.async-staged split kernel was slower than the register path at every depth
+in run 34 and was removed: notes_attention_decode.md.)
 
 The lengths (``cache_seqlens``, int32 on the device) are read by the kernels, never by the host:
 the ops are capturable in a CUDA graph and the graph can be replayed with other lengths. For the
@@ -37,7 +34,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 
 import numpy as np
 
@@ -60,19 +56,6 @@ RTS = (1, 2, 4, 8)            # q rows per block on the 16-byte path
 # Whole waves matter: run 14 measured B16 S4096 at 640 blocks with 528 resident (1.2 waves)
 # 16% slower than at 384 blocks (one wave). Experiments may change these; part of the plan key.
 SPLIT = {"waves": 1, "min_chunk": 128}
-# How the splits are merged: "fused" (in the split kernel: the last block of each (b, kv head,
-# row chunk) merges, or the only split writes the output; one launch) or "separate" (the
-# decode_combine kernel, a second launch). Read at every call. Run 22 (rotated caches, CUDA graph):
-# B1 S8192 fused 22.4 us vs separate 20.3 (the last block's serial merge costs more than the
-# launch it saves; predicted ~18: missed), B16 S4096 98.0 vs 98.9 us: "separate" stays the default.
-COMBINE = "separate"
-# Counters of the fused merge: one unsigned per split-kernel block row (grid x), zeroed once when
-# allocated and reset to 0 by the kernel that used them. Each CUDA stream gets its own slice
-# (COUNTER_CAP counters) so that decode calls running at the same time on different streams never
-# share a counter; slices are handed out from chunks of COUNTER_CHUNK slices per device, allocated
-# (cudaMalloc + cudaMemset + one synchronize) outside stream capture only. A call that finds no
-# slice (first use of the device inside a capture, more than COUNTER_CAP block rows, more than
-# COUNTER_MAX_SLICES streams) takes the "separate" path: slower, never wrong.
 # Programmatic dependent launch (sm_90 only; notes_attention_decode.md, change 3): "off" (plain
 # launches), "combine" (the split kernel lets the combine be scheduled at once; the combine,
 # launched as a PDL secondary, waits for the splits before its first load: hides its launch) or
@@ -81,22 +64,12 @@ COMBINE = "separate"
 # archs and drivers without cuLaunchKernelEx. Run 34 (H100, B1 S8192 bf16, graph replay, rotated
 # caches): off 20.37 us, "combine" 19.50 (the default since), B16 S4096 99.01 -> 98.44; same bits.
 PDL = "combine"
-# K/V staging of the split kernel (16-bit dtypes, 16-byte path, sm_80+): 0 = registers (one step
-# prefetched), N = a per-thread ring of N steps filled by cp.async (STAGED_STAGES lists the built
-# depths; a config without an instantiation at that depth keeps the register path). Read at every
-# call; part of the plan key.
-STAGED = 0
-STAGED_STAGES = (6,)              # every staged config
-STAGED_SWEEP = (4, 8)             # also built for the bench config (bf16/fp16 D128 RT2)
-COUNTER_CAP = 2048            # split kernel block rows (B x Hkv x row chunks) per slice
-COUNTER_CHUNK = 64            # slices per allocation (64 x 8 KB)
-COUNTER_MAX_SLICES = 1024     # per device (8 MB)
 
 INT_DTYPES = (dt.int32,)
 _B = {True: "true", False: "false"}
 
-SPLIT_ARGS = ArgSpec(*["ptr"] * 10, *["i64"] * 4, *["i64"] * 4, *["i64"] * 4, "i64", "i64",
-                     "i64", *["i32"] * 14, "f32")
+SPLIT_ARGS = ArgSpec(*["ptr"] * 7, *["i64"] * 4, *["i64"] * 4, *["i64"] * 4, "i64", "i64",
+                     "i64", *["i32"] * 13, "f32")
 COMBINE_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32")
 APPEND_ARGS = ArgSpec(*["ptr"] * 6, *["i64"] * 16, "i64", "i64", "i64", "i64", *["i32"] * 7,
                       "i64")
@@ -119,36 +92,8 @@ def _rt_max(dtype, dim, vec):
     return min(8, max(1, 64 // _cfg(dtype, dim, vec)[2]))
 
 
-def _split_expr(d, dim, vec, rt, paged, stages=0):
-    tail = f", {stages}" if stages else ""
-    return f"gpuops::decode_split<{d.ctype}, {dim}, {vec}, {rt}, {_B[paged]}{tail}>"
-
-
-def _unroll(dtype, dim, vec, rt):
-    """U of DecodeCfg: keys in flight per key group per step."""
-    e = _cfg(dtype, dim, vec)[2]
-    return max(1, min(8, 64 // (e * (rt + 1))))
-
-
-def _staged_smem(dtype, dim, rt, stages):
-    """Dynamic shared memory of the staged split kernel: the per-thread ring of K/V packs."""
-    vec = _vec(dtype)
-    nv = _cfg(dtype, dim, vec)[1]
-    return stages * 2 * _unroll(dtype, dim, vec, rt) * nv * 16 * DECODE_THREADS
-
-
-def _staged_configs():
-    for d in (dt.float16, dt.bfloat16):
-        vec = _vec(d)
-        for dim in FAST_D:
-            e = _cfg(d, dim, vec)[2]
-            for rt in RTS:
-                if rt > _rt_max(d, dim, vec) or rt * e > 32:     # DecodeCfg::PREFETCH configs
-                    continue
-                sweep = STAGED_SWEEP if (dim, rt) == (128, 2) else ()
-                for stages in STAGED_STAGES + sweep:
-                    for paged in (False, True):
-                        yield _split_expr(d, dim, vec, rt, paged, stages)
+def _split_expr(d, dim, vec, rt, paged):
+    return f"gpuops::decode_split<{d.ctype}, {dim}, {vec}, {rt}, {_B[paged]}>"
 
 
 SPLIT_MODULE = KernelModule("attention.decode_split", "attention/decode_split.cu", {
@@ -157,12 +102,6 @@ SPLIT_MODULE = KernelModule("attention.decode_split", "attention/decode_split.cu
        for paged in (False, True)},
     **{_split_expr(d, dim, 1, 1, paged): SPLIT_ARGS
        for d in dt.FLOATS for dim in GENERAL_D for paged in (False, True)}})
-# The cp.async-staged split kernels (same source, template STAGES > 0): a module of their own so
-# that the default path never compiles them; sm_80+ only (chosen only there: the source's
-# synchronous fallback for older archs compiles, sm_61 checked without spills, but gains nothing).
-STAGED_MODULE = KernelModule("attention.decode_split_staged", "attention/decode_split.cu",
-                             {expr: SPLIT_ARGS for expr in _staged_configs()},
-                             archs=("80", "86", "89", "90"))
 COMBINE_MODULE = KernelModule("attention.decode_combine", "attention/decode_combine.cu", {
     f"gpuops::decode_combine<{d.ctype}>": COMBINE_ARGS for d in dt.FLOATS})
 APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append.cu", {
@@ -190,89 +129,21 @@ def num_splits(batch, hkv, row_chunks, s_max, slots, waves=None, min_chunk=None)
     return -(-max(s_max, 1) // chunk), chunk
 
 
-def _split_slots(expr, dev, module=None, smem=0):
-    """Resident blocks of the split kernel on the device: SMs x blocks per SM (with `smem` bytes
-    of dynamic shared memory: the staged ring)."""
-    kernel = _kernel(module or SPLIT_MODULE, dev, expr)
-    if smem:                                      # opt in (> 48 KB) before asking the occupancy
-        kernel._raise_smem_limit(smem)
-    return _sm_count(dev) * loader.blocks_per_sm(kernel, DECODE_THREADS, smem)
+def _split_slots(expr, dev):
+    """Resident blocks of the split kernel on the device: SMs x blocks per SM."""
+    return _sm_count(dev) * loader.blocks_per_sm(_kernel(SPLIT_MODULE, dev, expr), DECODE_THREADS)
 
 
 def _cc(dev):
     """The arch the kernels run as on the device: its own, or an older one under GPUOPS_ARCH
-    (compute_61 PTX on an H100 has neither cp.async nor griddepcontrol: the staged ring then
-    copies synchronously, and a PDL secondary would not wait, so PDL must not be used)."""
+    (compute_61 PTX on an H100 has no griddepcontrol: a PDL secondary would not wait, so PDL
+    must not be used)."""
     return loader.runtime_target(SPLIT_MODULE, device.device_info(dev).cc).arch
-
-
-def _smem_optin(dev):
-    return device.device_info(dev).max_smem_per_block_optin
 
 
 def _pdl_ok(dev) -> bool:
     """Programmatic dependent launch: sm_90+ and a driver with cuLaunchKernelEx."""
     return _cc(dev) >= 90 and launch_ex_available()
-
-
-# ---------------------------------------------------------------------------------------------
-# Counters of the fused merge.
-
-_counter_chunks: dict = {}    # device -> [base pointers of its chunks]
-_counter_slices: dict = {}    # (device, stream) -> counter pointer
-_counter_free: dict = {}      # device -> slices handed out so far
-_counter_lock = threading.Lock()
-
-
-def _capturing(stream) -> bool:
-    cp = device.cupy_or_none()
-    return cp.cuda.runtime.streamIsCapturing(stream) != cp.cuda.runtime.streamCaptureStatusNone
-
-
-def _alloc_counters(dev, stream, nbytes):
-    """A zeroed device buffer of nbytes that lives as long as the process, or None inside a
-    stream capture (cudaMalloc and a host synchronize are not capturable). The memset runs on the
-    call's stream and the host waits for it, so the zeros are in place for every stream that
-    later gets a slice of the chunk: one host synchronize per COUNTER_CHUNK streams of a device,
-    outside any capture."""
-    if _capturing(stream):
-        return None
-    rt = device.cupy_or_none().cuda.runtime
-    ptr = rt.malloc(nbytes)
-    rt.memsetAsync(ptr, 0, nbytes, stream)
-    rt.streamSynchronize(stream)
-    return ptr
-
-
-def _counters(call, n):
-    """The counters (pointer) of the call's stream, or None: then the caller merges in a second
-    launch. Slices are per stream because a counter may be used by one launch at a time: launches
-    on one stream are ordered, launches on different streams may overlap. A CUDA graph keeps the
-    slice of the stream it was captured on: two graphs captured on one stream must not be
-    replayed at the same time (nor one alongside eager decode calls on its capture stream); set
-    COMBINE = "separate" for that."""
-    if n > COUNTER_CAP:
-        return None
-    key = (call.device, call.stream)
-    ptr = _counter_slices.get(key)
-    if ptr is not None:
-        return ptr
-    with _counter_lock:
-        if key in _counter_slices:
-            return _counter_slices[key]
-        used = _counter_free.get(call.device, 0)
-        chunks = _counter_chunks.setdefault(call.device, [])
-        if used >= COUNTER_MAX_SLICES:
-            return None
-        if used >= len(chunks) * COUNTER_CHUNK:
-            base = _alloc_counters(call.device, call.stream, COUNTER_CHUNK * COUNTER_CAP * 4)
-            if base is None:
-                return None
-            chunks.append(base)
-        ptr = chunks[used // COUNTER_CHUNK] + (used % COUNTER_CHUNK) * COUNTER_CAP * 4
-        _counter_free[call.device] = used + 1
-        _counter_slices[key] = ptr
-        return ptr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,11 +394,10 @@ def _fast(dtype, dim, k: Tensor, v: Tensor) -> bool:
 
 
 _plans: dict = {}
-LAST_COMBINE = None           # how the last call merged: "direct" / "fused" / "separate" (tests)
 
 
 def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
-    key = (op, dtype, q.shape, k.shape, fast, dev, tuple(SPLIT.values()), STAGED)
+    key = (op, dtype, q.shape, k.shape, fast, dev, tuple(SPLIT.values()))
     p = _plans.get(key)
     if p is None:
         b, sq, hq, dim = q.shape
@@ -544,16 +414,9 @@ def _plan(op, dtype, q: Tensor, k: Tensor, v: Tensor, s_max, fast, dev):
         rows = (hq // hkv) * sq
         row_chunks = -(-rows // rt)
         paged = op == "paged_attention"
-        expr, module, smem = _split_expr(dtype, dt_, vec, rt, paged), SPLIT_MODULE, 0
-        if fast and STAGED:
-            staged = _split_expr(dtype, dt_, vec, rt, paged, STAGED)
-            need = _staged_smem(dtype, dt_, rt, STAGED)
-            if (staged in STAGED_MODULE.kernels and _cc(dev) >= 80
-                    and need + 8 * 1024 <= _smem_optin(dev)):
-                expr, module, smem = staged, STAGED_MODULE, need
-        nsplit, chunk = num_splits(b, hkv, row_chunks, s_max,
-                                   _split_slots(expr, dev, module, smem))
-        p = (expr, module, smem, rows, row_chunks, nsplit, chunk)
+        expr = _split_expr(dtype, dt_, vec, rt, paged)
+        nsplit, chunk = num_splits(b, hkv, row_chunks, s_max, _split_slots(expr, dev))
+        p = (expr, rows, row_chunks, nsplit, chunk)
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = p
@@ -565,7 +428,6 @@ def _st(t: Tensor, i):
 
 
 def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return_lse):
-    global LAST_COMBINE
     dtype = call.result_dtype
     b, sq, hq, dim = q.shape
     hkv = k.shape[2]
@@ -575,49 +437,37 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     lse = call.empty((b, hq, sq), dt.float32) if return_lse else None
     if out.numel == 0:
         return (out, lse) if return_lse else out
-    expr, module, smem, rows, row_chunks, nsplit, chunk = _plan(
+    expr, rows, row_chunks, nsplit, chunk = _plan(
         op, dtype, q, k, v, s_max, _fast(dtype, dim, k, v), call.device)
     nrows = b * hq * sq
     block_rows = b * hkv * row_chunks
-    if COMBINE not in ("fused", "separate"):
-        raise ValueError(f"gpuops.{op}: attention_decode.COMBINE = {COMBINE!r}; expected "
-                         "'fused' or 'separate'")
-    fuse, counters = COMBINE == "fused", 0
-    if fuse and nsplit > 1:
-        ptr = _counters(call, block_rows)
-        fuse, counters = ptr is not None, ptr or 0
-    LAST_COMBINE = ("direct" if nsplit == 1 else "fused") if fuse else "separate"
     if PDL not in ("off", "combine", "all"):
         raise ValueError(f"gpuops.{op}: attention_decode.PDL = {PDL!r}; expected 'off', "
                          "'combine' or 'all'")
     pdl = PDL != "off" and _pdl_ok(call.device)
-    # bit 0: a combine follows (PDL secondary): let it be scheduled; bit 1: wait for the previous
-    # kernel (this launch is a PDL secondary itself)
-    pdl_flags = ((1 if not fuse else 0) | (2 if PDL == "all" else 0)) if pdl else 0
+    # bit 0: the combine follows (PDL secondary): let it be scheduled; bit 1: wait for the
+    # previous kernel (this launch is a PDL secondary itself)
+    pdl_flags = (1 | (2 if PDL == "all" else 0)) if pdl else 0
     split_attrs = {"attrs": _PDL_ATTRS} if pdl and PDL == "all" else {}
-    ws_o = ws_lse = None
-    if not (fuse and nsplit == 1):
-        ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
-        ws_lse = call.empty((nrows * nsplit,), dt.float32)
+    ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
+    ws_lse = call.empty((nrows * nsplit,), dt.float32)
     if table is None:
         tab_ptr, ts0, ts1, page_size, num_pages = 0, 0, 0, 0, 0
     else:
         tab_ptr, ts0, ts1 = table.ptr, _st(table, 0), _st(table, 1)
         page_size, num_pages = k.shape[1], k.shape[0]
     lse_ptr = 0 if lse is None else lse.ptr
-    _kernel(module, call.device, expr).launch(
+    _kernel(SPLIT_MODULE, call.device, expr).launch(
         (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
-        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, 0 if ws_o is None else ws_o.ptr,
-        0 if ws_lse is None else ws_lse.ptr, counters, out.ptr, lse_ptr,
+        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, ws_o.ptr, ws_lse.ptr,
         *(_st(q, i) for i in range(4)), *(_st(k, i) for i in range(4)),
         *(_st(v, i) for i in range(4)), _st(seqlens, 0), ts0, ts1,
         page_size, num_pages, s_max, sq, hq, hkv, dim, rows, row_chunks, chunk, nsplit, left,
-        int(fuse), pdl_flags, sc * 1.4426950408889634, smem=smem, **split_attrs)
-    if not fuse:
-        _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
-            (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
-            ws_o.ptr, ws_lse.ptr, out.ptr, lse_ptr, nsplit, dim, sq, hq,
-            **({"attrs": _PDL_ATTRS} if pdl else {}))
+        pdl_flags, sc * 1.4426950408889634, **split_attrs)
+    _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
+        (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
+        ws_o.ptr, ws_lse.ptr, out.ptr, lse_ptr, nsplit, dim, sq, hq,
+        **({"attrs": _PDL_ATTRS} if pdl else {}))
     return (out, lse) if return_lse else out
 
 
@@ -722,11 +572,11 @@ def decode_attention(call, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     aligned, last-dim-contiguous caches take the 16-byte path, any other head dim (up to 1024)
     or layout the one-element path. On the CPU path the lse comes back in q's dtype.
 
-    One launch: the splits over the keys are merged by the last block of each kv head to finish
-    (``attention_decode.COMBINE = "separate"``: a second kernel), with a few counters per CUDA
-    stream kept by gpuops (allocated at the first call on a device outside graph capture). Calls
-    on different streams may overlap; a captured graph uses its capture stream's counters, so two
-    graphs captured on one stream must not be replayed at the same time.
+    Two launches: the split kernel (each split of the keys writes its partial output and
+    log-sum-exp to a workspace) and the combine, which merges them (on sm_90 launched as a
+    programmatic dependent of the split kernel: ``attention_decode.PDL``). No state is kept
+    between calls: calls on different streams and graphs replayed at the same time are
+    independent.
     """
     s_max = _check_decode(q.shape, k_cache.shape, v_cache.shape, cache_seqlens.shape)
     return _attend(call, "decode_attention", q, k_cache, v_cache, cache_seqlens, None, s_max,

@@ -49,11 +49,6 @@ LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", 
                         "i32", "i32", "i32", "f32")
 RMS_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
                          "ptr", "i64", "i32", "i32", "i32", "f32")
-# The ring_async kernels: ring2's arguments with `lead` (tiles copied ahead) before eps.
-LN_RING_ASYNC_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
-                             "i32", "i32", "i32", "i32", "f32")
-RMS_RING_ASYNC_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr",
-                              "ptr", "ptr", "i64", "i32", "i32", "i32", "i32", "f32")
 
 FUSED, PARTIALS, APPLY = 0, 1, 2          # launch phases, as in norm_rows.cuh
 MAX_N = (1 << 31) - (1 << 20)             # units are int32 in the kernels
@@ -92,27 +87,21 @@ class Kind:
     ring_packs: int = 4
     ring_threads: int = 512
     ring2_template: str | None = None    # the same tiles, ring2's exchange (norm_ring.cuh)
-    ring_async_template: str | None = None   # ring2's exchange, tiles copied ahead (cp.async)
-    ring_inputs: int = 1                  # tensors a ring_async slot holds per tile (x, r)
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
                   True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>",
                   ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>",
-                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>",
-                  ring_async_template="gpuops::layer_norm_ring_async<{t}, {v}, {p}>")
+                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
                 True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>",
                 ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>",
-                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>",
-                ring_async_template="gpuops::rms_norm_ring_async<{t}, {v}, {p}, false>")
+                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>")
 # (x and r in flight: half the packs per tile)
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
                     256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>",
                     ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, true>", ring_packs=2,
-                    ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, true>",
-                    ring_async_template="gpuops::rms_norm_ring_async<{t}, {v}, {p}, true>",
-                    ring_inputs=2)
+                    ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, true>")
 LAYER_NORM_BWD = Kind("layer_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, true>", 8, 512, 1024,
                       512, False, True, 2)
 RMS_NORM_BWD = Kind("rms_norm_bwd", "gpuops::norm_bwd<{t}, {v}, {p}, false>", 8, 512, 1024, 512,
@@ -130,11 +119,6 @@ FORCE_TWO_LAUNCHES = False
 ONE_LAUNCH_MAX_WAVES = 1
 # Split rows of the forward ops (one pass over memory where a ring fits, norm_ring.cuh; the split
 # rules below where it does not):
-#   "ring_async" ring2's exchange with tiles copied into the ring by cp.async, `lead` tiles ahead
-#                (one 512-thread block per SM, up to 7 slots); 16-byte units on sm_80+, else as
-#                "ring". Run 34 (H100): correct, but slower everywhere: [16, 1M] 63-66% of copy
-#                (ring 64-75%), [8, 393216] 32-80% (ring2 41-88%); predicted 80-88%: missed
-#                (benchmarks/notes_norms.md, run 34). Kept selectable for A/B only.
 #   "ring2"      self-validating partials (no memset, no atomics), tiles through registers one
 #                ahead: ring2_rows. Runs 22 and 34: best where each block holds one tile
 #                ([8, 393216]: bf16 rms 6.7 us vs ring 9.3, layer 10.3 vs 13.7, add 9.5 vs 12.5)
@@ -149,15 +133,12 @@ ONE_LAUNCH_MAX_WAVES = 1
 #                per row; else ring. Run 34's best plan at each of its 12 long-row shapes
 #                (3 ops x bf16 / fp32 x [16, 1M] / [8, 393216]); within 3% of the best at
 #                layer_norm fp32 [8, 393216] (ring 19.3 us vs ring2 19.8).
-# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
+# All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py). (A fifth plan,
+# ring2's exchange with the tiles copied into the ring by cp.async several tiles ahead, was
+# slower at every shape in run 34 and was removed: benchmarks/notes_norms.md.)
 LONG_ROWS = "auto"
 AUTO_RING2_MAX_C = 64
-LONG_ROWS_PLANS = ("auto", "ring_async", "ring2", "ring", "split")
-# ring_async: a tile is drained ASYNC_LAG steps after it lands (its row's other tiles have that
-# long to be published: > the skew between blocks + one poll round trip), and at least
-# ASYNC_MIN_LEAD tiles are copied ahead (lead - 1 in flight while a block publishes and polls).
-ASYNC_LAG = 3
-ASYNC_MIN_LEAD = 3
+LONG_ROWS_PLANS = ("auto", "ring2", "ring", "split")
 # Whole rows of layer_norm (one block per row, 16-byte units; e.g. [*, 4096]): which kernel.
 #   "per_row"    layer_norm_fwd: x raw in registers, w and b loaded with it (up to 2 packs), one
 #                exchange; 56 registers at 4096 bf16, 4 blocks/SM: 205.9 us in run 21 (86.8%).
@@ -233,9 +214,6 @@ COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_n
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
-# (ring_async copies 16-byte units only: cp.async has no 2-byte copy)
-_RING_ASYNC_EXPRS = {k.name: {key: e for key, e in _ring_exprs(k, k.ring_async_template).items()
-                              if key[1] > 1} for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 
 LAYER_NORM_MODULE = KernelModule(
@@ -244,16 +222,13 @@ LAYER_NORM_MODULE = KernelModule(
         for e in table["layer_norm"].values()},
      **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS)
         for e in table.values()},
-     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()},
-     **{e: LN_RING_ASYNC_ARGS for e in _RING_ASYNC_EXPRS["layer_norm"].values()}})
+     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}})
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
     {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
      **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
-        for e in _RING2_EXPRS[k].values()},
-     **{e: RMS_RING_ASYNC_ARGS for k in ("rms_norm", "add_rms_norm")
-        for e in _RING_ASYNC_EXPRS[k].values()}})
+        for e in _RING2_EXPRS[k].values()}})
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -362,7 +337,7 @@ def _grid(plan: Plan, rows: int, persistent: bool):
 class RingPlan:
     """A ring kernel (norm_ring.cuh) for one row length: C tiles of threads x packs units per
     row, `depth` slots of shared memory per block (`smem` bytes), `capacity` blocks resident;
-    `lead` tiles loaded ahead (1: through registers; ring_async: copied into slots)."""
+    `variant` "ring" or "ring2" (the kernel)."""
     kernel: object
     threads: int
     packs: int
@@ -371,14 +346,7 @@ class RingPlan:
     smem: int
     capacity: int
     kind: object = None
-    lead: int = 1
     variant: str = "ring"
-
-    @property
-    def lag(self) -> int:
-        """Steps from a tile's landing to its drain: a block may hold at most this many tiles of
-        one row (norm_ring.cuh: forward progress)."""
-        return self.depth - self.lead + 1
 
 
 def ring_shape(kind: Kind, vec: int, n: int, itemsize: int, max_threads: int | None = None):
@@ -414,58 +382,50 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
     """The RingPlan of a row length (cached), or None where no block of 2+ slots fits: two blocks
     per SM with the most slots that allow it (one streams while the other synchronizes), else
     one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB).
-    variant: "ring", "ring2" (the kernel; the tiles are the same) or "ring_async" (16-byte units
-    on sm_80+ only; slots of ring_inputs tiles; at least ASYNC_LAG + ASYNC_MIN_LEAD - 1 of them,
-    lead = depth - ASYNC_LAG + 1)."""
+    variant: "ring" or "ring2" (the kernel; the tiles are the same)."""
     kind = TUNING[kind_name]
-    table = {"ring": _RING_EXPRS, "ring2": _RING2_EXPRS, "ring_async": _RING_ASYNC_EXPRS}[variant]
-    exprs = table[kind_name]
+    exprs = {"ring": _RING_EXPRS, "ring2": _RING2_EXPRS}[variant][kind_name]
     if (dtype, vec) not in exprs:
         return None
-    key = (variant, kind_name, dtype, vec, n, dev, RING_MAX_DEPTH, ASYNC_LAG, ASYNC_MIN_LEAD)
+    key = (variant, kind_name, dtype, vec, n, dev, RING_MAX_DEPTH)
     hit = _plans.get(key)
     if hit is not None and hit[0] is kind:
         return hit[1]
     info = device.device_info(dev)
     plan = None
-    is_async = variant == "ring_async"
-    if not is_async or getattr(info, "cc", 0) >= 80:         # (cp.async)
-        kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
-        limit = max(48 * 1024, info.max_smem_per_block_optin)
-        inputs = kind.ring_inputs if is_async else 1
-        min_depth = ASYNC_LAG + ASYNC_MIN_LEAD - 1 if is_async else 2
-        tries = [kind.ring_threads] + [t for t in (256, 128) if t < kind.ring_threads]
-        for max_threads in tries:
+    kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
+    limit = max(48 * 1024, info.max_smem_per_block_optin)
+    tries = [kind.ring_threads] + [t for t in (256, 128) if t < kind.ring_threads]
+    for max_threads in tries:
+        if plan is not None:
+            break
+        threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
+        for per_sm in (2, 1):
+            for depth in range(RING_MAX_DEPTH, 1, -1):
+                smem = RING_HEADER_BYTES + depth * tile_bytes
+                if smem > limit:
+                    continue
+                fit = _resident_per_sm(kernel, threads, smem)
+                if fit >= per_sm:
+                    plan = RingPlan(kernel, threads, packs, C, depth, smem, fit * info.sm_count,
+                                    kind, variant)
+                    break
             if plan is not None:
                 break
-            threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
-            for per_sm in (2, 1):
-                for depth in range(RING_MAX_DEPTH, min_depth - 1, -1):
-                    smem = RING_HEADER_BYTES + depth * tile_bytes * inputs
-                    if smem > limit:
-                        continue
-                    fit = _resident_per_sm(kernel, threads, smem)
-                    if fit >= per_sm:
-                        plan = RingPlan(kernel, threads, packs, C, depth, smem,
-                                        fit * info.sm_count, kind,
-                                        depth - ASYNC_LAG + 1 if is_async else 1, variant)
-                        break
-                if plan is not None:
-                    break
     _plans[key] = (kind, plan)
     return plan
 
 
 def _ring_grid(ring, rows: int):
     """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
-    (all resident), tiles spread evenly, no block holding more than `lag` tiles of one row
+    (all resident), tiles spread evenly, no block holding more than `depth` tiles of one row
     (norm_ring.cuh: forward progress), and fewer than 2^31 tiles (32-bit tile indices)."""
     if ring is None:
         return None
     tiles = rows * ring.C
     per_block = -(-tiles // ring.capacity)
     grid = -(-tiles // per_block)
-    if -(-ring.C // grid) > ring.lag or tiles > (1 << 31) - 1:   # (tile indices are int32)
+    if -(-ring.C // grid) > ring.depth or tiles > (1 << 31) - 1:   # (tile indices are int32)
         return None
     return grid
 
@@ -506,12 +466,6 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
     if plan.C == 1 or LONG_ROWS == "split":
         return None
     variant = LONG_ROWS
-    if variant == "ring_async":
-        ring = _ring_plan(kind_name, dtype, vec, n, dev, "ring_async")
-        grid = _ring_grid(ring, rows)
-        if grid is not None:
-            return ring, grid
-        variant = "ring"
     if variant == "auto":
         variant = "ring"
         if vec > 1:
@@ -738,10 +692,9 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     if ring is not None and ring[0].variant != "ring":
         ring, grid = ring
         state = _ring2_state(call, rows * ring.C * 2)
-        lead = (ring.lead,) if ring.variant == "ring_async" else ()
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
                            _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), state, rows, n, ring.C,
-                           ring.depth, *lead, eps, smem=ring.smem)
+                           ring.depth, eps, smem=ring.smem)
         return y, mean, rstd
     if ring is not None:
         ring, grid = ring
@@ -796,10 +749,9 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     if ring is not None and ring[0].variant != "ring":
         ring, grid = ring
         state = _ring2_state(call, rows * ring.C)
-        lead = (ring.lead,) if ring.variant == "ring_async" else ()
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
                            rs, y.ptr, ys, _ptr(h), hs, _ptr(w), _ptr(rstd), state, rows, n,
-                           ring.C, ring.depth, *lead, eps, smem=ring.smem)
+                           ring.C, ring.depth, eps, smem=ring.smem)
         return y, h, rstd
     if ring is not None:
         ring, grid = ring

@@ -6,10 +6,6 @@
 namespace gpuops {
 
 inline float load_cg(const float* p) { return *reinterpret_cast<const volatile float*>(p); }
-inline float4 load_cg4(const float* p) {
-  const volatile float* q = p;
-  return make_float4(q[0], q[1], q[2], q[3]);
-}
 inline void store_cg(float* p, float v) { *reinterpret_cast<volatile float*>(p) = v; }
 inline unsigned counter_add_acq_rel(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline void counter_add_release(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).fetch_add(v); }
