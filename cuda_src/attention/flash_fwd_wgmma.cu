@@ -17,7 +17,7 @@
 //    memory: no P round trip through shared memory);
 //  * intra-warpgroup overlap (FlashAttention-3, section 3.2): S_{j+1} = Q K_{j+1}^T is issued
 //    before O += P_j V_j, and the softmax of S_{j+1} runs while O += P_j V_j is on the tensor
-//    cores; O is rescaled after that product completes;
+//    cores; O is rescaled by S_{j+1}'s factor after issuing S_{j+2}, before O += P_{j+1} V_{j+1};
 //  * PINGPONG (template flag; host: attention.WGMMA_SCHEDULE): the two consumer warpgroups
 //    take turns on the tensor cores (named barriers), so one's softmax runs under the other's
 //    products (FlashAttention-3, section 3.1);
@@ -300,6 +300,13 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   auto release = [&](int stage) {
     if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
   };
+  // O *= alpha of the latest softmax, right before O += P V of that tile (FlashAttention-3's
+  // order: issued after the next S product, so the multiplies run under it; run 42 had them
+  // after the P V wait, in front of the next turn)
+  auto rescale_o = [&]() {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+  };
   // an edge tile: some score of the warp's rows may be hidden (key tail, window / causal bound)
   auto softmax_tile = [&](int it) {
     const int k0 = w.jlo + it * kWgaBN;
@@ -332,7 +339,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     turn_end();
     wgmma_wait<0>();
     reg_fence(s);
-    softmax_tile(0);                   // O is 0: no rescale
+    softmax_tile(0);                   // (its alpha meets O = 0)
     wga_pack_p<T>(pf, s);
     for (int it = 1; it < w.ntiles; ++it) {
       const int next = stage ^ 1;
@@ -340,6 +347,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       mbar_wait(kfull_bar + 8 * next, next_phase);
       turn_begin();
       issue_s(next);                   // S_it, while ...
+      rescale_o();                     // (CUDA cores, under S_it: alpha of tile it - 1)
       mbar_wait(vfull_bar + 8 * stage, phase);
       issue_pv(stage);                 // ... O += P_{it-1} V_{it-1} follows it
       turn_end();
@@ -351,14 +359,13 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);   // P is read until the product ends
       release(stage);
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
       wga_pack_p<T>(pf, s);
       stage = next;
       phase = next_phase;
     }
     mbar_wait(vfull_bar + 8 * stage, phase);
     turn_begin();
+    rescale_o();
     issue_pv(stage);
     turn_end();
     wgmma_wait<0>();
