@@ -111,37 +111,6 @@ extern "C" void emu_set_dynamic_smem(unsigned long long bytes) {
   emu_dynamic_smem = emu_dynamic_smem_buf.data() + (-reinterpret_cast<std::uintptr_t>(
       emu_dynamic_smem_buf.data()) & 15);
 }
-// cp.async (common/async_copy.cuh's host branch): a copy waits in the issuing thread's open group,
-// commit closes the group, wait(n) performs all but the newest n committed groups; so a kernel
-// that reads a slot before the wait that covers its copy reads stale (poisoned) bytes, as it may
-// on the GPU. Copies still pending when a thread's block ends are performed then.
-// The same interface as tests/cuda_emu/emu.h's (emu::cp_async*), so that common/async_copy.cuh
-// runs under either emulator.
-struct EmuCopy { unsigned char* dst; const void* src; int src_bytes; int bytes; };
-thread_local std::vector<EmuCopy> emu_open_copies;
-thread_local std::vector<std::vector<EmuCopy>> emu_copy_groups;
-namespace emu {
-inline void cp_async(unsigned char* dst, const void* src, int src_bytes, int bytes) {
-  emu_open_copies.push_back({dst, src, src_bytes, bytes});
-}
-inline void cp_async_commit() {
-  emu_copy_groups.push_back(std::move(emu_open_copies));
-  emu_open_copies.clear();
-}
-inline void cp_async_wait(int n) {
-  while (static_cast<int>(emu_copy_groups.size()) > n) {
-    for (const EmuCopy& c : emu_copy_groups.front()) {
-      if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
-      std::memset(c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
-    }
-    emu_copy_groups.erase(emu_copy_groups.begin());
-  }
-}
-}  // namespace emu
-inline void emu_async_copy_drain() {
-  emu::cp_async_commit();
-  emu::cp_async_wait(0);
-}
 // Cooperative kernels run each block on a pool of worker threads, one per CUDA thread of the
 // block, started once per launch (thread creation per block would dominate).
 template <class F>
@@ -156,7 +125,6 @@ void emu_launch(unsigned gx, unsigned gy, unsigned bx, unsigned by, bool coop, F
         blockIdx = {blk % gx, blk / gx, 0};
         threadIdx = {t % bx, t / bx, 0};
         f();
-        emu_async_copy_drain();
       }
     return;
   }
@@ -174,7 +142,6 @@ void emu_launch(unsigned gx, unsigned gy, unsigned bx, unsigned by, bool coop, F
         blockIdx = {blk % gx, blk / gx, 0};
         threadIdx = {t % bx, t / bx, 0};
         f();
-        emu_async_copy_drain();
         // a thread that returned early still takes part in the barriers of the next block
         // (its lanes' shuffles of this block were all before its return: see the kernels)
         block.arrive_and_wait();
