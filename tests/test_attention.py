@@ -679,15 +679,22 @@ GPU_MMA_CASES = [
 ]
 
 
+def _kernel_only(monkeypatch, available, needs, fallbacks):
+    """Skip unless `available` on the current device; make each launcher in `fallbacks` fail
+    the test if a call reaches it."""
+    if not available(torch.cuda.current_device()):
+        pytest.skip(f"no such path on this device/GPUOPS_ARCH ({needs} needed)")
+
+    def fell_back(*args, **kw):
+        raise AssertionError(f"fell back to {fallbacks}")
+    for name in fallbacks:
+        monkeypatch.setattr(at, name, fell_back)
+
+
 @pytest.fixture
 def mma_only(monkeypatch):
     """The tensor-core kernel must take the call (a fallback to SIMT fails the test)."""
-    if not at.tensor_cores(torch.cuda.current_device()):
-        pytest.skip("no tensor-core path on this device/GPUOPS_ARCH (sm_80+ needed)")
-
-    def no_simt(*args, **kw):
-        raise AssertionError("fell back to the SIMT kernel")
-    monkeypatch.setattr(at, "_launch_simt", no_simt)
+    _kernel_only(monkeypatch, at.tensor_cores, "sm_80+", ("_launch_simt",))
 
 
 @gpu
@@ -720,13 +727,7 @@ GPU_WGMMA_CASES = [
 @pytest.fixture
 def wgmma_only(monkeypatch):
     """The Hopper kernel must take the call (a fallback to 'mma' or SIMT fails the test)."""
-    if not at.wgmma_device(torch.cuda.current_device()):
-        pytest.skip("no wgmma path on this device/GPUOPS_ARCH (sm_90 needed)")
-
-    def no_fallback(*args, **kw):
-        raise AssertionError("fell back from the wgmma kernel")
-    monkeypatch.setattr(at, "_launch_simt", no_fallback)
-    monkeypatch.setattr(at, "_launch_best", no_fallback)
+    _kernel_only(monkeypatch, at.wgmma_device, "sm_90", ("_launch_simt", "_launch_best"))
 
 
 @gpu

@@ -17,8 +17,6 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F  # noqa: N812
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gpuops as go
 from gpuops.bench import event_pairs_ms
@@ -44,14 +42,11 @@ def main():
             for causal in (False, True):
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 results, errors = {}, {}
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal).float()
-                for backend, name in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"),
-                                      (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
+                peers = at._bench_peers()            # the bench's SDPA FLASH / cuDNN calls
+                ref = peers["sdpa_flash"](q, k, v, is_causal=causal).float()
+                for name, peer in peers.items():
                     try:
-                        with sdpa_kernel(backend):
-                            results[name] = event_pairs_ms(
-                                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                        results[name] = event_pairs_ms(lambda: peer(q, k, v, is_causal=causal))
                     except RuntimeError as exc:        # backend not available for this build
                         print(f"{name}: {exc}")
                 for name in [f"wgmma_{s}" for s in at.WGMMA_SCHEDULES] + ["mma"]:

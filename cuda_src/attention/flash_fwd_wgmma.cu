@@ -72,11 +72,12 @@ struct WgaLayout {
 // The block's query tile and the key range its rows may see. Blocks are numbered on x alone
 // and walk the (b x h) rows in chunks of `head_chunk` consecutive ones (host, causal /
 // windowed: as many heads as keep their K / V within about half of L2; full rows: 1), the
-// chunk's query tiles heaviest first, its heads fastest. So a wave holds few heads and each head's K / V is read from DRAM about
-// once and from L2 by all its tiles (run 38 had every head in every wave: at B4 H32 a wave
-// touched ~128 heads' K / V, 256 MB, and each block re-read its 2 MB from DRAM: 359 TFLOP/s
-// against 470 at B1), and the grid still ends on the lightest causal tiles (run 39 had each
-// head's tiles consecutive: the last heads' heavy tiles ran in the tail, causal B1 -8%).
+// chunk's query tiles heaviest first, its heads fastest. So a wave holds few heads and each
+// head's K / V is read from DRAM about once and from L2 by all its tiles (run 38 had every
+// head in every wave: at B4 H32 a wave touched ~128 heads' K / V, 256 MB, and each block
+// re-read its 2 MB from DRAM: 359 TFLOP/s against 470 at B1), and a causal grid still ends on
+// its lightest tiles (run 39 had each head's tiles consecutive: the last heads' heavy tiles ran
+// in the tail, causal B1 -8%).
 struct WgaWork {
   int b, h, hk, q0, jlo, ntiles;
   __device__ __forceinline__ WgaWork(const FlashFwdArgs& a, int head_chunk) {

@@ -49,7 +49,7 @@ from gpuops.bench_spec import BenchSpec
 from gpuops.ops import _layout as lay
 from gpuops.ops.gemm import effective_arch
 from gpuops.registry import register
-from gpuops.runtime import device
+from gpuops.runtime import device, tma
 from gpuops.runtime.launch import ArgSpec
 from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
@@ -1011,10 +1011,9 @@ def _tma_map(t: Tensor, layout: str, shape: tuple, box_rows: int):
     'bhsd' / 'bshd' order, with boxes of 64 head-dim columns x box_rows rows in the 128-byte
     swizzle; None where TMA cannot describe it (unit d stride, 16-byte aligned base and byte
     strides). A dim of extent 1 is never stepped: its stride is replaced by a valid one."""
-    from gpuops.runtime import tma  # noqa: PLC0415
     B, H, S, D = shape
     sb, sh, ss, sd = _bhsd_strides(t, layout)
-    if sd != 1 and D > 1:
+    if sd != 1:                       # D is 64 or 128 here
         return None
     item = t.dtype.itemsize
     strides = []
