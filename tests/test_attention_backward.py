@@ -38,6 +38,7 @@ dS below 2^-14 are subnormal: + 2^-25 n max|dO| (dV), scale 2^-25 n max|Q| (dK),
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,7 +298,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=f"{op}: 'key' has 2 heads but 'query' has 4"):
         f(q, q, kv, kv, q, lse)
     with pytest.raises(ValueError, match="'variant' must be one of"):
-        f(q, q, kv, kv, q, lse, enable_gqa=True, variant="wgmma")
+        f(q, q, kv, kv, q, lse, enable_gqa=True, variant="tensor")
     with pytest.raises(ValueError, match="'layout' must be one of"):
         f(q, q, kv, kv, q, lse, enable_gqa=True, layout="sbhd")
     with pytest.raises(TypeError, match="'window_size' must be None or a pair"):
@@ -668,6 +669,94 @@ def test_emulated_mma_vector_prep_and_conversion(kind, rng, monkeypatch):
             check(a, e, bd, f"{name} {d} {dtype} {kind}")
 
 
+class _FakeCall:
+    def __init__(self, dtype, device=0):
+        self.result_dtype, self.device = dtype, device
+
+
+class _FakeTensor:
+    """What the wgmma checks read of a tensor: pointer, strides (elements), dtype, numel."""
+    def __init__(self, shape, dtype=dt.bfloat16, ptr=1 << 20, strides=None):
+        self.shape, self.dtype, self.ptr = tuple(shape), dtype, ptr
+        self.strides = strides or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        self.numel = int(np.prod(shape))
+
+
+def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
+    """wgmma_unsupported names why the Hopper backward cannot take a call (None: it can): 16-bit
+    dtypes, head dims 64 / 128, no attn_mask, both sequences non-empty, output rows 16-byte
+    aligned (the preprocess' vector loads), an sm_90 device."""
+    monkeypatch.setattr(at, "wgmma_device", lambda dev: True)
+    bf = dt.bfloat16
+
+    def why(dtype=bf, D=128, Sq=300, Sk=300, mask_kind=0, out=None, B=1, H=4):
+        p = at.Problem(B, H, H, Sq, Sk, D, 0.1, -1, 0, False)
+        o = out or _FakeTensor((B, H, Sq, D), dtype)
+        kv = _FakeTensor((B, H, Sk, D), dtype)
+        return ab.wgmma_unsupported(_FakeCall(dtype), p, o, kv, kv, "bhsd", mask_kind)
+    assert why() is None and why(dt.float16, D=64) is None
+    for got, expect in ((why(dt.float32), "dtype"), (why(D=96), "head dim 96"),
+                        (why(mask_kind=1), "attn_mask"), (why(Sq=0), "empty"),
+                        (why(Sk=0), "empty"), (why(B=2 ** 16, H=2 ** 16, Sk=2 ** 10), "2^31"),
+                        (why(out=_FakeTensor((1, 4, 300, 128), ptr=(1 << 20) + 8)), "'output'"),
+                        (why(out=_FakeTensor((1, 4, 300, 128), strides=(0, 0, 256, 2))),
+                         "'output'")):
+        assert got is not None and expect in got, (expect, got)
+    monkeypatch.setattr(at, "wgmma_device", lambda dev: False)
+    assert "sm_90" in why()
+
+
+def test_wgmma_routing(monkeypatch):
+    """'auto' launches the Hopper backward when it applies and its tensor maps exist
+    (WGMMA_AUTO), else goes on as before ('mma' / 'simt'); an explicit 'wgmma' raises with the
+    reason instead of falling back."""
+    log = []
+    monkeypatch.setattr(at, "wgmma_device", lambda dev: True)
+    monkeypatch.setattr(ab, "_launch_wgmma_maps", lambda *a: log.append("wgmma"))
+    monkeypatch.setattr(ab, "_launch_best", lambda *a: log.append("best"))
+    maps = ["maps"]
+    monkeypatch.setattr(ab, "_wgmma_maps", lambda *a: maps[0])
+
+    def args(D=128, mask_kind=0):
+        p = at.Problem(1, 4, 4, 300, 300, D, 0.1, -1, 0, False)
+        q, kv = _FakeTensor((1, 4, 300, D)), _FakeTensor((1, 4, 300, D))
+        return (_FakeCall(dt.bfloat16), p, q, q, kv, kv, q, None, None, mask_kind, q, kv, kv,
+                "bhsd")
+    ab._launch_auto(*args())
+    ab._launch_auto(*args(D=96))
+    ab._launch_auto(*args(mask_kind=2))
+    maps[0] = None                           # e.g. a stride TMA cannot take
+    ab._launch_auto(*args())
+    monkeypatch.setattr(ab, "WGMMA_AUTO", False)
+    maps[0] = "maps"
+    ab._launch_auto(*args())
+    assert log == ["wgmma", "best", "best", "best", "best"]
+    log.clear()
+    ab._launch_wgmma(*args())                # explicit: WGMMA_AUTO does not matter
+    assert log == ["wgmma"]
+    with pytest.raises(ValueError, match="variant='wgmma' does not take head dim 96"):
+        ab._launch_wgmma(*args(D=96))
+    maps[0] = None
+    with pytest.raises(ValueError, match="variant='wgmma' does not take q, k, v or grad_out"):
+        ab._launch_wgmma(*args())
+    assert log == ["wgmma"]
+
+
+def test_wgmma_shared_memory_mirrors_the_kernel():
+    """wgmma_smem (host) against WgbLayout (flash_bwd_wgmma.cu): K, V, 2 stages of Q, dO and
+    statistics, 2 dS^T buffers, 5 barriers, 1 KiB of alignment slack; the tile constants."""
+    import re  # noqa: PLC0415
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "attention" /
+           "flash_bwd_wgmma.cu").read_text()
+    consts = dict(re.findall(r"constexpr int (kWgb\w+) = (\d+);", src))
+    assert (int(consts["kWgbBC"]), int(consts["kWgbBR"]), int(consts["kWgbStages"]),
+            int(consts["kWgbThreads"])) == (ab.WGMMA_BC, ab.WGMMA_BR, ab.WGMMA_STAGES,
+                                            ab.WGMMA_THREADS)
+    for d in ab.WGMMA_DIMS:
+        kv, stage = 2 * 128 * d * 2, 2 * 64 * d * 2 + 2 * 64 * 4
+        assert ab.wgmma_smem(d) == kv + 2 * stage + 2 * 128 * 64 * 2 + 5 * 8 + 1024
+
+
 @needs_emu
 def test_mma_falls_back_to_simt_and_explicit_mma_refuses(rng, monkeypatch):
     """'auto' takes the SIMT kernels for fp32, head dims without a tile, unaligned or strided-d
@@ -830,30 +919,27 @@ GPU_MMA_CASES = [
 ]
 
 
-@gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("case", GPU_MMA_CASES, ids=lambda c: f"{c[:5]}-{sorted(c[5])}")
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_mma_against_reference_and_torch(case, d, dtype, rng):
-    """variant='mma' against the reference on the forward's own output and lse (mma bound), and
-    as close to float64 as torch's own SDPA backward in the same dtype (+ slack)."""
-    _needs_tensor_cores()
+def _gpu_tc_case(case, d, dtype, rng, variant):
+    """A tensor-core variant against the reference on the forward's own output and lse (mma
+    bound: P and dS rounded to the dtype), and as close to float64 as torch's own SDPA backward
+    in the same dtype (+ slack)."""
     B, Hq, Hkv, Sq, Sk, opt = case
     g, q, k, v, mask, opt = _case_inputs(rng, (B, Hq, Hkv, Sq, Sk, d, 0, opt), dtype)
     tq, tk, tv, tg = (_cuda(x, dtype) for x in (q, k, v, g))
     tm = None if mask is None else (torch.from_numpy(mask).cuda() if mask.dtype == bool
                                     else _cuda(mask, dtype))
     out, lse = go.scaled_dot_product_attention(tq, tk, tv, tm, return_lse=True, **opt)
-    got = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, tm, variant="mma",
+    got = go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, tm, variant=variant,
                                                    **opt)
     refs, bounds = bwd_bound(g, q, k, v, _host(out), _host(lse), mask, dtype=dtype, mma=True,
                              **opt)
     for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
         assert a.dtype == getattr(torch, dtype) and a.is_contiguous()
-        check(_host(a), e, bd, f"{name} {case} {d} {dtype}")
+        check(_host(a), e, bd, f"{name} {case} {d} {dtype} {variant}")
     if opt.get("layout", "bhsd") == "bshd" or opt.get("window_size") or mask is not None:
         return        # torch's fused backends take none of these; the reference covers them
+    if not opt.get("scale", 1.0) > 0:
+        return
     # against float64 autograd on the same rounded inputs: ours vs torch's fused SDPA backward
     t_opt = {k_: v_ for k_, v_ in opt.items() if k_ in ("is_causal", "scale", "enable_gqa")}
     exact = _grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
@@ -863,6 +949,84 @@ def test_gpu_mma_against_reference_and_torch(case, d, dtype, rng):
     for name, a, e, t in zip(("dq", "dk", "dv"), got, exact, theirs):
         e_ours, e_torch = _rel(a, e), _rel(t, e)
         assert e_ours <= 1.5 * e_torch + 2e-3, (name, e_ours, e_torch)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_MMA_CASES, ids=lambda c: f"{c[:5]}-{sorted(c[5])}")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_mma_against_reference_and_torch(case, d, dtype, rng):
+    """variant='mma' against the reference and torch (_gpu_tc_case)."""
+    _needs_tensor_cores()
+    _gpu_tc_case(case, d, dtype, rng, "mma")
+
+
+# The Hopper kernel ('wgmma', sm_90a): lengths that are not multiples of its tiles (64 queries,
+# 128 keys) and of one tile; causal with Sq <, =, > Sk; windows whose query ranges start off a
+# tile boundary; rows that see no key; GQA 2 / 8; 'bshd'; a custom and a negative scale.
+GPU_WGMMA_CASES = [
+    (1, 2, 2, 1, 1, {}),
+    (2, 4, 2, 17, 17, {"is_causal": True, "enable_gqa": True}),
+    (2, 8, 8, 1000, 1000, {}),
+    (1, 4, 4, 4097, 4097, {"is_causal": True}),
+    (1, 8, 4, 777, 1500, {"is_causal": True, "enable_gqa": True}),
+    (1, 8, 1, 1500, 777, {"is_causal": True, "enable_gqa": True, "layout": "bshd"}),
+    (1, 4, 2, 2000, 2000, {"window_size": (256, 0), "enable_gqa": True}),
+    (1, 4, 4, 1000, 1300, {"window_size": (100, 50), "scale": 0.05}),
+    (2, 4, 2, 128, 4097, {"window_size": (-1, 300), "enable_gqa": True}),
+    (1, 2, 2, 300, 100, {"window_size": (0, 0)}),
+    (1, 2, 2, 300, 300, {"scale": -0.1}),
+]
+
+
+@pytest.fixture
+def wgmma_only(monkeypatch):
+    """The Hopper kernel must take the call (a fallback to 'mma' or SIMT fails the test)."""
+    if not at.wgmma_device(torch.cuda.current_device()):
+        pytest.skip("no wgmma path on this device/GPUOPS_ARCH (sm_90 needed)")
+
+    def fell_back(*args, **kw):
+        raise AssertionError("fell back from 'wgmma'")
+    for name in ("_launch_best", "_launch_mma", "_launch_simt"):
+        monkeypatch.setattr(ab, name, fell_back)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_WGMMA_CASES, ids=lambda c: f"{c[:5]}-{sorted(c[5])}")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", ["auto", "wgmma"])
+def test_gpu_wgmma_against_reference_and_torch(case, d, dtype, variant, rng, wgmma_only):
+    """The Hopper kernel ('auto' takes it on sm_90) against the reference and torch."""
+    _gpu_tc_case(case, d, dtype, rng, variant)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_wgmma_refuses_masks_and_strided_rows(rng):
+    """variant='wgmma' names what it cannot take; 'auto' takes 'mma' for those calls."""
+    if not at.wgmma_device(torch.cuda.current_device()):
+        pytest.skip("sm_90 needed")
+    g, q, k, v, mask, opt = _case_inputs(rng, (1, 2, 2, 200, 200, 64, 0, {"mask": "bool"}),
+                                         "bfloat16")
+    tq, tk, tv, tg = (_cuda(x, "bfloat16") for x in (q, k, v, g))
+    tm = torch.from_numpy(mask).cuda()
+    out, lse = go.scaled_dot_product_attention(tq, tk, tv, tm, return_lse=True)
+    with pytest.raises(ValueError, match="variant='wgmma' does not take an attn_mask"):
+        go.scaled_dot_product_attention_backward(tg, tq, tk, tv, out, lse, tm, variant="wgmma")
+    # rows 16-byte aligned but a head-dim stride of 2: TMA cannot read it
+    wide = torch.zeros(1, 2, 200, 128, dtype=torch.bfloat16, device="cuda")
+    wide[..., ::2] = tq
+    sq = wide[..., ::2]
+    out2, lse2 = go.scaled_dot_product_attention(sq, tk, tv, return_lse=True)
+    with pytest.raises(ValueError, match="variant='wgmma' does not take"):
+        go.scaled_dot_product_attention_backward(tg, sq, tk, tv, out2, lse2, variant="wgmma")
+    got = go.scaled_dot_product_attention_backward(tg, sq, tk, tv, out2, lse2)     # 'auto'
+    refs, bounds = bwd_bound(g, q, k, v, _host(out2), _host(lse2), dtype="bfloat16", mma=True)
+    for name, a, e, bd in zip(("dq", "dk", "dv"), got, refs, bounds):
+        check(_host(a), e, bd, f"{name} strided auto")
 
 
 @gpu

@@ -1,8 +1,8 @@
-"""scaled_dot_product_attention_backward, tensor-core variant ('mma'): backward alone and forward +
-backward, side by side with torch SDPA's FLASH (FlashAttention-2) and cuDNN backends, bf16.
+"""scaled_dot_product_attention_backward, tensor-core variants ('mma'; 'wgmma' with --wgmma):
+backward alone and forward + backward, side by side with torch SDPA's FLASH (FlashAttention-2) and cuDNN backends, bf16.
 
 Shapes (issue 5; baselines in ../shared/notes/baselines-h100.md): B2 H16 S4096 D128 non-causal
-and causal, B4 H16 S2048 D64 causal. Ours: gpuops' forward (variant 'auto': the mma forward) +
+and causal, B4 H16 S2048 D64 causal. Ours: gpuops' forward (variant 'auto': wgmma on sm_90) +
 the backward at each tile (MMA_TILES[d], what 'auto' runs; with --tiles also the other compiled
 tiles: MMA_ALTERNATES, MMA_SMALL_TILES, the mask tile run unmasked). Peers, each backend forced
 with sdpa_kernel: backward alone = the aten backward op behind SDPA's autograd, fed once by its
@@ -13,7 +13,7 @@ time is noise). TFLOP/s: forward 4 B H S^2 D, backward 2.5x that, forward + back
 backend's gradients (relative Frobenius error, printed) before it is timed.
 
     python benchmarks/experiments/attention_bwd_mma.py [--json F] [--tiles default|all|LIST]
-        [--simt] [--iters 20]
+        [--simt] [--wgmma] [--iters 20]
 
 LIST: tiles as warps,MT,BR,stages,minB separated by ';' (e.g. "8,1,64,2,1;8,1,32,2,1"); each
 must be compiled for the head dim (gpuops.ops.attention_backward.MMA_MODULES), else it is skipped
@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--tiles", default="all")
     ap.add_argument("--simt", action="store_true", help="also time the SIMT backward (slow)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also time variant='wgmma' (the Hopper backward, sm_90)")
     args = ap.parse_args()
     dev = torch.cuda.current_device()
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": []}
@@ -108,13 +110,13 @@ def main():
                 print(f"  {peer}: {exc}")
         out, lse = go.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
         default = ab.MMA_TILES[D]
-        variants = [(f"mma {cfg}", cfg) for cfg in tiles_for(D, args.tiles)]
+        variants = [("wgmma", "wgmma", None)] if args.wgmma else []
+        variants += [(f"mma {cfg}", "mma", cfg) for cfg in tiles_for(D, args.tiles)]
         if args.simt:
-            variants.append(("simt", None))
-        for label, cfg in variants:
+            variants.append(("simt", "simt", None))
+        for label, variant, cfg in variants:
             if cfg is not None:
                 ab.MMA_TILES[D] = cfg
-            variant = "simt" if cfg is None else "mma"
 
             def ours_bwd(variant=variant):
                 return go.scaled_dot_product_attention_backward(g, q, k, v, out, lse,
@@ -131,6 +133,7 @@ def main():
                 times[(label, "bwd")] = time_ms(ours_bwd, args.iters)
                 times[(label, "fwd_bwd")] = time_ms(ours_fwd_bwd, args.iters)
                 smem = "" if cfg is None else f", smem {ab.mma_smem(D, cfg) // 1024} KB"
+                smem = f", smem {ab.wgmma_smem(D) // 1024} KB" if variant == "wgmma" else smem
                 print(f"  {label}: rel. error dq/dk/dv vs FLASH "
                       f"{'/'.join(f'{x:.1e}' for x in errs)}{smem}")
             finally:

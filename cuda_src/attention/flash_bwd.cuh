@@ -101,6 +101,57 @@ __device__ __forceinline__ float attn_f4_get(const AttnF4& v, int e) {
   return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
+// The row (b, h, i) of the 16-byte-access preprocess / dq conversion: D / 8 lanes per row,
+// 8 elements each, 128 / (D / 8) rows per block of 128 threads; `seq` rows per (b, h) (the
+// statistics' row length: sq, or the wgmma kernel's padded length).
+template <int D>
+__device__ __forceinline__ long long bwd_vec_row(const FlashBwdArgs& a, int seq, int& b, int& h,
+                                                 int& i) {
+  constexpr int L = D / 8;
+  const long long row = static_cast<long long>(blockIdx.x) * (128 / L) + threadIdx.x / L;
+  const long long bh = row / seq;
+  i = static_cast<int>(row - bh * seq);
+  b = static_cast<int>(bh / a.hq);
+  h = static_cast<int>(bh - static_cast<long long>(b) * a.hq);
+  return row;
+}
+
+// The preprocess with 16-byte accesses (o, dout and dq_acc rows aligned, unit d stride): D_i =
+// rowsum(dO_i O_i) and lse2_i (+inf for lse = -inf) into stats as [2][B Hq][seq] (seq >= sq;
+// rows i >= sq of a padded layout get D = 0, lse2 = +inf), the dq accumulator zeroed.
+template <class T, int D>
+__device__ __forceinline__ void bwd_prep_vec(const FlashBwdArgs& a, int seq) {
+  constexpr int L = D / 8;
+  static_assert(32 % L == 0, "a row's lanes within one warp");
+  const long long rows = static_cast<long long>(a.batch) * a.hq * seq;
+  int b, h, i;
+  const long long row = bwd_vec_row<D>(a, seq, b, h, i);
+  const bool live = row < rows && i < a.sq;
+  const int c = (threadIdx.x % L) * 8;
+  float acc = 0.0f;
+  if (live) {
+    float o[8], g[8];
+    Vec16<T>::unpack(load16(static_cast<const T*>(a.o) + b * a.os[0] + h * a.os[1] +
+                            i * a.os[2] + c), o);
+    Vec16<T>::unpack(load16(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] +
+                            i * a.dos[2] + c), g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(g[e], o[e], acc);
+    float* z = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    store16(z, zero);
+    store16(z + 4, zero);
+  }
+#pragma unroll
+  for (int m = L / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (row < rows && threadIdx.x % L == 0) {
+    a.stats[row] = acc;
+    const float lse = live ? a.lse[b * a.lses[0] + h * a.lses[1] + i * a.lses[2]]
+                           : attn_neg_inf();
+    a.stats[rows + row] = lse == attn_neg_inf() ? -attn_neg_inf() : lse * kAttnLog2e;
+  }
+}
+
 // dst[0..3] += v[0..3] (fp32 atomics; one vector reduction on sm_90, whose L2 adds 16 bytes at
 // once, when vec4: the host guarantees 16-byte alignment then).
 __device__ __forceinline__ void bwd_atomic_add4(float* dst, const float (&v)[4], bool vec4) {

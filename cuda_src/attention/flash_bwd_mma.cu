@@ -57,49 +57,11 @@ namespace gpuops {
 
 // The preprocess and the dq conversion with 16-byte accesses, for the tensor-core path (the host
 // takes them when the rows involved are 16-byte aligned with unit d stride; else flash_bwd_prep /
-// flash_bwd_dq_convert): D / 8 lanes per (b, h, i) row, 8 elements each, 128 / (D / 8) rows per
-// block of 128 threads. Same results as the SIMT kernels (up to the fp32 summation order of D).
-template <int D>
-__device__ __forceinline__ long long bwd_vec_row(const FlashBwdArgs& a, int& b, int& h, int& i) {
-  constexpr int L = D / 8;
-  const long long row = static_cast<long long>(blockIdx.x) * (128 / L) + threadIdx.x / L;
-  const long long bh = row / a.sq;
-  i = static_cast<int>(row - bh * a.sq);
-  b = static_cast<int>(bh / a.hq);
-  h = static_cast<int>(bh - static_cast<long long>(b) * a.hq);
-  return row;
-}
-
-// D_i = rowsum(dO_i O_i), lse2_i (+inf for lse = -inf) into stats; the dq accumulator zeroed.
+// flash_bwd_dq_convert): flash_bwd.cuh, bwd_prep_vec / bwd_vec_row. Same results as the SIMT
+// kernels (up to the fp32 summation order of D).
 template <class T, int D>
 __global__ void __launch_bounds__(128) flash_bwd_prep_vec(const FlashBwdArgs a) {
-  constexpr int L = D / 8;
-  static_assert(32 % L == 0, "a row's lanes within one warp");
-  const long long rows = static_cast<long long>(a.batch) * a.hq * a.sq;
-  int b, h, i;
-  const long long row = bwd_vec_row<D>(a, b, h, i);
-  const int c = (threadIdx.x % L) * 8;
-  float acc = 0.0f;
-  if (row < rows) {
-    float o[8], g[8];
-    Vec16<T>::unpack(load16(static_cast<const T*>(a.o) + b * a.os[0] + h * a.os[1] +
-                            i * a.os[2] + c), o);
-    Vec16<T>::unpack(load16(static_cast<const T*>(a.dout) + b * a.dos[0] + h * a.dos[1] +
-                            i * a.dos[2] + c), g);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc = fmaf(g[e], o[e], acc);
-    float* z = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    store16(z, zero);
-    store16(z + 4, zero);
-  }
-#pragma unroll
-  for (int m = L / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (row < rows && threadIdx.x % L == 0) {
-    a.stats[row] = acc;
-    const float lse = a.lse[b * a.lses[0] + h * a.lses[1] + i * a.lses[2]];
-    a.stats[rows + row] = lse == attn_neg_inf() ? -attn_neg_inf() : lse * kAttnLog2e;
-  }
+  bwd_prep_vec<T, D>(a, a.sq);
 }
 
 // dq = dq_acc in the storage type.
@@ -107,7 +69,7 @@ template <class T, int D>
 __global__ void __launch_bounds__(128) flash_bwd_dq_convert_vec(const FlashBwdArgs a) {
   const long long rows = static_cast<long long>(a.batch) * a.hq * a.sq;
   int b, h, i;
-  if (bwd_vec_row<D>(a, b, h, i) >= rows) return;
+  if (bwd_vec_row<D>(a, a.sq, b, h, i) >= rows) return;
   const int c = (threadIdx.x % (D / 8)) * 8;
   const float* src = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
   float lo[4], hi[4], f[8];

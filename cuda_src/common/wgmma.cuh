@@ -162,6 +162,17 @@ __device__ __forceinline__ void tma_load_5d(unsigned int dst, const TmaDesc* des
       : "memory");
 }
 
+// `bytes` contiguous bytes from global memory at `src` into shared memory at `dst` (a 1-D bulk
+// copy, no tensor map), completing on `bar`: both addresses 16-byte aligned, bytes a multiple
+// of 16.
+__device__ __forceinline__ void bulk_load_1d(unsigned int dst, const void* src, unsigned int bytes,
+                                             unsigned int bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // One box of a 4-D tensor map (attention's [B, H, S, D] operands, any order of strides) into
 // shared memory at `dst`, completing on `bar`; out-of-range elements arrive as zeros.
 __device__ __forceinline__ void tma_load_4d(unsigned int dst, const TmaDesc* desc, unsigned int bar,
@@ -365,6 +376,33 @@ struct WgmmaSSM64N128K16 {
 };
 #undef GPUOPS_WGMMA_SS_M64N128K16
 
+// SS m64n64k16 with either operand K-major (0) or M-/N-major (1): the attention backward's
+// S^T = K Q^T and dP^T = V dO^T (both K-major) and dQ = dS K (dS from the dS^T tile, M-major;
+// K N-major).
+#define GPUOPS_WGMMA_SS_M64N64K16(TY) \
+  asm volatile( \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n" \
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+      " {" GPUOPS_WG_REGS32 "}, %32, %33, " \
+      " p, 1, 1, %35, %36;\n}" \
+      : GPUOPS_WG_ACC32 \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB))
+
+template <int TA, int TB>
+struct WgmmaSSM64N64K16 {
+  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_SS_M64N64K16("bf16");
+  }
+  __device__ __forceinline__ static void run(float16_t, float (&d)[32],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b, int scale_d) {
+    GPUOPS_WGMMA_SS_M64N64K16("f16");
+  }
+};
+#undef GPUOPS_WGMMA_SS_M64N64K16
+
 #define GPUOPS_WGMMA_RS_M64N128K16(TY) \
   asm volatile( \
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n" \
@@ -421,6 +459,13 @@ template <class T>
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], unsigned long long desc_a,
                                                     unsigned long long desc_b, int scale_d) {
   WgmmaSSM64N128K16::run(T{}, d, desc_a, desc_b, scale_d);
+}
+
+// D[64 x 64] (+)= A B, both from shared memory; TA / TB: A M-major / B N-major (else K-major)
+template <class T, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], unsigned long long desc_a,
+                                                   unsigned long long desc_b, int scale_d) {
+  WgmmaSSM64N64K16<TA, TB>::run(T{}, d, desc_a, desc_b, scale_d);
 }
 
 // O += P V for a head dim N of 64 or 128 (d: N / 2 accumulators)

@@ -44,7 +44,7 @@ from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
 
 OP = "scaled_dot_product_attention_backward"
-VARIANTS = ("auto", "simt", "mma")
+VARIANTS = ("auto", "simt", "mma", "wgmma")
 
 # ---------------------------------------------------------------------------------------------
 # Kernel module. One FlashBwdArgs struct per launch.
@@ -191,6 +191,45 @@ for _d in MMA_TILES:
         assert mma_smem(_d, _cfg) <= 227 * 1024, (_d, _cfg)       # sm_90 opt-in limit
     for _masked in (False, True):
         assert mma_smem(_d, mma_candidates(_d, _masked)[-1]) <= 99 * 1024   # sm_86/89
+
+
+# Hopper kernel (flash_bwd_wgmma.cu, sm_90a): a producer warpgroup (TMA) and two consumer
+# warpgroups of 64 keys each, 128 keys per block, query tiles of 64 rows; four tensor maps (q,
+# k, v, grad_out as 4-D [B, H, S, D]) and FlashBwdArgs. Its own preprocess writes the statistics
+# with rows padded to a multiple of WGMMA_BR (one aligned bulk copy per tile); the dq conversion
+# is the mma module's. Tile and shared memory mirror the kernel's kWgbBC / kWgbBR / WgbLayout.
+WGMMA_DIMS = (64, 128)
+WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 2
+WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_BWD_ARGS.params[0])
+# False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
+WGMMA_AUTO = True
+
+
+def wgmma_smem(d: int) -> int:
+    """Bytes of dynamic shared memory: K, V [128][D], per stage Q, dO [64][D] (16-bit), two dS^T
+    buffers [128][64], per stage lse2 and D [64] (fp32), 5 mbarriers, 1 KiB of alignment slack."""
+    kv = 2 * WGMMA_BC * d * 2
+    stage = 2 * WGMMA_BR * d * 2 + 2 * WGMMA_BR * 4
+    return kv + WGMMA_STAGES * stage + 2 * WGMMA_BC * WGMMA_BR * 2 + (1 + 2 * WGMMA_STAGES) * 8 + 1024
+
+
+def wgmma_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_wgmma<{dtype.ctype}, {d}>"
+
+
+def wgmma_prep_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_wgmma_prep<{dtype.ctype}, {d}>"
+
+
+WGMMA_MODULES = {
+    dtype: KernelModule(f"attention.flash_bwd_wgmma_{short}", "attention/flash_bwd_wgmma.cu",
+                        {**{wgmma_expr(dtype, d): WGMMA_ARGS for d in WGMMA_DIMS},
+                         **{wgmma_prep_expr(dtype, d): FLASH_BWD_ARGS for d in WGMMA_DIMS}},
+                        archs=("90a",))
+    for dtype, short in _SHORT.items()}
+_WGMMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in WGMMA_MODULES.items()}
+for _d in WGMMA_DIMS:
+    assert wgmma_smem(_d) <= 227 * 1024, _d
 
 
 def simt_config(d: int, limit: int):
@@ -468,7 +507,108 @@ def _launch_mma_only(call, p, grad_out, query, key, value, output, lse, attn_mas
                 dv, layout)
 
 
-_VARIANTS = {"auto": _launch_best, "simt": _launch_simt, "mma": _launch_mma_only}
+def wgmma_unsupported(call, p, output, dk, dv, layout, mask_kind):
+    """Why the Hopper kernel cannot take the call (a phrase), or None. What TMA can describe (q,
+    k, v, grad_out) is checked later, in _wgmma_maps."""
+    dtype = call.result_dtype
+    if dtype not in _WGMMA_KERNELS:
+        return f"dtype {dtype} (float16 and bfloat16 only)"
+    if p.D not in WGMMA_DIMS:
+        return f"head dim {p.D} (only {list(WGMMA_DIMS)})"
+    if mask_kind != 0:
+        return "an attn_mask"
+    if p.Sq == 0 or p.Sk == 0:
+        return "an empty sequence"
+    if p.B * p.Hkv * -(-p.Sk // WGMMA_BC) >= 2 ** 31:
+        return f"{p.B * p.Hkv} x {p.Sk} keys (grid: below 2^31 blocks of {WGMMA_BC} keys)"
+    if not fwd._vec_ok(output, layout, (p.B, p.Hq, p.Sq, p.D)):
+        return "'output' rows that are not 16-byte aligned with unit head-dim stride"
+    for t in (dk, dv):
+        st = fwd._bhsd_strides(t, layout)
+        if st[3] != 1 or t.ptr % 4 or any(x % 2 for x in st[:3]):
+            return "the outputs' rows are not 4-byte aligned"       # call.empty: never
+    if not fwd.wgmma_device(call.device):
+        return "this device (sm_90 only)"
+    return None
+
+
+def _wgmma_maps(p, query, key, value, grad_out, layout):
+    """Tensor maps of q, k, v and grad_out, or None where one of them cannot be described."""
+    maps = (fwd._tma_map(query, layout, (p.B, p.Hq, p.Sq, p.D), WGMMA_BR),
+            fwd._tma_map(key, layout, (p.B, p.Hkv, p.Sk, p.D), WGMMA_BC),
+            fwd._tma_map(value, layout, (p.B, p.Hkv, p.Sk, p.D), WGMMA_BC),
+            fwd._tma_map(grad_out, layout, (p.B, p.Hq, p.Sq, p.D), WGMMA_BR))
+    return None if any(m is None for m in maps) else maps
+
+
+def _launch_wgmma_maps(call, p, grad_out, query, key, value, output, lse, dq, dk, dv, layout,
+                       maps):
+    dev, dtype = call.device, call.result_dtype
+    # fp32 workspaces: the dq accumulator (dense, 16-byte aligned rows) and the statistics with
+    # rows padded to WGMMA_BR (flash_bwd_wgmma_prep writes D = 0, lse2 = +inf past Sq)
+    seq_pad = -(-p.Sq // WGMMA_BR) * WGMMA_BR
+    rows_pad = p.B * p.Hq * seq_pad
+    stats = call.empty((2 * rows_pad,), dt.float32)
+    acc = call.empty((p.B, p.Hq, p.Sq, p.D), dt.float32)
+    if stats.ptr % 16 or not _aligned_rows(acc, "bhsd", p.D):
+        raise RuntimeError(f"gpuops.{OP}: the framework returned workspaces that are not "
+                           "16-byte aligned")
+    args = _launch_args(p, grad_out, query, key, value, output, lse, None, 0, dq, dk, dv, acc,
+                        stats, layout, 3)
+    kernels = _WGMMA_KERNELS[dtype]
+    kernels.get(dev, wgmma_prep_expr(dtype, p.D)).launch(
+        (-(-rows_pad // (128 // (p.D // 8))), 1, 1), (128, 1, 1), call.stream, *args)
+    kernels.get(dev, wgmma_expr(dtype, p.D)).launch(
+        (p.B * p.Hkv * -(-p.Sk // WGMMA_BC), 1, 1), (WGMMA_THREADS, 1, 1), call.stream, *maps,
+        *args, smem=wgmma_smem(p.D))
+    rows = p.B * p.Hq * p.Sq
+    if fwd._vec_ok(dq, layout, (p.B, p.Hq, p.Sq, p.D)):
+        _MMA_KERNELS[dtype].get(dev, convert_vec_expr(dtype, p.D)).launch(
+            (-(-rows // (128 // (p.D // 8))), 1, 1), (128, 1, 1), call.stream, *args)
+    else:
+        _launch_convert(call, p, args)
+
+
+def _wgmma_plan(call, p, grad_out, query, key, value, output, dk, dv, layout, mask_kind):
+    """(None, tensor maps) when the Hopper kernel takes the call, else (why, None)."""
+    why = wgmma_unsupported(call, p, output, dk, dv, layout, mask_kind)
+    if why:
+        return why, None
+    maps = _wgmma_maps(p, query, key, value, grad_out, layout)
+    if maps is None:
+        return ("q, k, v or grad_out in a layout TMA cannot read (unit head-dim stride, 16-byte "
+                "aligned base and strides needed)"), None
+    return None, maps
+
+
+def _launch_wgmma(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                  dv, layout):
+    """variant='wgmma': the Hopper kernel, or an error saying why it cannot take the call."""
+    why, maps = _wgmma_plan(call, p, grad_out, query, key, value, output, dk, dv, layout,
+                            mask_kind)
+    if why:
+        raise ValueError(f"gpuops.{OP}: variant='wgmma' does not take {why}; use "
+                         "variant='auto'")
+    _launch_wgmma_maps(call, p, grad_out, query, key, value, output, lse, dq, dk, dv, layout,
+                       maps)
+
+
+def _launch_auto(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                 dv, layout):
+    """'auto': the Hopper kernel where it applies (sm_90, WGMMA_AUTO), else as 'mma' / 'simt'."""
+    if WGMMA_AUTO:
+        why, maps = _wgmma_plan(call, p, grad_out, query, key, value, output, dk, dv, layout,
+                                mask_kind)
+        if why is None:
+            _launch_wgmma_maps(call, p, grad_out, query, key, value, output, lse, dq, dk, dv,
+                               layout, maps)
+            return
+    _launch_best(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
+                 dv, layout)
+
+
+_VARIANTS = {"auto": _launch_auto, "simt": _launch_simt, "mma": _launch_mma_only,
+             "wgmma": _launch_wgmma}
 
 
 # ---------------------------------------------------------------------------------------------
