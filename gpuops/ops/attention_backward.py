@@ -24,6 +24,16 @@ Kernels (cuda_src/attention/flash_bwd.cu), fp32 math for fp32/fp16/bf16 storage:
   sm_61-sm_75, strided or unaligned rows) takes ``'simt'``. ``variant='mma'`` raises ValueError
   for a call it cannot take, saying why.
 
+* variant ``'wgmma'`` (cuda_src/attention/flash_bwd_wgmma.cu, sm_90a, fp16/bf16, head dims 64
+  and 128): the same algorithm on warpgroup MMA with the wgmma forward's structure (a producer
+  warpgroup issuing TMA loads, two consumer warpgroups of 64 keys each; S^T and dP^T from shared
+  memory, dV += P^T dO and dK += dS^T Q with P^T / dS^T in registers, dQ = dS K from a dS^T tile
+  in shared memory, fp32 atomics into the same accumulator). Its own preprocess writes the
+  statistics with rows padded to 64; the dq conversion is the mma module's. ``'auto'`` takes it
+  on sm_90 for calls without attn_mask at the head dims in ``WGMMA_AUTO_DIMS`` (128: measured
+  faster than 'mma'; 64 stays on 'mma') whose q, k, v, grad_out TMA can describe;
+  ``variant='wgmma'`` raises ValueError for a call it cannot take, saying why.
+
 The launch arguments are a FlashBwdArgs struct (cuda_src/attention/flash_bwd.cuh), separate from
 the forward's. Design notes, floors and predictions: benchmarks/notes_attention.md (backward,
 and "Tensor-core backward").
@@ -203,6 +213,10 @@ WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 2
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_BWD_ARGS.params[0])
 # False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
 WGMMA_AUTO = True
+# Head dims 'auto' takes it for. Run 44 (H100, bf16): D = 128 1.34x / 1.39x SDPA FLASH
+# (non-causal / causal; 'mma' 0.84x / 0.97x); D = 64 (B4 H16 S2048 causal) 0.441 ms against
+# 'mma' (4, 2, 32, 2, 1) 0.427 ms, so D = 64 stays on 'mma' (variant='wgmma' still takes it).
+WGMMA_AUTO_DIMS = (128,)
 
 
 def wgmma_smem(d: int) -> int:
@@ -596,7 +610,7 @@ def _launch_wgmma(call, p, grad_out, query, key, value, output, lse, attn_mask, 
 def _launch_auto(call, p, grad_out, query, key, value, output, lse, attn_mask, mask_kind, dq, dk,
                  dv, layout):
     """'auto': the Hopper kernel where it applies (sm_90, WGMMA_AUTO), else as 'mma' / 'simt'."""
-    if WGMMA_AUTO:
+    if WGMMA_AUTO and p.D in WGMMA_AUTO_DIMS:
         why, maps = _wgmma_plan(call, p, grad_out, query, key, value, output, dk, dv, layout,
                                 mask_kind)
         if why is None:
@@ -728,15 +742,18 @@ def scaled_dot_product_attention_backward(call, grad_out: Tensor, query: Tensor,
 
     * Rows that saw no key (lse = -inf) contribute nothing; masked keys get no gradient. No
       gradient for ``attn_mask`` (an additive mask is treated as a constant).
-    * ``variant``: 'auto', 'mma' or 'simt'. 'simt': FlashAttention-2's backward in fp32 on CUDA
-      cores, every arch from sm_61, any head dim, dtype and strides. 'mma': the same algorithm on
-      tensor cores (sm_80+, float16/bfloat16, head dims 64 and 128, q/k/v/grad_out rows 16-byte
-      aligned with unit head-dim stride; P and dS are rounded to the input dtype before the
-      products that take them, as FlashAttention-2 does, everything else accumulates in fp32);
-      it raises ValueError for a call it cannot take. 'auto': 'mma' where it applies, else
-      'simt'. Both recompute S and P per tile from ``lse`` (never stored) and accumulate dq with
-      fp32 atomics (results may differ in the last bits from run to run, as with
-      FlashAttention-2; dk and dv are deterministic).
+    * ``variant``: 'auto', 'wgmma', 'mma' or 'simt'. 'simt': FlashAttention-2's backward in
+      fp32 on CUDA cores, every arch from sm_61, any head dim, dtype and strides. 'mma': the
+      same algorithm on tensor cores (sm_80+, float16/bfloat16, head dims 64 and 128,
+      q/k/v/grad_out rows 16-byte aligned with unit head-dim stride; P and dS are rounded to
+      the input dtype before the products that take them, as FlashAttention-2 does, everything
+      else accumulates in fp32). 'wgmma': the same on Hopper's warpgroup MMA (sm_90,
+      float16/bfloat16, head dims 64 and 128, no attn_mask, q/k/v/grad_out that TMA can read:
+      unit head-dim stride, 16-byte aligned base and strides). 'mma' and 'wgmma' raise
+      ValueError for a call they cannot take, saying why. 'auto': 'wgmma' where it applies
+      (head dim 128), else 'mma' where it applies, else 'simt'. All recompute S and P per tile
+      from ``lse`` (never stored) and accumulate dq with fp32 atomics (results may differ in
+      the last bits from run to run, as with FlashAttention-2; dk and dv are deterministic).
 
     fp32 math for fp16/bf16/fp32 storage. Workspace: fp32 dq [B, Hq, Sq, D] (none for fp32)
     and 2 x B Hq Sq floats. For autograd use ``gpuops.torch.scaled_dot_product_attention``.
