@@ -138,7 +138,11 @@ __global__ void __launch_bounds__(128) flash_bwd_wgmma_prep(const FlashBwdArgs a
   bwd_prep_vec<T, D>(a, wgb_seq_pad(a.sq));
 }
 
-template <class T, int D>
+// PROBE: 0 in every launch gpuops makes. Timing probes of
+// benchmarks/experiments/attention_bwd_wgmma_probe.py (wrong results by design) leave parts out:
+// bit 0 the dq atomics, bit 1 the whole dQ phase (dS^T store, barrier, product, atomics), bit 2
+// the elementwise P^T / dS^T math (P^T = S^T, dS^T = dP^T).
+template <class T, int D, int PROBE>
 __global__ void __launch_bounds__(kWgbThreads, 1)
     flash_bwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                     const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_do,
@@ -283,7 +287,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     reg_fence(dp);
     const unsigned int vis = edge ? wgb_visible(a, wk0, q0, t, g) : ~0u;
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
+    for (int jj = 0; jj < 8 && !(PROBE & 4); ++jj) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse2s + 8 * jj + 2 * t);
       const float2 di = *reinterpret_cast<const float2*>(dis + 8 * jj + 2 * t);
 #pragma unroll
@@ -329,6 +333,18 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     // after its own previous dQ product completed).
     const unsigned int dst = ds_tile(it & 1);
     unsigned char* ds_p = smem + (dst - sbase);
+    if (PROBE & 2) {
+      wgmma_wait<0>();
+      reg_fence(dv);
+      reg_fence(dk);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        reg_fence(pf[kk]);
+        reg_fence(sf[kk]);
+      }
+      if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
+      continue;
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = 64 * cg + 16 * cwarp + g + 8 * hr;
@@ -366,7 +382,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     // dq_acc += scale dQ: rows q0 + 16 cwarp + g + 8 hr, columns dq_col0 + 8 j + 2 t, + 1
     float* dqa = a.dq_acc + w.b * a.dqas[0] + h * a.dqas[1] + dq_col0 + 2 * t;
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
+    for (int hr = 0; hr < 2 && !(PROBE & 1); ++hr) {
       const int i = q0 + 16 * cwarp + g + 8 * hr;
       if (i >= a.sq) continue;
       float* row = dqa + i * a.dqas[2];

@@ -227,8 +227,10 @@ def wgmma_smem(d: int) -> int:
     return kv + WGMMA_STAGES * stage + 2 * WGMMA_BC * WGMMA_BR * 2 + (1 + 2 * WGMMA_STAGES) * 8 + 1024
 
 
-def wgmma_expr(dtype, d: int) -> str:
-    return f"gpuops::flash_bwd_wgmma<{dtype.ctype}, {d}>"
+def wgmma_expr(dtype, d: int, probe: int = 0) -> str:
+    """probe != 0: a timing probe of benchmarks/experiments/attention_bwd_wgmma_probe.py (not
+    compiled into the module; wrong results by design)."""
+    return f"gpuops::flash_bwd_wgmma<{dtype.ctype}, {d}, {probe}>"
 
 
 def wgmma_prep_expr(dtype, d: int) -> str:
