@@ -750,7 +750,8 @@ def test_wgmma_routing(monkeypatch):
 
 def test_wgmma_shared_memory_mirrors_the_kernel():
     """wgmma_smem (host) against WgbLayout (flash_bwd_wgmma.cu): K, V, 2 stages of Q, dO and
-    statistics, 2 dS^T buffers, 5 barriers, 1 KiB of alignment slack; the tile constants."""
+    statistics, 2 dS^T buffers, 2 fp32 dQ partials, 5 barriers, 1 KiB of alignment slack; the
+    tile constants."""
     import re  # noqa: PLC0415
     src = (Path(__file__).resolve().parents[1] / "cuda_src" / "attention" /
            "flash_bwd_wgmma.cu").read_text()
@@ -760,7 +761,7 @@ def test_wgmma_shared_memory_mirrors_the_kernel():
                                             ab.WGMMA_THREADS)
     for d in ab.WGMMA_DIMS:
         kv, stage = 2 * 128 * d * 2, 2 * 64 * d * 2 + 2 * 64 * 4
-        assert ab.wgmma_smem(d) == kv + 2 * stage + 2 * 128 * 64 * 2 + 5 * 8 + 1024
+        assert ab.wgmma_smem(d) == kv + 2 * stage + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4 + 5 * 8 + 1024
 
 
 @needs_emu

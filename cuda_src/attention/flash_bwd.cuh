@@ -118,8 +118,10 @@ __device__ __forceinline__ long long bwd_vec_row(const FlashBwdArgs& a, int seq,
 
 // The preprocess with 16-byte accesses (o, dout and dq_acc rows aligned, unit d stride): D_i =
 // rowsum(dO_i O_i) and lse2_i (+inf for lse = -inf) into stats as [2][B Hq][seq] (seq >= sq;
-// rows i >= sq of a padded layout get D = 0, lse2 = +inf), the dq accumulator zeroed.
-template <class T, int D>
+// rows i >= sq of a padded layout get D = 0, lse2 = +inf), the dq accumulator zeroed: by its
+// strides (dqas), or FLAT: as [B Hq seq][D] dense, the padding rows too (the wgmma kernel's
+// tile-major accumulator).
+template <class T, int D, bool FLAT = false>
 __device__ __forceinline__ void bwd_prep_vec(const FlashBwdArgs& a, int seq) {
   constexpr int L = D / 8;
   static_assert(32 % L == 0, "a row's lanes within one warp");
@@ -137,7 +139,15 @@ __device__ __forceinline__ void bwd_prep_vec(const FlashBwdArgs& a, int seq) {
                             i * a.dos[2] + c), g);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc = fmaf(g[e], o[e], acc);
-    float* z = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
+    if (!FLAT) {
+      float* z = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      store16(z, zero);
+      store16(z + 4, zero);
+    }
+  }
+  if (FLAT && row < rows) {
+    float* z = a.dq_acc + row * D + c;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     store16(z, zero);
     store16(z + 4, zero);

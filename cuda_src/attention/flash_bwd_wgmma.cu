@@ -26,9 +26,14 @@
 //                                                 columns over its own 64 keys (no barrier across
 //                                                 warpgroups; twice the atomics of a split by
 //                                                 columns, which N = 32 boxes would need)
-//      dq_acc += scale dQ                         red.global.add.v2.f32 (the host's fp32
-//                                                 accumulator, converted by the mma module's
-//                                                 flash_bwd_dq_convert_vec)
+//      dq_acc += scale dQ                         the fp32 partial -> shared memory, then one
+//                                                 bulk reduce-add (cp.reduce.async.bulk
+//                                                 .add.f32, done at L2) of the 16 KiB per
+//                                                 warpgroup into a tile-major accumulator
+//                                                 (FlashAttention-3's dq_accum; run 44: fp32
+//                                                 atomics from registers, 16 red.v2 per thread
+//                                                 and tile, cost 34-40% of the kernel), which
+//                                                 flash_bwd_wgmma_dq_convert turns into dq
 //    and at the end dK * scale and dV rounded to T go to global memory.
 //  * The statistics come from flash_bwd_wgmma_prep (below): [2][B Hq][seq_pad] with seq_pad =
 //    sq rounded up to 64 (query tiles start at multiples of 64, so each tile's lse2 and D are
@@ -57,8 +62,9 @@ static_assert((2 * kWgbConsumerRegs + kWgbProducerRegs) * 128 <= 65536, "registe
 __device__ __forceinline__ int wgb_seq_pad(int sq) { return (sq + kWgbBR - 1) / kWgbBR * kWgbBR; }
 
 // Shared memory from a 1024-byte aligned base: K, V as D / 64 boxes of [128 keys][64]; per
-// stage Q, dO as D / 64 boxes of [64 rows][64]; two dS^T buffers [128 keys][64 queries]; per
-// stage lse2 [64], D [64] (fp32); the barriers.
+// stage Q, dO as D / 64 boxes of [64 rows][64]; two dS^T buffers [128 keys][64 queries]; the
+// two consumer warpgroups' dQ partials [64 x 64] fp32 (in fragment order, see wgb_dq_index);
+// per stage lse2 [64], D [64] (fp32); the barriers.
 template <int D>
 struct WgbLayout {
   static constexpr int kDC = D / 64;
@@ -71,7 +77,9 @@ struct WgbLayout {
   static constexpr int kKOff = 0, kVOff = kK;
   static constexpr int kStageOff = 2 * kK;            // stage s: Q at + 2 kQ s, dO at + kQ
   static constexpr int kDsOff = kStageOff + kWgbStages * 2 * kQ;
-  static constexpr int kStatsOff = kDsOff + 2 * kDs;
+  static constexpr int kDq = 64 * 64 * 4;              // a warpgroup's dQ partial, fp32: 16 KiB
+  static constexpr int kDqOff = kDsOff + 2 * kDs;     // consumer warpgroup cg's at + cg kDq
+  static constexpr int kStatsOff = kDqOff + 2 * kDq;
   static constexpr int kBar = kStatsOff + kWgbStages * kStats;
   // kv_full, then full[S], empty[S]
   static constexpr int kBytes = kBar + (1 + 2 * kWgbStages) * 8 + 1024;
@@ -131,11 +139,45 @@ __device__ __forceinline__ unsigned int wgb_visible(const FlashBwdArgs& a, int w
   return vis;
 }
 
-// The statistics of the wgmma backward (padded rows: see the top of this file), the dq
-// accumulator zeroed: bwd_prep_vec (flash_bwd.cuh) with seq = sq rounded up to 64.
+// The dq accumulator of the wgmma backward: [B Hq][seq_pad / 64 tiles][64 x D] fp32, each
+// tile's 64 x D block in the order the warpgroups' dQ fragments are staged (one contiguous bulk
+// reduction each): column block cb (64 columns; D = 64: one) at cb 4096, inside it the float
+// pair (r, 8 j + 2 t) of warp r / 16, lane 4 (r % 8) + t, fragment pair 2 j + (r / 8) % 2 at
+// pair index (2 j + (r / 8) % 2) 128 + 32 (r / 16) + 4 (r % 8) + t. Returns the float index of
+// (row r of the tile, column c) for c even.
+__device__ __forceinline__ int wgb_dq_index(int r, int c) {
+  const int cb = c >> 6, j = (c & 63) >> 3, t = (c & 7) >> 1;
+  const int pair = (2 * j + ((r >> 3) & 1)) * 128 + 32 * (r >> 4) + 4 * (r & 7) + t;
+  return cb * 4096 + 2 * pair;
+}
+
+// The statistics of the wgmma backward (padded rows: see the top of this file), the whole
+// tile-major dq accumulator zeroed: bwd_prep_vec (flash_bwd.cuh) with seq = sq rounded up to 64.
 template <class T, int D>
 __global__ void __launch_bounds__(128) flash_bwd_wgmma_prep(const FlashBwdArgs a) {
-  bwd_prep_vec<T, D>(a, wgb_seq_pad(a.sq));
+  bwd_prep_vec<T, D, true>(a, wgb_seq_pad(a.sq));
+}
+
+// dq (storage type, strides dqs; rows 16-byte aligned) from the tile-major accumulator: D / 8
+// lanes per row, 8 columns each = 4 consecutive float pairs of the accumulator.
+template <class T, int D>
+__global__ void __launch_bounds__(128) flash_bwd_wgmma_dq_convert(const FlashBwdArgs a) {
+  const long long rows = static_cast<long long>(a.batch) * a.hq * a.sq;
+  int b, h, i;
+  if (bwd_vec_row<D>(a, a.sq, b, h, i) >= rows) return;
+  const int c = (threadIdx.x % (D / 8)) * 8;
+  const long long tile = (static_cast<long long>(b) * a.hq + h) * wgb_seq_pad(a.sq) + (i & ~63);
+  const float* src = a.dq_acc + tile * D + wgb_dq_index(i & 63, c);
+  float lo[4], hi[4], f[8];
+  Vec16<float>::unpack(load16(src), lo);
+  Vec16<float>::unpack(load16(src + 4), hi);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    f[e] = lo[e];
+    f[e + 4] = hi[e];
+  }
+  store16(static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2] + c,
+          Vec16<T>::pack(f));
 }
 
 // PROBE: 0 in every launch gpuops makes. Timing probes of
@@ -243,8 +285,9 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
   constexpr int kDqSteps = kSplitCols ? kWgbBC / 16 : 64 / 16;
   const unsigned int dq_a_off = kSplitCols ? 0u : cg * 8192u;
   const unsigned int dq_b = k_s + (kSplitCols ? cg * L::kKBox : cg * 8192);
-  const int dq_col0 = kSplitCols ? 64 * cg : 0;
-  const bool vec2 = (a.vec & 2) != 0;
+  const int seq = wgb_seq_pad(a.sq);
+  const unsigned int dq_stage = sbase + L::kDqOff + cg * L::kDq;
+  float2* dq_stage_p = reinterpret_cast<float2*>(smem + L::kDqOff + cg * L::kDq);
 
   mbar_wait(kv_bar, 0);
   for (int it = 0; it < w.total; ++it) {
@@ -354,6 +397,9 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
             sf[jj >> 1][2 * (jj & 1) + hr];
     }
     fence_proxy_async_smem();          // the stores above, before wgmma reads them
+    // the previous tile's bulk reduction has read this warpgroup's dQ staging buffer (the
+    // barrier below tells the other threads)
+    if (ctid == 0) bulk_wait_read<0>();
     if (kSplitCols)
       named_bar_sync(1, 256);          // both warpgroups' dS^T
     else
@@ -379,19 +425,25 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     }
     if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
 
-    // dq_acc += scale dQ: rows q0 + 16 cwarp + g + 8 hr, columns dq_col0 + 8 j + 2 t, + 1
-    float* dqa = a.dq_acc + w.b * a.dqas[0] + h * a.dqas[1] + dq_col0 + 2 * t;
+    // dq_acc += scale dQ: the fragments in order into the staging buffer (float pair
+    // 128 (2 j + hr) + ctid: consecutive lanes, consecutive 8-byte words), then one bulk
+    // reduce-add of its 16 KiB into the tile's block of the accumulator (wgb_dq_index); D = 64:
+    // both warpgroups' partials (their own keys) add into the same block
+    if (!(PROBE & 1)) {
 #pragma unroll
-    for (int hr = 0; hr < 2 && !(PROBE & 1); ++hr) {
-      const int i = q0 + 16 * cwarp + g + 8 * hr;
-      if (i >= a.sq) continue;
-      float* row = dqa + i * a.dqas[2];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        bwd_atomic_add2(row + 8 * j, dq[4 * j + 2 * hr] * a.scale,
-                        dq[4 * j + 2 * hr + 1] * a.scale, vec2);
+      for (int j2 = 0; j2 < 16; ++j2)
+        dq_stage_p[j2 * 128 + ctid] = make_float2(dq[2 * j2] * a.scale, dq[2 * j2 + 1] * a.scale);
+      fence_proxy_async_smem();        // the stores above, before the bulk copy reads them
+      named_bar_sync(3 + cg, 128);
+      if (ctid == 0) {
+        float* dst_acc = a.dq_acc + ((static_cast<long long>(w.b) * a.hq + h) * seq + q0) * D +
+                         (kSplitCols ? 4096 * cg : 0);
+        bulk_reduce_add_f32(dst_acc, dq_stage, L::kDq);
+        bulk_commit();
+      }
     }
   }
+  if (ctid == 0) bulk_wait<0>();       // the reductions done before the block's exit
 
   // dK = scale dS^T Q, dV = P^T dO: element pairs (key j, columns 8 n + 2 t, + 1)
   T* dkp = static_cast<T*>(a.dk) + w.b * a.dks[0] + w.hk * a.dks[1] + 2 * t;

@@ -77,6 +77,16 @@ __device__ __forceinline__ void tma_store_3d(const TmaDesc* desc, unsigned int s
       : "memory");
 }
 
+// global[dst .. dst + bytes) += shared[src .. src + bytes) as fp32, element by element (one bulk
+// reduction, performed at L2), in this thread's open bulk group: both addresses 16-byte aligned,
+// bytes a multiple of 16. The source may be rewritten after bulk_wait_read.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned int src,
+                                                    unsigned int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(reinterpret_cast<unsigned long long>(dst)), "r"(src), "r"(bytes)
+               : "memory");
+}
+
 // Closes this thread's open bulk group (an empty group when it issued nothing).
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");

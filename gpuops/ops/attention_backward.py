@@ -206,8 +206,10 @@ for _d in MMA_TILES:
 # Hopper kernel (flash_bwd_wgmma.cu, sm_90a): a producer warpgroup (TMA) and two consumer
 # warpgroups of 64 keys each, 128 keys per block, query tiles of 64 rows; four tensor maps (q,
 # k, v, grad_out as 4-D [B, H, S, D]) and FlashBwdArgs. Its own preprocess writes the statistics
-# with rows padded to a multiple of WGMMA_BR (one aligned bulk copy per tile); the dq conversion
-# is the mma module's. Tile and shared memory mirror the kernel's kWgbBC / kWgbBR / WgbLayout.
+# with rows padded to a multiple of WGMMA_BR (one aligned bulk copy per tile) and zeroes a
+# tile-major fp32 dq accumulator (one bulk reduce-add per warpgroup and tile), which its own
+# conversion turns into dq. Tile and shared memory mirror the kernel's kWgbBC / kWgbBR /
+# WgbLayout.
 WGMMA_DIMS = (64, 128)
 WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 2
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_BWD_ARGS.params[0])
@@ -221,10 +223,12 @@ WGMMA_AUTO_DIMS = (128,)
 
 def wgmma_smem(d: int) -> int:
     """Bytes of dynamic shared memory: K, V [128][D], per stage Q, dO [64][D] (16-bit), two dS^T
-    buffers [128][64], per stage lse2 and D [64] (fp32), 5 mbarriers, 1 KiB of alignment slack."""
+    buffers [128][64], two dQ partials [64][64] (fp32), per stage lse2 and D [64] (fp32),
+    5 mbarriers, 1 KiB of alignment slack."""
     kv = 2 * WGMMA_BC * d * 2
     stage = 2 * WGMMA_BR * d * 2 + 2 * WGMMA_BR * 4
-    return kv + WGMMA_STAGES * stage + 2 * WGMMA_BC * WGMMA_BR * 2 + (1 + 2 * WGMMA_STAGES) * 8 + 1024
+    ds, dq = 2 * WGMMA_BC * WGMMA_BR * 2, 2 * 64 * 64 * 4
+    return kv + WGMMA_STAGES * stage + ds + dq + (1 + 2 * WGMMA_STAGES) * 8 + 1024
 
 
 def wgmma_expr(dtype, d: int, probe: int = 0) -> str:
@@ -237,10 +241,15 @@ def wgmma_prep_expr(dtype, d: int) -> str:
     return f"gpuops::flash_bwd_wgmma_prep<{dtype.ctype}, {d}>"
 
 
+def wgmma_convert_expr(dtype, d: int) -> str:
+    return f"gpuops::flash_bwd_wgmma_dq_convert<{dtype.ctype}, {d}>"
+
+
 WGMMA_MODULES = {
     dtype: KernelModule(f"attention.flash_bwd_wgmma_{short}", "attention/flash_bwd_wgmma.cu",
                         {**{wgmma_expr(dtype, d): WGMMA_ARGS for d in WGMMA_DIMS},
-                         **{wgmma_prep_expr(dtype, d): FLASH_BWD_ARGS for d in WGMMA_DIMS}},
+                         **{f(dtype, d): FLASH_BWD_ARGS for d in WGMMA_DIMS
+                            for f in (wgmma_prep_expr, wgmma_convert_expr)}},
                         archs=("90a",))
     for dtype, short in _SHORT.items()}
 _WGMMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in WGMMA_MODULES.items()}
@@ -560,29 +569,28 @@ def _wgmma_maps(p, query, key, value, grad_out, layout):
 def _launch_wgmma_maps(call, p, grad_out, query, key, value, output, lse, dq, dk, dv, layout,
                        maps):
     dev, dtype = call.device, call.result_dtype
-    # fp32 workspaces: the dq accumulator (dense, 16-byte aligned rows) and the statistics with
-    # rows padded to WGMMA_BR (flash_bwd_wgmma_prep writes D = 0, lse2 = +inf past Sq)
+    # fp32 workspaces, rows padded to WGMMA_BR: the statistics (flash_bwd_wgmma_prep writes D = 0,
+    # lse2 = +inf past Sq) and the tile-major dq accumulator (zeroed by the same kernel)
     seq_pad = -(-p.Sq // WGMMA_BR) * WGMMA_BR
     rows_pad = p.B * p.Hq * seq_pad
     stats = call.empty((2 * rows_pad,), dt.float32)
-    acc = call.empty((p.B, p.Hq, p.Sq, p.D), dt.float32)
-    if stats.ptr % 16 or not _aligned_rows(acc, "bhsd", p.D):
+    acc = call.empty((p.B, p.Hq, seq_pad, p.D), dt.float32)
+    if stats.ptr % 16 or acc.ptr % 16:
         raise RuntimeError(f"gpuops.{OP}: the framework returned workspaces that are not "
                            "16-byte aligned")
+    if not fwd._vec_ok(dq, layout, (p.B, p.Hq, p.Sq, p.D)):
+        raise RuntimeError(f"gpuops.{OP}: dq rows are not 16-byte aligned")   # call.empty: never
     args = _launch_args(p, grad_out, query, key, value, output, lse, None, 0, dq, dk, dv, acc,
                         stats, layout, 3)
     kernels = _WGMMA_KERNELS[dtype]
+    per_block = 128 // (p.D // 8)            # rows per 128-thread block of prep / conversion
     kernels.get(dev, wgmma_prep_expr(dtype, p.D)).launch(
-        (-(-rows_pad // (128 // (p.D // 8))), 1, 1), (128, 1, 1), call.stream, *args)
+        (-(-rows_pad // per_block), 1, 1), (128, 1, 1), call.stream, *args)
     kernels.get(dev, wgmma_expr(dtype, p.D)).launch(
         (p.B * p.Hkv * -(-p.Sk // WGMMA_BC), 1, 1), (WGMMA_THREADS, 1, 1), call.stream, *maps,
         *args, smem=wgmma_smem(p.D))
-    rows = p.B * p.Hq * p.Sq
-    if fwd._vec_ok(dq, layout, (p.B, p.Hq, p.Sq, p.D)):
-        _MMA_KERNELS[dtype].get(dev, convert_vec_expr(dtype, p.D)).launch(
-            (-(-rows // (128 // (p.D // 8))), 1, 1), (128, 1, 1), call.stream, *args)
-    else:
-        _launch_convert(call, p, args)
+    kernels.get(dev, wgmma_convert_expr(dtype, p.D)).launch(
+        (-(-(p.B * p.Hq * p.Sq) // per_block), 1, 1), (128, 1, 1), call.stream, *args)
 
 
 def _wgmma_plan(call, p, grad_out, query, key, value, output, dk, dv, layout, mask_kind):
