@@ -1,7 +1,8 @@
 """Where the Hopper attention backward's time goes: the wgmma kernel (variant 'wgmma') timed
 against probe builds of the same source that leave one part out (PROBE bits of
 cuda_src/attention/flash_bwd_wgmma.cu; their gradients are wrong by design, only their time
-counts): 1 the dq atomics, 2 the whole dQ phase (dS^T store, the barrier of the two consumer
+counts): 1 the dq reduction (run 44: fp32 atomics; since: the staging and bulk reduce-add), 2
+the whole dQ phase (dS^T store, the barrier of the two consumer
 warpgroups, dQ = dS K, the atomics), 4 the elementwise P^T / dS^T math. The difference to the
 full kernel bounds what each part costs where it is not overlapped. bf16, kernel time = median
 of CUDA events (single calls after warm-up; the preprocess and dq conversion included).
@@ -32,7 +33,8 @@ def main():
     args = ap.parse_args()
     bf = dt.bfloat16
     kernels = {ab.wgmma_expr(bf, d, pr): ab.WGMMA_ARGS for d in ab.WGMMA_DIMS for pr in PROBES}
-    kernels.update({ab.wgmma_prep_expr(bf, d): ab.FLASH_BWD_ARGS for d in ab.WGMMA_DIMS})
+    kernels.update({f(bf, d): ab.FLASH_BWD_ARGS for d in ab.WGMMA_DIMS
+                    for f in (ab.wgmma_prep_expr, ab.wgmma_convert_expr)})
     module = KernelModule("attention.flash_bwd_wgmma_probe_bf16", "attention/flash_bwd_wgmma.cu",
                           kernels, archs=("90a",))
     ab._WGMMA_KERNELS[bf] = lay.KernelTable(module)

@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(128) flash_bwd_wgmma_dq_convert(const FlashBwd
 
 // PROBE: 0 in every launch gpuops makes. Timing probes of
 // benchmarks/experiments/attention_bwd_wgmma_probe.py (wrong results by design) leave parts out:
-// bit 0 the dq atomics, bit 1 the whole dQ phase (dS^T store, barrier, product, atomics), bit 2
-// the elementwise P^T / dS^T math (P^T = S^T, dS^T = dP^T).
+// bit 0 the dq reduction (staging + bulk reduce-add), bit 1 the whole dQ phase (dS^T store,
+// barrier, product, reduction), bit 2 the elementwise P^T / dS^T math (P^T = S^T, dS^T = dP^T).
 template <class T, int D, int PROBE>
 __global__ void __launch_bounds__(kWgbThreads, 1)
     flash_bwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
