@@ -725,7 +725,9 @@ def test_wgmma_routing(monkeypatch):
     ab._launch_auto(*args())
     ab._launch_auto(*args(D=96))
     ab._launch_auto(*args(mask_kind=2))
-    ab._launch_auto(*args(D=64))             # 'mma' measured faster (WGMMA_AUTO_DIMS)
+    monkeypatch.setattr(ab, "WGMMA_AUTO_DIMS", (128,))
+    ab._launch_auto(*args(D=64))             # a head dim 'auto' does not take it for
+    monkeypatch.setattr(ab, "WGMMA_AUTO_DIMS", (64, 128))
     maps[0] = None                           # e.g. a stride TMA cannot take
     ab._launch_auto(*args())
     monkeypatch.setattr(ab, "WGMMA_AUTO", False)
@@ -997,7 +999,7 @@ def wgmma_only(monkeypatch):
         raise AssertionError("fell back from 'wgmma'")
     for name in ("_launch_best", "_launch_mma", "_launch_simt"):
         monkeypatch.setattr(ab, name, fell_back)
-    monkeypatch.setattr(ab, "WGMMA_AUTO_DIMS", ab.WGMMA_DIMS)     # 'auto' takes it for D = 64 too
+    monkeypatch.setattr(ab, "WGMMA_AUTO_DIMS", ab.WGMMA_DIMS)     # 'auto' takes every head dim
 
 
 @gpu

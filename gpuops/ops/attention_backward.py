@@ -30,8 +30,8 @@ Kernels (cuda_src/attention/flash_bwd.cu), fp32 math for fp32/fp16/bf16 storage:
   memory, dV += P^T dO and dK += dS^T Q with P^T / dS^T in registers, dQ = dS K from a dS^T tile
   in shared memory, fp32 atomics into the same accumulator). Its own preprocess writes the
   statistics with rows padded to 64; the dq conversion is the mma module's. ``'auto'`` takes it
-  on sm_90 for calls without attn_mask at the head dims in ``WGMMA_AUTO_DIMS`` (128: measured
-  faster than 'mma'; 64 stays on 'mma') whose q, k, v, grad_out TMA can describe;
+  on sm_90 for calls without attn_mask at the head dims in ``WGMMA_AUTO_DIMS`` (64 and 128:
+  measured faster than 'mma') whose q, k, v, grad_out TMA can describe;
   ``variant='wgmma'`` raises ValueError for a call it cannot take, saying why.
 
 The launch arguments are a FlashBwdArgs struct (cuda_src/attention/flash_bwd.cuh), separate from
@@ -215,10 +215,11 @@ WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 2
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_BWD_ARGS.params[0])
 # False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
 WGMMA_AUTO = True
-# Head dims 'auto' takes it for. Run 44 (H100, bf16): D = 128 1.34x / 1.39x SDPA FLASH
-# (non-causal / causal; 'mma' 0.84x / 0.97x); D = 64 (B4 H16 S2048 causal) 0.441 ms against
-# 'mma' (4, 2, 32, 2, 1) 0.427 ms, so D = 64 stays on 'mma' (variant='wgmma' still takes it).
-WGMMA_AUTO_DIMS = (128,)
+# Head dims 'auto' takes it for. Run 45 (H100, bf16, dq by bulk reduce-add): B2 H16 S4096
+# D = 128 1.69x / 1.72x SDPA FLASH (non-causal / causal; 'mma' 0.85x / 0.94x); B4 H16 S2048
+# D = 64 causal 0.361 ms against 'mma' (4, 2, 32, 2, 1) 0.428 ms (run 44, dq by fp32 atomics:
+# 0.441 ms, when D = 64 stayed on 'mma').
+WGMMA_AUTO_DIMS = (64, 128)
 
 
 def wgmma_smem(d: int) -> int:
@@ -760,8 +761,8 @@ def scaled_dot_product_attention_backward(call, grad_out: Tensor, query: Tensor,
       else accumulates in fp32). 'wgmma': the same on Hopper's warpgroup MMA (sm_90,
       float16/bfloat16, head dims 64 and 128, no attn_mask, q/k/v/grad_out that TMA can read:
       unit head-dim stride, 16-byte aligned base and strides). 'mma' and 'wgmma' raise
-      ValueError for a call they cannot take, saying why. 'auto': 'wgmma' where it applies
-      (head dim 128), else 'mma' where it applies, else 'simt'. All recompute S and P per tile
+      ValueError for a call they cannot take, saying why. 'auto': 'wgmma' where it applies,
+      else 'mma' where it applies, else 'simt'. All recompute S and P per tile
       from ``lse`` (never stored) and accumulate dq with fp32 atomics (results may differ in
       the last bits from run to run, as with FlashAttention-2; dk and dv are deterministic).
 
