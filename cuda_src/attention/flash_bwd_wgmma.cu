@@ -26,10 +26,12 @@
 //                                                 columns over its own 64 keys (no barrier across
 //                                                 warpgroups; twice the atomics of a split by
 //                                                 columns, which N = 32 boxes would need)
-//      dq_acc += scale dQ                         the fp32 partial -> shared memory, then one
-//                                                 bulk reduce-add (cp.reduce.async.bulk
-//                                                 .add.f32, done at L2) of the 16 KiB per
-//                                                 warpgroup into a tile-major accumulator
+//      dq_acc += scale dQ                         the fp32 partial -> shared memory, then (at
+//                                                 the next tile's start, under its first
+//                                                 products) one bulk reduce-add
+//                                                 (cp.reduce.async.bulk .add.f32, done at L2)
+//                                                 of the 16 KiB per warpgroup into a
+//                                                 tile-major accumulator
 //                                                 (FlashAttention-3's dq_accum; run 44: fp32
 //                                                 atomics from registers, 16 red.v2 per thread
 //                                                 and tile, cost 34-40% of the kernel), which
@@ -289,6 +291,23 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
   const unsigned int dq_stage = sbase + L::kDqOff + cg * L::kDq;
   float2* dq_stage_p = reinterpret_cast<float2*>(smem + L::kDqOff + cg * L::kDq);
 
+  // dq_acc += scale dQ of a tile whose fragments are in the staging buffer: the warpgroup's
+  // barrier, then one bulk reduce-add of its 16 KiB into the tile's block of the accumulator
+  // (wgb_dq_index); D = 64: both warpgroups' partials (their own keys) add into one block.
+  // Issued at the next tile's start, after its S^T / dP^T products (the barrier waits under
+  // them), and after the loop for the last tile.
+  auto reduce_dq = [&](int h, int q0) {
+    if (PROBE & 1) return;
+    named_bar_sync(3 + cg, 128);
+    if (ctid == 0) {
+      float* dst_acc = a.dq_acc + ((static_cast<long long>(w.b) * a.hq + h) * seq + q0) * D +
+                       (kSplitCols ? 4096 * cg : 0);
+      bulk_reduce_add_f32(dst_acc, dq_stage, L::kDq);
+      bulk_commit();
+    }
+  };
+  int prev_h = 0, prev_q0 = 0;
+
   mbar_wait(kv_bar, 0);
   for (int it = 0; it < w.total; ++it) {
     const int stage = it % kWgbStages;
@@ -298,8 +317,8 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     const unsigned int qt = q_tile(stage), dot = do_tile(stage);
 
     // S^T = K_cg Q^T, dP^T = V_cg dO^T. The accumulators are per tile (not carried across
-    // tiles, so they hold no registers outside their products); their first k step has
-    // scale_d = 0 and ignores their initial values.
+    // tiles, so they hold no registers outside their products); their first k step writes them
+    // without reading them (wgmma_ss_m64n64k16_first).
     float s[32], dp[32], dq[32];
     // the loop-invariant K_cg / V_cg addresses are recomputed per tile (opaque): hoisted, their
     // descriptors (2 x D / 16 64-bit values) spill
@@ -307,18 +326,19 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     opaque(k_cg);
     opaque(v_cg);
     wgmma_fence();
+    wgmma_ss_m64n64k16_first<T, 0, 0>(s, kmaj(k_cg, L::kKBox, 0), kmaj(qt, L::kQBox, 0));
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss_m64n64k16<T, 0, 0>(s, kmaj(k_cg, L::kKBox, kk), kmaj(qt, L::kQBox, kk),
-                                  kk > 0 ? 1 : 0);
-    wgmma_commit();
+    for (int kk = 1; kk < D / 16; ++kk)
+      wgmma_ss_m64n64k16<T, 0, 0>(s, kmaj(k_cg, L::kKBox, kk), kmaj(qt, L::kQBox, kk), 1);
+    wgmma_ss_m64n64k16_first<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, 0), kmaj(dot, L::kQBox, 0));
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss_m64n64k16<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, kk), kmaj(dot, L::kQBox, kk),
-                                  kk > 0 ? 1 : 0);
+    for (int kk = 1; kk < D / 16; ++kk)
+      wgmma_ss_m64n64k16<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, kk), kmaj(dot, L::kQBox, kk), 1);
     wgmma_commit();
     reg_fence(s);
     reg_fence(dp);
+    // the previous tile's dq reduction, under this tile's S^T / dP^T products
+    if (it > 0) reduce_dq(prev_h, prev_q0);
 
     const float* lse2s = reinterpret_cast<const float*>(smem + L::kStatsOff + stage * L::kStats);
     const float* dis = lse2s + kWgbBR;
@@ -397,8 +417,8 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
             sf[jj >> 1][2 * (jj & 1) + hr];
     }
     fence_proxy_async_smem();          // the stores above, before wgmma reads them
-    // the previous tile's bulk reduction has read this warpgroup's dQ staging buffer (the
-    // barrier below tells the other threads)
+    // the previous tile's bulk reduction (issued at this tile's start) has read this
+    // warpgroup's dQ staging buffer (the barrier below tells the other threads)
     if (ctid == 0) bulk_wait_read<0>();
     if (kSplitCols)
       named_bar_sync(1, 256);          // both warpgroups' dS^T
@@ -409,10 +429,12 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     unsigned int dq_bt = dq_b;
     opaque(dq_bt);
     wgmma_fence();
+    wgmma_ss_m64n64k16_first<T, 1, 1>(dq, mnmaj(dst + dq_a_off, 8192, 0),
+                                      mnmaj(dq_bt, L::kKBox, 0));
 #pragma unroll
-    for (int kk = 0; kk < kDqSteps; ++kk)
+    for (int kk = 1; kk < kDqSteps; ++kk)
       wgmma_ss_m64n64k16<T, 1, 1>(dq, mnmaj(dst + dq_a_off, 8192, kk), mnmaj(dq_bt, L::kKBox, kk),
-                                  kk > 0 ? 1 : 0);
+                                  1);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(dq);
@@ -425,24 +447,18 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     }
     if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
 
-    // dq_acc += scale dQ: the fragments in order into the staging buffer (float pair
-    // 128 (2 j + hr) + ctid: consecutive lanes, consecutive 8-byte words), then one bulk
-    // reduce-add of its 16 KiB into the tile's block of the accumulator (wgb_dq_index); D = 64:
-    // both warpgroups' partials (their own keys) add into the same block
+    // scale dQ -> the staging buffer, fragments in order (float pair 128 (2 j + hr) + ctid:
+    // consecutive lanes, consecutive 8-byte words); reduced at the next tile's start
     if (!(PROBE & 1)) {
 #pragma unroll
       for (int j2 = 0; j2 < 16; ++j2)
         dq_stage_p[j2 * 128 + ctid] = make_float2(dq[2 * j2] * a.scale, dq[2 * j2 + 1] * a.scale);
       fence_proxy_async_smem();        // the stores above, before the bulk copy reads them
-      named_bar_sync(3 + cg, 128);
-      if (ctid == 0) {
-        float* dst_acc = a.dq_acc + ((static_cast<long long>(w.b) * a.hq + h) * seq + q0) * D +
-                         (kSplitCols ? 4096 * cg : 0);
-        bulk_reduce_add_f32(dst_acc, dq_stage, L::kDq);
-        bulk_commit();
-      }
     }
+    prev_h = h;
+    prev_q0 = q0;
   }
+  if (w.total > 0) reduce_dq(prev_h, prev_q0);
   if (ctid == 0) bulk_wait<0>();       // the reductions done before the block's exit
 
   // dK = scale dS^T Q, dV = P^T dO: element pairs (key j, columns 8 n + 2 t, + 1)

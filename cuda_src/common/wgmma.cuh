@@ -413,6 +413,37 @@ struct WgmmaSSM64N64K16 {
 };
 #undef GPUOPS_WGMMA_SS_M64N64K16
 
+// The first k step of a fresh SS m64n64k16 product (scale-d = 0): the accumulators are outputs
+// only ("=f"), so their old values are dead before it (an accumulator carried across a loop
+// holds no registers between its last use and the next product).
+#define GPUOPS_WG_OUT8(i)                                                                  \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]),             \
+      "=f"(d[i + 5]), "=f"(d[i + 6]), "=f"(d[i + 7])
+#define GPUOPS_WGMMA_SS_M64N64K16_FIRST(TY) \
+  asm volatile( \
+      "{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n" \
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+      " {" GPUOPS_WG_REGS32 "}, %32, %33, " \
+      " p, 1, 1, %34, %35;\n}" \
+      : GPUOPS_WG_OUT8(0), GPUOPS_WG_OUT8(8), GPUOPS_WG_OUT8(16), GPUOPS_WG_OUT8(24) \
+      : "l"(desc_a), "l"(desc_b), "n"(TA), "n"(TB))
+
+template <int TA, int TB>
+struct WgmmaSSM64N64K16First {
+  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b) {
+    GPUOPS_WGMMA_SS_M64N64K16_FIRST("bf16");
+  }
+  __device__ __forceinline__ static void run(float16_t, float (&d)[32],
+                                             unsigned long long desc_a,
+                                             unsigned long long desc_b) {
+    GPUOPS_WGMMA_SS_M64N64K16_FIRST("f16");
+  }
+};
+#undef GPUOPS_WGMMA_SS_M64N64K16_FIRST
+#undef GPUOPS_WG_OUT8
+
 #define GPUOPS_WGMMA_RS_M64N128K16(TY) \
   asm volatile( \
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n" \
@@ -476,6 +507,13 @@ template <class T, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], unsigned long long desc_a,
                                                    unsigned long long desc_b, int scale_d) {
   WgmmaSSM64N64K16<TA, TB>::run(T{}, d, desc_a, desc_b, scale_d);
+}
+
+// D[64 x 64] = A B (the first k step: D's old values are not read)
+template <class T, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16_first(float (&d)[32], unsigned long long desc_a,
+                                                         unsigned long long desc_b) {
+  WgmmaSSM64N64K16First<TA, TB>::run(T{}, d, desc_a, desc_b);
 }
 
 // O += P V for a head dim N of 64 or 128 (d: N / 2 accumulators)
