@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
   // Issued at the next tile's start, after its S^T / dP^T products (the barrier waits under
   // them), and after the loop for the last tile.
   auto reduce_dq = [&](int h, int q0) {
-    if (PROBE & 1) return;
+    if (PROBE & 3) return;
     named_bar_sync(3 + cg, 128);
     if (ctid == 0) {
       float* dst_acc = a.dq_acc + ((static_cast<long long>(w.b) * a.hq + h) * seq + q0) * D +
