@@ -274,8 +274,11 @@ def wgmma_smem(d: int) -> int:
     return q + WGMMA_STAGES * stage + (1 + 3 * WGMMA_STAGES) * 8 + 1024
 
 
-def wgmma_expr(dtype, d: int, schedule: str) -> str:
-    return f"gpuops::flash_fwd_wgmma<{dtype.ctype}, {d}, {_B[schedule == 'pingpong']}>"
+def wgmma_expr(dtype, d: int, schedule: str, probe: int = 0) -> str:
+    """probe != 0: a timing probe of benchmarks/experiments/attention_wgmma_probe.py (not
+    compiled into the module; wrong results by design)."""
+    return (f"gpuops::flash_fwd_wgmma<{dtype.ctype}, {d}, {_B[schedule == 'pingpong']}, "
+            f"{probe}>")
 
 
 def wgmma_schedule() -> str:
