@@ -64,9 +64,8 @@ struct WgaLayout {
   static constexpr int kV = (kWgaBN / 64) * kDC * kVBox;
   static constexpr int kStage = kK + kV;
   static constexpr int kBar = kQ + kWgaStages * kStage;
-  // q_full, then k_full[S], v_full[S], empty[S]; a scratch word (wgmma_wait_after)
-  static constexpr int kScratch = kBar + (1 + 3 * kWgaStages) * 8;
-  static constexpr int kBytes = kScratch + 8 + 1024;
+  // q_full, then k_full[S], v_full[S], empty[S]
+  static constexpr int kBytes = kBar + (1 + 3 * kWgaStages) * 8 + 1024;
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
@@ -204,7 +203,6 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   const unsigned int q_bar = sbase + L::kBar;
   const unsigned int kfull_bar = q_bar + 8, vfull_bar = kfull_bar + 8 * kWgaStages;
   const unsigned int empty_bar = vfull_bar + 8 * kWgaStages;
-  const unsigned int scratch = sbase + L::kScratch;
   auto k_tile = [&](int stage) { return sbase + L::kQ + stage * L::kStage; };
   auto v_tile = [&](int stage) { return sbase + L::kQ + stage * L::kStage + L::kK; };
 
@@ -367,10 +365,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       wgmma_wait<1>();                 // groups complete in order: S_it is done
       reg_fence(s);
       softmax_tile(it);                // under O += P V
-      // the wait after the softmax (it reads nothing the wait guards, so ptxas otherwise
-      // schedules the wait first and the whole softmax after O += P V completes: run 47's SASS,
-      // every MUFU.EX2 after the DEPBAR; the probe without softmax was 36% faster)
-      wgmma_wait_after<0>(l[0] + l[1], scratch);
+      wgmma_wait<0>();
       reg_fence(o);
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);   // P is read until the product ends

@@ -271,9 +271,7 @@ WGMMA_SCHEDULE = "pingpong"     # run 39: +3.5-9.1% over "overlap" at all 8 benc
 def wgmma_smem(d: int) -> int:
     q = WGMMA_BM * d * 2
     stage = 2 * WGMMA_BN * d * 2                   # K and V tiles
-    # + the barriers (q_full, k_full / v_full / empty per stage), a scratch word
-    # (common/wgmma.cuh wgmma_wait_after) and 1 KiB of alignment slack
-    return q + WGMMA_STAGES * stage + (1 + 3 * WGMMA_STAGES) * 8 + 8 + 1024
+    return q + WGMMA_STAGES * stage + (1 + 3 * WGMMA_STAGES) * 8 + 1024
 
 
 def wgmma_expr(dtype, d: int, schedule: str, probe: int = 0) -> str:
