@@ -187,7 +187,9 @@ __device__ __forceinline__ void wga_pack_p(unsigned int (&pf)[8][4], const float
 // PROBE: 0 in every launch gpuops makes. Timing probes of
 // benchmarks/experiments/attention_wgmma_probe.py (wrong results by design) leave parts out:
 // bit 0 the softmax (visibility, max, exp2, sums: P = S), bit 1 the O += P V products, bit 2 the
-// O rescale.
+// O rescale; bit 3 (a trace, not a leave-out): thread 0 of each consumer warpgroup of block
+// gridDim.x / 2 writes clock64() at 7 points of each k-tile iteration into the lse buffer (as
+// int64 [cg][tile][8]; lse itself is not written).
 template <class T, int D, bool PINGPONG, int PROBE>
 __global__ void __launch_bounds__(kWgaThreads, 1)
     flash_fwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
@@ -340,6 +342,11 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   };
   if (PINGPONG && cg == 1) named_bar_arrive(kWgaTurnBar, 256);
 
+  long long* trace = reinterpret_cast<long long*>(a.lse);
+  const bool tracer = (PROBE & 8) && ctid == 0 && blockIdx.x == gridDim.x / 2 && trace != nullptr;
+  auto mark = [&](int it, int ev) {
+    if ((PROBE & 8) && tracer) trace[cg * 4096 + it * 8 + ev] = clock64();
+  };
   mbar_wait(q_bar, 0);
   if (w.ntiles > 0) {
     int stage = 0;
@@ -356,21 +363,29 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       const int next = stage ^ 1;
       const unsigned int next_phase = next == 0 ? phase ^ 1 : phase;
       mbar_wait(kfull_bar + 8 * next, next_phase);
+      mark(it, 0);
       turn_begin();
+      mark(it, 1);
       issue_s(next);                   // S_it, while ...
       rescale_o();                     // (CUDA cores, under S_it: alpha of tile it - 1)
       mbar_wait(vfull_bar + 8 * stage, phase);
       issue_pv(stage);                 // ... O += P_{it-1} V_{it-1} follows it
       turn_end();
+      mark(it, 2);
       wgmma_wait<1>();                 // groups complete in order: S_it is done
       reg_fence(s);
+      mark(it, 3);
       softmax_tile(it);                // under O += P V
+      if (PROBE & 8) reg_fence(s);
+      mark(it, 4);
       wgmma_wait<0>();
       reg_fence(o);
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);   // P is read until the product ends
+      mark(it, 5);
       release(stage);
       wga_pack_p<T>(pf, s);
+      mark(it, 6);
       stage = next;
       phase = next_phase;
     }
@@ -397,7 +412,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
     inv[hr] = lt == 0.0f ? 0.0f : 1.0f / lt;
     const int i = w0 + g + 8 * hr;
-    if (a.lse != nullptr && t == 0 && i < a.sq) {
+    if (!(PROBE & 8) && a.lse != nullptr && t == 0 && i < a.sq) {
       a.lse[w.b * a.ls[0] + w.h * a.ls[1] + i * a.ls[2]] =
           m[hr] == attn_neg_inf() ? attn_neg_inf() : (m[hr] + log2f(lt)) * kAttnLn2;
     }
