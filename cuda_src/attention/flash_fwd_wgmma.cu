@@ -5,9 +5,10 @@
 //  * one block of 3 warpgroups per (batch x head, 128 query rows): warpgroup 0 is the producer
 //    (one thread issues every TMA load; setmaxnreg gives its registers to the others),
 //    warpgroups 1 and 2 are consumers of 64 query rows each (240 registers);
-//  * Q (128 x D) is loaded once by TMA; K and V tiles of 128 keys stream through a 2-stage ring
-//    of shared memory with mbarriers: "K full" and "V full" per stage (TMA bytes landed; S = Q K^T
-//    starts as soon as K is there) and "empty" per stage (every consumer warp is done with both);
+//  * Q (128 x D) is loaded once by TMA; K and V tiles of 128 keys stream through a ring of
+//    shared memory (3 stages at D = 128, 4 at D = 64) with mbarriers: "K full" and "V full" per
+//    stage (TMA bytes landed; S = Q K^T starts as soon as K is there) and "empty" per stage
+//    (every consumer warp is done with both);
 //  * S = Q K^T: wgmma m64n128k16 with both operands in shared memory (K-major, 128-byte swizzle
 //    as TMA writes it), fp32 accumulators in registers;
 //  * online softmax on the accumulator fragments (the log2 domain, the scale folded into the
@@ -42,7 +43,12 @@ namespace gpuops {
 
 constexpr int kWgaBM = 128;             // query rows per block (2 consumer warpgroups x 64)
 constexpr int kWgaBN = 128;             // keys per tile
-constexpr int kWgaStages = 2;
+// K / V ring depth: D = 128, 3 stages (229 KB with Q: the most that fits); D = 64, 4. Run 49's
+// trace (attention_wgmma_trace.py) had 2 stages starve the consumers: the load of tile j + 1
+// could start only when both warpgroups had released tile j - 1 (after their O += P V), and it
+// landed ~1400 cycles later, 1770 of a 4130-cycle iteration spent waiting for K.
+template <int D>
+__host__ __device__ constexpr int wga_stages() { return D == 128 ? 3 : 4; }
 constexpr int kWgaThreads = 384;
 constexpr int kWgaProducerRegs = 24, kWgaConsumerRegs = 240;
 // named barriers: 1 + cg the epilogue of consumer warpgroup cg (128 threads), kWgaTurnBar + cg
@@ -63,9 +69,10 @@ struct WgaLayout {
   static constexpr int kK = kDC * kKBox;
   static constexpr int kV = (kWgaBN / 64) * kDC * kVBox;
   static constexpr int kStage = kK + kV;
-  static constexpr int kBar = kQ + kWgaStages * kStage;
+  static constexpr int kStages = wga_stages<D>();
+  static constexpr int kBar = kQ + kStages * kStage;
   // q_full, then k_full[S], v_full[S], empty[S]
-  static constexpr int kBytes = kBar + (1 + 3 * kWgaStages) * 8 + 1024;
+  static constexpr int kBytes = kBar + (1 + 3 * kStages) * 8 + 1024;
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
@@ -203,8 +210,9 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   const unsigned int sbase = raw + ((1024u - (raw & 1023u)) & 1023u);
   const unsigned int q_s = sbase;
   const unsigned int q_bar = sbase + L::kBar;
-  const unsigned int kfull_bar = q_bar + 8, vfull_bar = kfull_bar + 8 * kWgaStages;
-  const unsigned int empty_bar = vfull_bar + 8 * kWgaStages;
+  constexpr int kStages = L::kStages;
+  const unsigned int kfull_bar = q_bar + 8, vfull_bar = kfull_bar + 8 * kStages;
+  const unsigned int empty_bar = vfull_bar + 8 * kStages;
   auto k_tile = [&](int stage) { return sbase + L::kQ + stage * L::kStage; };
   auto v_tile = [&](int stage) { return sbase + L::kQ + stage * L::kStage + L::kK; };
 
@@ -212,7 +220,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   if (tid == 0) {
     mbar_init(q_bar, 1);
 #pragma unroll
-    for (int s = 0; s < kWgaStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(kfull_bar + 8 * s, 1);     // the producer's arrive.expect_tx (+ TMA's bytes)
       mbar_init(vfull_bar + 8 * s, 1);
       mbar_init(empty_bar + 8 * s, 8);     // one arrive per consumer warp
@@ -235,8 +243,8 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       for (int dc = 0; dc < L::kDC; ++dc)
         tma_load_4d(q_s + dc * L::kQBox, &tma_q, q_bar, 64 * dc, w.q0, w.h, w.b);
       for (int it = 0; it < w.ntiles; ++it) {
-        const int stage = it % kWgaStages;
-        mbar_wait(empty_bar + 8 * stage, ((it / kWgaStages) & 1) ^ 1);
+        const int stage = it % kStages;
+        mbar_wait(empty_bar + 8 * stage, ((it / kStages) & 1) ^ 1);
         const int k0 = w.jlo + it * kWgaBN;
         const unsigned int kb = kfull_bar + 8 * stage, vb = vfull_bar + 8 * stage;
         mbar_arrive_expect_tx(kb, L::kK);
@@ -360,7 +368,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     softmax_tile(0);                   // (its alpha meets O = 0)
     wga_pack_p<T>(pf, s);
     for (int it = 1; it < w.ntiles; ++it) {
-      const int next = stage ^ 1;
+      const int next = stage + 1 == kStages ? 0 : stage + 1;
       const unsigned int next_phase = next == 0 ? phase ^ 1 : phase;
       mbar_wait(kfull_bar + 8 * next, next_phase);
       mark(it, 0);

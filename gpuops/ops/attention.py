@@ -251,7 +251,14 @@ _ROPE_K_KERNELS = lay.KernelTable(ROPE_K_MODULE)
 # out as 4-D [B, H, S, D], any strides) and FlashFwdArgs. Tile and shared memory mirror the
 # kernel's kWgaBM / kWgaBN / WgaLayout.
 WGMMA_DIMS = (64, 128)
-WGMMA_THREADS, WGMMA_BM, WGMMA_BN, WGMMA_STAGES = 384, 128, 128, 2
+WGMMA_THREADS, WGMMA_BM, WGMMA_BN = 384, 128, 128
+
+
+def wgmma_stages(d: int) -> int:
+    """K / V ring depth (the kernel's wga_stages): run 49's trace had 2 stages starve the
+    consumers (the next tile's K landed ~1400 cycles after the stage two tiles back was
+    released)."""
+    return 3 if d == 128 else 4
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_ARGS.params[0],
                      "i32")
 # Causal / windowed calls: the grid walks (b x h) rows in chunks whose K / V fit this many bytes
@@ -271,7 +278,7 @@ WGMMA_SCHEDULE = "pingpong"     # run 39: +3.5-9.1% over "overlap" at all 8 benc
 def wgmma_smem(d: int) -> int:
     q = WGMMA_BM * d * 2
     stage = 2 * WGMMA_BN * d * 2                   # K and V tiles
-    return q + WGMMA_STAGES * stage + (1 + 3 * WGMMA_STAGES) * 8 + 1024
+    return q + wgmma_stages(d) * stage + (1 + 3 * wgmma_stages(d)) * 8 + 1024
 
 
 def wgmma_expr(dtype, d: int, schedule: str, probe: int = 0) -> str:
