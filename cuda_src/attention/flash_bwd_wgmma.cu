@@ -185,7 +185,10 @@ __global__ void __launch_bounds__(128) flash_bwd_wgmma_dq_convert(const FlashBwd
 // PROBE: 0 in every launch gpuops makes. Timing probes of
 // benchmarks/experiments/attention_bwd_wgmma_probe.py (wrong results by design) leave parts out:
 // bit 0 the dq reduction (staging + bulk reduce-add), bit 1 the whole dQ phase (dS^T store,
-// barrier, product, reduction), bit 2 the elementwise P^T / dS^T math (P^T = S^T, dS^T = dP^T).
+// barrier, product, reduction), bit 2 the elementwise P^T / dS^T math (P^T = S^T, dS^T = dP^T);
+// bit 3 (a trace, not a leave-out): thread 0 of each consumer warpgroup of block gridDim.x / 2
+// writes clock64() at 8 points of each query-tile iteration into the statistics buffer (as int64
+// [cg][tile][8]; the gradients are garbage then).
 template <class T, int D, int PROBE>
 __global__ void __launch_bounds__(kWgbThreads, 1)
     flash_bwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
@@ -307,13 +310,20 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     }
   };
   int prev_h = 0, prev_q0 = 0;
+  long long* trace = reinterpret_cast<long long*>(a.stats);
+  const bool tracer = (PROBE & 8) && ctid == 0 && blockIdx.x == gridDim.x / 2;
+  auto mark = [&](int it, int ev) {
+    if ((PROBE & 8) && tracer && it < 512) trace[cg * 4096 + it * 8 + ev] = clock64();
+  };
 
   mbar_wait(kv_bar, 0);
   for (int it = 0; it < w.total; ++it) {
+    mark(it, 0);
     const int stage = it % kWgbStages;
     int h, q0;
     w.tile(a, it, h, q0);
     mbar_wait(full_bar + 8 * stage, (it / kWgbStages) & 1);
+    mark(it, 1);
     const unsigned int qt = q_tile(stage), dot = do_tile(stage);
 
     // S^T = K_cg Q^T, dP^T = V_cg dO^T. The accumulators are per tile (not carried across
@@ -339,6 +349,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     reg_fence(dp);
     // the previous tile's dq reduction, under this tile's S^T / dP^T products
     if (it > 0) reduce_dq(prev_h, prev_q0);
+    mark(it, 2);
 
     const float* lse2s = reinterpret_cast<const float*>(smem + L::kStatsOff + stage * L::kStats);
     const float* dis = lse2s + kWgbBR;
@@ -348,6 +359,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     wgmma_wait<0>();
     reg_fence(s);
     reg_fence(dp);
+    mark(it, 3);
     const unsigned int vis = edge ? wgb_visible(a, wk0, q0, t, g) : ~0u;
 #pragma unroll
     for (int jj = 0; jj < 8 && !(PROBE & 4); ++jj) {
@@ -373,6 +385,14 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
       }
     }
 
+    if (PROBE & 8) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        reg_fence(pf[kk]);
+        reg_fence(sf[kk]);
+      }
+    }
+    mark(it, 4);
     // dV += P^T dO, dK += dS^T Q (A from registers, dO / Q N-major)
     reg_fence(dv);
     reg_fence(dk);
@@ -424,6 +444,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
       named_bar_sync(1, 256);          // both warpgroups' dS^T
     else
       named_bar_sync(1 + cg, 128);     // this warpgroup's own rows
+    mark(it, 5);
 
     // dQ = dS K
     unsigned int dq_bt = dq_b;
@@ -445,6 +466,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
       reg_fence(pf[kk]);               // read by the products until they complete
       reg_fence(sf[kk]);
     }
+    mark(it, 6);
     if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
 
     // scale dQ -> the staging buffer, fragments in order (float pair 128 (2 j + hr) + ctid:
@@ -455,6 +477,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
         dq_stage_p[j2 * 128 + ctid] = make_float2(dq[2 * j2] * a.scale, dq[2 * j2 + 1] * a.scale);
       fence_proxy_async_smem();        // the stores above, before the bulk copy reads them
     }
+    mark(it, 7);
     prev_h = h;
     prev_q0 = q0;
   }
