@@ -110,13 +110,16 @@ def main():
                 print(f"  {peer}: {exc}")
         out, lse = go.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
         default = ab.MMA_TILES[D]
-        variants = [("wgmma", "wgmma", None)] if args.wgmma else []
+        variants = ([("wgmma pingpong", "wgmma", None), ("wgmma overlap", "wgmma", None)]
+                    if args.wgmma else [])
         variants += [(f"mma {cfg}", "mma", cfg) for cfg in tiles_for(D, args.tiles)]
         if args.simt:
             variants.append(("simt", "simt", None))
+        pingpong0 = ab.WGMMA_PINGPONG
         for label, variant, cfg in variants:
             if cfg is not None:
                 ab.MMA_TILES[D] = cfg
+            ab.WGMMA_PINGPONG = label != "wgmma overlap"      # its two schedules
 
             def ours_bwd(variant=variant):
                 return go.scaled_dot_product_attention_backward(g, q, k, v, out, lse,
@@ -138,6 +141,7 @@ def main():
                       f"{'/'.join(f'{x:.1e}' for x in errs)}{smem}")
             finally:
                 ab.MMA_TILES[D] = default
+                ab.WGMMA_PINGPONG = pingpong0
         for what in ("bwd", "fwd_bwd"):
             flash = times.get(("sdpa_flash", what))
             cudnn = times.get(("sdpa_cudnn", what))

@@ -58,6 +58,9 @@ constexpr int kWgbBR = 64;              // query rows per tile
 constexpr int kWgbStages = 2;
 constexpr int kWgbThreads = 384;
 constexpr int kWgbProducerRegs = 24, kWgbConsumerRegs = 240;
+// named barriers: 1 the dS^T exchange (D = 128, 256 threads) or 1 + cg (D = 64, 128), 3 + cg
+// the dQ staging (128), kWgbTurnBar + cg warpgroup cg's turn (PINGPONG, 256)
+constexpr int kWgbTurnBar = 5;
 static_assert((2 * kWgbConsumerRegs + kWgbProducerRegs) * 128 <= 65536, "register file");
 
 // rows per (b, h) of the padded statistics
@@ -189,7 +192,12 @@ __global__ void __launch_bounds__(128) flash_bwd_wgmma_dq_convert(const FlashBwd
 // bit 3 (a trace, not a leave-out): thread 0 of each consumer warpgroup of block gridDim.x / 2
 // writes clock64() at 8 points of each query-tile iteration into the statistics buffer (as int64
 // [cg][tile][8]; the gradients are garbage then).
-template <class T, int D, int PROBE>
+// PINGPONG (host: attention_backward.WGMMA_PINGPONG): the two consumer warpgroups take turns
+// issuing their S^T / dP^T products (named barriers kWgbTurnBar + cg), so the second
+// warpgroup's products run under the first one's P^T / dS^T math instead of both warpgroups
+// doing that math at once while the tensor cores idle (run 51's trace: the warpgroups in
+// lockstep, ~950 of 4440 cycles per tile in that math).
+template <class T, int D, bool PINGPONG, int PROBE>
 __global__ void __launch_bounds__(kWgbThreads, 1)
     flash_bwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                     const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_do,
@@ -310,6 +318,15 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     }
   };
   int prev_h = 0, prev_q0 = 0;
+  // PINGPONG turns (as the forward's, flash_fwd_wgmma.cu): warpgroup 0 goes first (warpgroup 1
+  // arrives once up front) and syncs once more after the loop, so every arrival is consumed
+  auto turn_begin = [&]() {
+    if (PINGPONG) named_bar_sync(kWgbTurnBar + cg, 256);
+  };
+  auto turn_end = [&]() {
+    if (PINGPONG) named_bar_arrive(kWgbTurnBar + (cg ^ 1), 256);
+  };
+  if (PINGPONG && cg == 1) named_bar_arrive(kWgbTurnBar, 256);
   long long* trace = reinterpret_cast<long long*>(a.stats);
   const bool tracer = (PROBE & 8) && ctid == 0 && blockIdx.x == gridDim.x / 2;
   auto mark = [&](int it, int ev) {
@@ -335,6 +352,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     unsigned int k_cg = k_s + cg * 8192, v_cg = v_s + cg * 8192;
     opaque(k_cg);
     opaque(v_cg);
+    turn_begin();
     wgmma_fence();
     wgmma_ss_m64n64k16_first<T, 0, 0>(s, kmaj(k_cg, L::kKBox, 0), kmaj(qt, L::kQBox, 0));
 #pragma unroll
@@ -345,6 +363,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     for (int kk = 1; kk < D / 16; ++kk)
       wgmma_ss_m64n64k16<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, kk), kmaj(dot, L::kQBox, kk), 1);
     wgmma_commit();
+    turn_end();
     reg_fence(s);
     reg_fence(dp);
     // the previous tile's dq reduction, under this tile's S^T / dP^T products
@@ -482,6 +501,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     prev_q0 = q0;
   }
   if (w.total > 0) reduce_dq(prev_h, prev_q0);
+  if (PINGPONG && cg == 0) named_bar_sync(kWgbTurnBar, 256);
   if (ctid == 0) bulk_wait<0>();       // the reductions done before the block's exit
 
   // dK = scale dS^T Q, dV = P^T dO: element pairs (key j, columns 8 n + 2 t, + 1)

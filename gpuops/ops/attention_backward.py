@@ -215,6 +215,9 @@ WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 2
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_BWD_ARGS.params[0])
 # False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
 WGMMA_AUTO = True
+# The two consumer warpgroups take turns issuing their S^T / dP^T products (the kernel's
+# PINGPONG; False: both issue when ready, run 44-47's schedule).
+WGMMA_PINGPONG = True
 # Head dims 'auto' takes it for. Run 45 (H100, bf16, dq by bulk reduce-add): B2 H16 S4096
 # D = 128 1.69x / 1.72x SDPA FLASH (non-causal / causal; 'mma' 0.85x / 0.94x); B4 H16 S2048
 # D = 64 causal 0.361 ms against 'mma' (4, 2, 32, 2, 1) 0.428 ms (run 44, dq by fp32 atomics:
@@ -232,10 +235,12 @@ def wgmma_smem(d: int) -> int:
     return kv + WGMMA_STAGES * stage + ds + dq + (1 + 2 * WGMMA_STAGES) * 8 + 1024
 
 
-def wgmma_expr(dtype, d: int, probe: int = 0) -> str:
-    """probe != 0: a timing probe of benchmarks/experiments/attention_bwd_wgmma_probe.py (not
-    compiled into the module; wrong results by design)."""
-    return f"gpuops::flash_bwd_wgmma<{dtype.ctype}, {d}, {probe}>"
+def wgmma_expr(dtype, d: int, probe: int = 0, pingpong: bool | None = None) -> str:
+    """pingpong: the turn-taking schedule (None: WGMMA_PINGPONG). probe != 0: a timing probe of
+    benchmarks/experiments/attention_bwd_wgmma_probe.py (not compiled into the module; wrong
+    results by design)."""
+    pp = WGMMA_PINGPONG if pingpong is None else pingpong
+    return f"gpuops::flash_bwd_wgmma<{dtype.ctype}, {d}, {_B[bool(pp)]}, {probe}>"
 
 
 def wgmma_prep_expr(dtype, d: int) -> str:
@@ -248,7 +253,8 @@ def wgmma_convert_expr(dtype, d: int) -> str:
 
 WGMMA_MODULES = {
     dtype: KernelModule(f"attention.flash_bwd_wgmma_{short}", "attention/flash_bwd_wgmma.cu",
-                        {**{wgmma_expr(dtype, d): WGMMA_ARGS for d in WGMMA_DIMS},
+                        {**{wgmma_expr(dtype, d, 0, pp): WGMMA_ARGS for d in WGMMA_DIMS
+                            for pp in (False, True)},
                          **{f(dtype, d): FLASH_BWD_ARGS for d in WGMMA_DIMS
                             for f in (wgmma_prep_expr, wgmma_convert_expr)}},
                         archs=("90a",))
