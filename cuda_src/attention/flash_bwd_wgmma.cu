@@ -8,7 +8,7 @@
 //    consumers of 64 keys each (240 registers). K and V (128 x D) are loaded once; the block
 //    walks the query tiles of 64 rows (of every query head of the GQA group) that can see its
 //    keys, their Q, dO (TMA boxes) and lse2, D (1-D bulk copies from the padded statistics)
-//    streaming through a 3-stage ring with "full" / "empty" mbarriers.
+//    streaming through a 2-stage ring with "full" / "empty" mbarriers.
 //  * Per query tile, consumer warpgroup cg (keys 64 cg .. 64 cg + 63 of the block):
 //      S^T  = K_cg Q^T,  dP^T = V_cg dO^T        wgmma m64n64k16, both operands K-major in
 //                                                 shared memory (keys as M: P^T and dS^T come
@@ -55,10 +55,10 @@ namespace gpuops {
 
 constexpr int kWgbBC = 128;             // keys per block (2 consumer warpgroups x 64)
 constexpr int kWgbBR = 64;              // query rows per tile
-// Q / dO ring depth: run 52's trace had 2 stages leave ~260 of ~4270 cycles per tile waiting
-// for the next tile's Q / dO (its loads queue on the SM's TMA unit behind the dq bulk
-// reductions); 3 stages fit at D = 128 with 456 bytes to spare.
-constexpr int kWgbStages = 3;
+// Q / dO ring depth. 3 stages (which fit at D = 128 with 456 bytes to spare) measured the same
+// as 2 in run 53 (-1.1% / +0.8% / -2%, within run-to-run spread): the ~250 cycles per tile
+// between the loop's top and "Q / dO landed" in the traces are not a wait for the loads.
+constexpr int kWgbStages = 2;
 constexpr int kWgbThreads = 384;
 constexpr int kWgbProducerRegs = 24, kWgbConsumerRegs = 240;
 // named barriers: 1 the dS^T exchange (D = 128, 256 threads) or 1 + cg (D = 64, 128), 3 + cg

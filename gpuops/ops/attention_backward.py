@@ -211,7 +211,7 @@ for _d in MMA_TILES:
 # conversion turns into dq. Tile and shared memory mirror the kernel's kWgbBC / kWgbBR /
 # WgbLayout.
 WGMMA_DIMS = (64, 128)
-WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 3
+WGMMA_THREADS, WGMMA_BC, WGMMA_BR, WGMMA_STAGES = 384, 128, 64, 2
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_BWD_ARGS.params[0])
 # False keeps 'auto' on 'mma' on sm_90 (A/B switch of benchmarks/experiments)
 WGMMA_AUTO = True
