@@ -247,6 +247,30 @@ def event_pairs_ms(fn, iters=20, warmup=3):
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
+def clock_trace_phases(trace, events, first, last, show=(1, 2, 3)):
+    """Summary of a kernel's clock64 trace (the attention wgmma kernels' PROBE bit 3): trace is
+    an int64 array [warpgroup][iteration][len(events)] of SM cycle counts, one mark per event
+    per loop iteration; iterations first .. last - 1 are read (the ones the traced block ran).
+    Prints the iterations in `show` (cycles since the first mark read) and, per warpgroup, the
+    mean cycles of each phase (from the previous mark) and the mean iteration period; returns
+    rows {"cg", "it", "t"} for a JSON record. Shared by the attention trace experiments."""
+    rows = []
+    t0 = min(int(trace[cg][first][0]) for cg in range(len(trace)))
+    for cg in range(len(trace)):
+        marks = [[int(x) for x in trace[cg][it][:len(events)]] for it in range(first, last)]
+        for k, ev in enumerate(marks):
+            rows.append({"cg": cg, "it": first + k, "t": [x - t0 for x in ev]})
+            if first + k in show:
+                print(f"cg{cg} it{first + k:3d}: " +
+                      " ".join(f"{e}={x - t0}" for e, x in zip(events, ev)))
+        phases = {e: statistics.mean(ev[j] - ev[j - 1] for ev in marks)
+                  for j, e in enumerate(events) if j > 0}
+        period = (marks[-1][0] - marks[0][0]) / max(len(marks) - 1, 1)
+        print(f"cg{cg}: {len(marks)} iterations, period {period:.0f} cycles; mean cycles per "
+              "phase: " + ", ".join(f"{e} {v:.0f}" for e, v in phases.items()))
+    return rows
+
+
 def events_ms(fn, budget_s=1.5, min_iters=3, max_iters=200):
     """Median ms per call of fn, each call between two CUDA events (GPU time of one call with
     the host's launch cost in front of it), over 3 batches after 2 warm-up calls; the batch size

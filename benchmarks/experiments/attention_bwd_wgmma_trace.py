@@ -16,6 +16,7 @@ import torch
 
 import gpuops as go
 from gpuops import dtypes as dt
+from gpuops.bench import clock_trace_phases
 from gpuops.ops import _layout as lay
 from gpuops.ops import attention_backward as ab
 from gpuops.runtime.modules import KernelModule
@@ -28,6 +29,9 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--tiles", type=int, default=64,
+                    help="query tiles of the traced block (64 for S4096 without causal; fewer "
+                         "rows are read past the trace)")
     args = ap.parse_args()
     bf, D = dt.bfloat16, args.dim
     kernels = {ab.wgmma_expr(bf, D, 8): ab.WGMMA_ARGS}
@@ -58,27 +62,9 @@ def main():
     torch.cuda.synchronize()
     stats = captured["stats"]
     n = 2 * 4096
-    tr = stats.reshape(-1)[: 2 * n].view(torch.int64)[:n].reshape(2, 512, 8).cpu()
-    first = tr[:, 0, 0]
-    t0 = int(first[first > 0].min())
-    rows = []
-    for cg in range(2):
-        durs = {e: [] for e in EVENTS[1:]}
-        tops = []
-        for it in range(512):
-            ev = [int(x) for x in tr[cg, it]]
-            if ev[0] == 0:
-                break
-            tops.append(ev[0])
-            rows.append({"cg": cg, "it": it, "t": [x - t0 for x in ev]})
-            for j, e in enumerate(EVENTS[1:], 1):
-                durs[e].append(ev[j] - ev[j - 1])
-            if it <= 3 or it % 16 == 0:
-                print(f"cg{cg} it{it:3d}: " + " ".join(f"{e}={x - t0}" for e, x in zip(EVENTS, ev)))
-        print(f"cg{cg}: {len(tops)} iterations, mean cycles per phase: " +
-              ", ".join(f"{e} {sum(v) / max(len(v), 1):.0f}" for e, v in durs.items()))
-        if len(tops) > 2:
-            print(f"cg{cg}: mean iteration period {(tops[-1] - tops[0]) / (len(tops) - 1):.0f}")
+    tr = stats.reshape(-1)[: 2 * n].view(torch.int64)[:n].reshape(2, 512, 8).cpu().tolist()
+    # the traced block (the grid's middle: a first key block, all 64 query tiles when not causal)
+    rows = clock_trace_phases(tr, EVENTS, 0, args.tiles)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

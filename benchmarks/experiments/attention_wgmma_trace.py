@@ -15,6 +15,7 @@ import torch
 
 import gpuops as go
 from gpuops import dtypes as dt
+from gpuops.bench import clock_trace_phases
 from gpuops.ops import _layout as lay
 from gpuops.ops import attention as at
 from gpuops.runtime.modules import KernelModule
@@ -41,28 +42,9 @@ def main():
         out, lse = go.scaled_dot_product_attention(q, k, v, is_causal=args.causal,
                                                    return_lse=True, variant="wgmma")
     torch.cuda.synchronize()
-    tr = lse.reshape(-1).view(torch.int64)[: 2 * 4096].reshape(2, 512, 8).cpu()
-    t0 = int(tr[:, 1:, 0][tr[:, 1:, 0] > 0].min())
-    rows = []
-    for cg in range(2):
-        durs = {e: [] for e in EVENTS[1:]}
-        for it in range(1, 512):
-            ev = [int(x) for x in tr[cg, it, :7]]
-            if ev[0] == 0:
-                break
-            rows.append({"cg": cg, "it": it, "t": [x - t0 for x in ev]})
-            for j, e in enumerate(EVENTS[1:], 1):
-                durs[e].append(ev[j] - ev[j - 1])
-            if it <= 6 or it % 8 == 0:
-                print(f"cg{cg} it{it:3d}: " + " ".join(f"{e}={x - t0}" for e, x in zip(EVENTS, ev)))
-        n = len(durs["turn"])
-        print(f"cg{cg}: {n} iterations, mean cycles per phase (from the previous mark): " +
-              ", ".join(f"{e} {sum(v) / max(len(v), 1):.0f}" for e, v in durs.items()))
-    # the period: K-ready to K-ready of consecutive iterations
-    for cg in range(2):
-        ts = [r["t"][0] for r in rows if r["cg"] == cg]
-        if len(ts) > 2:
-            print(f"cg{cg}: mean iteration period {(ts[-1] - ts[0]) / (len(ts) - 1):.0f} cycles")
+    tr = lse.reshape(-1).view(torch.int64)[: 2 * 4096].reshape(2, 512, 8).cpu().tolist()
+    # the loop's iterations are 1 .. S / 128 - 1 (tile 0 is the prologue)
+    rows = clock_trace_phases(tr, EVENTS, 1, 4096 // 128)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

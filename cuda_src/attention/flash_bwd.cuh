@@ -162,6 +162,21 @@ __device__ __forceinline__ void bwd_prep_vec(const FlashBwdArgs& a, int seq) {
   }
 }
 
+// dst[0 .. 7] = src[0 .. 7] in the storage type (16-byte loads and store: both aligned): the dq
+// conversions of the tensor-core backwards.
+template <class T>
+__device__ __forceinline__ void bwd_convert8(T* dst, const float* src) {
+  float lo[4], hi[4], f[8];
+  Vec16<float>::unpack(load16(src), lo);
+  Vec16<float>::unpack(load16(src + 4), hi);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    f[e] = lo[e];
+    f[e + 4] = hi[e];
+  }
+  store16(dst, Vec16<T>::pack(f));
+}
+
 // dst[0..3] += v[0..3] (fp32 atomics; one vector reduction on sm_90, whose L2 adds 16 bytes at
 // once, when vec4: the host guarantees 16-byte alignment then).
 __device__ __forceinline__ void bwd_atomic_add4(float* dst, const float (&v)[4], bool vec4) {

@@ -71,17 +71,8 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_convert_vec(const FlashBwdAr
   int b, h, i;
   if (bwd_vec_row<D>(a, a.sq, b, h, i) >= rows) return;
   const int c = (threadIdx.x % (D / 8)) * 8;
-  const float* src = a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c;
-  float lo[4], hi[4], f[8];
-  Vec16<float>::unpack(load16(src), lo);
-  Vec16<float>::unpack(load16(src + 4), hi);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    f[e] = lo[e];
-    f[e + 4] = hi[e];
-  }
-  store16(static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2] + c,
-          Vec16<T>::pack(f));
+  bwd_convert8(static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2] + c,
+               a.dq_acc + b * a.dqas[0] + h * a.dqas[1] + i * a.dqas[2] + c);
 }
 
 // Rows of the dQ warp grid: WM warps along the query rows x WARPS / WM along the head dim, each

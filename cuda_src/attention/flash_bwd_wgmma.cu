@@ -175,17 +175,8 @@ __global__ void __launch_bounds__(128) flash_bwd_wgmma_dq_convert(const FlashBwd
   if (bwd_vec_row<D>(a, a.sq, b, h, i) >= rows) return;
   const int c = (threadIdx.x % (D / 8)) * 8;
   const long long tile = (static_cast<long long>(b) * a.hq + h) * wgb_seq_pad(a.sq) + (i & ~63);
-  const float* src = a.dq_acc + tile * D + wgb_dq_index(i & 63, c);
-  float lo[4], hi[4], f[8];
-  Vec16<float>::unpack(load16(src), lo);
-  Vec16<float>::unpack(load16(src + 4), hi);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    f[e] = lo[e];
-    f[e + 4] = hi[e];
-  }
-  store16(static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2] + c,
-          Vec16<T>::pack(f));
+  bwd_convert8(static_cast<T*>(a.dq) + b * a.dqs[0] + h * a.dqs[1] + i * a.dqs[2] + c,
+               a.dq_acc + tile * D + wgb_dq_index(i & 63, c));
 }
 
 // PROBE: 0 in every launch gpuops makes. Timing probes of
@@ -295,6 +286,16 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
   unsigned int pf[4][4], sf[4][4];
+  // pins dV, dK and their A operands P^T, dS^T (read by the products until they complete)
+  auto fence_dkdv = [&]() {
+    reg_fence(dv);
+    reg_fence(dk);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      reg_fence(pf[kk]);
+      reg_fence(sf[kk]);
+    }
+  };
 
   // dQ: D = 128, warpgroup cg's 64 head-dim columns over the block's 128 keys (K box cg);
   // D = 64, all columns over its own 64 keys (rows 64 cg .. of dS^T and of K)
@@ -407,22 +408,9 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
       }
     }
 
-    if (PROBE & 8) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        reg_fence(pf[kk]);
-        reg_fence(sf[kk]);
-      }
-    }
-    mark(it, 4);
     // dV += P^T dO, dK += dS^T Q (A from registers, dO / Q N-major)
-    reg_fence(dv);
-    reg_fence(dk);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      reg_fence(pf[kk]);
-      reg_fence(sf[kk]);
-    }
+    fence_dkdv();
+    mark(it, 4);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_rs_m64k16<T, D>(dv, pf[kk], mnmaj(dot, L::kQBox, kk), 1);
@@ -440,13 +428,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     unsigned char* ds_p = smem + (dst - sbase);
     if (PROBE & 2) {
       wgmma_wait<0>();
-      reg_fence(dv);
-      reg_fence(dk);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        reg_fence(pf[kk]);
-        reg_fence(sf[kk]);
-      }
+      fence_dkdv();
       if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
       continue;
     }
@@ -481,13 +463,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(dq);
-    reg_fence(dv);
-    reg_fence(dk);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      reg_fence(pf[kk]);               // read by the products until they complete
-      reg_fence(sf[kk]);
-    }
+    fence_dkdv();
     mark(it, 6);
     if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
 
