@@ -47,8 +47,12 @@ constexpr int kWgaBN = 128;             // keys per tile
 // trace (attention_wgmma_trace.py) had 2 stages starve the consumers: the load of tile j + 1
 // could start only when both warpgroups had released tile j - 1 (after their O += P V), and it
 // landed ~1400 cycles later, 1770 of a 4130-cycle iteration spent waiting for K.
+// (GPUOPS_WGA_STAGES_D64: an experiment's override, benchmarks/experiments/attention_wgmma_stages.py)
+#ifndef GPUOPS_WGA_STAGES_D64
+#define GPUOPS_WGA_STAGES_D64 4
+#endif
 template <int D>
-__host__ __device__ constexpr int wga_stages() { return D == 128 ? 3 : 4; }
+__host__ __device__ constexpr int wga_stages() { return D == 128 ? 3 : GPUOPS_WGA_STAGES_D64; }
 constexpr int kWgaThreads = 384;
 constexpr int kWgaProducerRegs = 24, kWgaConsumerRegs = 240;
 // named barriers: 1 + cg the epilogue of consumer warpgroup cg (128 threads), kWgaTurnBar + cg
