@@ -1,9 +1,11 @@
-"""The Hopper attention forward at head dim 64 with deeper K / V rings than the default 4 stages
-(run 50: 4 stages at D64 gave +8-15% over 2): each depth in --depths is compiled as its own
-module (the kernel's GPUOPS_WGA_STAGES_D64) and timed beside the default and SDPA's cuDNN
-backend in the same process. bf16, H32 S4096, pingpong, median of CUDA events.
+"""Build variants of the Hopper attention forward, each compiled as its own module and timed
+beside SDPA's cuDNN backend in the same process (bf16, H32 S4096, pingpong, median of CUDA
+events): K / V ring depths at head dim 64 (--depths; the kernel's GPUOPS_WGA_STAGES_D64; run 55:
+4 stays best), and with --wait-after the default build with the P V wait kept after the softmax
+(GPUOPS_WGA_WAIT_AFTER; run 48 measured it slower, with the 2-stage ring).
 
-    python benchmarks/experiments/attention_wgmma_stages.py [--json F] [--depths 4,6]
+    python benchmarks/experiments/attention_wgmma_stages.py [--json F] [--dim 64] [--depths 4,6]
+        [--wait-after]
 """
 from __future__ import annotations
 
@@ -24,14 +26,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--depths", default="4,6")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--wait-after", action="store_true",
+                    help="also time the default depth with the P V wait kept after the softmax "
+                         "(GPUOPS_WGA_WAIT_AFTER)")
     args = ap.parse_args()
-    bf, D, H, S = dt.bfloat16, 64, 32, 4096
+    bf, D, H, S = dt.bfloat16, args.dim, 32, 4096
     expr = at.wgmma_expr(bf, D, "pingpong")
-    tables, stages0, kernels0 = {}, at.wgmma_stages, at._WGMMA_KERNELS[bf]
-    for n in (int(x) for x in args.depths.split(",")):
-        m = KernelModule(f"attention.flash_wgmma_d64_stages{n}", "attention/flash_fwd_wgmma.cu",
-                         {expr: at.WGMMA_ARGS}, options=(f"-DGPUOPS_WGA_STAGES_D64={n}",),
-                         archs=("90a",))
+    tables, stages0, kernels0, smem0 = {}, at.wgmma_stages, at._WGMMA_KERNELS[bf], at.wgmma_smem
+    builds = [("default", ())]
+    if D == 64:
+        builds += [(int(x), (f"-DGPUOPS_WGA_STAGES_D64={x}",)) for x in args.depths.split(",")
+                   if x and int(x) != stages0(64)]
+    if args.wait_after:
+        builds.append(("wait_after", ("-DGPUOPS_WGA_WAIT_AFTER",)))
+    for n, opts in builds:
+        m = KernelModule(f"attention.flash_wgmma_d{D}_{n}", "attention/flash_fwd_wgmma.cu",
+                         {expr: at.WGMMA_ARGS}, options=opts, archs=("90a",))
         tables[n] = lay.KernelTable(m)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -46,13 +57,18 @@ def main():
                                                                              is_causal=causal))}
             for n, table in tables.items():
                 at._WGMMA_KERNELS[bf] = table
-                at.wgmma_stages = lambda d, n=n: n if d == 64 else stages0(d)
+                if n == "wait_after":
+                    at.wgmma_smem = lambda d: smem0(d) + 8        # its scratch word
+                elif n != "default":
+                    at.wgmma_stages = lambda d, n=n: n if d == 64 else stages0(d)
+                name = n if isinstance(n, str) else f"stages{n}"
                 out = go.scaled_dot_product_attention(q, k, v, is_causal=causal, variant="wgmma")
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                res[f"stages{n}"] = event_pairs_ms(lambda: go.scaled_dot_product_attention(
+                res[name] = event_pairs_ms(lambda: go.scaled_dot_product_attention(
                     q, k, v, is_causal=causal, variant="wgmma"))
-                print(f"  stages {n}: err vs FLASH {err:.1e}")
-            at._WGMMA_KERNELS[bf], at.wgmma_stages = kernels0, stages0
+                print(f"  {name}: err vs FLASH {err:.1e}")
+                at.wgmma_stages, at.wgmma_smem = stages0, smem0
+            at._WGMMA_KERNELS[bf] = kernels0
             cudnn = res["sdpa_cudnn"]
             for name, ms in res.items():
                 print(f"B{B} H{H} S{S} D{D} causal={int(causal)} {name:10s} {ms:.4f} ms "

@@ -76,7 +76,13 @@ struct WgaLayout {
   static constexpr int kStages = wga_stages<D>();
   static constexpr int kBar = kQ + kStages * kStage;
   // q_full, then k_full[S], v_full[S], empty[S]
+#ifdef GPUOPS_WGA_WAIT_AFTER
+  // a scratch word for wgmma_wait_after (the experiment's host adds its 8 bytes)
+  static constexpr int kScratch = kBar + (1 + 3 * kStages) * 8;
+  static constexpr int kBytes = kScratch + 8 + 1024;
+#else
   static constexpr int kBytes = kBar + (1 + 3 * kStages) * 8 + 1024;
+#endif
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
@@ -390,7 +396,13 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       softmax_tile(it);                // under O += P V
       if (PROBE & 8) reg_fence(s);
       mark(it, 4);
+#ifdef GPUOPS_WGA_WAIT_AFTER
+      // (benchmarks/experiments/attention_wgmma_stages.py --wait-after: the wait kept after the
+      // softmax; ptxas otherwise schedules it before, run 47)
+      wgmma_wait_after<0>(l[0] + l[1], sbase + L::kScratch);
+#else
       wgmma_wait<0>();
+#endif
       reg_fence(o);
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);   // P is read until the product ends

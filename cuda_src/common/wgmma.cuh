@@ -266,6 +266,19 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
 
+// wgmma_wait<N> that ptxas keeps after the computation of `after`: `after` is first stored to
+// the shared-memory word at `scratch` (a slot nobody reads), and ptxas does not move the wait
+// above a shared-memory store. With a plain wait between the attention forward's softmax and
+// its P V product ptxas schedules the wait first (run 47 SASS). Only in an experiment's build of
+// the forward (GPUOPS_WGA_WAIT_AFTER): run 48 measured it slower.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_after(float after, unsigned int scratch) {
+  asm volatile(
+      "st.shared.f32 [%0], %1;\n"
+      " wgmma.wait_group.sync.aligned %2;"
+      :: "r"(scratch), "f"(after), "n"(N) : "memory");
+}
+
 // Pins a register at this point of the program: the compiler may not move reads or writes of
 // the accumulators across it (they are written asynchronously by wgmma between issue and wait).
 __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
