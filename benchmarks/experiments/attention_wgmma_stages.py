@@ -58,7 +58,7 @@ def main():
             for n, table in tables.items():
                 at._WGMMA_KERNELS[bf] = table
                 if n == "wait_after":
-                    at.wgmma_smem = lambda d: smem0(d) + 8        # its scratch word
+                    at.wgmma_smem = lambda d: smem0(d) + (8 if d == 128 else 0)   # scratch
                 elif n != "default":
                     at.wgmma_stages = lambda d, n=n: n if d == 64 else stages0(d)
                 name = n if isinstance(n, str) else f"stages{n}"

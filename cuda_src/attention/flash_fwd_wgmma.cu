@@ -53,6 +53,19 @@ constexpr int kWgaBN = 128;             // keys per tile
 #endif
 template <int D>
 __host__ __device__ constexpr int wga_stages() { return D == 128 ? 3 : GPUOPS_WGA_STAGES_D64; }
+
+// Whether the P V wait is kept after the softmax (wgmma_wait_after; else ptxas schedules it
+// before the whole softmax, run 47). Run 56, same process: D64 +3..+5% (the softmax-bound head
+// dim: run 55's trace, softmax ~1170 of a 2090-cycle period), D128 -1..-8%.
+// (GPUOPS_WGA_WAIT_AFTER: an experiment's build with it at D128 too.)
+template <int D>
+__host__ __device__ constexpr bool wga_wait_after() {
+#ifdef GPUOPS_WGA_WAIT_AFTER
+  return true;
+#else
+  return D == 64;
+#endif
+}
 constexpr int kWgaThreads = 384;
 constexpr int kWgaProducerRegs = 24, kWgaConsumerRegs = 240;
 // named barriers: 1 + cg the epilogue of consumer warpgroup cg (128 threads), kWgaTurnBar + cg
@@ -76,13 +89,9 @@ struct WgaLayout {
   static constexpr int kStages = wga_stages<D>();
   static constexpr int kBar = kQ + kStages * kStage;
   // q_full, then k_full[S], v_full[S], empty[S]
-#ifdef GPUOPS_WGA_WAIT_AFTER
-  // a scratch word for wgmma_wait_after (the experiment's host adds its 8 bytes)
+  // a scratch word for wgmma_wait_after (wga_wait_after), then 1 KiB of alignment slack
   static constexpr int kScratch = kBar + (1 + 3 * kStages) * 8;
-  static constexpr int kBytes = kScratch + 8 + 1024;
-#else
-  static constexpr int kBytes = kBar + (1 + 3 * kStages) * 8 + 1024;
-#endif
+  static constexpr int kBytes = kScratch + (wga_wait_after<D>() ? 8 : 0) + 1024;
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
@@ -396,13 +405,10 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       softmax_tile(it);                // under O += P V
       if (PROBE & 8) reg_fence(s);
       mark(it, 4);
-#ifdef GPUOPS_WGA_WAIT_AFTER
-      // (benchmarks/experiments/attention_wgmma_stages.py --wait-after: the wait kept after the
-      // softmax; ptxas otherwise schedules it before, run 47)
-      wgmma_wait_after<0>(l[0] + l[1], sbase + L::kScratch);
-#else
-      wgmma_wait<0>();
-#endif
+      if constexpr (wga_wait_after<D>())
+        wgmma_wait_after<0>(l[0] + l[1], sbase + L::kScratch);
+      else
+        wgmma_wait<0>();
       reg_fence(o);
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) reg_fence(pf[kk]);   // P is read until the product ends

@@ -269,8 +269,8 @@ __device__ __forceinline__ void wgmma_wait() {
 // wgmma_wait<N> that ptxas keeps after the computation of `after`: `after` is first stored to
 // the shared-memory word at `scratch` (a slot nobody reads), and ptxas does not move the wait
 // above a shared-memory store. With a plain wait between the attention forward's softmax and
-// its P V product ptxas schedules the wait first (run 47 SASS). Only in an experiment's build of
-// the forward (GPUOPS_WGA_WAIT_AFTER): run 48 measured it slower.
+// its P V product ptxas schedules the wait first (run 47 SASS); the forward uses this at D64
+// (attention/flash_fwd_wgmma.cu, wga_wait_after).
 template <int N>
 __device__ __forceinline__ void wgmma_wait_after(float after, unsigned int scratch) {
   asm volatile(

@@ -278,7 +278,9 @@ WGMMA_SCHEDULE = "pingpong"     # run 39: +3.5-9.1% over "overlap" at all 8 benc
 def wgmma_smem(d: int) -> int:
     q = WGMMA_BM * d * 2
     stage = 2 * WGMMA_BN * d * 2                   # K and V tiles
-    return q + wgmma_stages(d) * stage + (1 + 3 * wgmma_stages(d)) * 8 + 1024
+    # + the barriers, the scratch word of the kernel's wga_wait_after (D64), alignment slack
+    return (q + wgmma_stages(d) * stage + (1 + 3 * wgmma_stages(d)) * 8 + (8 if d == 64 else 0)
+            + 1024)
 
 
 def wgmma_expr(dtype, d: int, schedule: str, probe: int = 0) -> str:
