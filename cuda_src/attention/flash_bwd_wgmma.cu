@@ -361,11 +361,11 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
     wgmma_ss_m64n64k16_first<T, 0, 0>(s, kmaj(k_cg, L::kKBox, 0), kmaj(qt, L::kQBox, 0));
 #pragma unroll
     for (int kk = 1; kk < D / 16; ++kk)
-      wgmma_ss_m64n64k16<T, 0, 0>(s, kmaj(k_cg, L::kKBox, kk), kmaj(qt, L::kQBox, kk), 1);
+      wgmma_ss_m64n64k16<T, 0, 0>(s, kmaj(k_cg, L::kKBox, kk), kmaj(qt, L::kQBox, kk));
     wgmma_ss_m64n64k16_first<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, 0), kmaj(dot, L::kQBox, 0));
 #pragma unroll
     for (int kk = 1; kk < D / 16; ++kk)
-      wgmma_ss_m64n64k16<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, kk), kmaj(dot, L::kQBox, kk), 1);
+      wgmma_ss_m64n64k16<T, 0, 0>(dp, kmaj(v_cg, L::kKBox, kk), kmaj(dot, L::kQBox, kk));
     wgmma_commit();
     turn_end();
     reg_fence(s);
@@ -458,8 +458,7 @@ __global__ void __launch_bounds__(kWgbThreads, 1)
                                       mnmaj(dq_bt, L::kKBox, 0));
 #pragma unroll
     for (int kk = 1; kk < kDqSteps; ++kk)
-      wgmma_ss_m64n64k16<T, 1, 1>(dq, mnmaj(dst + dq_a_off, 8192, kk), mnmaj(dq_bt, L::kKBox, kk),
-                                  1);
+      wgmma_ss_m64n64k16<T, 1, 1>(dq, mnmaj(dst + dq_a_off, 8192, kk), mnmaj(dq_bt, L::kKBox, kk));
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(dq);

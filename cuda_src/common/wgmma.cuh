@@ -401,26 +401,24 @@ struct WgmmaSSM64N128K16 {
 
 // SS m64n64k16 with either operand K-major (0) or M-/N-major (1): the attention backward's
 // S^T = K Q^T and dP^T = V dO^T (both K-major) and dQ = dS K (dS from the dS^T tile, M-major;
-// K N-major).
+// K N-major). D += A B; the first k step of a product is the _first form below.
 #define GPUOPS_WGMMA_SS_M64N64K16(TY) \
   asm volatile( \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n" \
-      " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
-      " {" GPUOPS_WG_REGS32 "}, %32, %33, " \
-      " p, 1, 1, %35, %36;\n}" \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+      " {" GPUOPS_WG_REGS32 "}, %32, %33, 1, 1, 1, %34, %35;" \
       : GPUOPS_WG_ACC32 \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB))
+      : "l"(desc_a), "l"(desc_b), "n"(TA), "n"(TB))
 
 template <int TA, int TB>
 struct WgmmaSSM64N64K16 {
   __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
                                              unsigned long long desc_a,
-                                             unsigned long long desc_b, int scale_d) {
+                                             unsigned long long desc_b) {
     GPUOPS_WGMMA_SS_M64N64K16("bf16");
   }
   __device__ __forceinline__ static void run(float16_t, float (&d)[32],
                                              unsigned long long desc_a,
-                                             unsigned long long desc_b, int scale_d) {
+                                             unsigned long long desc_b) {
     GPUOPS_WGMMA_SS_M64N64K16("f16");
   }
 };
@@ -515,11 +513,11 @@ __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], unsigned lon
   WgmmaSSM64N128K16::run(T{}, d, desc_a, desc_b, scale_d);
 }
 
-// D[64 x 64] (+)= A B, both from shared memory; TA / TB: A M-major / B N-major (else K-major)
+// D[64 x 64] += A B, both from shared memory; TA / TB: A M-major / B N-major (else K-major)
 template <class T, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], unsigned long long desc_a,
-                                                   unsigned long long desc_b, int scale_d) {
-  WgmmaSSM64N64K16<TA, TB>::run(T{}, d, desc_a, desc_b, scale_d);
+                                                   unsigned long long desc_b) {
+  WgmmaSSM64N64K16<TA, TB>::run(T{}, d, desc_a, desc_b);
 }
 
 // D[64 x 64] = A B (the first k step: D's old values are not read)

@@ -461,6 +461,16 @@ def _launch_simt(call, p, grad_out, query, key, value, output, lse, attn_mask, m
     _launch_convert(call, p, args)
 
 
+def _pair_stores_ok(dk, dv, layout) -> bool:
+    """dk / dv rows take the tensor-core kernels' 32-bit stores of element pairs: unit head-dim
+    stride, 4-byte aligned base, even strides (empty tensors are never written)."""
+    for t in (dk, dv):
+        st = fwd._bhsd_strides(t, layout)
+        if t.numel and (st[3] != 1 or t.ptr % 4 or any(x % 2 for x in st[:3])):
+            return False
+    return True
+
+
 def mma_unsupported(call, p, grad_out, query, key, value, dk, dv, layout, mask_kind):
     """Why the tensor-core kernel cannot take the call, or None if it can: fp16/bf16, a head dim
     in MMA_TILES, sm_80+, query / key / value / grad_out rows 16-byte aligned with unit d stride
@@ -477,10 +487,8 @@ def mma_unsupported(call, p, grad_out, query, key, value, dk, dv, layout, mask_k
         if fwd._bhsd_strides(t, layout)[3] != 1 or not fwd._vec_ok(t, layout, shape):
             return (f"{name!r} rows are not 16-byte aligned with unit head-dim stride "
                     "(contiguous tensors are)")
-    for t in (dk, dv):
-        st = fwd._bhsd_strides(t, layout)
-        if t.numel and (st[3] != 1 or t.ptr % 4 or any(x % 2 for x in st[:3])):
-            return "the outputs' rows are not 4-byte aligned"       # call.empty: never
+    if not _pair_stores_ok(dk, dv, layout):
+        return "the outputs' rows are not 4-byte aligned"           # call.empty: never
     if not fwd.tensor_cores(call.device):
         return "it needs a GPU of compute capability 8.0 or newer (mma.sync)"
     if mma_config(p.D, mask_kind != 0, fwd.smem_limit(call.device)) is None:
@@ -555,10 +563,8 @@ def wgmma_unsupported(call, p, output, dk, dv, layout, mask_kind):
         return f"{p.B * p.Hkv} x {p.Sk} keys (grid: below 2^31 blocks of {WGMMA_BC} keys)"
     if not fwd._vec_ok(output, layout, (p.B, p.Hq, p.Sq, p.D)):
         return "'output' rows that are not 16-byte aligned with unit head-dim stride"
-    for t in (dk, dv):
-        st = fwd._bhsd_strides(t, layout)
-        if st[3] != 1 or t.ptr % 4 or any(x % 2 for x in st[:3]):
-            return "the outputs' rows are not 4-byte aligned"       # call.empty: never
+    if not _pair_stores_ok(dk, dv, layout):
+        return "the outputs' rows are not 4-byte aligned"           # call.empty: never
     if not fwd.wgmma_device(call.device):
         return "this device (sm_90 only)"
     return None
