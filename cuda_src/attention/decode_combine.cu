@@ -26,8 +26,10 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine(
   // weights are known, so their latency overlaps the lse loads and the two block reductions;
   // later splits are loaded 4 at a time before their FMAs. (Run 13: one thread per column walking
   // all splits one load after the other made this kernel ~8 us of B1 S8192's 27; run 14 with
-  // 4-at-a-time loads after the reductions: ~4 us.)
-  constexpr int kPre = 8;
+  // 4-at-a-time loads after the reductions: ~4 us.) kPre 16 covers B1 S8192's 64 splits (4
+  // groups at head dim 128) in the one round of loads that overlaps the lse loads (kPre 8 left
+  // two more dependent rounds after the reductions; run 60 timed the combine at ~3.3 us).
+  constexpr int kPre = 16;
   // Launched as a PDL secondary of the split kernel (attention_decode.PDL): this block may be
   // running before the splits are done; every load below (and the output stores) comes after
   // the wait. A no-op for an ordinary launch.

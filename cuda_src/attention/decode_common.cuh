@@ -7,6 +7,17 @@ namespace gpuops {
 
 constexpr int kDecodeThreads = 128;   // DECODE_THREADS in gpuops/ops/attention_decode.py
 
+// Experiments' overrides of DecodeCfg and decode_split (benchmarks/experiments/decode_b1_floor.py
+// builds the split kernel with other values as separate modules): keys in flight per key group
+// (0: the rule below) and steps of K/V loads in flight ahead of the step in use (-1: the rule
+// below). Runs 58 and 60 (B1 S8192 bf16): U 1/4/8 and DEPTH 2 were all slower than the rule.
+#ifndef GPUOPS_DECODE_U
+#define GPUOPS_DECODE_U 0
+#endif
+#ifndef GPUOPS_DECODE_DEPTH
+#define GPUOPS_DECODE_DEPTH -1
+#endif
+
 // Work layout of decode_split for storage T, head dim D (the template: the real head dim for the
 // 16-byte path, the next of 64/256/1024 for the one-element path, which masks d >= d_rt),
 // VEC elements per load (16 / sizeof(T), or 1) and RT query rows per block.
@@ -18,11 +29,13 @@ struct DecodeCfg {
   // keys in flight per group: the q and o registers (2 * RT * E) and the K/V buffers
   // (2 * U * E, in 32-bit registers for packs) share ~ 160 registers
   static constexpr int U_RAW = 64 / (E * (RT + 1));
-  static constexpr int U = U_RAW < 1 ? 1 : (U_RAW > 8 ? 8 : U_RAW);
-  // prefetch the next step's K/V (a second set of 2 * U * NV load registers) where q and o
-  // leave room: RT * E <= 32 (bf16 D128 up to RT 4, fp32 D128 up to RT 8); the RT 8 16-bit
-  // configs already use ~250 registers
-  static constexpr bool PREFETCH = RT * E <= 32;
+  static constexpr int U = GPUOPS_DECODE_U > 0 ? GPUOPS_DECODE_U
+                                               : (U_RAW < 1 ? 1 : (U_RAW > 8 ? 8 : U_RAW));
+  // steps of K/V loads in flight ahead of the step in use: one (a second set of 2 * U * NV load
+  // registers) where q and o leave room: RT * E <= 32 (bf16 D128 up to RT 4, fp32 D128 up to
+  // RT 8); the RT 8 16-bit configs already use ~250 registers, so they load and then wait
+  static constexpr int DEPTH = GPUOPS_DECODE_DEPTH >= 0 ? GPUOPS_DECODE_DEPTH
+                                                        : (RT * E <= 32 ? 1 : 0);
   static_assert(L * NV * VEC == D, "head dim template must split into lanes and packs");
 };
 

@@ -19,10 +19,35 @@
 #include "attention/decode_common.cuh"
 #include "common/pdl.cuh"
 
+#ifdef GPUOPS_DECODE_TRACE
+// Experiments only (benchmarks/experiments/decode_b1_floor.py builds a module with
+// -DGPUOPS_DECODE_TRACE=N): for the first N blocks (linear index y * gridDim.x + x), thread 0
+// stores %globaltimer (ns, one clock for all SMs) at entry, after the q / length loads, after its
+// first step's math, after its key loop and at exit, and the SM id; the experiment reads the
+// array by name
+// (global namespace: an unmangled symbol).
+__device__ unsigned long long gpuops_decode_trace[GPUOPS_DECODE_TRACE][6];
+#define DECODE_MARK(i)                                                                        \
+  do {                                                                                        \
+    const unsigned blk = blockIdx.y * gridDim.x + blockIdx.x;                                 \
+    if (threadIdx.x == 0 && blk < GPUOPS_DECODE_TRACE) {                                      \
+      unsigned long long t;                                                                   \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");                      \
+      gpuops_decode_trace[blk][i] = t;                                                        \
+      if (i == 0) {                                                                           \
+        unsigned sm;                                                                          \
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                                       \
+        gpuops_decode_trace[blk][5] = sm;                                                     \
+      }                                                                                       \
+    }                                                                                         \
+  } while (0)
+#else
+#define DECODE_MARK(i) do {} while (0)
+#endif
+
 namespace gpuops {
 
-// K/V go through registers, the next step's loads issued before this step's math where
-// RT * E <= 32 (DecodeCfg::PREFETCH).
+// K/V go through registers, each step's loads issued DecodeCfg::DEPTH steps before its math.
 // pdl (programmatic dependent launch, common/pdl.cuh): bit 0: let the next kernel (the combine,
 // launched as a PDL secondary) be scheduled at once; bit 1: this launch is itself a PDL secondary:
 // wait for the previous kernel before the first memory access (q, lengths, table, K/V may all be
@@ -38,6 +63,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     long long seq_stride, long long table_s0, long long table_s1, int page_size, int num_pages,
     int s_max, int sq, int hq, int hkv, int d_rt, int rows, int row_chunks,
     int chunk, int nsplit, int win_left, int pdl, float scale_log2) {
+  DECODE_MARK(0);
   if (pdl & 2) pdl_wait();
   if (pdl & 1) pdl_launch_dependents();
   using Cfg = DecodeCfg<T, D, VEC, RT>;
@@ -91,42 +117,63 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     }
   };
 
-  // The first step's K/V loads go out before the sequence length arrives (one memory latency
-  // less on every block's critical path: B1 S8192 has only ~8 steps per block): keys of the
+  // q of this block's rows (storage values, converted below) and the sequence length.
+  // rows of this block: row rr = g * sq + i -> q head kvh * group + g, query token i
+  T qraw[RT][E];
+  int len;
+  auto load_q_len = [&]() {
+    len = seqlens[b * seq_stride];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const int rr = rchunk * RT + r;
+      const bool valid = rr < rows;
+      const int g = valid ? rr / sq : 0, i = valid ? rr - (rr / sq) * sq : 0;
+      const T* qrow = q + b * q_sb + i * q_ss + (kvh * group + g) * q_sh;
+#pragma unroll
+      for (int n = 0; n < NV; ++n)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const int d = (n * L + lig) * VEC + e;
+          qraw[r][n * VEC + e] = (valid && d < d_rt) ? qrow[d * q_sd] : from_float<T>(0.f);
+        }
+    }
+  };
+
+  // The first DEPTH steps' K/V loads go out before the sequence length arrives (B1 S8192 has
+  // only ~8 steps per block, so each latency on a block's critical path counts): keys of the
   // split's chunk below s_max are inside the cache whatever the length; the ones at or past the
   // length are zeroed below once it is known (they may hold anything, NaN included).
+  // kr[0] / vr[0]: the step being attended; kr[1..DEPTH]: the steps in flight behind it.
   constexpr int kStep = NG * U;
+  constexpr int DEPTH = Cfg::DEPTH;
   const int lane_off = (lane / L) * U;
   const int chunk_start = split * chunk;
   const int chunk_end = chunk_start + chunk < s_max ? chunk_start + chunk : s_max;
-  KvRegs kr, vr;
-  if (Cfg::PREFETCH) load_keys(chunk_start + warp * KPW * U + lane_off, chunk_end, kr, vr);
+  const int jfirst = chunk_start + warp * KPW * U;   // the warp's first key of the chunk
+  KvRegs kr[DEPTH + 1], vr[DEPTH + 1];
+#pragma unroll
+  for (int t = 0; t < DEPTH; ++t) load_keys(jfirst + t * kStep + lane_off, chunk_end, kr[t], vr[t]);
+  // q and the length after the K/V loads: loading them first (or two K/V steps ahead) delayed
+  // every block's first step in run 60 (the loads' issue stalls once the SM's memory pipeline
+  // is full; the key loop already streams at the DRAM rate)
+  load_q_len();
 
-  int len = seqlens[b * seq_stride];
   len = len < 0 ? 0 : (len > s_max ? s_max : len);
-
-  // rows of this block: row rr = g * sq + i -> q head kvh * group + g, query token i
   float qf[RT][E];
   int row_pos[RT], row_lo[RT];
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
     const int rr = rchunk * RT + r;
     const bool valid = rr < rows;
-    const int g = valid ? rr / sq : 0, i = valid ? rr - (rr / sq) * sq : 0;
-    const int h = kvh * group + g;
+    const int i = valid ? rr - (rr / sq) * sq : 0;
     row_pos[r] = valid ? len - sq + i : -1;       // invalid rows see no key
     row_lo[r] = win_left >= 0 ? row_pos[r] - win_left : 0;
     if (row_lo[r] < 0) row_lo[r] = 0;
-    const T* qrow = q + b * q_sb + i * q_ss + h * q_sh;
 #pragma unroll
-    for (int n = 0; n < NV; ++n)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const int d = (n * L + lig) * VEC + e;
-        qf[r][n * VEC + e] = (valid && d < d_rt) ? to_float(qrow[d * q_sd]) * scale_log2 : 0.f;
-      }
+    for (int e = 0; e < E; ++e) qf[r][e] = to_float(qraw[r][e]) * scale_log2;
   }
 
+  DECODE_MARK(1);
   // keys of this split that some row of the sequence can see
   int kmin = win_left >= 0 ? len - sq - win_left : 0;
   if (kmin < 0) kmin = 0;
@@ -201,36 +248,35 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   };
 
   int jw = start + warp * KPW * U;
-  // warp-uniform trip count: the shuffles need every lane of the warp. With PREFETCH the next
-  // step's K/V loads are issued before this step's math, so a warp keeps loads in flight while
-  // it computes (without it every step waits a full memory latency; run 13 measured B1 S8192
-  // bf16 at 41% of copy bandwidth)
-  if (Cfg::PREFETCH) {
-    if (start != chunk_start) {                   // a window moved the start: load again
-      load_keys(jw + lane_off, end, kr, vr);
-    } else {                                      // keep the early loads below the length
+  // warp-uniform trip count: the shuffles need every lane of the warp. Each step's K/V loads go
+  // out DEPTH steps before its math, so a warp keeps loads in flight while it computes (without
+  // it every step waits a full memory latency; run 13 measured B1 S8192 bf16 at 41% of copy)
+  if (start != chunk_start) {                     // a window moved the start: load again
+#pragma unroll
+    for (int t = 0; t < DEPTH; ++t) load_keys(jw + t * kStep + lane_off, end, kr[t], vr[t]);
+  } else {                                        // keep the early loads below the length
+#pragma unroll
+    for (int t = 0; t < DEPTH; ++t)
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (jw + lane_off + u >= end)
+        if (jw + t * kStep + lane_off + u >= end)
 #pragma unroll
-          for (int n = 0; n < NV; ++n) { kr[u][n] = Ld::zero(); vr[u][n] = Ld::zero(); }
-    }
-    for (; jw < end; jw += kStep) {
-      KvRegs kn, vn;
-      load_keys(jw + kStep + lane_off, end, kn, vn);   // past `end`: zeros, no memory access
-      attend_keys(jw + lane_off, kr, vr);
+          for (int n = 0; n < NV; ++n) { kr[t][u][n] = Ld::zero(); vr[t][u][n] = Ld::zero(); }
+  }
+  for (; jw < end; jw += kStep) {
+    // past `end`: zeros, no memory access
+    load_keys(jw + DEPTH * kStep + lane_off, end, kr[DEPTH], vr[DEPTH]);
+    attend_keys(jw + lane_off, kr[0], vr[0]);
+    if (jw == start + warp * KPW * U) DECODE_MARK(2);
+#pragma unroll
+    for (int t = 0; t < DEPTH; ++t)
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int n = 0; n < NV; ++n) { kr[u][n] = kn[u][n]; vr[u][n] = vn[u][n]; }
-    }
-  } else {
-    for (; jw < end; jw += kStep) {
-      load_keys(jw + lane_off, end, kr, vr);
-      attend_keys(jw + lane_off, kr, vr);
-    }
+        for (int n = 0; n < NV; ++n) { kr[t][u][n] = kr[t + 1][u][n]; vr[t][u][n] = vr[t + 1][u][n]; }
   }
 
+  DECODE_MARK(3);
   // merge the key groups of the warp (lanes lig, lig + L, ...)
 #pragma unroll
   for (int off = L; off < 32; off <<= 1)
@@ -291,6 +337,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     ws_o[slot * d_rt + d] = o_val;
     if (d == 0) ws_lse[slot] = lse_val;
   }
+  DECODE_MARK(4);
 }
 
 }  // namespace gpuops
