@@ -44,35 +44,15 @@ import pytest
 import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import attention as at
-from conftest import HAS_TORCH, HAS_TORCH_CUDA
+from conftest import HAS_TORCH
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 import emu  # noqa: E402
+from attention_testing import (  # noqa: E402,F401  (shared by the attention test files)
+    DTYPES, TINY, U32, U_OUT, bhsd as _bhsd, check, gpu, needs_emu, needs_torch,
+    needs_torch_cuda, np_dtype as _np_dtype, rand as _rand, FakeCall)
 
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
-needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
-
-DTYPES = ["float32", "float16", "bfloat16"]
-U_OUT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float64": 2.0**-53}
-TINY = {"float32": 1e-30, "float16": 2.0**-24, "bfloat16": 1e-30, "float64": 1e-300}
-U32 = 2.0**-24
 ref = at.ref_scaled_dot_product_attention
-
-
-def _np_dtype(name):
-    return dt.to_numpy(dt.BY_NAME[name])
-
-
-def _rand(rng, shape, dtype, scale=1.0):
-    """Random values rounded to the storage dtype, as that dtype's NumPy array."""
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(_np_dtype(dtype))
-
-
-def _bhsd(x, layout):
-    x = np.asarray(x, np.float64)
-    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
 
 
 def _rot_magnitude(x, half, interleaved):
@@ -137,23 +117,6 @@ def attn_bound(q, k, v, mask=None, *, dtype, layout="bhsd", enable_gqa=False, mm
         bound = rel * pv + 2 * U_OUT[dtype] * np.abs(out) + tiny
         lse_bound = e_s + 2.0**-21 + 3 * math.sqrt(Sk + 1) * U32 + 2 * U32 * np.abs(lse)
     return out, lse, bound, lse_bound
-
-
-def check(got, exp, bound, what=""):
-    got = np.asarray(got, np.float64)
-    assert got.shape == exp.shape, f"{what}: shape {got.shape} != {exp.shape}"
-    nan_g, nan_e = np.isnan(got), np.isnan(exp)
-    assert np.array_equal(nan_g, nan_e), (
-        f"{what}: NaN mismatch at {np.argwhere(nan_g != nan_e)[:5].tolist()}")
-    inf_e = np.isinf(exp)
-    assert np.array_equal(got[inf_e], exp[inf_e]), f"{what}: infinities differ"
-    ok = ~nan_e & ~inf_e
-    b = np.broadcast_to(bound, exp.shape)[ok]
-    err = np.abs(got[ok] - exp[ok])
-    if err.size and not np.all(err <= b):
-        i = int(np.argmax(err - b))
-        raise AssertionError(f"{what}: {int(np.sum(err > b))} of {err.size} off; worst got="
-                             f"{got[ok][i]!r} ref={exp[ok][i]!r} err={err[i]:.3g} > {b[i]:.3g}")
 
 
 # ----------------------------------------------------------------------------- CPU: reference
@@ -1190,12 +1153,6 @@ def test_variants_without_extras_send_auto_to_mma_and_refuse_them(monkeypatch):
             at._variant_launcher(at.VARLEN_OP, "mma", ext)
 
 
-class _FakeCall:
-    def __init__(self, dtype, device=0, op=at.OP):
-        self.result_dtype, self.device = dtype, device
-        self.op = type("Op", (), {"name": op})()
-
-
 def _problem(B=1, Hq=2, Hkv=2, Sq=300, Sk=300, D=128, scale=0.1, left=-1, right=0,
              bottom_right=False):
     return at.Problem(B, Hq, Hkv, Sq, Sk, D, scale, left, right, bottom_right)
@@ -1207,8 +1164,8 @@ def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
     diagonal, a positive scale, keys present, an sm_90 device."""
     monkeypatch.setattr(at, "wgmma_device", lambda dev: True)
     bf, f16 = dt.bfloat16, dt.float16
-    assert at.wgmma_unsupported(_FakeCall(bf), _problem(), None, at.NO_EXTRAS) is None
-    assert at.wgmma_unsupported(_FakeCall(f16), _problem(D=64), None, at.NO_EXTRAS) is None
+    assert at.wgmma_unsupported(FakeCall(bf), _problem(), None, at.NO_EXTRAS) is None
+    assert at.wgmma_unsupported(FakeCall(f16), _problem(D=64), None, at.NO_EXTRAS) is None
     cases = [((dt.float32, _problem(), None, at.NO_EXTRAS), "dtype"),
              ((bf, _problem(D=96), None, at.NO_EXTRAS), "head dim 96"),
              ((bf, _problem(D=256), None, at.NO_EXTRAS), "head dim 256"),
@@ -1222,10 +1179,10 @@ def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
               "2^31"),
              ]
     for (dtype, p, mask, ext), why in cases:
-        got = at.wgmma_unsupported(_FakeCall(dtype), p, mask, ext)
+        got = at.wgmma_unsupported(FakeCall(dtype), p, mask, ext)
         assert got is not None and why in got, (why, got)
     monkeypatch.setattr(at, "wgmma_device", lambda dev: False)
-    assert "sm_90" in at.wgmma_unsupported(_FakeCall(bf), _problem(), None, at.NO_EXTRAS)
+    assert "sm_90" in at.wgmma_unsupported(FakeCall(bf), _problem(), None, at.NO_EXTRAS)
 
 
 def test_wgmma_routing(monkeypatch):
@@ -1237,7 +1194,7 @@ def test_wgmma_routing(monkeypatch):
     monkeypatch.setattr(at, "_launch_best", lambda *a: log.append("mma"))
     maps = ["maps"]
     monkeypatch.setattr(at, "_wgmma_maps", lambda *a: maps[0])
-    call, p = _FakeCall(dt.bfloat16), _problem()
+    call, p = FakeCall(dt.bfloat16), _problem()
     args = (None, None, None, None, 0, None, None, "bhsd")
     at._launch_auto(call, p, *args)
     at._launch_auto(call, _problem(D=96), *args)

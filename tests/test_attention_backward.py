@@ -47,36 +47,16 @@ import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import attention as at
 from gpuops.ops import attention_backward as ab
-from conftest import HAS_TORCH, HAS_TORCH_CUDA
+from conftest import HAS_TORCH
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 import emu  # noqa: E402
+from attention_testing import (  # noqa: E402,F401  (shared by the attention test files)
+    DTYPES, TINY, U32, U_OUT, bhsd as _bhsd, check, gpu, needs_emu, needs_torch,
+    needs_torch_cuda, np_dtype as _np_dtype, rand as _rand, FakeCall)
 
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
-needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
-
-DTYPES = ["float32", "float16", "bfloat16"]
-U_OUT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float64": 2.0**-53}
-TINY = {"float32": 1e-30, "float16": 2.0**-24, "bfloat16": 1e-30, "float64": 1e-300}
-U32 = 2.0**-24
 ref_fwd = at.ref_scaled_dot_product_attention
 ref_bwd = ab.ref_scaled_dot_product_attention_backward
-
-
-def _np_dtype(name):
-    return dt.to_numpy(dt.BY_NAME[name])
-
-
-def _rand(rng, shape, dtype, scale=1.0):
-    """Random values rounded to the storage dtype, as that dtype's NumPy array."""
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(_np_dtype(dtype))
-
-
-def _bhsd(x, layout):
-    x = np.asarray(x, np.float64)
-    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
 
 
 def _mask64(mask):
@@ -164,21 +144,6 @@ def bwd_bound(g, q, k, v, out, lse, mask=None, *, dtype, layout="bhsd", enable_g
         with np.errstate(invalid="ignore"):
             bounds.append(bd + 2 * U_OUT[dtype] * np.abs(r) + TINY[dtype])
     return refs, bounds
-
-
-def check(got, exp, bound, what=""):
-    got = np.asarray(got, np.float64)
-    assert got.shape == exp.shape, f"{what}: shape {got.shape} != {exp.shape}"
-    nan_g, nan_e = np.isnan(got), np.isnan(exp)
-    assert np.array_equal(nan_g, nan_e), (
-        f"{what}: NaN mismatch at {np.argwhere(nan_g != nan_e)[:5].tolist()}")
-    ok = ~nan_e
-    b = np.broadcast_to(bound, exp.shape)[ok]
-    err = np.abs(got[ok] - exp[ok])
-    if err.size and not np.all(err <= b):
-        i = int(np.argmax(err - b))
-        raise AssertionError(f"{what}: {int(np.sum(err > b))} of {err.size} off; worst got="
-                             f"{got[ok][i]!r} ref={exp[ok][i]!r} err={err[i]:.3g} > {b[i]:.3g}")
 
 
 def _make_mask(rng, kind, B, Hq, Sq, Sk, dtype="float32"):
@@ -669,11 +634,6 @@ def test_emulated_mma_vector_prep_and_conversion(kind, rng, monkeypatch):
             check(a, e, bd, f"{name} {d} {dtype} {kind}")
 
 
-class _FakeCall:
-    def __init__(self, dtype, device=0):
-        self.result_dtype, self.device = dtype, device
-
-
 class _FakeTensor:
     """What the wgmma checks read of a tensor: pointer, strides (elements), dtype, numel."""
     def __init__(self, shape, dtype=dt.bfloat16, ptr=1 << 20, strides=None):
@@ -693,7 +653,7 @@ def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
         p = at.Problem(B, H, H, Sq, Sk, D, 0.1, -1, 0, False)
         o = out or _FakeTensor((B, H, Sq, D), dtype)
         kv = _FakeTensor((B, H, Sk, D), dtype)
-        return ab.wgmma_unsupported(_FakeCall(dtype), p, o, kv, kv, "bhsd", mask_kind)
+        return ab.wgmma_unsupported(FakeCall(dtype), p, o, kv, kv, "bhsd", mask_kind)
     assert why() is None and why(dt.float16, D=64) is None
     for got, expect in ((why(dt.float32), "dtype"), (why(D=96), "head dim 96"),
                         (why(mask_kind=1), "attn_mask"), (why(Sq=0), "empty"),
@@ -720,7 +680,7 @@ def test_wgmma_routing(monkeypatch):
     def args(D=128, mask_kind=0):
         p = at.Problem(1, 4, 4, 300, 300, D, 0.1, -1, 0, False)
         q, kv = _FakeTensor((1, 4, 300, D)), _FakeTensor((1, 4, 300, D))
-        return (_FakeCall(dt.bfloat16), p, q, q, kv, kv, q, None, None, mask_kind, q, kv, kv,
+        return (FakeCall(dt.bfloat16), p, q, q, kv, kv, q, None, None, mask_kind, q, kv, kv,
                 "bhsd")
     ab._launch_auto(*args())
     ab._launch_auto(*args(D=96))

@@ -37,48 +37,18 @@ import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import attention as at
 from gpuops.ops import attention_variants as av
-from conftest import HAS_TORCH, HAS_TORCH_CUDA
+from conftest import HAS_TORCH
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 import emu  # noqa: E402
+from attention_testing import (  # noqa: E402,F401  (shared by the attention test files)
+    DTYPES, TINY, U32, U_OUT, check, gpu, needs_emu, needs_torch,
+    needs_torch_cuda, np_dtype as _np_dtype, rand as _rand)
 
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
-needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
-
-DTYPES = ["float32", "float16", "bfloat16"]
-U_OUT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, "float64": 2.0**-53}
-TINY = {"float32": 1e-30, "float16": 2.0**-24, "bfloat16": 1e-30, "float64": 1e-300}
-U32 = 2.0**-24
-
-
-def _np_dtype(name):
-    return dt.to_numpy(dt.BY_NAME[name])
-
-
-def _rand(rng, shape, dtype, scale=1.0):
-    """Random values rounded to the storage dtype, as that dtype's NumPy array."""
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(_np_dtype(dtype))
 
 
 def _f64(x):
     return np.asarray(x, np.float64)
-
-
-def check(got, exp, bound, what=""):
-    got = np.asarray(got, np.float64)
-    assert got.shape == exp.shape, f"{what}: shape {got.shape} != {exp.shape}"
-    nan_g, nan_e = np.isnan(got), np.isnan(exp)
-    assert np.array_equal(nan_g, nan_e), (
-        f"{what}: NaN mismatch at {np.argwhere(nan_g != nan_e)[:5].tolist()}")
-    ok = ~nan_e
-    b = np.broadcast_to(bound, exp.shape)[ok]
-    err = np.abs(got[ok] - exp[ok])
-    if err.size and not np.all(err <= b):
-        i = int(np.argmax(err - b))
-        raise AssertionError(f"{what}: {int(np.sum(err > b))} of {err.size} off; worst got="
-                             f"{got[ok][i]!r} ref={exp[ok][i]!r} err={err[i]:.3g} > {b[i]:.3g}")
 
 
 # ----------------------------------------------------------------------------- dense definitions

@@ -289,14 +289,22 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
   for (int i = 0; i < N; ++i) reg_fence(r[i]);
 }
 
-#define GPUOPS_WGMMA_ACC8(i)                                                         \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),       \
+// The accumulator operands d[i .. i+7] of an inline wgmma ("+f": read and written).
+#define GPUOPS_WG_ACC8(i)                                                                  \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),             \
       "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 
-#define GPUOPS_WGMMA_M64N256K16(TYPES)                                                       \
+// A wrapper struct's two run() overloads, one per 16-bit input type, with the same parameters
+// (__VA_ARGS__): BODY(TY) is the inline asm with the PTX type name TY ("bf16" / "f16") pasted
+// into its string (an asm string must be a literal: the type cannot be a constexpr string).
+#define GPUOPS_WG_RUN_16BIT(BODY, ...)                                                     \
+  __device__ __forceinline__ static void run(bfloat16_t, __VA_ARGS__) { BODY("bf16"); }    \
+  __device__ __forceinline__ static void run(float16_t, __VA_ARGS__) { BODY("f16"); }
+
+#define GPUOPS_WGMMA_M64N256K16(TY)                                                          \
   asm volatile(                                                                              \
       "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                       \
-      " wgmma.mma_async.sync.aligned.m64n256k16.f32" TYPES " {"                              \
+      " wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                       \
       "%0, %1, %2, %3, %4, %5, %6, %7,"                                                      \
       "%8, %9, %10, %11, %12, %13, %14, %15,"                                                \
       "%16, %17, %18, %19, %20, %21, %22, %23,"                                              \
@@ -314,28 +322,18 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
       "%112, %113, %114, %115, %116, %117, %118, %119,"                                      \
       "%120, %121, %122, %123, %124, %125, %126, %127"                                       \
       "}, %128, %129, p, 1, 1, %131, %132;\n}"                                               \
-      : GPUOPS_WGMMA_ACC8(0), GPUOPS_WGMMA_ACC8(8), GPUOPS_WGMMA_ACC8(16),                   \
-        GPUOPS_WGMMA_ACC8(24), GPUOPS_WGMMA_ACC8(32), GPUOPS_WGMMA_ACC8(40),                 \
-        GPUOPS_WGMMA_ACC8(48), GPUOPS_WGMMA_ACC8(56), GPUOPS_WGMMA_ACC8(64),                 \
-        GPUOPS_WGMMA_ACC8(72), GPUOPS_WGMMA_ACC8(80), GPUOPS_WGMMA_ACC8(88),                 \
-        GPUOPS_WGMMA_ACC8(96), GPUOPS_WGMMA_ACC8(104), GPUOPS_WGMMA_ACC8(112),               \
-        GPUOPS_WGMMA_ACC8(120)                                                               \
+      : GPUOPS_WG_ACC8(0), GPUOPS_WG_ACC8(8), GPUOPS_WG_ACC8(16), GPUOPS_WG_ACC8(24),        \
+        GPUOPS_WG_ACC8(32), GPUOPS_WG_ACC8(40), GPUOPS_WG_ACC8(48), GPUOPS_WG_ACC8(56),      \
+        GPUOPS_WG_ACC8(64), GPUOPS_WG_ACC8(72), GPUOPS_WG_ACC8(80), GPUOPS_WG_ACC8(88),      \
+        GPUOPS_WG_ACC8(96), GPUOPS_WG_ACC8(104), GPUOPS_WG_ACC8(112), GPUOPS_WG_ACC8(120)    \
       : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TA), "n"(TB))
 
 // D[64 x 256] += A[64 x 16] * B[16 x 256], fp32 accumulators d[128] (layout above), both operands
 // from shared memory. TA / TB: A is M-major / B is N-major (else K-major).
 template <int TA, int TB>
 struct WgmmaM64N256K16 {
-  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[128],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b) {
-    GPUOPS_WGMMA_M64N256K16(".bf16.bf16");
-  }
-  __device__ __forceinline__ static void run(float16_t, float (&d)[128],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b) {
-    GPUOPS_WGMMA_M64N256K16(".f16.f16");
-  }
+  GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_M64N256K16, float (&d)[128], unsigned long long desc_a,
+                      unsigned long long desc_b)
 };
 
 template <class T, int TA, int TB>
@@ -345,7 +343,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 }
 
 #undef GPUOPS_WGMMA_M64N256K16
-#undef GPUOPS_WGMMA_ACC8
 
 // ------------------------------------------------------------------------------------ attention
 // wgmma shapes of the flash attention forward (attention/flash_fwd_wgmma.cu); the operand lists
@@ -358,10 +355,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 //    P = exp2(S - m) feeds O += P V without shared memory), B N-major (V: keys along k, the
 //    head dim contiguous: imm-trans-b = 1).
 
-// The accumulator operands d[0 .. N-1] of an inline wgmma ("+f": read and written), 8 at a time.
-#define GPUOPS_WG_ACC8(i)                                                                  \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),             \
-      "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// The accumulator operands d[0 .. 31] and d[0 .. 63].
 #define GPUOPS_WG_ACC32                                                                    \
   GPUOPS_WG_ACC8(0), GPUOPS_WG_ACC8(8), GPUOPS_WG_ACC8(16), GPUOPS_WG_ACC8(24)
 #define GPUOPS_WG_ACC64                                                                    \
@@ -386,16 +380,8 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
 struct WgmmaSSM64N128K16 {
-  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[64],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b, int scale_d) {
-    GPUOPS_WGMMA_SS_M64N128K16("bf16");
-  }
-  __device__ __forceinline__ static void run(float16_t, float (&d)[64],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b, int scale_d) {
-    GPUOPS_WGMMA_SS_M64N128K16("f16");
-  }
+  GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_SS_M64N128K16, float (&d)[64], unsigned long long desc_a,
+                      unsigned long long desc_b, int scale_d)
 };
 #undef GPUOPS_WGMMA_SS_M64N128K16
 
@@ -411,16 +397,8 @@ struct WgmmaSSM64N128K16 {
 
 template <int TA, int TB>
 struct WgmmaSSM64N64K16 {
-  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b) {
-    GPUOPS_WGMMA_SS_M64N64K16("bf16");
-  }
-  __device__ __forceinline__ static void run(float16_t, float (&d)[32],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b) {
-    GPUOPS_WGMMA_SS_M64N64K16("f16");
-  }
+  GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_SS_M64N64K16, float (&d)[32], unsigned long long desc_a,
+                      unsigned long long desc_b)
 };
 #undef GPUOPS_WGMMA_SS_M64N64K16
 
@@ -441,16 +419,8 @@ struct WgmmaSSM64N64K16 {
 
 template <int TA, int TB>
 struct WgmmaSSM64N64K16First {
-  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b) {
-    GPUOPS_WGMMA_SS_M64N64K16_FIRST("bf16");
-  }
-  __device__ __forceinline__ static void run(float16_t, float (&d)[32],
-                                             unsigned long long desc_a,
-                                             unsigned long long desc_b) {
-    GPUOPS_WGMMA_SS_M64N64K16_FIRST("f16");
-  }
+  GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_SS_M64N64K16_FIRST, float (&d)[32], unsigned long long desc_a,
+                      unsigned long long desc_b)
 };
 #undef GPUOPS_WGMMA_SS_M64N64K16_FIRST
 #undef GPUOPS_WG_OUT8
@@ -465,16 +435,8 @@ struct WgmmaSSM64N64K16First {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 
 struct WgmmaRSM64N128K16 {
-  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[64],
-                                             const unsigned int (&a)[4],
-                                             unsigned long long desc_b, int scale_d) {
-    GPUOPS_WGMMA_RS_M64N128K16("bf16");
-  }
-  __device__ __forceinline__ static void run(float16_t, float (&d)[64],
-                                             const unsigned int (&a)[4],
-                                             unsigned long long desc_b, int scale_d) {
-    GPUOPS_WGMMA_RS_M64N128K16("f16");
-  }
+  GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_RS_M64N128K16, float (&d)[64], const unsigned int (&a)[4],
+                      unsigned long long desc_b, int scale_d)
 };
 #undef GPUOPS_WGMMA_RS_M64N128K16
 
@@ -488,16 +450,8 @@ struct WgmmaRSM64N128K16 {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 
 struct WgmmaRSM64N64K16 {
-  __device__ __forceinline__ static void run(bfloat16_t, float (&d)[32],
-                                             const unsigned int (&a)[4],
-                                             unsigned long long desc_b, int scale_d) {
-    GPUOPS_WGMMA_RS_M64N64K16("bf16");
-  }
-  __device__ __forceinline__ static void run(float16_t, float (&d)[32],
-                                             const unsigned int (&a)[4],
-                                             unsigned long long desc_b, int scale_d) {
-    GPUOPS_WGMMA_RS_M64N64K16("f16");
-  }
+  GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_RS_M64N64K16, float (&d)[32], const unsigned int (&a)[4],
+                      unsigned long long desc_b, int scale_d)
 };
 #undef GPUOPS_WGMMA_RS_M64N64K16
 
@@ -506,6 +460,7 @@ struct WgmmaRSM64N64K16 {
 #undef GPUOPS_WG_REGS32
 #undef GPUOPS_WG_ACC32
 #undef GPUOPS_WG_ACC8
+#undef GPUOPS_WG_RUN_16BIT
 
 template <class T>
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], unsigned long long desc_a,
