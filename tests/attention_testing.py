@@ -1,19 +1,12 @@
 """What the attention test files (test_attention.py, test_attention_backward.py,
-test_attention_variants.py) share: markers, the dtypes and their unit roundoffs, inputs rounded
-to the storage dtype, the bound check, and the stand-in call object of the routing tests."""
+test_attention_variants.py) share: the dtypes and their unit roundoffs, inputs rounded to the
+storage dtype, the bound check, and the stand-in call object of the routing tests."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from gpuops import dtypes as dt
-from conftest import HAS_TORCH, HAS_TORCH_CUDA
-import emu
 
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
-needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
 
 DTYPES = ["float32", "float16", "bfloat16"]
 # unit roundoff of each output dtype, and a magnitude below which relative bounds stop

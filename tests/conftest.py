@@ -27,6 +27,12 @@ try:
 except ImportError:
     HAS_TORCH = HAS_TORCH_CUDA = False
 
+# Markers the test files import from here: the GPU tests (skipped without a GPU: see
+# pytest_collection_modifyitems) and the torch-dependent ones.
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
+
 # Allowed |out - ref| <= atol + rtol * |ref| against the float64 reference, by storage dtype:
 # rtol covers rounding the fp32 result to the storage type (half an ulp: 2^-24, 2^-11, 2^-8) and
 # a few ulp of fp32 math; atol covers cancellation in sums like a + b * c near zero.

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from gpuops import dtypes as dt
 from gpuops.ops import _layout as lay
@@ -36,6 +37,9 @@ _EXTERN_SMEM = re.compile(
 
 def available() -> bool:
     return shutil.which("g++") is not None
+
+
+needs_emu = pytest.mark.skipif(not available(), reason="no g++ for the kernel emulator")
 
 
 class Probe:

@@ -44,13 +44,13 @@ import pytest
 import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import attention as at
-from conftest import HAS_TORCH
+from conftest import HAS_TORCH, gpu, needs_torch, needs_torch_cuda
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 import emu  # noqa: E402
-from attention_testing import (  # noqa: E402,F401  (shared by the attention test files)
-    DTYPES, TINY, U32, U_OUT, bhsd as _bhsd, check, gpu, needs_emu, needs_torch,
-    needs_torch_cuda, np_dtype as _np_dtype, rand as _rand, FakeCall)
+from emu import needs_emu  # noqa: E402
+from attention_testing import (  # noqa: E402  (shared by the attention test files)
+    DTYPES, TINY, U32, U_OUT, bhsd as _bhsd, check, np_dtype as _np_dtype, rand as _rand, FakeCall)
 
 ref = at.ref_scaled_dot_product_attention
 

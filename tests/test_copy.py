@@ -20,12 +20,9 @@ from gpuops import dtypes as dt
 from gpuops.ops import copy as C
 from gpuops.shapes import contiguous_strides
 from gpuops.tensor import Tensor
-from conftest import HAS_GPU, HAS_TORCH, HAS_TORCH_CUDA
+from conftest import HAS_GPU, HAS_TORCH, gpu, needs_torch, needs_torch_cuda
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
 
 ALL = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
        "bool"]

@@ -7,10 +7,9 @@ import pytest
 import gpuops as go
 from gpuops import registry
 from gpuops.runtime import config
-from conftest import HAS_GPU, HAS_TORCH, assert_close
+from conftest import HAS_GPU, HAS_TORCH, assert_close, needs_torch
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
 cpu_only = pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU behaviour")
 
 

@@ -12,13 +12,10 @@ import pytest
 import gpuops as go
 from gpuops import registry
 from gpuops.runtime import loader
-from conftest import HAS_GPU, HAS_TORCH, HAS_TORCH_CUDA, assert_close
+from conftest import HAS_TORCH, assert_close, gpu, needs_torch, needs_torch_cuda
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 F = torch.nn.functional if HAS_TORCH else None
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
 
 # (case id, op, number of array inputs, extra kwargs, scalar second operand or None)
 CASES = [

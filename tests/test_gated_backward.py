@@ -15,15 +15,12 @@ import gpuops as go
 from gpuops import dtypes as dt
 from gpuops import registry
 from gpuops.ops import gated_backward as GB
-from conftest import HAS_TORCH, HAS_TORCH_CUDA, assert_close
+from conftest import HAS_TORCH, assert_close, gpu, needs_torch, needs_torch_cuda
 
 import cuda_host_emulation as emu
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 F = torch.nn.functional if HAS_TORCH else None
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
 DTYPES = ["float32", "float16", "bfloat16"]
 # (case id, op, kwargs, torch forward)
 CASES = [

@@ -36,15 +36,12 @@ from gpuops import dtypes as dt
 from gpuops.ops import gemm as G
 from gpuops.runtime import launch, nvrtc
 from gpuops.tensor import Tensor
-from conftest import HAS_TORCH, HAS_TORCH_CUDA
+from conftest import HAS_TORCH, gpu, needs_torch, needs_torch_cuda
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 import emu  # noqa: E402
+from emu import needs_emu  # noqa: E402
 F = torch.nn.functional if HAS_TORCH else None
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
-needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
 ROOT = Path(__file__).resolve().parent.parent
 
 U_ACC = 2.0 ** -24

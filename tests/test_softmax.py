@@ -11,13 +11,10 @@ import pytest
 
 import gpuops as go
 from gpuops.ops import softmax as sm
-from conftest import HAS_TORCH, HAS_TORCH_CUDA, TOLERANCE, assert_close
+from conftest import HAS_TORCH, TOLERANCE, assert_close, gpu, needs_torch, needs_torch_cuda
 import softmax_sim as sim
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
 
 DTYPES = ["float32", "float16", "bfloat16"]
 FWD = [("softmax", False), ("log_softmax", True)]

@@ -18,16 +18,13 @@ import pytest
 import gpuops as go
 from gpuops import dtypes as dt
 from gpuops.ops import topk as tk
-from conftest import HAS_TORCH, HAS_TORCH_CUDA
+from conftest import HAS_TORCH, gpu, needs_torch, needs_torch_cuda
 
 import emu
+from emu import needs_emu  # noqa: E402
 import emu_pool
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
-gpu = pytest.mark.gpu
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-needs_torch_cuda = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="torch without CUDA")
-needs_emu = pytest.mark.skipif(not emu.available(), reason="no g++ for the kernel emulator")
 
 DTYPES = ["float32", "float16", "bfloat16"]
 
