@@ -129,6 +129,15 @@ __device__ __forceinline__ void attn_rope_cs(const FlashFwdArgs& a, int pos, int
   }
 }
 
+// Pair (x, y) of one frequency rotated by (c, s): (x c - y s, y c + x s), each with one fmaf (the
+// rounding that apply_rotary, the K pre-rotation and the in-tile rotations share, so a rotated
+// value is bit for bit the same whichever path computed it).
+__device__ __forceinline__ void attn_rope_rotate(float& x, float& y, float c, float s) {
+  const float x0 = x, y0 = y;
+  x = fmaf(x0, c, -(y0 * s));
+  y = fmaf(y0, c, x0 * s);
+}
+
 // Frequency, partner column and sign of element col (< 2 rot_half) of a rotated row: pair (x, y)
 // of frequency f becomes (x cos - y sin, y cos + x sin), as gpuops.apply_rotary.
 __device__ __forceinline__ void attn_rope_pair(const FlashFwdArgs& a, int col, int& f,

@@ -177,9 +177,7 @@ __device__ __forceinline__ void mma_rope_tile(unsigned char* tile, const FlashFw
         for (int e = 0; e < 2; ++e) {
           float cv, sv;
           attn_rope_cs<T>(a, pos, 2 * c4 + e, cv, sv);
-          const float x0 = x[2 * e], y0 = x[2 * e + 1];
-          x[2 * e] = fmaf(x0, cv, -(y0 * sv));
-          x[2 * e + 1] = fmaf(y0, cv, x0 * sv);
+          attn_rope_rotate(x[2 * e], x[2 * e + 1], cv, sv);
         }
       } else {                          // columns f = 4 c4 .. + 3 with f + half
         unsigned char* py = tile + at(r, 4 * c4 + half);
@@ -189,9 +187,7 @@ __device__ __forceinline__ void mma_rope_tile(unsigned char* tile, const FlashFw
         for (int e = 0; e < 4; ++e) {
           float cv, sv;
           attn_rope_cs<T>(a, pos, 4 * c4 + e, cv, sv);
-          const float x0 = x[e], y0 = y[e];
-          x[e] = fmaf(x0, cv, -(y0 * sv));
-          y[e] = fmaf(y0, cv, x0 * sv);
+          attn_rope_rotate(x[e], y[e], cv, sv);
         }
         mma_store4<T>(py, y);
       }
@@ -206,9 +202,10 @@ __device__ __forceinline__ void mma_rope_tile(unsigned char* tile, const FlashFw
       T* py = reinterpret_cast<T*>(tile + at(r, cy));
       float cv, sv;
       attn_rope_cs<T>(a, pos0 + r, f, cv, sv);
-      const float x0 = to_float(*px), y0 = to_float(*py);
-      *px = from_float<T>(fmaf(x0, cv, -(y0 * sv)));
-      *py = from_float<T>(fmaf(y0, cv, x0 * sv));
+      float x = to_float(*px), y = to_float(*py);
+      attn_rope_rotate(x, y, cv, sv);
+      *px = from_float<T>(x);
+      *py = from_float<T>(y);
     }
   }
 }

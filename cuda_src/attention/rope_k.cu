@@ -6,8 +6,8 @@
 // Reads the forward's own argument struct (k, its strides, cu_k, the rotary fields) so that the
 // positions are what the in-loop form uses: key j of a sequence (varlen: the index inside its
 // packed sequence, from cu_k on the device) at table row j, NaN past the table (attn_rope_cs).
-// fp32 math with the in-loop form's fmaf pairs, rounded once to T: the rotated K is bit for bit
-// the tile the in-loop form rotates in shared memory. q, k are never written.
+// fp32 math with the in-loop form's fmaf pairs (attn_rope_rotate), rounded once to T: the rotated
+// K is bit for bit the tile the in-loop form rotates in shared memory. q, k are never written.
 //
 // Block (batch x kv head, kRopeKRows key rows), items numbered row-major with the row's units
 // fastest (a warp covers whole rows: contiguous 16-byte loads and stores). A unit is
@@ -92,9 +92,7 @@ __global__ void __launch_bounds__(kRopeKThreads) attn_rope_k(const FlashFwdArgs 
         for (int e = 0; e < W / 2; ++e) {
           float cv, sv;
           attn_rope_cs<T>(a, j, c / 2 + e, cv, sv);
-          const float x0 = x[2 * e], y0 = x[2 * e + 1];
-          x[2 * e] = fmaf(x0, cv, -(y0 * sv));
-          x[2 * e + 1] = fmaf(y0, cv, x0 * sv);
+          attn_rope_rotate(x[2 * e], x[2 * e + 1], cv, sv);
         }
         rope_k_store<T, W>(dst + c, x);
       } else {
@@ -106,9 +104,7 @@ __global__ void __launch_bounds__(kRopeKThreads) attn_rope_k(const FlashFwdArgs 
         for (int e = 0; e < V; ++e) {
           float cv, sv;
           attn_rope_cs<T>(a, j, c + e, cv, sv);
-          const float x0 = x[e], y0 = y[e];
-          x[e] = fmaf(x0, cv, -(y0 * sv));
-          y[e] = fmaf(y0, cv, x0 * sv);
+          attn_rope_rotate(x[e], y[e], cv, sv);
         }
         rope_k_store<T, V>(dst + c, x);
         rope_k_store<T, V>(dst + c + half, y);
