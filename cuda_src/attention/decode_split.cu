@@ -117,28 +117,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
     }
   };
 
-  // q of this block's rows (storage values, converted below) and the sequence length.
-  // rows of this block: row rr = g * sq + i -> q head kvh * group + g, query token i
-  T qraw[RT][E];
-  int len;
-  auto load_q_len = [&]() {
-    len = seqlens[b * seq_stride];
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      const int rr = rchunk * RT + r;
-      const bool valid = rr < rows;
-      const int g = valid ? rr / sq : 0, i = valid ? rr - (rr / sq) * sq : 0;
-      const T* qrow = q + b * q_sb + i * q_ss + (kvh * group + g) * q_sh;
-#pragma unroll
-      for (int n = 0; n < NV; ++n)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const int d = (n * L + lig) * VEC + e;
-          qraw[r][n * VEC + e] = (valid && d < d_rt) ? qrow[d * q_sd] : from_float<T>(0.f);
-        }
-    }
-  };
-
   // The first DEPTH steps' K/V loads go out before the sequence length arrives (B1 S8192 has
   // only ~8 steps per block, so each latency on a block's critical path counts): keys of the
   // split's chunk below s_max are inside the cache whatever the length; the ones at or past the
@@ -153,10 +131,27 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split(
   KvRegs kr[DEPTH + 1], vr[DEPTH + 1];
 #pragma unroll
   for (int t = 0; t < DEPTH; ++t) load_keys(jfirst + t * kStep + lane_off, chunk_end, kr[t], vr[t]);
-  // q and the length after the K/V loads: loading them first (or two K/V steps ahead) delayed
-  // every block's first step in run 60 (the loads' issue stalls once the SM's memory pipeline
-  // is full; the key loop already streams at the DRAM rate)
-  load_q_len();
+  // q of this block's rows (storage values, all loads issued before the conversion below) and
+  // the sequence length, after the K/V loads: loading them first (or two K/V steps ahead)
+  // delayed every block's first step in run 60 (the loads' issue stalls once the SM's memory
+  // pipeline is full; the key loop already streams at the DRAM rate).
+  // rows of this block: row rr = g * sq + i -> q head kvh * group + g, query token i
+  int len = seqlens[b * seq_stride];
+  T qraw[RT][E];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const int rr = rchunk * RT + r;
+    const bool valid = rr < rows;
+    const int g = valid ? rr / sq : 0, i = valid ? rr - (rr / sq) * sq : 0;
+    const T* qrow = q + b * q_sb + i * q_ss + (kvh * group + g) * q_sh;
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int d = (n * L + lig) * VEC + e;
+        qraw[r][n * VEC + e] = (valid && d < d_rt) ? qrow[d * q_sd] : from_float<T>(0.f);
+      }
+  }
 
   len = len < 0 ? 0 : (len > s_max ? s_max : len);
   float qf[RT][E];

@@ -259,6 +259,8 @@ def wgmma_stages(d: int) -> int:
     consumers (the next tile's K landed ~1400 cycles after the stage two tiles back was
     released)."""
     return 3 if d == 128 else 4
+
+
 WGMMA_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", FLASH_ARGS.params[0],
                      "i32")
 # Causal / windowed calls: the grid walks (b x h) rows in chunks whose K / V fit this many bytes

@@ -28,8 +28,9 @@ Kernels (cuda_src/attention/flash_bwd.cu), fp32 math for fp32/fp16/bf16 storage:
   and 128): the same algorithm on warpgroup MMA with the wgmma forward's structure (a producer
   warpgroup issuing TMA loads, two consumer warpgroups of 64 keys each; S^T and dP^T from shared
   memory, dV += P^T dO and dK += dS^T Q with P^T / dS^T in registers, dQ = dS K from a dS^T tile
-  in shared memory, fp32 atomics into the same accumulator). Its own preprocess writes the
-  statistics with rows padded to 64; the dq conversion is the mma module's. ``'auto'`` takes it
+  in shared memory, staged in shared memory and added with one bulk reduce-add per warpgroup
+  and tile into a tile-major fp32 accumulator). Its own preprocess writes the statistics with
+  rows padded to 64 and zeroes that accumulator; its own conversion writes dq. ``'auto'`` takes it
   on sm_90 for calls without attn_mask at the head dims in ``WGMMA_AUTO_DIMS`` (64 and 128:
   measured faster than 'mma') whose q, k, v, grad_out TMA can describe;
   ``variant='wgmma'`` raises ValueError for a call it cannot take, saying why.
@@ -775,8 +776,9 @@ def scaled_dot_product_attention_backward(call, grad_out: Tensor, query: Tensor,
       unit head-dim stride, 16-byte aligned base and strides). 'mma' and 'wgmma' raise
       ValueError for a call they cannot take, saying why. 'auto': 'wgmma' where it applies,
       else 'mma' where it applies, else 'simt'. All recompute S and P per tile
-      from ``lse`` (never stored) and accumulate dq with fp32 atomics (results may differ in
-      the last bits from run to run, as with FlashAttention-2; dk and dv are deterministic).
+      from ``lse`` (never stored) and accumulate dq with fp32 atomic adds ('wgmma': bulk
+      reduce-adds of whole tiles), so dq may differ in the last bits from run to run, as with
+      FlashAttention-2; dk and dv are deterministic.
 
     fp32 math for fp16/bf16/fp32 storage. Workspace: fp32 dq [B, Hq, Sq, D] (none for fp32)
     and 2 x B Hq Sq floats. For autograd use ``gpuops.torch.scaled_dot_product_attention``.
