@@ -508,7 +508,7 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
 
     class FakeKernel:
         def launch(self, grid, block, stream, *args, smem=0):
-            spec = G._wgmma_spec(config)
+            spec = {3: G.WGMMA_TMASTORE_ARGS, 4: G.WGMMA_TMAFUSED_ARGS}.get(epi, G.WGMMA_ARGS)
             spec.struct.pack_into(bytearray(spec.size), 0, *args)
             launches.append((grid, block, smem))
             maps.append(args[:4])
@@ -536,9 +536,8 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
     if epi == 3:   # the tensor-store epilogue: its own kernel, a third map (C) with 16 x 32 boxes
         assert expr == "gpuops::gemm::gemm_wgmma_tmastore<gpuops::bfloat16_t, false, false>"
         assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
-    elif epi in (4, 5):  # and a fourth (the residual's): C's map again without a residual
-        kernel = "tmafused" if epi == 4 else "tmafused8"
-        assert expr == f"gpuops::gemm::gemm_wgmma_{kernel}<gpuops::bfloat16_t, false, false>"
+    elif epi == 4:  # and a fourth (the residual's): C's map again without a residual
+        assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
         assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
         assert maps[0][3] == maps[0][2] == bytes([3]) * 128
     else:
@@ -546,7 +545,7 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
         assert encoded == [(64, 128), (64, 256)]
     assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
     assert grid == (132, 1, 1) and block == (384, 1, 1)
-    assert smem == {4: G.WGMMA_SMEM_FUSED, 5: G.WGMMA_SMEM_FUSED8}.get(epi, G.WGMMA_SMEM)
+    assert smem == (G.WGMMA_SMEM_FUSED if epi == 4 else G.WGMMA_SMEM)
     # 3 x 3 tiles: one block each
     launches.clear()
     G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
@@ -584,13 +583,12 @@ def test_tma_store_gives_way_to_direct_where_it_cannot_or_should_not(monkeypatch
     assert config(bias=1 << 22) == "base"
 
 
-@pytest.mark.parametrize("cfg", ["tma_fused", "tma_fused8"])
-def test_tma_fused_routing_and_residual_maps(cfg, monkeypatch):
+def test_tma_fused_routing_and_residual_maps(monkeypatch):
     """'tma_fused' keeps bare and fused calls (bias, activation, residual) while TMA can write C
     and read the residual; fp32 outputs, N % 8 != 0, a misaligned C and residuals TMA cannot
     read (row broadcast, transposed, misaligned rows) go to 'direct'. The residual's map has C's
     geometry: (N, M[, batch dims innermost first]), 32 x 16 boxes, 64-byte swizzle."""
-    monkeypatch.setitem(G.PLAN, "wgmma", cfg)
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
 
     def plan(M=300, N=520, r_sm=520, r_sn=1, batch=1, bshape=(1, 1, 1), r_sb=(0, 0, 0)):
         return types.SimpleNamespace(M=M, N=N, r_sm=r_sm, r_sn=r_sn, batch=batch, bshape=bshape,
@@ -604,10 +602,10 @@ def test_tma_fused_routing_and_residual_maps(cfg, monkeypatch):
         return G._wgmma_call_config(p, L)
 
     res = 1 << 22
-    assert config() == cfg
-    assert config(bias=1 << 21, bias_s=1) == cfg
-    assert config(act=3) == cfg
-    assert config(bias=1 << 21, bias_s=1, act=2, residual=res) == cfg
+    assert config() == "tma_fused"
+    assert config(bias=1 << 21, bias_s=1) == "tma_fused"
+    assert config(act=3) == "tma_fused"
+    assert config(bias=1 << 21, bias_s=1, act=2, residual=res) == "tma_fused"
     assert config(bias=1 << 21, bias_s=0) == "direct"               # a broadcast bias
     assert config(bias=1 << 21, bias_s=2) == "direct"               # a strided bias
     assert config(bias=(1 << 21) + 2, bias_s=1) == "direct"         # not 4-byte aligned
@@ -618,7 +616,7 @@ def test_tma_fused_routing_and_residual_maps(cfg, monkeypatch):
     assert config(plan(r_sm=1, r_sn=300), residual=res) == "direct"  # transposed residual
     assert config(plan(r_sm=524), residual=res) == "direct"         # rows 1048 B apart
     assert config(residual=res + 2) == "direct"                     # misaligned base
-    assert config(plan(M=1, r_sm=0), residual=res) == cfg   # one row: no row stride
+    assert config(plan(M=1, r_sm=0), residual=res) == "tma_fused"   # one row: no row stride
     L = G._Launch()
     L.residual = res
     assert G._wgmma_residual_plan(plan(), L, 2) == ((520, 300), (1040,), (32, 16))
@@ -629,7 +627,7 @@ def test_tma_fused_routing_and_residual_maps(cfg, monkeypatch):
     p = plan(batch=6, bshape=(1, 2, 3), r_sb=(0, 3 * 300 * 520, 300 * 520))
     assert G._wgmma_residual_plan(p, L, 2) == (
         (520, 300, 3, 2, 1), (1040, 312000, 936000, 1872000), (32, 16, 1, 1, 1))
-    assert config(p, residual=res) == cfg
+    assert config(p, residual=res) == "tma_fused"
 
     # the launch: a fourth map for the residual, tma_fused's shared memory
     launches, encoded = [], []
@@ -659,10 +657,9 @@ def test_tma_fused_routing_and_residual_maps(cfg, monkeypatch):
     G.gemm(FakeCall(), "linear", x, G._transposed(w), residual=r, activation="gelu",
            variant="wgmma")
     (name, expr), (args, smem) = launches
-    kernel = {"tma_fused": "tmafused", "tma_fused8": "tmafused8"}[cfg]
-    assert name == f"gemm.wgmma_{cfg}_bf16"
-    assert expr == f"gpuops::gemm::gemm_wgmma_{kernel}<gpuops::bfloat16_t, false, false>"
-    assert smem == {"tma_fused": G.WGMMA_SMEM_FUSED, "tma_fused8": G.WGMMA_SMEM_FUSED8}[cfg]
+    assert name == "gemm.wgmma_tma_fused_bf16"
+    assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
+    assert smem == G.WGMMA_SMEM_FUSED
     assert encoded[3] == (1 << 28, (6144, 4096), (12288,), (32, 16), (G.tma.SWIZZLE_64B,))
     assert args[3] == bytes([4]) * 128 and args[2] == bytes([3]) * 128
     G._wgmma_map_cache.clear()
@@ -727,8 +724,6 @@ def test_tma_fused_box_schedule():
     for seq in seqs:
         for has_res in (False, True):
             assert _tma_fused_schedule(seq, has_res) == [], (seq, has_res)
-            # 'tma_fused8': a box per chunk, all residuals loaded in the main loop
-            assert _tma_fused_schedule(seq, has_res, boxes=8) == [], (seq, has_res)
     assert _tma_fused_schedule([8, 8], True, refill_wait=2)
     assert _tma_fused_schedule([8, 8], False, chunk_wait=4)
 
@@ -737,31 +732,21 @@ def test_wgmma_constants_match_the_kernel():
     """ops/gemm.py's tile, threads and shared-memory size mirror cuda_src/gemm/wgmma.cu."""
     text = (ROOT / "cuda_src/gemm/wgmma.cu").read_text()
     consts = {k: int(v) for k, v in re.findall(r"\b(kWg\w+) = (\d+)", text)}
-    assert (consts["kWgBM"], consts["kWgBN"], consts["kWgBK"]) == \
-        (G.WGMMA_BM, G.WGMMA_BN, G.WGMMA_BK)
+    assert (consts["kWgBM"], consts["kWgBN"], consts["kWgBK"], consts["kWgStages"]) == \
+        (G.WGMMA_BM, G.WGMMA_BN, G.WGMMA_BK, G.WGMMA_STAGES)
     assert consts["kWgThreads"] == G.WGMMA_THREADS == 384
-    # WgLayout<EPI>: 4 stages and 4 boxes but for EPI 5 ('tma_fused8': 3 and 8)
-    assert "kStages = EPI == 5 ? 3 : 4;" in text and "kBoxes = EPI == 5 ? 8 : 4;" in text
-    assert (G.WGMMA_STAGES, G.WGMMA_FUSED_BOXES) == (4, 4)
-    assert (G.WGMMA_FUSED8_STAGES, G.WGMMA_FUSED8_BOXES) == (3, 8)
-    assert "kBiasOffset = kEpiOffset + 8 * kWarpBytes;" in text
-    assert "kBarOffset = kFused ? kBiasOffset + 2 * kWgBN * 2 : kBiasOffset;" in text
-    assert ("kSmemBytes =\n      kBarOffset + 2 * kStages * 8 + (kFused ? 8 * kBoxes * 8 : 0) + 1024;"
-            in text)
     stage = (G.WGMMA_BM + G.WGMMA_BN) * G.WGMMA_BK * 2
     epi = 8 * 16 * consts["kWgEpiLd"] * 4
     assert G.WGMMA_SMEM == G.WGMMA_STAGES * stage + epi + 2 * G.WGMMA_STAGES * 8 + 1024
-    # tma_fused(8): boxes of 1 KiB per consumer warp, two bias rows, one barrier per box
-    for stages, boxes, smem in ((G.WGMMA_STAGES, G.WGMMA_FUSED_BOXES, G.WGMMA_SMEM_FUSED),
-                                (G.WGMMA_FUSED8_STAGES, G.WGMMA_FUSED8_BOXES,
-                                 G.WGMMA_SMEM_FUSED8)):
-        assert smem == (stages * stage + 8 * boxes * 1024 + 2 * G.WGMMA_BN * 2
-                        + 2 * stages * 8 + 8 * boxes * 8 + 1024)
-        assert smem <= 227 * 1024
+    # tma_fused: boxes of 1 KiB per consumer warp, two bias rows, one barrier per box
+    boxes = consts["kWgFusedBoxes"]
+    assert boxes == G.WGMMA_FUSED_BOXES
+    assert G.WGMMA_SMEM_FUSED == (G.WGMMA_STAGES * stage + 8 * boxes * 1024 + 2 * G.WGMMA_BN * 2
+                                  + 2 * G.WGMMA_STAGES * 8 + 8 * boxes * 8 + 1024)
+    assert "kWgFusedSmemBytes =\n    kWgFusedBarOffset + 2 * kWgStages * 8 + 8 * kWgFusedBoxes * 8 + 1024" in text
+    assert G.WGMMA_SMEM_FUSED <= 227 * 1024
+    assert "kWgSmemBytes = kWgBarOffset + 2 * kWgStages * 8 + 1024" in text
     assert G.WGMMA_SMEM <= 227 * 1024
-    for cfg, smem in (("tma_fused", G.WGMMA_SMEM_FUSED), ("tma_fused8", G.WGMMA_SMEM_FUSED8),
-                      ("tma_store", G.WGMMA_SMEM)):
-        assert G._wgmma_smem(cfg) == smem
 
 
 def test_wgmma_layout_simulation():
@@ -1812,21 +1797,20 @@ def _spy_wgmma_configs(monkeypatch):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("cfg", ["tma_fused", "tma_fused8"])
 @pytest.mark.parametrize("dtype", WG_DTYPES)
-def test_gpu_wgmma_tma_fused(dtype, cfg, monkeypatch):
+def test_gpu_wgmma_tma_fused(dtype, monkeypatch):
     """'tma_fused' (residual by TMA into the store boxes, bias row by cp.async): every epilogue
     combination against float64 with NaN-poisoned outputs; M edges inside a warp's 16 rows and
     inside a tile, N edges inside a 32-column chunk and inside a tile (chunks past N skipped),
     one k-tile (residual and bias issued at k-tile 0) and many (issued 8 before the end), more
     tiles than SMs (barrier parities and bias rows across tiles, ragged tiles among them)."""
     _skip_unless_hopper()
-    monkeypatch.setitem(G.PLAN, "wgmma", cfg)
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
     ran = _spy_wgmma_configs(monkeypatch)
     for M, N, K in ((200, 264, 136), (70, 72, 64), (130, 776, 1000), (4097, 4104, 640)):
         a, b = _randn((M, K), dtype), _randn((K, N), dtype)
         bias, res = _randn((N,), dtype), _randn((M, N), dtype)
-        what = f"{cfg} {dtype} {(M, N, K)}"
+        what = f"tma_fused {dtype} {(M, N, K)}"
         _check(go.matmul(a, b, bias=bias, variant="wgmma"), a, b, dtype, bias=bias,
                what=f"{what} bias", tile=WG_TILE)
         _check(go.matmul(a, b, residual=res, variant="wgmma"), a, b, dtype, residual=res,
@@ -1838,7 +1822,7 @@ def test_gpu_wgmma_tma_fused(dtype, cfg, monkeypatch):
                             variant="wgmma")
             _check(out, a, b, dtype, bias=bias, act=act, residual=res, alpha=-0.75,
                    what=f"{what} bias+{act}+residual", tile=WG_TILE)
-        assert set(ran) == {cfg}, ran
+        assert set(ran) == {"tma_fused"}, ran
         ran.clear()
     # a linear layer (K-major weight) and a residual with a row stride wider than N
     x, w, bias = _randn((300, 512), dtype), _randn((264, 512), dtype), _randn((264,), dtype)
@@ -1846,21 +1830,20 @@ def test_gpu_wgmma_tma_fused(dtype, cfg, monkeypatch):
     out = go.matmul(x, w.T, bias=bias, activation="silu", residual=res, variant="wgmma")
     _check(out, x, w.T, dtype, bias=bias, act="silu", residual=res, what="padded residual",
            tile=WG_TILE)
-    assert ran == [cfg]
+    assert ran == ["tma_fused"]
     ran.clear()
 
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("cfg", ["tma_fused", "tma_fused8"])
 @pytest.mark.parametrize("dtype", WG_DTYPES)
-def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, cfg, monkeypatch):
+def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
     """Batched residuals through the 5-D residual map (per matrix, broadcast over a batch dim,
     shared by the batch), in a CUDA graph too; calls 'tma_fused' cannot take run 'direct' and are
     still right: fp32 output, N % 8 != 0, a row or transposed or misaligned residual, a broadcast
     or misaligned bias."""
     _skip_unless_hopper()
-    monkeypatch.setitem(G.PLAN, "wgmma", cfg)
+    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
     ran = _spy_wgmma_configs(monkeypatch)
     M, N, K = 37, 136, 72
     a, b = _randn((3, 2, M, K), dtype), _randn((3, 2, K, N), dtype)
@@ -1870,8 +1853,8 @@ def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, cfg, monkeypatch):
                       ("shared", _randn((M, N), dtype))):
         out = go.matmul(a, b, bias=bias, activation="gelu_tanh", residual=res, variant="wgmma")
         _check(out, a, b, dtype, bias=bias, act="gelu_tanh", residual=res,
-               what=f"{cfg} batched residual {what}", tile=WG_TILE)
-    assert set(ran) == {cfg}, ran
+               what=f"tma_fused batched residual {what}", tile=WG_TILE)
+    assert set(ran) == {"tma_fused"}, ran
     ran.clear()
 
     x, w = _randn((300, 320), dtype), _randn((320, 520), dtype)
@@ -1913,9 +1896,9 @@ def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, cfg, monkeypatch):
         res.copy_(_randn(res.shape, dtype))
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what=f"graph {cfg}",
+        _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what="graph tma_fused",
                tile=WG_TILE)
-    assert set(ran) == {cfg}, ran
+    assert set(ran) == {"tma_fused"}, ran
 
 
 @gpu

@@ -46,7 +46,7 @@
 namespace gpuops {
 namespace gemm {
 
-constexpr int kWgBM = 128, kWgBN = 256, kWgBK = 64;
+constexpr int kWgBM = 128, kWgBN = 256, kWgBK = 64, kWgStages = 4;
 constexpr int kWgThreads = 384;                           // producer + 2 consumer warpgroups
 constexpr int kWgABytes = kWgBM * kWgBK * 2;              // 16 KiB
 constexpr int kWgBBytes = kWgBN * kWgBK * 2;              // 32 KiB
@@ -54,33 +54,23 @@ constexpr int kWgStageBytes = kWgABytes + kWgBBytes;
 constexpr int kWgBoxBytes = 64 * 64 * 2;                  // one M/N-major TMA box: 64 x 64
 constexpr int kWgEpiLd = 40;                              // floats per staged row (32 + 8 pad)
 constexpr int kWgEpiWarpBytes = 16 * kWgEpiLd * 4;
-constexpr int kWgBoxRowBytes = 64, kWgBoxBufBytes = 16 * kWgBoxRowBytes;
-
-// Shared memory of configuration EPI (dynamic; the host's WGMMA_SMEM / _wgmma_smem mirror it):
-//  * EPI 0..3: a ring of kStages stages, the epilogue staging area (16 rows x kWgEpiLd floats per
-//    consumer warp), the ring's full / empty barriers, and 1 KiB of slack to align the ring to
-//    1024 bytes (the 128-byte swizzle pattern's period);
-//  * EPI 4 'tma_fused': after the ring, kBoxes boxes of 16 x 32 16-bit elements (1 KiB, 64-byte
-//    swizzle) per consumer warp, where the residual arrives by TMA and the output leaves by TMA;
-//    a bias row of kWgBN elements per tile, double-buffered; the ring's barriers; one barrier per
-//    residual box. 4 boxes, so chunks 4..7 reuse the boxes of chunks 0..3 (the 4-stage ring
-//    leaves no room for more);
-//  * EPI 5 'tma_fused8': EPI 4 with a 3-stage ring and 8 boxes per warp, so every chunk's
-//    residual is loaded during the main loop and no box is reused within a tile.
-template <int EPI>
-struct WgLayout {
-  static constexpr bool kFused = EPI >= 4;
-  static constexpr int kStages = EPI == 5 ? 3 : 4;
-  static constexpr int kBoxes = EPI == 5 ? 8 : 4;
-  static constexpr int kEpiOffset = kStages * kWgStageBytes;
-  static constexpr int kWarpBytes = kFused ? kBoxes * kWgBoxBufBytes : kWgEpiWarpBytes;
-  static constexpr int kBiasOffset = kEpiOffset + 8 * kWarpBytes;              // (kFused)
-  static constexpr int kBarOffset = kFused ? kBiasOffset + 2 * kWgBN * 2 : kBiasOffset;
-  static constexpr int kSmemBytes =
-      kBarOffset + 2 * kStages * 8 + (kFused ? 8 * kBoxes * 8 : 0) + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "wgmma shared memory exceeds sm_90's 227 KiB");
-  static_assert(kWarpBytes % 512 == 0, "64-byte-swizzled boxes start on 512-byte boundaries");
-};
+constexpr int kWgEpiOffset = kWgStages * kWgStageBytes;
+constexpr int kWgBarOffset = kWgEpiOffset + 8 * kWgEpiWarpBytes;
+// dynamic shared memory the host must request: ring, epilogue staging, 2 barriers per stage,
+// and 1 KiB of slack to align the ring to 1024 bytes (the 128-byte swizzle pattern's period)
+constexpr int kWgSmemBytes = kWgBarOffset + 2 * kWgStages * 8 + 1024;
+static_assert(kWgSmemBytes <= 227 * 1024, "wgmma shared memory exceeds sm_90's 227 KiB");
+// 'tma_fused' (EPI 4) lays out the space after the ring differently: 4 boxes of 16 x 32 16-bit
+// elements (1 KiB, 64-byte swizzle) per consumer warp, where the residual arrives by TMA and the
+// output leaves by TMA; a bias row of kWgBN elements per tile, double-buffered; the ring's
+// barriers; one barrier per residual box.
+constexpr int kWgFusedBoxes = 4;
+constexpr int kWgFusedWarpBytes = kWgFusedBoxes * 1024;
+constexpr int kWgFusedBiasOffset = kWgEpiOffset + 8 * kWgFusedWarpBytes;
+constexpr int kWgFusedBarOffset = kWgFusedBiasOffset + 2 * kWgBN * 2;
+constexpr int kWgFusedSmemBytes =
+    kWgFusedBarOffset + 2 * kWgStages * 8 + 8 * kWgFusedBoxes * 8 + 1024;
+static_assert(kWgFusedSmemBytes <= 227 * 1024, "tma_fused shared memory exceeds 227 KiB");
 
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 static_assert((2 * kWgConsumerRegs + kWgProducerRegs) * 128 <= 65536, "register file");
@@ -162,7 +152,9 @@ __device__ __forceinline__ void tma_load(unsigned int dst, const TmaDesc* desc, 
 // appears to wait for those lookahead loads (run 30: bias +37%, residual +39% over bare, direct
 // -5% / +17.5%): the host sends fused calls to 'direct'.
 constexpr int kStoreDirect = 0, kStoreTensor = 1;
+constexpr int kWgBoxRowBytes = 64, kWgBoxBufBytes = 16 * kWgBoxRowBytes;
 static_assert(2 * kWgBoxBufBytes <= kWgEpiWarpBytes, "two boxes per warp's staging area");
+static_assert(kWgFusedWarpBytes == kWgFusedBoxes * kWgBoxBufBytes, "EPI 4: boxes per warp");
 static_assert(kWgEpiWarpBytes % 512 == 0 && kWgBoxBufBytes % 512 == 0,
               "64-byte-swizzled boxes start on 512-byte boundaries");
 
@@ -293,21 +285,17 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 //  * residual: boxes of 16 rows x 32 columns in the C map's geometry and 64-byte swizzle, loaded
 //    by TMA (tma_r) into the warp's 4 box buffers, so each thread finds its residual pair at the
 //    address where it writes its result: ld.shared, math, st.shared in place, fence, tensor store
-//    of the box. Chunks 0..BOXES-1 were loaded during the main loop (wg_fused_residual_prologue);
-//    with BOXES = 4 ('tma_fused'), chunk c + 3 (c = 1..4) is loaded into chunk c - 1's box as soon
-//    as that box's store has read it, three chunks before its use; with BOXES = 8
-//    ('tma_fused8') every chunk has its own box, loaded during the main loop. res_bar: the boxes'
-//    mbarriers (one completion per load), res_phase: their parities in bits 0..BOXES-1 (other
-//    bits are the caller's), lane-uniform, kept across tiles by the caller.
+//    of the box. Chunks 0..3 were loaded during the main loop (wg_fused_residual_prologue);
+//    chunk c + 3 (c = 1..4) is loaded into chunk c - 1's box as soon as that box's store has read
+//    it, three chunks before its use. res_bar: the 4 boxes' mbarriers (one completion per load),
+//    res_phase: their parities in bits 0..3 (other bits are the caller's), lane-uniform, kept
+//    across tiles by the caller.
 //  * bias: the tile's kWgBN bias values (T) in shared memory (bias_row, or null without bias),
 //    copied by cp.async during the main loop and published before the epilogue (no load in
 //    flight here); read as broadcast pairs.
 // Chunks wholly past N are skipped (no load, no math, no store); the chunks a warp handles are a
-// prefix 0..L-1 of the tile's 8, so the bulk groups of a tile are consecutive. With 8 boxes no
-// box is rewritten within the tile, so the warp fences once after its last chunk and lane 0 then
-// hands all of them to the TMA unit (one bulk group per tile) instead of a fence, a warp sync
-// and a store per chunk.
-template <class T, Act A, int BOXES>
+// prefix 0..L-1 of the tile's 8, so the bulk groups of a tile are consecutive.
+template <class T, Act A>
 __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const float (&acc)[128],
                                                       long long m_base, long long n0, int lane,
                                                       unsigned char* buf,
@@ -331,13 +319,13 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     if (n0 + 32 * c >= p.N) break;          // this and later chunks lie past N (warp-uniform)
-    const int box = c & (BOXES - 1);
+    const int box = c & (kWgFusedBoxes - 1);
     unsigned char* chunk = buf + box * kWgBoxBufBytes;
     if (has_res) {
       mbar_wait(res_bar + 8 * box, (res_phase >> box) & 1u);
       res_phase ^= 1u << box;
-    } else if (c >= BOXES) {
-      if (lane == 0) bulk_wait_read<BOXES - 1>();   // chunk c - 4's store read the box
+    } else if (c >= kWgFusedBoxes) {
+      if (lane == 0) bulk_wait_read<kWgFusedBoxes - 1>();   // chunk c - 4's store read the box
       __syncwarp();
     }
 #pragma unroll
@@ -364,40 +352,27 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
       *lo_at = Vec16<T>::pack2(lo[0], lo[1]);
       *hi_at = Vec16<T>::pack2(hi[0], hi[1]);
     }
-    if constexpr (BOXES < 8) {
-      fence_proxy_async_smem();             // the st.shared above, before the TMA unit reads
-      __syncwarp();
-      if (lane == 0) {
-        // rows past M and columns past N are clipped by the map's extents, not written
-        tma_store_3d(tma_c, smem_u32(chunk), (int)n0 + 32 * c, (int)m_base, z);
-        bulk_commit();
-        const int cn = c + BOXES - 1;       // the chunk whose residual goes into chunk c - 1's box
-        if (has_res && c >= 1 && cn < 8 && n0 + 32 * cn < p.N) {
-          bulk_wait_read<1>();              // chunk c - 1's store has read its box
-          const int nb = cn & (BOXES - 1);
-          mbar_arrive_expect_tx(res_bar + 8 * nb, kWgBoxBufBytes);
-          tma_load(smem_u32(buf + nb * kWgBoxBufBytes), tma_r, res_bar + 8 * nb,
-                   (int)n0 + 32 * cn, (int)m_base, batched, rc);
-        }
-      }
-    }
-  }
-  if constexpr (BOXES == 8) {
-    fence_proxy_async_smem();               // every chunk's st.shared, before the TMA unit reads
+    fence_proxy_async_smem();               // the st.shared above, before the TMA unit reads
     __syncwarp();
     if (lane == 0) {
-#pragma unroll 1
-      for (int c = 0; c < 8 && n0 + 32 * c < p.N; ++c)
-        tma_store_3d(tma_c, smem_u32(buf + c * kWgBoxBufBytes), (int)n0 + 32 * c, (int)m_base, z);
+      // rows past M and columns past N are clipped by the map's extents, not written
+      tma_store_3d(tma_c, smem_u32(chunk), (int)n0 + 32 * c, (int)m_base, z);
       bulk_commit();
+      const int cn = c + kWgFusedBoxes - 1; // the chunk whose residual goes into chunk c - 1's box
+      if (has_res && c >= 1 && cn < 8 && n0 + 32 * cn < p.N) {
+        bulk_wait_read<1>();                // chunk c - 1's store has read its box
+        const int nb = cn & (kWgFusedBoxes - 1);
+        mbar_arrive_expect_tx(res_bar + 8 * nb, kWgBoxBufBytes);
+        tma_load(smem_u32(buf + nb * kWgBoxBufBytes), tma_r, res_bar + 8 * nb, (int)n0 + 32 * cn,
+                 (int)m_base, batched, rc);
+      }
     }
   }
 }
 
-// The residual boxes of a tile's first BOXES chunks, issued by lane 0 of each consumer warp
-// during the tile's main loop (EPI 4 / 5; see wg_epilogue_tma_fused): the previous tile's stores
+// The residual boxes of a tile's first kWgFusedBoxes chunks, issued by lane 0 of each consumer
+// warp during the tile's main loop (EPI 4; see wg_epilogue_tma_fused): the previous tile's stores
 // must have read the boxes first.
-template <int BOXES>
 __device__ __forceinline__ void wg_fused_residual_prologue(const GemmArgs& p, long long m_base,
                                                           long long n0, unsigned char* buf,
                                                           const TmaDesc* tma_r,
@@ -405,7 +380,7 @@ __device__ __forceinline__ void wg_fused_residual_prologue(const GemmArgs& p, lo
                                                           const int (&rc)[3]) {
   bulk_wait_read<0>();
 #pragma unroll
-  for (int b = 0; b < BOXES; ++b) {
+  for (int b = 0; b < kWgFusedBoxes; ++b) {
     if (n0 + 32 * b < p.N) {
       mbar_arrive_expect_tx(res_bar + 8 * b, kWgBoxBufBytes);
       tma_load(smem_u32(buf + b * kWgBoxBufBytes), tma_r, res_bar + 8 * b, (int)n0 + 32 * b,
@@ -417,8 +392,7 @@ __device__ __forceinline__ void wg_fused_residual_prologue(const GemmArgs& p, lo
 // The kernel body. AMN: A is M-major in memory (a.T view); BMN: B is N-major (row-major [K, N]);
 // otherwise K-major. EPI: 0 = staged epilogue (shared memory, rolled chunks), 1 = direct, 3 = tensor
 // store (tma_c), 4 = tensor store with fused epilogues through shared memory (tma_c, and tma_r
-// for the residual; bare calls run EPI 3's code), 5 = EPI 4 with a 3-stage ring and 8 residual
-// boxes per warp (WgLayout).
+// for the residual; bare calls run EPI 3's code).
 template <class T, bool AMN, bool BMN, int EPI>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaDesc& tma_b,
                                                 const TmaDesc* tma_c, const TmaDesc* tma_r,
@@ -429,30 +403,28 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   const unsigned int pad = (1024u - (raw & 1023u)) & 1023u;
   const unsigned int sbase = raw + pad;                    // 1024-aligned shared address
   unsigned char* smem = smem_raw + pad;
-  using L = WgLayout<EPI>;
-  constexpr int kStages = L::kStages, kBoxes = L::kBoxes;
-  constexpr bool kTmaC = EPI >= 3;                          // C leaves through tma_c
-  const unsigned int full_bar = sbase + L::kBarOffset;      // + 8 s
-  const unsigned int empty_bar = full_bar + 8 * kStages;
-  const unsigned int res_bar0 = empty_bar + 8 * kStages;   // EPI 4 / 5: + 8 (kBoxes warp + box)
+  constexpr bool kTmaC = EPI == 3 || EPI == 4;              // C leaves through tma_c
+  const unsigned int full_bar = sbase + (EPI == 4 ? kWgFusedBarOffset : kWgBarOffset);  // + 8 s
+  const unsigned int empty_bar = full_bar + 8 * kWgStages;
+  const unsigned int res_bar0 = empty_bar + 8 * kWgStages;  // EPI 4: + 8 (4 warp + box)
 
   const int tid = threadIdx.x, wg = tid / 128;
 
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kWgStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);       // the producer's arrive.expect_tx (+ TMA's bytes)
       mbar_init(empty_bar + 8 * s, 8);      // one arrive per consumer warp
     }
-    if constexpr (L::kFused) {
+    if constexpr (EPI == 4) {
 #pragma unroll 1
-      for (int i = 0; i < 8 * kBoxes; ++i) mbar_init(res_bar0 + 8 * i, 1);  // lane 0's
+      for (int i = 0; i < 8 * kWgFusedBoxes; ++i) mbar_init(res_bar0 + 8 * i, 1);  // lane 0's
     }
     mbar_fence_init();
     tma_prefetch_desc(&tma_a);
     tma_prefetch_desc(&tma_b);
     if constexpr (kTmaC) tma_prefetch_desc(tma_c);
-    if constexpr (L::kFused) {
+    if constexpr (EPI == 4) {
       if (p.residual != nullptr) tma_prefetch_desc(tma_r);
     }
   }
@@ -504,7 +476,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
           } else if (b_live > 0) {
             tma_load(sb, &tma_b, fb, k0, (int)t.n0, sh.batched, cb);
           }
-          if (++stage == kStages) {
+          if (++stage == kWgStages) {
             stage = 0;
             phase ^= 1;
           }
@@ -526,15 +498,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   // descriptors: WgOperand (common/wgmma.cuh) holds LBO / SBO / k16 step of each layout
   static_assert(WgOperand<true>::kLbo == kWgBoxBytes, "M/N-major LBO = one 64 x 64 TMA box");
   float* stage_c = reinterpret_cast<float*>(
-      smem + L::kEpiOffset + (cg * 4 + cwarp) * L::kWarpBytes);
+      smem + kWgEpiOffset + (cg * 4 + cwarp) * (EPI == 4 ? kWgFusedWarpBytes : kWgEpiWarpBytes));
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
   const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
   // EPI 4: fused calls (bias / activation / residual) take wg_epilogue_tma_fused; this warp's
-  // residual barriers; epi_state: bits 0..kBoxes-1 the barriers' parities, bit kBoxes the bias
-  // row in use
+  // residual barriers; epi_state: bits 0..3 the barriers' parities, bit 4 the bias row in use
   // (one register across the main loop: the consumers have none to spare there)
-  const bool fused4 = L::kFused && (p.bias != nullptr || p.residual != nullptr || p.act != 0);
-  const unsigned int res_bar = res_bar0 + 8 * kBoxes * (cg * 4 + cwarp);
+  const bool fused4 = EPI == 4 && (p.bias != nullptr || p.residual != nullptr || p.act != 0);
+  const unsigned int res_bar = res_bar0 + 8 * kWgFusedBoxes * (cg * 4 + cwarp);
   unsigned int epi_state = 0;
 
   // a stage is free again once every consumer warp is done with it
@@ -569,7 +540,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
       if (kt > 0) release(prev);
       if (prefetch_res && kt == pf_kt && t.m0 < p.M)   // t.m0 < p.M always holds: see a_live
         prefetch_residual_l2<T, 64, kWgBN, 128>(p, o, t.m0 + 64 * cg, t.n0, ctid);
-      if constexpr (L::kFused) {
+      if constexpr (EPI == 4) {
         // the residual boxes of chunks 0..3 and the bias row, 8 k-tiles (or the whole main
         // loop) before the epilogue: their latency hides behind the MMAs
         if (fused4 && kt == pf_kt) {
@@ -577,7 +548,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
           if (p.residual != nullptr && lane == 0 && mb < p.M) {
             int rc[3] = {0, 0, 0};
             if (sh.batched) batch_coords(p, t.z, p.r_sb, rc);
-            wg_fused_residual_prologue<kBoxes>(p, mb, t.n0, reinterpret_cast<unsigned char*>(stage_c),
+            wg_fused_residual_prologue(p, mb, t.n0, reinterpret_cast<unsigned char*>(stage_c),
                                        tma_r, res_bar, sh.batched, rc);
           }
           if (p.bias != nullptr && cg == 0) {
@@ -585,7 +556,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
             // checks) as 128 pairs with cp.async, which holds no register until the epilogue;
             // pairs past N are zero-filled
             const long long n = t.n0 + 2 * ctid;
-            cp_async4(sbase + L::kBiasOffset + ((epi_state >> kBoxes) & 1) * (kWgBN * 2) + 4 * ctid,
+            cp_async4(sbase + kWgFusedBiasOffset + ((epi_state >> 4) & 1) * (kWgBN * 2) + 4 * ctid,
                       static_cast<const unsigned short*>(p.bias) + (n < p.N ? n : 0),
                       n < p.N ? 4 : 0);
             cp_async_commit();
@@ -593,7 +564,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         }
       }
       prev = stage;
-      if (++stage == kStages) {
+      if (++stage == kWgStages) {
         stage = 0;
         phase ^= 1;
       }
@@ -607,7 +578,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
     const bool whole = !p.out_f32 && t.n0 + kWgBN <= p.N;
-    if constexpr (L::kFused) {
+    if constexpr (EPI == 4) {
       if (fused4) {
         // the tile's bias row, copied by the first warpgroup during the main loop, published to
         // both by one named barrier of their 256 threads; two rows by tile parity, so a row is
@@ -615,17 +586,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         // this tile's epilogue)
         unsigned char* bias_row = nullptr;
         if (p.bias != nullptr) {
-          bias_row = smem + L::kBiasOffset + ((epi_state >> kBoxes) & 1) * (kWgBN * 2);
+          bias_row = smem + kWgFusedBiasOffset + ((epi_state >> 4) & 1) * (kWgBN * 2);
           if (cg == 0) cp_async_wait<0>();
           named_bar_sync(1, 256);
-          epi_state ^= 1u << kBoxes;
+          epi_state ^= 16u;
         }
         int rc[3] = {0, 0, 0};
         if (sh.batched && p.residual != nullptr) batch_coords(p, t.z, p.r_sb, rc);
 #define GPUOPS_WG_FUSED(A)                                                                   \
-  wg_epilogue_tma_fused<T, A, kBoxes>(p, acc, m_base, t.n0, lane,                            \
-                                      reinterpret_cast<unsigned char*>(stage_c), bias_row,   \
-                                      tma_c, tma_r, (int)t.z, res_bar, epi_state, sh.batched, rc)
+  wg_epilogue_tma_fused<T, A>(p, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), \
+                              bias_row, tma_c, tma_r, (int)t.z, res_bar, epi_state, sh.batched, rc)
         switch (p.act) {
           case 1: GPUOPS_WG_FUSED(Act::kRelu); break;
           case 2: GPUOPS_WG_FUSED(Act::kSilu); break;
@@ -637,7 +607,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         continue;
       }
     }
-    if constexpr (L::kFused) {           // bare: EPI 3's code (its fused forms are not built)
+    if constexpr (EPI == 4) {           // bare: EPI 3's code (its fused forms are not built)
       wg_epilogue_fragments<T, false, Act::kIdentity, kStoreTensor>(
           p, o, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), tma_c,
           (int)t.z);
@@ -743,7 +713,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 // EPI 4 ('tma_fused'): as EPI 3, and a fourth map for the residual (dims N, M[, batch dims],
 // 32 x 16 boxes, 64-byte swizzle: C's box geometry on the residual's strides; the host passes
-// C's map again when the call has no residual). Shared memory: WgLayout<4>::kSmemBytes.
+// C's map again when the call has no residual). Shared memory: kWgFusedSmemBytes.
 template <class T, bool AMN, bool BMN>
 __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma_tmafused(const __grid_constant__ TmaDesc tma_a,
@@ -751,18 +721,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                         const __grid_constant__ TmaDesc tma_c,
                         const __grid_constant__ TmaDesc tma_r, const GemmArgs p) {
   gemm_wgmma_body<T, AMN, BMN, 4>(tma_a, tma_b, &tma_c, &tma_r, p);
-}
-
-// EPI 5 ('tma_fused8'): EPI 4 with a 3-stage ring and 8 residual / output boxes per consumer
-// warp (WgLayout<5>), same parameters: every chunk's residual is loaded during the main loop and
-// the epilogue ends with one proxy fence and one bulk group per warp.
-template <class T, bool AMN, bool BMN>
-__global__ void __launch_bounds__(kWgThreads, 1)
-    gemm_wgmma_tmafused8(const __grid_constant__ TmaDesc tma_a,
-                         const __grid_constant__ TmaDesc tma_b,
-                         const __grid_constant__ TmaDesc tma_c,
-                         const __grid_constant__ TmaDesc tma_r, const GemmArgs p) {
-  gemm_wgmma_body<T, AMN, BMN, 5>(tma_a, tma_b, &tma_c, &tma_r, p);
 }
 
 }  // namespace gemm

@@ -259,24 +259,16 @@ WGMMA_SMEM = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * 16 * 40 *
 # 'tma_fused' (epilogue 4): 4 boxes of 1 KiB per consumer warp instead of the 20 KiB staging
 # area, two bias rows of 256 16-bit values, one mbarrier per box (kWgFusedSmemBytes in wgmma.cu)
 WGMMA_FUSED_BOXES = 4
-
-
-def _wgmma_fused_smem(stages, boxes):
-    return stages * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 + 8 * boxes * 1024 + 2 * WGMMA_BN * 2 \
-        + 2 * stages * 8 + 8 * boxes * 8 + 1024
-
-
-WGMMA_SMEM_FUSED = _wgmma_fused_smem(WGMMA_STAGES, WGMMA_FUSED_BOXES)
-# 'tma_fused8' (epilogue 5): a 3-stage ring and 8 boxes per consumer warp (WgLayout<5>)
-WGMMA_FUSED8_STAGES, WGMMA_FUSED8_BOXES = 3, 8
-WGMMA_SMEM_FUSED8 = _wgmma_fused_smem(WGMMA_FUSED8_STAGES, WGMMA_FUSED8_BOXES)
+WGMMA_SMEM_FUSED = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 \
+    + 8 * WGMMA_FUSED_BOXES * 1024 + 2 * WGMMA_BN * 2 + 2 * WGMMA_STAGES * 8 \
+    + 8 * WGMMA_FUSED_BOXES * 8 + 1024
 
 
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
 # the chosen one is compiled): the epilogue. 0 'staged' (shared memory, rolled 32-column chunks),
 # 1 'direct' (fragments straight to global memory, activation chosen per tile), 3 'tma_store' and
 # 4 'tma_fused' (below). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": 0, "direct": 1, "tma_store": 3, "tma_fused": 4, "tma_fused8": 5}
+WGMMA_CONFIGS = {"base": 0, "direct": 1, "tma_store": 3, "tma_fused": 4}
 # 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
 # chunk (kernel gemm_wgmma_tmastore), so the warps start the next tile while it drains. Run 30
 # (H100, CUDA graphs, bf16 linear, % of cuBLAS): 4096x6144x512 100, x1024 95.7, x2048 89.0,
@@ -290,10 +282,6 @@ WGMMA_TMASTORE_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "9P25qf4i")
 # memory, so no global load is in flight at the per-chunk proxy fence (notes_gemm.md,
 # "Fused epilogues through tensor stores"). Calls whose residual TMA cannot read run 'direct'.
 WGMMA_TMAFUSED_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", "9P25qf4i")
-# 'tma_fused8' (epilogue 5, kernel gemm_wgmma_tmafused8): 'tma_fused' with every chunk's residual
-# loaded during the main loop (8 boxes per warp instead of 4, paid for with a 3-stage ring) and
-# one proxy fence per warp and tile. Run 34 put 'tma_fused''s residual cost (+16% at
-# 4096x6144x2048) on chunks 4..7, whose residual loads were issued inside the epilogue.
 # Experiment switch (benchmarks/experiments/wgmma_fused_epilogue.py): True lets 'tma_store' run
 # fused calls itself, with run 30's generic bias / residual loads (measured slow), for A/B.
 _TMA_STORE_GENERIC_FUSED = False
@@ -305,18 +293,15 @@ def _wgmma_expr(d, a_mn, b_mn, config="base"):
         return _kname("gemm_wgmma_tmastore", d.ctype, _b(a_mn), _b(b_mn))
     if epi == 4:
         return _kname("gemm_wgmma_tmafused", d.ctype, _b(a_mn), _b(b_mn))
-    if epi == 5:
-        return _kname("gemm_wgmma_tmafused8", d.ctype, _b(a_mn), _b(b_mn))
     return _kname("gemm_wgmma", d.ctype, _b(a_mn), _b(b_mn), epi)
 
 
 def _wgmma_spec(config):
-    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS, 5: WGMMA_TMAFUSED_ARGS}.get(
-        WGMMA_CONFIGS[config], WGMMA_ARGS)
+    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS}.get(WGMMA_CONFIGS[config], WGMMA_ARGS)
 
 
 def _wgmma_smem(config):
-    return {4: WGMMA_SMEM_FUSED, 5: WGMMA_SMEM_FUSED8}.get(WGMMA_CONFIGS[config], WGMMA_SMEM)
+    return WGMMA_SMEM_FUSED if WGMMA_CONFIGS[config] == 4 else WGMMA_SMEM
 
 
 def _wgmma_kernels(config):
@@ -997,9 +982,9 @@ def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     blocks = _wgmma_grid(p, device.sm_count(call.device))
     epi = WGMMA_CONFIGS[config]
     maps_c = ()
-    if epi in (3, 4, 5):
+    if epi in (3, 4):
         maps_c = (_wgmma_map_c(p, L, dtype),)
-    if epi in (4, 5):   # the residual's map, or C's again (unused) when the call has none
+    if epi == 4:   # the residual's map, or C's again (unused) when the call has none
         maps_c += (_wgmma_map_r(p, L, dtype) if L.residual else maps_c[0],)
     kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b, *maps_c,
                   *_gemm_args(p, L, 0), smem=smem)
@@ -1052,16 +1037,16 @@ def _wgmma_call_config(p: _Plan, L: _Launch) -> str:
     aligned (a broadcast or strided bias)."""
     config = _wgmma_config()
     epi = WGMMA_CONFIGS[config]
-    if epi not in (3, 4, 5):
+    if epi not in (3, 4):
         return config
     if L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31:
         return "direct"
     fused = bool(L.bias or L.residual or L.act)
     if epi == 3 and fused and not _TMA_STORE_GENERIC_FUSED:
         return "direct"
-    if epi in (4, 5) and L.residual and _wgmma_residual_plan(p, L, 2) is None:
+    if epi == 4 and L.residual and _wgmma_residual_plan(p, L, 2) is None:
         return "direct"
-    if epi in (4, 5) and L.bias and (L.bias_s != 1 or L.bias % 4):
+    if epi == 4 and L.bias and (L.bias_s != 1 or L.bias % 4):
         return "direct"   # the kernel copies the bias row in 4-byte pairs (cp.async)
     return config
 
