@@ -432,6 +432,7 @@ def emu_ops(emulated, monkeypatch):
     """Route the family's launches to the emulated kernels; returns a runner."""
     monkeypatch.setattr(R, "_kernel", lambda module, dev, expr: emulated[module.name].kernel(expr))
     monkeypatch.setitem(R._bwd_grids, 0, 5)
+    monkeypatch.setitem(R._fwd3_grids, 0, 5)
 
     def run(op_name, dtype, *args, **kwargs):
         op = registry.get(op_name)
@@ -609,6 +610,51 @@ def test_emulated_qk_norm_rotary(emu_ops, dtype, table_dtype, interleaved, rng):
             for i, (gg, xx) in ((2, (g, x)), (3, (gk, k))):
                 bound = _weight_sum_bound(gg, xx, wq, eps, interleaved, kw, c, sn, dtype)
                 _check_weight_grad(got[i], ref[i], bound, table_dtype, f"dw {i} {name}")
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng):
+    """qk_norm_rope_fwd3 (persistent, next row loaded ahead) on grids of 1, 2 and 5 blocks, i.e.
+    many rows per lane, a last step where only part of a warp has rows, positions (one out of
+    range: NaN in the rotated half), partial rotary and odd head counts: the reference, and
+    fwd2's bits."""
+    launched = []
+    real = R._kernel
+    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
+                        real(m, dev, expr))
+    for b, s, hq, hk, d, rot in [(2, 7, 5, 3, 64, None), (1, 9, 3, 2, 128, 64),
+                                 (3, 4, 2, 1, 32, None)]:
+        q, k = _arr(rng, (b, s, hq, d), dtype, 2), _arr(rng, (b, s, hk, d), dtype)
+        wq = (1 + 0.3 * rng.standard_normal(d)).astype(q.dtype)
+        wk = (1 + 0.3 * rng.standard_normal(d)).astype(q.dtype)
+        c, sn = _tables(rng, 16, rot or d, dtype)
+        pos = rng.integers(0, 16, (b, s))
+        kw = dict(rotary_dim=rot, positions=pos)
+        ref = _reference("qk_norm_rotary", q, k, wq, wk, c, sn, 1e-6, False, **kw)
+        outs = {}
+        for kind, blocks in (("fwd2", 5), ("fwd3", 1), ("fwd3", 2), ("fwd3", 5)):
+            monkeypatch.setattr(R, "QK_NORM_FORWARD", kind)
+            monkeypatch.setitem(R._fwd3_grids, 0, blocks)
+            launched.clear()
+            got = emu_ops("qk_norm_rotary", dtype, q, k, wq, wk, c, sn, 1e-6, False, **kw)
+            assert len(launched) == 1 and f"qk_norm_rope_{kind}<" in launched[0], launched
+            for i in range(2):
+                assert_close(got[i], ref[i], dtype, f"{kind} grid {blocks} {b, s, hq, hk, d}")
+            outs[kind, blocks] = got
+        for key, got in outs.items():
+            for i in range(2):
+                assert np.array_equal(got[i], outs["fwd2", 5][i]), key
+        pos_bad = pos.copy()
+        pos_bad[0, 1] = 16                                # outside the table: NaN rotated half
+        half = (rot or d) // 2
+        for kind in ("fwd2", "fwd3"):
+            monkeypatch.setattr(R, "QK_NORM_FORWARD", kind)
+            got = emu_ops("qk_norm_rotary", dtype, q, k, wq, wk, c, sn, 1e-6, False,
+                          rotary_dim=rot, positions=pos_bad)
+            assert np.isnan(got[0][0, 1, :, :2 * half]).all(), kind
+            assert not np.isnan(got[0][0, 1, :, 2 * half:]).any(), kind
+            assert not np.isnan(got[0][0, 0]).any() and not np.isnan(got[1][1:]).any(), kind
 
 
 @needs_gxx
@@ -798,6 +844,37 @@ def test_gpu_qk_norm_rotary(dtype, table_dtype, interleaved):
         g1, g2 = _randn(q.shape, dtype), _randn(k.shape, dtype)
         _gpu_check_norm_backward(dtype, (g1, g2, q, k, wq, wk, c, sn, 1e-6, interleaved), kw,
                                  f"{b, s, hq, hk, d, rot}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_qk_norm_forward_kernels(dtype, monkeypatch):
+    """fwd3 (persistent, the default where it applies) and fwd2 at sizes where each lane of
+    fwd3's grid walks many rows and the last step covers part of a warp: the reference, the
+    same bits, and fwd3 actually launched."""
+    launched = []
+    real = R._kernel
+    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
+                        real(m, dev, expr))
+    for b, s, hq, hk, d, rot, positions in [(2, 1000, 32, 8, 128, None, False),
+                                            (1, 777, 7, 3, 64, None, True),
+                                            (3, 129, 16, 2, 256, 128, True)]:
+        q, k = _randn((b, s, hq, d), dtype, 3), _randn((b, s, hk, d), dtype)
+        wq, wk = (_randn((d,), dtype) * 0.3 + 1), (_randn((d,), dtype) * 0.3 + 1)
+        c, sn = _gpu_tables(2048, rot or d, dtype)
+        kw = {"rotary_dim": rot}
+        if positions:
+            kw["positions"] = torch.randint(0, 2048, (b, s), device="cuda")
+        outs = {}
+        for kind in ("fwd3", "fwd2"):
+            monkeypatch.setattr(R, "QK_NORM_FORWARD", kind)
+            launched.clear()
+            outs[kind], _ = _gpu_check("qk_norm_rotary", dtype, (q, k, wq, wk, c, sn), kw,
+                                       f"{kind} {b, s, hq, hk, d, rot}")
+            assert any(f"qk_norm_rope_{kind}<" in e for e in launched), launched
+        for x, y in zip(outs["fwd3"], outs["fwd2"]):
+            assert torch.equal(x, y)
 
 
 @gpu

@@ -18,6 +18,10 @@
 
 namespace gpuops {
 
+// The largest head dim of the fused kernels (gpuops/ops/rotary.py: BWD_SMEM_FLOATS / 8): fwd3 keeps
+// both weight vectors of that length in shared memory.
+constexpr int kQkNormMaxD = 512;
+
 // Element offsets of item `it` of a head row: a rotary unit (two packs) or a pass-through pack
 // (off1 = -1).
 template <int V>
@@ -307,6 +311,139 @@ qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
   T* o = row_ptr<T>(is_q ? a.oq : a.ok, is_q ? a.oq_s : a.ok_s, b, s, hh);
   store16(o + off0, Vec16<T>::pack(v[0]));
   if (off1 >= 0) store16(o + off1, Vec16<T>::pack(v[1]));
+}
+
+// Where output head row `row` (< 2^31) starts.
+template <class T>
+__device__ __forceinline__ T* out_row(const RopeQK& a, int row) {
+  long long b = 0, sq = 0;
+  unsigned h = 0;
+  split_index(row, 0, static_cast<unsigned>(a.hq + a.hk), a.seq, b, sq, h);
+  const bool q = static_cast<int>(h) < a.hq;
+  return row_ptr<T>(q ? a.oq : a.ok, q ? a.oq_s : a.ok_s, b, sq, q ? h : h - a.hq);
+}
+
+// One head row's reads for qk_norm_rope_fwd3, issued a row ahead: x's two packs, and where the
+// row's cos/sin words are (tables as 16-byte words: the host guarantees it).
+template <class T, class TC, int V>
+struct Fwd3Row {
+  uint4 x0, x1;
+  const TC* cos;                    // the lane's cos words
+  bool q, ok;                       // a q row; the token's position is inside the table
+
+  __device__ __forceinline__ void load(const RopeQK& a, const RopeTables& tb, int row,
+                                       bool active, int off0, int off1, int f0) {
+    long long b = 0, sq = 0;
+    unsigned h = 0;
+    split_index(row, 0, static_cast<unsigned>(a.hq + a.hk), a.seq, b, sq, h);   // 32 bits
+    q = static_cast<int>(h) < a.hq;
+    const long long hh = q ? h : h - a.hq;
+    const T* x = row_ptr<const T>(q ? a.q : a.k, q ? a.q_s : a.k_s, b, sq, hh);
+    long long r0 = 0, r1 = 0, r2 = 0;
+    token_rows(tb, b, sq, r0, r1, r2, ok);
+    cos = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + f0;
+    x0 = x1 = make_uint4(0, 0, 0, 0);
+    if (!active) return;
+    x0 = load16(x + off0);
+    if (off1 >= 0) x1 = load16(x + off1);
+  }
+};
+
+// Forward, persistent (16-byte packs; tables in one stream at unit column stride with 16-byte
+// aligned rows; weights and tables as wide as the data): fwd2's math, but a grid of resident
+// blocks walks the rows (row += gridDim.x * slots), each lane loading its next row (x and its
+// cos/sin words) before it reduces and stores the current one. fwd2's blocks hold one row per
+// lane and have nothing in flight once their loads land (reduce, store, retire, the next block
+// starts); here a lane always has a row's reads in flight, and there is no block churn. The
+// weights are read once per block into shared memory (any stride).
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, 4)
+qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
+  static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
+  __shared__ __align__(16) TC wsm[2][kQkNormMaxD];    // q weights, k weights
+  for (int i = threadIdx.x; i < a.d; i += kRopeThreads) {
+    wsm[0][i] = static_cast<const TC*>(n.wq)[i * n.wq_s];
+    wsm[1][i] = static_cast<const TC*>(n.wk)[i * n.wk_s];
+  }
+  __syncthreads();
+
+  const int G = n.group;
+  const int lane = threadIdx.x & (G - 1);
+  const int slots = kRopeThreads / G;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  constexpr bool inter = false;                   // GPT-NeoX halves only (the host checks)
+  const bool rotary = lane < units;
+  const bool lane_active = lane < per_head;
+  int off0 = 0, off1 = -1;
+  item_offsets<V>(lane, units, a.r, inter, off0, off1);
+  // 32-bit rows (the host checks total + step < 2^31)
+  const int total = static_cast<int>(a.total);
+  const int step = static_cast<int>(gridDim.x) * slots;
+  const int warp_first = (threadIdx.x & 31) / G;  // this lane's row - the warp's first row
+  int row = static_cast<int>(blockIdx.x) * slots + threadIdx.x / G;
+
+  // The warp's first row decides the trip count: group_sum shuffles over the whole warp.
+  Fwd3Row<T, TC, V> next;
+  if (row - warp_first < total)
+    next.load(a, tb, row < total ? row : 0, lane_active && row < total, off0, off1, lane * V);
+  for (; row - warp_first < total; row += step) {
+    const Fwd3Row<T, TC, V> cur = next;
+    const bool active = lane_active && row < total;
+    // this row's cos/sin (mostly L1 hits: a block's rows share a few tokens), then the next row
+    RawPack<TC, V> cw, sw;
+    if (active && rotary && cur.ok) {
+      cw.load(cur.cos);
+      // sin's words sit as far from its base as cos's (the host checks that both tables have
+      // the same batch and row strides); bases from the parameters, not registers
+      sw.load(static_cast<const TC*>(tb.sin) + (cur.cos - static_cast<const TC*>(tb.cos)));
+    }
+    const int nrow = row + step;
+    if (nrow - warp_first < total)
+      next.load(a, tb, nrow < total ? nrow : 0, lane_active && nrow < total, off0, off1, lane * V);
+
+    float v[2][V];
+    Vec16<T>::unpack(cur.x0, v[0]);
+    Vec16<T>::unpack(cur.x1, v[1]);               // pass-through pack or inactive lane: 0
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int e = 0; e < V; ++e) ss = fmaf(v[p][e], v[p][e], ss);
+    ss = group_sum(ss, G);
+    if (!active) continue;
+    const float rstd = rsqrtf(ss / static_cast<float>(a.d) + n.eps);
+
+    const TC* w = wsm[cur.q ? 0 : 1];
+    RawPack<TC, V> w0, w1;
+    w0.load(w + off0);
+    if (off1 >= 0) w1.load(w + off1);
+    else w1.clear();
+    float wv[2][V];
+    w0.unpack(wv[0]);
+    w1.unpack(wv[1]);
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+    if (rotary) {
+      float c[V], sn[V], lo[V], hi[V];
+      if (cur.ok) {
+        cw.unpack(c);
+        sw.unpack(sn, a.sign);
+      } else {                                    // position outside the table: NaN, as fwd2
+        const float nan = __int_as_float(0x7fffffff);
+#pragma unroll
+        for (int j = 0; j < V; ++j) c[j] = sn[j] = nan;
+      }
+      unit_pairs<V>(v, inter, lo, hi);
+      rotate_pairs<V>(lo, hi, c, sn);
+      unit_scatter<V>(lo, hi, inter, v);
+    }
+    T* out = out_row<T>(a, row);                  // recomputed: fewer registers across the loop
+    store16(out + off0, Vec16<T>::pack(v[0]));
+    if (off1 >= 0) store16(out + off1, Vec16<T>::pack(v[1]));
+  }
 }
 
 // red[off + e] += x[e] over a pack (red: this slot's row of column sums in shared memory).

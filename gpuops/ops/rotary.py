@@ -56,6 +56,10 @@ THREADS = 256                      # kRopeThreads
 BWD_MIN_BLOCKS_OLD, BWD_MIN_BLOCKS = 2, 3   # kNormBwdMinBlocks of qk_norm_rope_bwd (< sm_75, later)
 BWD2_MIN_BLOCKS = 2                # kNormBwd2MinBlocks of qk_norm_rope_bwd2 (every arch)
 BWD_SMEM_FLOATS = 4096             # red[] of qk_norm_rope_bwd: (256 / group) * D must fit
+FWD3_MIN_BLOCKS = 4                # __launch_bounds__ of qk_norm_rope_fwd3 (every arch)
+# qk_norm_rotary's 16-byte forward: "fwd3" (persistent, next row loaded ahead; taken where its
+# conditions hold, see _fwd3_ok) or "fwd2" (one row per lane, one-shot blocks) for A/B.
+QK_NORM_FORWARD = "fwd3"
 TABLE_DTYPES = (dt.float32, dt.float16, dt.bfloat16, dt.float64)   # float64: CPU path only
 POSITION_DTYPES = (dt.int64, dt.int32)
 
@@ -96,9 +100,11 @@ NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
        for d, c in _PAIRS},
     **{_norm_expr(kind, d, c, _vec(d)): NORM_KERNEL_ARGS for kind in ("fwd2", "bwd2")
        for d, c in _PAIRS},
+    **{_norm_expr("fwd3", d, d, _vec(d)): NORM_KERNEL_ARGS for d in dt.FLOATS},
     **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}})
 
 _bwd_grids: dict = {}
+_fwd3_grids: dict = {}
 
 
 def _kernel(module, dev, expr):
@@ -113,6 +119,27 @@ def _bwd_grid(dev):
         n = _bwd_grids[dev] = info.sm_count * (BWD_MIN_BLOCKS if info.cc >= 75 else
                                                BWD_MIN_BLOCKS_OLD)
     return n
+
+
+def _fwd3_grid(dev, rows, slots):
+    """Persistent blocks of qk_norm_rope_fwd3: at most one resident wave."""
+    n = _fwd3_grids.get(dev)
+    if n is None:
+        n = _fwd3_grids[dev] = device.device_info(dev).sm_count * FWD3_MIN_BLOCKS
+    return min(n, -(-rows // slots))
+
+
+def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, slots) -> bool:
+    """qk_norm_rope_fwd3's conditions beyond fwd2's (16-byte packs): GPT-NeoX halves, tables in
+    q's dtype, one stream at unit column stride, cos and sin with the same batch and row strides
+    and 16-byte aligned rows, and rows (plus one grid step) below 2^31."""
+    if QK_NORM_FORWARD != "fwd3" or interleaved or tdtype is not dtype or p.mrope_mode:
+        return False
+    cs, ss = _tab_strides(p, cos), _tab_strides(p, sin)
+    v = _vec(dtype)
+    return (cs[3] == 1 and ss[3] == 1 and cs[1:3] == ss[1:3] and cs[1] % v == 0
+            and cs[2] % v == 0 and (cos.ptr | sin.ptr) % 16 == 0
+            and rows + (1 << 20) * slots < 2 ** 31)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -784,7 +811,8 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
     aligned = _aligned(q, k, q_out, k_out)
     key = (op, call.result_dtype, _key(q), _key(k), _key(q_weight), _key(k_weight), _key(cos),
            _key(sin), _key(positions), float(eps),
-           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned)
+           _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned,
+           _aligned(cos, sin), QK_NORM_FORWARD)
 
     def build():
         p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
@@ -796,8 +824,12 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
         rows = p.batch * p.seq * (p.hq + p.hk)
         if rows == 0:
             return None
-        kind = "fwd2" if v > 1 else "fwd"
-        return (_norm_expr(kind, dtype, tdtype, v), (-(-rows // (THREADS // group)), 1, 1),
+        slots = THREADS // group
+        if v > 1 and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, slots):
+            kind, blocks = "fwd3", _fwd3_grid(call.device, rows, slots)
+        else:
+            kind, blocks = ("fwd2" if v > 1 else "fwd"), -(-rows // slots)
+        return (_norm_expr(kind, dtype, tdtype, v), (blocks, 1, 1),
                 (*st[0], *st[1], *st[2], *st[3], p.seq, rows, p.hq, p.hk, p.d, p.r,
                  int(bool(interleaved)), 1.0),
                 _table_static(p, cos, sin, positions),

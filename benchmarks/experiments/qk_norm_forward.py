@@ -1,0 +1,97 @@
+"""qk_norm_rotary's forward kernels side by side: fwd2 (one row per lane, one-shot blocks) and fwd3
+(persistent grid, each lane's next row loaded before the current one is reduced and stored),
+with apply_rotary on the same tensors (same bytes: the calibration), torch eager,
+torch.compile and Liger (rms_norm + rope), in one process. GPU time per call from CUDA-graph
+replay; % of the copy bandwidth measured here. (benchmarks/notes_rotary.md, "fwd3")
+
+    python benchmarks/experiments/qk_norm_forward.py [--json F] [--no-compile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import gpuops as go
+from gpuops.bench import graph_replay_us
+from gpuops.ops import rotary as R
+
+SHAPES = [(4, 4096, 32, 8, 128),      # the bench's prefill shape (Qwen3-8B heads)
+          (4, 4096, 16, 8, 128),      # Qwen3-1.7B / Qwen3-VL-2B heads
+          (16, 1, 32, 8, 128)]        # decode
+
+
+def copy_gbps():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_replay_us(lambda: dst.copy_(src), calls=5, replays=10)
+    return 2 * src.numel() / (us * 1e-6) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    bw = copy_gbps()
+    print(f"copy {bw:.0f} GB/s (read + write); {torch.cuda.get_device_name()}")
+    rows = []
+    compiled = torch.compile(R._torch_qk_norm_rope, dynamic=False) if not args.no_compile else None
+    try:
+        liger = R._liger_qk_norm_rope()["liger (rms_norm + rope)"]
+    except ImportError:
+        liger = None
+    for shape in SHAPES:
+        b, s, hq, hk, d = shape
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = torch.randn((b, s, hq, d), device="cuda", dtype=dtype)
+            k = torch.randn((b, s, hk, d), device="cuda", dtype=dtype)
+            wq = (torch.randn(d, device="cuda") * 0.2 + 1).to(dtype)
+            wk = (torch.randn(d, device="cuda") * 0.2 + 1).to(dtype)
+            ang = torch.randn((s, d // 2), device="cuda", dtype=torch.float64)
+            cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)      # HF [S, D] tables
+            sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+            nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+            floor = nbytes / (bw * 1e9) * 1e6
+            fns = {}
+            for kind in ("fwd2", "fwd3"):
+                def ours(kind=kind):
+                    R.QK_NORM_FORWARD = kind
+                    return go.qk_norm_rotary(q, k, wq, wk, cos, sin)
+                fns[kind] = ours
+            fns["apply_rotary (same bytes)"] = lambda: go.apply_rotary(q, k, cos, sin)
+            fns["torch"] = lambda: R._torch_qk_norm_rope(q, k, wq, wk, cos, sin)
+            if compiled is not None:
+                fns["torch.compile"] = lambda: compiled(q, k, wq, wk, cos, sin)
+            if liger is not None:
+                fns["liger"] = lambda: liger(q, k, wq, wk, cos, sin)
+            # fwd3 and fwd2 must agree bit for bit before anything is timed
+            R.QK_NORM_FORWARD = "fwd3"
+            a = go.qk_norm_rotary(q, k, wq, wk, cos, sin)
+            R.QK_NORM_FORWARD = "fwd2"
+            b2 = go.qk_norm_rotary(q, k, wq, wk, cos, sin)
+            same = all(torch.equal(x, y) for x, y in zip(a, b2))
+            res = {}
+            for name, fn in fns.items():
+                try:
+                    res[name] = graph_replay_us(fn, calls=20, replays=20)
+                except Exception as exc:  # a peer that cannot run is reported, not fatal
+                    res[name] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
+            R.QK_NORM_FORWARD = "fwd3"
+            dn = str(dtype).replace("torch.", "")
+            line = "  ".join(f"{n} {v:.1f} ({100 * floor / v:.1f}%)" if isinstance(v, float)
+                             else f"{n} {v}" for n, v in res.items())
+            print(f"{str(shape):<24}{dn:<9} floor {floor:.1f} us  {line}  fwd3==fwd2 {same}")
+            rows.append({"shape": list(shape), "dtype": dn, "bytes": nbytes, "floor_us": floor,
+                         "us": res, "fwd3_equals_fwd2": same})
+            del q, k, fns
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": bw,
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
