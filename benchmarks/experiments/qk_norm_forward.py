@@ -85,7 +85,7 @@ def main():
             print(f"{str(shape):<24}{dn:<9} floor {floor:.1f} us  {line}  fwd3==fwd2 {same}")
             rows.append({"shape": list(shape), "dtype": dn, "bytes": nbytes, "floor_us": floor,
                          "us": res, "fwd3_equals_fwd2": same})
-            del q, k, fns
+            fns.clear()
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
