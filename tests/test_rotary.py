@@ -859,7 +859,7 @@ def test_gpu_qk_norm_forward_kernels(dtype, monkeypatch):
                         real(m, dev, expr))
     for b, s, hq, hk, d, rot, positions in [(2, 1000, 32, 8, 128, None, False),
                                             (1, 777, 7, 3, 64, None, True),
-                                            (3, 129, 16, 2, 256, 128, True)]:
+                                            (3, 129, 16, 2, 192, 128, True)]:
         q, k = _randn((b, s, hq, d), dtype, 3), _randn((b, s, hk, d), dtype)
         wq, wk = (_randn((d,), dtype) * 0.3 + 1), (_randn((d,), dtype) * 0.3 + 1)
         c, sn = _gpu_tables(2048, rot or d, dtype)

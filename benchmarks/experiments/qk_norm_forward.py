@@ -14,8 +14,29 @@ import json
 import torch
 
 import gpuops as go
+from gpuops import dtypes as dt
 from gpuops.bench import graph_replay_us
 from gpuops.ops import rotary as R
+from gpuops.runtime.modules import KernelModule
+
+# Diagnostic builds of fwd3 (wrong results, timing only): kProbe bit 1 = no shuffles, 2 = no
+# weights, 4 = no cos/sin loads and rotation. Which part of the row's work the time follows.
+PROBES = {"fwd3 no shuffles": 1, "fwd3 no weights": 2, "fwd3 no rotation": 4,
+          "fwd3 no shuffles/weights/rotation": 7}
+PROBE_MODULE = KernelModule("experiments.qk_norm_probe", "rotary/qk_norm_rope.cu", {
+    f"gpuops::qk_norm_rope_fwd3<{d.ctype}, {d.ctype}, {16 // d.itemsize}, {p}>": R.NORM_KERNEL_ARGS
+    for d in dt.FLOATS for p in PROBES.values()}, archs=("90",))
+_probe = {"bit": 0}
+_real_kernel = R._kernel
+
+
+def _kernel(module, dev, expr):
+    if _probe["bit"] and "qk_norm_rope_fwd3<" in expr:
+        return _real_kernel(PROBE_MODULE, dev, expr[:-1] + f", {_probe['bit']}>")
+    return _real_kernel(module, dev, expr)
+
+
+R._kernel = _kernel
 
 SHAPES = [(4, 4096, 32, 8, 128),      # the bench's prefill shape (Qwen3-8B heads)
           (4, 4096, 16, 8, 128),      # Qwen3-1.7B / Qwen3-VL-2B heads
@@ -60,6 +81,15 @@ def main():
                     R.QK_NORM_FORWARD = kind
                     return go.qk_norm_rotary(q, k, wq, wk, cos, sin)
                 fns[kind] = ours
+            if shape[1] > 1:
+                for name, bit in PROBES.items():
+                    def probe(bit=bit):
+                        R.QK_NORM_FORWARD, _probe["bit"] = "fwd3", bit
+                        try:
+                            return go.qk_norm_rotary(q, k, wq, wk, cos, sin)
+                        finally:
+                            _probe["bit"] = 0
+                    fns[name] = probe
             fns["apply_rotary (same bytes)"] = lambda: go.apply_rotary(q, k, cos, sin)
             fns["torch"] = lambda: R._torch_qk_norm_rope(q, k, wq, wk, cos, sin)
             if compiled is not None:

@@ -356,7 +356,9 @@ struct Fwd3Row {
 // lane and have nothing in flight once their loads land (reduce, store, retire, the next block
 // starts); here a lane always has a row's reads in flight, and there is no block churn. The
 // weights are read once per block into shared memory (any stride).
-template <class T, class TC, int V>
+// kProbe (benchmarks/experiments/qk_norm_forward.py only; wrong results): bit 1 skips the row's
+// shuffles, bit 2 the weights, bit 4 the cos/sin loads and the rotation.
+template <class T, class TC, int V, int kProbe = 0>
 __global__ void __launch_bounds__(kRopeThreads, 4)
 qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
   static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
@@ -392,7 +394,7 @@ qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
     const bool active = lane_active && row < total;
     // this row's cos/sin (mostly L1 hits: a block's rows share a few tokens), then the next row
     RawPack<TC, V> cw, sw;
-    if (active && rotary && cur.ok) {
+    if (!(kProbe & 4) && active && rotary && cur.ok) {
       cw.load(cur.cos);
       // sin's words sit as far from its base as cos's (the host checks that both tables have
       // the same batch and row strides); bases from the parameters, not registers
@@ -410,15 +412,19 @@ qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
     for (int p = 0; p < 2; ++p)
 #pragma unroll
       for (int e = 0; e < V; ++e) ss = fmaf(v[p][e], v[p][e], ss);
-    ss = group_sum(ss, G);
+    if (!(kProbe & 1)) ss = group_sum(ss, G);
     if (!active) continue;
     const float rstd = rsqrtf(ss / static_cast<float>(a.d) + n.eps);
 
     const TC* w = wsm[cur.q ? 0 : 1];
     RawPack<TC, V> w0, w1;
-    w0.load(w + off0);
-    if (off1 >= 0) w1.load(w + off1);
-    else w1.clear();
+    if (!(kProbe & 2)) {
+      w0.load(w + off0);
+      if (off1 >= 0) w1.load(w + off1);
+      else w1.clear();
+    } else {
+      w0.r[0] = w1.r[0] = Vec16<TC>::splat(from_float<TC>(1.0f));
+    }
     float wv[2][V];
     w0.unpack(wv[0]);
     w1.unpack(wv[1]);
@@ -426,7 +432,7 @@ qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
     for (int p = 0; p < 2; ++p)
 #pragma unroll
       for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
-    if (rotary) {
+    if (!(kProbe & 4) && rotary) {
       float c[V], sn[V], lo[V], hi[V];
       if (cur.ok) {
         cw.unpack(c);
