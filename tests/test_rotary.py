@@ -658,6 +658,30 @@ def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng
 
 
 @needs_gxx
+def test_emulated_qk_norm_forward_auto_rule(emu_ops, monkeypatch, rng):
+    """"auto" takes fwd3 for float16 only (measured faster there, slower for bf16 / fp32), and
+    fwd2 wherever fwd3's conditions fail (interleaved pairs, float32 tables with 16-bit data)."""
+    launched = []
+    real = R._kernel
+    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
+                        real(m, dev, expr))
+    monkeypatch.setattr(R, "QK_NORM_FORWARD", "auto")
+    for dtype, table_dtype, interleaved, kind in [("float16", "float16", False, "fwd3"),
+                                                  ("bfloat16", "bfloat16", False, "fwd2"),
+                                                  ("float32", "float32", False, "fwd2"),
+                                                  ("float16", "float16", True, "fwd2"),
+                                                  ("float16", "float32", False, "fwd2")]:
+        q, k = _arr(rng, (2, 3, 4, 64), dtype), _arr(rng, (2, 3, 2, 64), dtype)
+        w = np.ones(64, dt.to_numpy(dt.BY_NAME[table_dtype]))
+        c, sn = _tables(rng, 3, 64, table_dtype)
+        launched.clear()
+        got = emu_ops("qk_norm_rotary", dtype, q, k, w, w, c, sn, 1e-6, interleaved)
+        assert len(launched) == 1 and f"qk_norm_rope_{kind}<" in launched[0], (dtype, launched)
+        ref = _reference("qk_norm_rotary", q, k, w, w, c, sn, 1e-6, interleaved)
+        assert_close(got[0], ref[0], dtype, f"auto {dtype} {table_dtype} {interleaved}")
+
+
+@needs_gxx
 def test_emulated_weight_grads_deterministic_and_grid_independent(emu_ops, monkeypatch, rng):
     b, s, hq, hk, d = 3, 7, 4, 2, 64
     q, k = _arr(rng, (b, s, hq, d), "float32"), _arr(rng, (b, s, hk, d), "float32")

@@ -108,7 +108,7 @@ def main():
                     res[name] = graph_replay_us(fn, calls=20, replays=20)
                 except Exception as exc:  # a peer that cannot run is reported, not fatal
                     res[name] = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
-            R.QK_NORM_FORWARD = "fwd3"
+            R.QK_NORM_FORWARD = "auto"
             dn = str(dtype).replace("torch.", "")
             line = "  ".join(f"{n} {v:.1f} ({100 * floor / v:.1f}%)" if isinstance(v, float)
                              else f"{n} {v}" for n, v in res.items())

@@ -57,9 +57,13 @@ BWD_MIN_BLOCKS_OLD, BWD_MIN_BLOCKS = 2, 3   # kNormBwdMinBlocks of qk_norm_rope_
 BWD2_MIN_BLOCKS = 2                # kNormBwd2MinBlocks of qk_norm_rope_bwd2 (every arch)
 BWD_SMEM_FLOATS = 4096             # red[] of qk_norm_rope_bwd: (256 / group) * D must fit
 FWD3_MIN_BLOCKS = 4                # __launch_bounds__ of qk_norm_rope_fwd3 (every arch)
-# qk_norm_rotary's 16-byte forward: "fwd3" (persistent, next row loaded ahead; taken where its
-# conditions hold, see _fwd3_ok) or "fwd2" (one row per lane, one-shot blocks) for A/B.
-QK_NORM_FORWARD = "fwd3"
+# qk_norm_rotary's 16-byte forward: "fwd2" (one row per lane, one-shot blocks), "fwd3"
+# (persistent grid, each lane's next row loaded ahead, weights in shared memory; where its
+# conditions hold, _fwd3_ok), or "auto": fwd3 for float16 only. Runs 63-64 (H100, graph replay,
+# [4, 4096, 32, 8, 128]): fp16 fwd2 154.6-156.0 us -> fwd3 132.5-132.9 (fwd2 reads fp16 weights
+# and tables element by element after the reduction: its early 16-byte reads spilled); bf16
+# 130.5-130.6 -> 132.6-132.8 and fp32 243.2-243.3 -> 256.6-256.9: slower there.
+QK_NORM_FORWARD = "auto"
 TABLE_DTYPES = (dt.float32, dt.float16, dt.bfloat16, dt.float64)   # float64: CPU path only
 POSITION_DTYPES = (dt.int64, dt.int32)
 
@@ -133,7 +137,9 @@ def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, slot
     """qk_norm_rope_fwd3's conditions beyond fwd2's (16-byte packs): GPT-NeoX halves, tables in
     q's dtype, one stream at unit column stride, cos and sin with the same batch and row strides
     and 16-byte aligned rows, and rows (plus one grid step) below 2^31."""
-    if QK_NORM_FORWARD != "fwd3" or interleaved or tdtype is not dtype or p.mrope_mode:
+    if QK_NORM_FORWARD == "fwd2" or (QK_NORM_FORWARD == "auto" and dtype is not dt.float16):
+        return False
+    if interleaved or tdtype is not dtype or p.mrope_mode:
         return False
     cs, ss = _tab_strides(p, cos), _tab_strides(p, sin)
     v = _vec(dtype)
