@@ -342,7 +342,8 @@ def bench_op(op, d, shape, fw, copy_gbps, peer=True, compile_peer=False, graph=F
     out = op.function(*args, **kwargs)
     ref = op.reference(**_reference_kwargs(op, args, kwargs, fw.to_f64))
     rel, mx = _errors_any(out, ref, fw.to_f64)
-    row = Row(op.name, d.name, shape, cshape, rel, mx, rel <= TOLERANCE[d.name], device=fw.name)
+    row = Row(op.name, d.name, shape, cshape, rel, mx, _within_tolerance(rel, d, out, ref),
+              device=fw.name)
     del args, out
     args, kwargs = spec.make_inputs(shape, d, fw.randn)
     out = op.function(*args, **kwargs)
@@ -421,6 +422,42 @@ def _errors_any(out, ref, to_f64):
     return worst
 
 
+def _storage_dtype(o):
+    """The NumPy dtype an output is stored in (bfloat16 through ml_dtypes), or None."""
+    name = str(getattr(o, "dtype", "")).replace("torch.", "")
+    d = dt.BY_NAME.get(name)
+    if d is None or d not in dt.FLOATS:
+        return None
+    try:
+        return dt.to_numpy(d)
+    except TypeError:                       # bfloat16 without ml_dtypes
+        return None
+
+
+def _rounding_floor(out, ref) -> float:
+    """Worst relative error of the float64 reference itself, rounded to each output's storage
+    dtype: what a correctly rounded result shows. Normally far below TOLERANCE, but not for
+    outputs in fp16's subnormal range (softmax over rows of 393,216 elements: values ~2.5e-6,
+    4.1e-3 from the reference after rounding alone)."""
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        nd = _storage_dtype(o)
+        r = np.asarray(r)
+        if nd is None or r.dtype.kind != "f":
+            continue
+        with np.errstate(over="ignore"):
+            worst = max(worst, _errors(r.astype(nd).astype(np.float64), r)[0])
+    return worst
+
+
+def _within_tolerance(rel: float, d, out, ref) -> bool:
+    """The dtype's tolerance, or twice the storage rounding floor where that is larger (a result
+    within one rounding of the correctly rounded one)."""
+    return rel <= max(TOLERANCE[d.name], 2.0 * _rounding_floor(out, ref))
+
+
 def bench_reference_only(op, d, shape) -> Row:
     """No GPU: time the CPU path (the NumPy reference) and check its casting."""
     spec = op.bench
@@ -439,7 +476,8 @@ def bench_reference_only(op, d, shape) -> Row:
     to64 = lambda x: x.astype(np.float64) if isinstance(x, np.ndarray) else x  # noqa: E731
     ref = op.reference(**_reference_kwargs(op, args, kwargs, to64))
     rel, mx = _errors_any(out, ref, to64)
-    return Row(op.name, d.name, shape, shape, rel, mx, rel <= TOLERANCE[d.name], time_us=us)
+    return Row(op.name, d.name, shape, shape, rel, mx, _within_tolerance(rel, d, out, ref),
+               time_us=us)
 
 
 # --------------------------------------------------------------------------------------------

@@ -72,3 +72,31 @@ def test_cache_show_and_clear(tmp_path):
     p = run("cache", "clear", env_extra=env)
     assert p.returncode == 0 and "removed 1 files" in p.stdout
     assert not list((tmp_path / "kernels").iterdir())
+
+
+def test_bench_tolerance_allows_only_the_storage_rounding_floor():
+    """A result as good as the float64 reference rounded to fp16 passes even where that rounding
+    alone exceeds the fp16 tolerance (softmax outputs of a 393,216-wide row are fp16 subnormals);
+    anything clearly worse than it fails, and in the normal range the tolerance is unchanged."""
+    import numpy as np
+
+    from gpuops import bench
+    from gpuops import dtypes as dt
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 393216))
+    e = np.exp(x - x.max(1, keepdims=True))
+    ref = e / e.sum(1, keepdims=True)
+    rounded = ref.astype(np.float16)
+    rel = bench._errors(rounded.astype(np.float64), ref)[0]
+    assert rel > bench.TOLERANCE["float16"]                     # the floor alone is above it
+    assert bench._within_tolerance(rel, dt.float16, rounded, ref)
+    worse = (ref * (1 + 3 * rel)).astype(np.float16)            # a systematic 3x floor error
+    rel_worse = bench._errors(worse.astype(np.float64), ref)[0]
+    assert not bench._within_tolerance(rel_worse, dt.float16, worse, ref)
+    normal = rng.standard_normal(4096)                          # normal range: tolerance as is
+    off = (normal * (1 + 2e-3)).astype(np.float16)
+    rel_off = bench._errors(off.astype(np.float64), normal)[0]
+    assert not bench._within_tolerance(rel_off, dt.float16, off, normal)
+    assert bench._within_tolerance(bench._errors(normal.astype(np.float16).astype(np.float64),
+                                                 normal)[0], dt.float16,
+                                   normal.astype(np.float16), normal)

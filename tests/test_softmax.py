@@ -115,16 +115,24 @@ def test_row_and_split_configs(monkeypatch):
     monkeypatch.setattr(sm, "sm_count", lambda dev: 132)
     for packs in list(range(1, 300)) + [512, 1000, 1024, 4095, 4096, 8191, 8192, 16384]:
         for choices in (sm.ROW_P[True], sm.ROW_P[False], sm.ROW_BWD_P[True], sm.ROW_BWD_P[False]):
-            cfg = sm.row_config(packs, choices)
-            if packs > 1024 * choices[-1]:
-                assert cfg is None
-                continue
-            tx, p = cfg
-            assert tx & (tx - 1) == 0 and p in choices and tx * p >= packs
-            assert tx <= 32 or tx >= 64
+            for few_rows in (False, True):
+                cfg = sm.row_config(packs, choices, few_rows)
+                if packs > 1024 * choices[-1]:
+                    assert cfg is None
+                    continue
+                tx, p = cfg
+                assert tx & (tx - 1) == 0 and p in choices and tx * p >= packs
+                assert tx <= 32 or tx >= 64
+                if few_rows and packs >= 64 * choices[0]:
+                    assert tx >= 64 and tx <= packs        # every thread holds a pack
+                elif few_rows:
+                    assert cfg == sm.row_config(packs, choices)
     assert sm.row_config(512, sm.ROW_P[True]) == (128, 4)        # [*, 4096] bf16
     assert sm.row_config(1024, sm.ROW_P[True]) == (256, 4)       # [*, 4096] fp32
     assert sm.row_config(256, sm.ROW_P[True]) == (32, 8)         # [*, 2048] bf16: a warp per row
+    assert sm.row_config(256, sm.ROW_P[True], True) == (128, 2)  # [16, 2048] bf16: 128 threads
+    assert sm.row_config(512, sm.ROW_P[True], True) == (256, 2)  # [16, 2048] fp32
+    assert sm.row_config(256, sm.ROW_BWD_P[True], True) == (128, 2)
     for rows, n, vec in [(8, 393216, 4), (1, 10 ** 6, 8), (16, 151936, 8), (5000, 70000, 1)]:
         chunk, S = sm.split_config(rows, n, vec, 0)
         assert chunk % (256 * vec) == 0 and (S - 1) * chunk < n <= S * chunk
