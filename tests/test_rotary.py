@@ -488,6 +488,15 @@ def _check_weight_grad(got, ref, sum_bound, dtype, what):
     assert np.all(err <= bound), f"{what}: worst err {np.max(err - bound):.3g} over the bound"
 
 
+def _record_launches(monkeypatch):
+    """The kernel names the family launches from now on (appended as launched)."""
+    launched = []
+    real = R._kernel
+    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
+                        real(m, dev, expr))
+    return launched
+
+
 EMU_CASES = [
     # (B, S, Hq, Hk, D, rotary_dim or None)
     (2, 5, 3, 1, 16, None),
@@ -619,10 +628,7 @@ def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng
     many rows per lane, a last step where only part of a warp has rows, positions (one out of
     range: NaN in the rotated half), partial rotary and odd head counts: the reference, and
     fwd2's bits."""
-    launched = []
-    real = R._kernel
-    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
-                        real(m, dev, expr))
+    launched = _record_launches(monkeypatch)
     for b, s, hq, hk, d, rot in [(2, 7, 5, 3, 64, None), (1, 9, 3, 2, 128, 64),
                                  (3, 4, 2, 1, 32, None)]:
         q, k = _arr(rng, (b, s, hq, d), dtype, 2), _arr(rng, (b, s, hk, d), dtype)
@@ -661,10 +667,7 @@ def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng
 def test_emulated_qk_norm_forward_auto_rule(emu_ops, monkeypatch, rng):
     """"auto" takes fwd3 for float16 only (measured faster there, slower for bf16 / fp32), and
     fwd2 wherever fwd3's conditions fail (interleaved pairs, float32 tables with 16-bit data)."""
-    launched = []
-    real = R._kernel
-    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
-                        real(m, dev, expr))
+    launched = _record_launches(monkeypatch)
     monkeypatch.setattr(R, "QK_NORM_FORWARD", "auto")
     for dtype, table_dtype, interleaved, kind in [("float16", "float16", False, "fwd3"),
                                                   ("bfloat16", "bfloat16", False, "fwd2"),
@@ -874,13 +877,10 @@ def test_gpu_qk_norm_rotary(dtype, table_dtype, interleaved):
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_qk_norm_forward_kernels(dtype, monkeypatch):
-    """fwd3 (persistent, the default where it applies) and fwd2 at sizes where each lane of
+    """fwd3 (persistent; the default for fp16) and fwd2 at sizes where each lane of
     fwd3's grid walks many rows and the last step covers part of a warp: the reference, the
     same bits, and fwd3 actually launched."""
-    launched = []
-    real = R._kernel
-    monkeypatch.setattr(R, "_kernel", lambda m, dev, expr: launched.append(expr) or
-                        real(m, dev, expr))
+    launched = _record_launches(monkeypatch)
     for b, s, hq, hk, d, rot, positions in [(2, 1000, 32, 8, 128, None, False),
                                             (1, 777, 7, 3, 64, None, True),
                                             (3, 129, 16, 2, 192, 128, True)]:

@@ -133,10 +133,10 @@ def _fwd3_grid(dev, rows, slots):
     return min(n, -(-rows // slots))
 
 
-def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, slots) -> bool:
+def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, step) -> bool:
     """qk_norm_rope_fwd3's conditions beyond fwd2's (16-byte packs): GPT-NeoX halves, tables in
     q's dtype, one stream at unit column stride, cos and sin with the same batch and row strides
-    and 16-byte aligned rows, and rows (plus one grid step) below 2^31."""
+    and 16-byte aligned rows, and rows plus one grid step (its 32-bit row counter) below 2^31."""
     if QK_NORM_FORWARD == "fwd2" or (QK_NORM_FORWARD == "auto" and dtype is not dt.float16):
         return False
     if interleaved or tdtype is not dtype or p.mrope_mode:
@@ -145,7 +145,7 @@ def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, slot
     v = _vec(dtype)
     return (cs[3] == 1 and ss[3] == 1 and cs[1:3] == ss[1:3] and cs[1] % v == 0
             and cs[2] % v == 0 and (cos.ptr | sin.ptr) % 16 == 0
-            and rows + (1 << 20) * slots < 2 ** 31)
+            and rows + step < 2 ** 31)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -831,8 +831,9 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
         if rows == 0:
             return None
         slots = THREADS // group
-        if v > 1 and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, slots):
-            kind, blocks = "fwd3", _fwd3_grid(call.device, rows, slots)
+        blocks = _fwd3_grid(call.device, rows, slots) if v > 1 else 0
+        if v > 1 and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, blocks * slots):
+            kind = "fwd3"
         else:
             kind, blocks = ("fwd2" if v > 1 else "fwd"), -(-rows // slots)
         return (_norm_expr(kind, dtype, tdtype, v), (blocks, 1, 1),
