@@ -195,7 +195,7 @@ def _param_types(expr: str) -> tuple[list, bool]:
     """C++ parameter types of a kernel and whether it needs cooperative threads."""
     if "rope_kernel<" in expr:
         return ["gpuops::RopeQK", "gpuops::RopeTables"], False
-    if re.search(r"qk_norm_rope_(fwd|bwd)[23]?<", expr):
+    if re.search(r"qk_norm_rope_(fwd|bwd)[234]?<", expr):
         return ["gpuops::RopeQK", "gpuops::RopeTables", "gpuops::NormArgs"], True
     m = re.search(r"qk_norm_dw_reduce<(.*)>$", expr)
     if m:

@@ -639,7 +639,7 @@ def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng
         kw = dict(rotary_dim=rot, positions=pos)
         ref = _reference("qk_norm_rotary", q, k, wq, wk, c, sn, 1e-6, False, **kw)
         outs = {}
-        for kind, blocks in (("fwd2", 5), ("fwd3", 1), ("fwd3", 2), ("fwd3", 5)):
+        for kind, blocks in (("fwd2", 5), ("fwd3", 1), ("fwd3", 2), ("fwd3", 5), ("fwd4", 5)):
             monkeypatch.setattr(R, "QK_NORM_FORWARD", kind)
             monkeypatch.setitem(R._fwd3_grids, 0, blocks)
             launched.clear()
@@ -654,7 +654,7 @@ def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng
         pos_bad = pos.copy()
         pos_bad[0, 1] = 16                                # outside the table: NaN rotated half
         half = (rot or d) // 2
-        for kind in ("fwd2", "fwd3"):
+        for kind in ("fwd2", "fwd3", "fwd4"):
             monkeypatch.setattr(R, "QK_NORM_FORWARD", kind)
             got = emu_ops("qk_norm_rotary", dtype, q, k, wq, wk, c, sn, 1e-6, False,
                           rotary_dim=rot, positions=pos_bad)
@@ -665,23 +665,30 @@ def test_emulated_qk_norm_forward_kernels_agree(emu_ops, monkeypatch, dtype, rng
 
 @needs_gxx
 def test_emulated_qk_norm_forward_auto_rule(emu_ops, monkeypatch, rng):
-    """"auto" takes fwd3 for float16 only (measured faster there, slower for bf16 / fp32), and
-    fwd2 wherever fwd3's conditions fail (interleaved pairs, float32 tables with 16-bit data)."""
+    """"auto" takes fwd4 where its conditions hold (table words, unit-stride aligned weights),
+    else fwd3 for float16 (strided weights), else fwd2 (interleaved pairs, float32 tables with
+    16-bit data, strided weights of other dtypes)."""
     launched = _record_launches(monkeypatch)
     monkeypatch.setattr(R, "QK_NORM_FORWARD", "auto")
-    for dtype, table_dtype, interleaved, kind in [("float16", "float16", False, "fwd3"),
-                                                  ("bfloat16", "bfloat16", False, "fwd2"),
-                                                  ("float32", "float32", False, "fwd2"),
-                                                  ("float16", "float16", True, "fwd2"),
-                                                  ("float16", "float32", False, "fwd2")]:
+    for dtype, table_dtype, interleaved, strided_w, kind in [
+            ("float16", "float16", False, False, "fwd4"),
+            ("bfloat16", "bfloat16", False, False, "fwd4"),
+            ("float32", "float32", False, False, "fwd4"),
+            ("float16", "float16", False, True, "fwd3"),
+            ("bfloat16", "bfloat16", False, True, "fwd2"),
+            ("float16", "float16", True, False, "fwd2"),
+            ("float16", "float32", False, False, "fwd2")]:
         q, k = _arr(rng, (2, 3, 4, 64), dtype), _arr(rng, (2, 3, 2, 64), dtype)
-        w = np.ones(64, dt.to_numpy(dt.BY_NAME[table_dtype]))
+        w = (1 + 0.3 * rng.standard_normal(128 if strided_w else 64)).astype(
+            dt.to_numpy(dt.BY_NAME[table_dtype]))
+        w = w[::2] if strided_w else w
         c, sn = _tables(rng, 3, 64, table_dtype)
         launched.clear()
         got = emu_ops("qk_norm_rotary", dtype, q, k, w, w, c, sn, 1e-6, interleaved)
         assert len(launched) == 1 and f"qk_norm_rope_{kind}<" in launched[0], (dtype, launched)
         ref = _reference("qk_norm_rotary", q, k, w, w, c, sn, 1e-6, interleaved)
-        assert_close(got[0], ref[0], dtype, f"auto {dtype} {table_dtype} {interleaved}")
+        for i in range(2):
+            assert_close(got[i], ref[i], dtype, f"auto {dtype} {table_dtype} {interleaved}")
 
 
 @needs_gxx
@@ -877,9 +884,9 @@ def test_gpu_qk_norm_rotary(dtype, table_dtype, interleaved):
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_qk_norm_forward_kernels(dtype, monkeypatch):
-    """fwd3 (persistent; the default for fp16) and fwd2 at sizes where each lane of
-    fwd3's grid walks many rows and the last step covers part of a warp: the reference, the
-    same bits, and fwd3 actually launched."""
+    """fwd4 (the default), fwd3 (persistent) and fwd2 at sizes where each lane of fwd3's grid
+    walks many rows and the last step covers part of a warp: the reference, the same bits, and
+    each kernel actually launched."""
     launched = _record_launches(monkeypatch)
     for b, s, hq, hk, d, rot, positions in [(2, 1000, 32, 8, 128, None, False),
                                             (1, 777, 7, 3, 64, None, True),
@@ -891,14 +898,15 @@ def test_gpu_qk_norm_forward_kernels(dtype, monkeypatch):
         if positions:
             kw["positions"] = torch.randint(0, 2048, (b, s), device="cuda")
         outs = {}
-        for kind in ("fwd3", "fwd2"):
+        for kind in ("fwd4", "fwd3", "fwd2"):
             monkeypatch.setattr(R, "QK_NORM_FORWARD", kind)
             launched.clear()
             outs[kind], _ = _gpu_check("qk_norm_rotary", dtype, (q, k, wq, wk, c, sn), kw,
                                        f"{kind} {b, s, hq, hk, d, rot}")
             assert any(f"qk_norm_rope_{kind}<" in e for e in launched), launched
-        for x, y in zip(outs["fwd3"], outs["fwd2"]):
-            assert torch.equal(x, y)
+        for kind in ("fwd4", "fwd3"):
+            for x, y in zip(outs[kind], outs["fwd2"]):
+                assert torch.equal(x, y), kind
 
 
 @gpu

@@ -1,10 +1,11 @@
-"""qk_norm_rotary's forward kernels side by side: fwd2 (one row per lane, one-shot blocks) and fwd3
-(persistent grid, each lane's next row loaded before the current one is reduced and stored),
-with apply_rotary on the same tensors (same bytes: the calibration), torch eager,
+"""qk_norm_rotary's forward kernels side by side: fwd2 (one row per lane, one-shot blocks), fwd3
+(persistent grid, each lane's next row loaded before the current one is reduced and stored) and
+fwd4 (fwd2's blocks at 48 registers: weight and table words read after the reduction), with
+apply_rotary on the same tensors (same bytes: the calibration), torch eager,
 torch.compile and Liger (rms_norm + rope), in one process. GPU time per call from CUDA-graph
-replay; % of the copy bandwidth measured here. (benchmarks/notes_rotary.md, "fwd3")
+replay; % of the copy bandwidth measured here. (benchmarks/notes_rotary.md, "fwd3", "fwd4")
 
-    python benchmarks/experiments/qk_norm_forward.py [--json F] [--no-compile]
+    python benchmarks/experiments/qk_norm_forward.py [--json F] [--no-compile] [--probes]
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def _kernel(module, dev, expr):
 
 R._kernel = _kernel
 
+KINDS = ("fwd2", "fwd3", "fwd4")
 SHAPES = [(4, 4096, 32, 8, 128),      # the bench's prefill shape (Qwen3-8B heads)
           (4, 4096, 16, 8, 128),      # Qwen3-1.7B / Qwen3-VL-2B heads
           (16, 1, 32, 8, 128)]        # decode
@@ -47,6 +49,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--probes", action="store_true", help="also fwd3's probe builds (run 64)")
     args = ap.parse_args()
     # the bench's own copy figure: runs 63-64 used a graph-replayed copy of unfilled buffers
     # here and read 2436 GB/s, against 3001-3003 from this one in every run (cause not measured)
@@ -71,12 +74,12 @@ def main():
             nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
             floor = nbytes / (bw * 1e9) * 1e6
             fns = {}
-            for kind in ("fwd2", "fwd3"):
+            for kind in KINDS:
                 def ours(kind=kind):
                     R.QK_NORM_FORWARD = kind
                     return go.qk_norm_rotary(q, k, wq, wk, cos, sin)
                 fns[kind] = ours
-            if shape[1] > 1:
+            if args.probes and shape[1] > 1:
                 for name, bit in PROBES.items():
                     def probe(bit=bit):
                         R.QK_NORM_FORWARD, _probe["bit"] = "fwd3", bit
@@ -91,12 +94,11 @@ def main():
                 fns["torch.compile"] = lambda: compiled(q, k, wq, wk, cos, sin)
             if liger is not None:
                 fns["liger"] = lambda: liger(q, k, wq, wk, cos, sin)
-            # fwd3 and fwd2 must agree bit for bit before anything is timed
-            R.QK_NORM_FORWARD = "fwd3"
-            a = go.qk_norm_rotary(q, k, wq, wk, cos, sin)
-            R.QK_NORM_FORWARD = "fwd2"
-            b2 = go.qk_norm_rotary(q, k, wq, wk, cos, sin)
-            same = all(torch.equal(x, y) for x, y in zip(a, b2))
+            # every kind must agree with fwd2 bit for bit before anything is timed
+            outs = {kind: fns[kind]() for kind in KINDS}
+            same = all(torch.equal(x, y) for kind in KINDS[1:]
+                       for x, y in zip(outs[kind], outs["fwd2"]))
+            outs.clear()
             res = {}
             for name, fn in fns.items():
                 try:
@@ -107,9 +109,9 @@ def main():
             dn = str(dtype).replace("torch.", "")
             line = "  ".join(f"{n} {v:.1f} ({100 * floor / v:.1f}%)" if isinstance(v, float)
                              else f"{n} {v}" for n, v in res.items())
-            print(f"{str(shape):<24}{dn:<9} floor {floor:.1f} us  {line}  fwd3==fwd2 {same}")
+            print(f"{str(shape):<24}{dn:<9} floor {floor:.1f} us  {line}  kinds==fwd2 {same}")
             rows.append({"shape": list(shape), "dtype": dn, "bytes": nbytes, "floor_us": floor,
-                         "us": res, "fwd3_equals_fwd2": same})
+                         "us": res, "kinds_equal_fwd2": same})
             fns.clear()
             torch.cuda.empty_cache()
     if args.json:

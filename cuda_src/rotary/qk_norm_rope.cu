@@ -15,6 +15,7 @@
 // columns' terms into its slot's row of a shared-memory table, a block adds the slots in a fixed
 // order and writes one partial row; qk_norm_dw_reduce adds the partial rows in a fixed order.
 #include "rotary/rope_common.cuh"
+#include "common/opaque.cuh"
 
 namespace gpuops {
 
@@ -149,66 +150,8 @@ qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
   }
 }
 
-// V elements of a table-dtype array (weights, cos, sin) kept as raw 16-byte words until used:
-// loaded with the row, before the row's reduction, in few registers (16-bit values stay packed).
-template <class TC, int V>
-struct RawPack {
-  static constexpr int kPer = Vec16<TC>::size;
-  static constexpr int N = V / kPer;                 // V * sizeof(TC) / 16 words
-  static_assert(N >= 1 && N * kPer == V, "whole 16-byte words");
-  uint4 r[N];
-  __device__ __forceinline__ void load(const TC* p) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) r[i] = load16(p + i * kPer);
-  }
-  // The same words from elements `st` apart (any alignment, st may be 0).
-  static __device__ __forceinline__ unsigned word(const TC* p, long long st, int k) {
-    if constexpr (sizeof(TC) == 4) {
-      return __float_as_uint(to_float(p[k * st]));
-    } else {
-      return static_cast<unsigned>(p[(2 * k) * st].bits) |
-             (static_cast<unsigned>(p[(2 * k + 1) * st].bits) << 16);
-    }
-  }
-  __device__ __forceinline__ void load_strided(const TC* p, long long st) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-      r[i] = make_uint4(word(p, st, 4 * i), word(p, st, 4 * i + 1), word(p, st, 4 * i + 2),
-                        word(p, st, 4 * i + 3));
-  }
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int i = 0; i < N; ++i) r[i] = make_uint4(0, 0, 0, 0);
-  }
-  __device__ __forceinline__ void unpack(float (&f)[V], float scale = 1.0f) const {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float t[kPer];
-      Vec16<TC>::unpack(r[i], t);
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) f[i * kPer + e] = scale * t[e];
-    }
-  }
-};
-
 template <class T> struct IsHalf { static constexpr bool value = false; };
 template <> struct IsHalf<float16_t> { static constexpr bool value = true; };
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
-// Where the cos/sin values of frequencies f0 .. f0 + V - 1 of a token start, when they lie in one
-// stream at unit column stride and 16-byte aligned (the common case: one table row, no M-RoPE):
-// then they are read as 16-byte words. false: use fetch_cos_sin.
-template <class TC, int V>
-__device__ __forceinline__ bool table_words(const RopeTables& tb, long long b, long long r0,
-                                            bool ok, int f0, const TC*& ct, const TC*& st) {
-  if (!ok || tb.mrope_mode != 0 || tb.c_sc != 1 || tb.s_sc != 1) return false;
-  ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + f0;
-  st = static_cast<const TC*>(tb.sin) + b * tb.s_sb + r0 * tb.s_sr + f0;
-  return aligned16(ct) && aligned16(st);
-}
 
 // Forward, 16-byte packs only (V > 1): the same math as qk_norm_rope_fwd, but every
 // load of a row (x, its weights, its cos/sin) is issued before the row's sum of squares, as
@@ -311,6 +254,100 @@ qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
   T* o = row_ptr<T>(is_q ? a.oq : a.ok, is_q ? a.oq_s : a.ok_s, b, s, hh);
   store16(o + off0, Vec16<T>::pack(v[0]));
   if (off1 >= 0) store16(o + off1, Vec16<T>::pack(v[1]));
+}
+
+// Forward, one-shot and lean (fwd3's host conditions, plus weights at unit stride with 16-byte
+// aligned rows): one row per lane as fwd2, but only x's words are read before the row's
+// reduction; the weight and cos/sin words, which hit L1 / L2 (every block reads the same
+// weights, a token's table row serves all its heads), after it. No element-by-element fallback
+// paths and 32-bit rows: <= 48 registers, 5 blocks of 256 per SM as rope_kernel (fwd2 holds
+// x, weight and table words through the reduction at 64 registers: 4 blocks).
+template <class T, class TC, int V>
+__global__ void __launch_bounds__(kRopeThreads, 5)
+qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
+  static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
+  const int G = n.group;
+  const int lane = threadIdx.x & (G - 1);
+  const int slots = kRopeThreads / G;
+  const int total = static_cast<int>(a.total);    // the host checks total + grid < 2^31
+  const int row = static_cast<int>(blockIdx.x) * slots + threadIdx.x / G;
+  const int units = a.r / (2 * V);
+  const int per_head = units + (a.d - a.r) / V;
+  constexpr bool inter = false;                   // GPT-NeoX halves only (the host checks)
+  const bool rotary = lane < units;
+  const bool active = row < total && lane < per_head;
+  int off0 = 0, off1 = -1;
+  item_offsets<V>(lane, units, a.r, inter, off0, off1);
+  long long b = 0, sq = 0;
+  unsigned h = 0;
+  split_index(row < total ? row : 0, 0, static_cast<unsigned>(a.hq + a.hk), a.seq, b, sq, h);
+  const bool q = static_cast<int>(h) < a.hq;
+  const long long hh = q ? h : h - a.hq;
+  uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
+  if (active) {
+    const T* x = row_ptr<const T>(q ? a.q : a.k, q ? a.q_s : a.k_s, b, sq, hh);
+    x0 = load16(x + static_cast<unsigned>(off0));    // unsigned: no sign-extension words
+    if (off1 >= 0) x1 = load16(x + static_cast<unsigned>(off1));
+  }
+  float ss = 0.0f;
+  {
+    float t[2][V];
+    Vec16<T>::unpack(x0, t[0]);
+    Vec16<T>::unpack(x1, t[1]);                   // pass-through pack or inactive lane: 0
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int e = 0; e < V; ++e) ss = fmaf(t[p][e], t[p][e], ss);
+  }
+  ss = group_sum(ss, G);
+  if (!active) return;                            // after the last shuffle
+  const float rstd = rsqrtf(ss / static_cast<float>(a.d) + n.eps);
+
+  const TC* w = static_cast<const TC*>(q ? n.wq : n.wk);
+  RawPack<TC, V> w0, w1, cw, sw;
+  w0.load(w + off0);
+  if (off1 >= 0) w1.load(w + off1);
+  else w1.clear();
+  long long r0 = 0, r1 = 0, r2 = 0;
+  bool ok = true;
+  token_rows(tb, b, sq, r0, r1, r2, ok);
+  if (rotary && ok) {
+    const TC* ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + lane * V;
+    cw.load(ct);
+    // sin's words sit as far from its base as cos's (same batch and row strides: the host
+    // checks); bases from the parameters, not registers
+    sw.load(static_cast<const TC*>(tb.sin) + (ct - static_cast<const TC*>(tb.cos)));
+  }
+  // x's floats again from its 8 words (opaque: not kept from the sum of squares, 16 registers
+  // through the reads)
+  opaque(x0);
+  opaque(x1);
+  float v[2][V], wv[2][V];
+  Vec16<T>::unpack(x0, v[0]);
+  Vec16<T>::unpack(x1, v[1]);
+  w0.unpack(wv[0]);
+  w1.unpack(wv[1]);
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+  if (rotary) {
+    float c[V], sn[V], lo[V], hi[V];
+    if (ok) {
+      cw.unpack(c);
+      sw.unpack(sn, a.sign);
+    } else {                                      // position outside the table: NaN, as fwd2
+      const float nan = __int_as_float(0x7fffffff);
+#pragma unroll
+      for (int j = 0; j < V; ++j) c[j] = sn[j] = nan;
+    }
+    unit_pairs<V>(v, inter, lo, hi);
+    rotate_pairs<V>(lo, hi, c, sn);
+    unit_scatter<V>(lo, hi, inter, v);
+  }
+  T* o = row_ptr<T>(q ? a.oq : a.ok, q ? a.oq_s : a.ok_s, b, sq, hh);
+  store16(o + static_cast<unsigned>(off0), Vec16<T>::pack(v[0]));
+  if (off1 >= 0) store16(o + static_cast<unsigned>(off1), Vec16<T>::pack(v[1]));
 }
 
 // Where output head row `row` (< 2^31) starts.

@@ -161,6 +161,64 @@ __device__ __forceinline__ int mrope_stream(const RopeTables& tb, int f) {
   return 0;
 }
 
+// V elements of a table-dtype array (weights, cos, sin) kept as raw 16-byte words until used:
+// loaded with the row, before the row's reduction, in few registers (16-bit values stay packed).
+template <class TC, int V>
+struct RawPack {
+  static constexpr int kPer = Vec16<TC>::size;
+  static constexpr int N = V / kPer;                 // V * sizeof(TC) / 16 words
+  static_assert(N >= 1 && N * kPer == V, "whole 16-byte words");
+  uint4 r[N];
+  __device__ __forceinline__ void load(const TC* p) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = load16(p + i * kPer);
+  }
+  // The same words from elements `st` apart (any alignment, st may be 0).
+  static __device__ __forceinline__ unsigned word(const TC* p, long long st, int k) {
+    if constexpr (sizeof(TC) == 4) {
+      return __float_as_uint(to_float(p[k * st]));
+    } else {
+      return static_cast<unsigned>(p[(2 * k) * st].bits) |
+             (static_cast<unsigned>(p[(2 * k + 1) * st].bits) << 16);
+    }
+  }
+  __device__ __forceinline__ void load_strided(const TC* p, long long st) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      r[i] = make_uint4(word(p, st, 4 * i), word(p, st, 4 * i + 1), word(p, st, 4 * i + 2),
+                        word(p, st, 4 * i + 3));
+  }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void unpack(float (&f)[V], float scale = 1.0f) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float t[kPer];
+      Vec16<TC>::unpack(r[i], t);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) f[i * kPer + e] = scale * t[e];
+    }
+  }
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Where the cos/sin values of frequencies f0 .. f0 + V - 1 of a token start, when they lie in one
+// stream at unit column stride and 16-byte aligned (the common case: one table row, no M-RoPE):
+// then they are read as 16-byte words. false: use fetch_cos_sin.
+template <class TC, int V>
+__device__ __forceinline__ bool table_words(const RopeTables& tb, long long b, long long r0,
+                                            bool ok, int f0, const TC*& ct, const TC*& st) {
+  if (!ok || tb.mrope_mode != 0 || tb.c_sc != 1 || tb.s_sc != 1) return false;
+  ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + f0;
+  st = static_cast<const TC*>(tb.sin) + b * tb.s_sb + r0 * tb.s_sr + f0;
+  return aligned16(ct) && aligned16(st);
+}
+
 // cos and sign * sin of frequencies f0 .. f0 + V - 1 for a token (rows from token_rows).
 // Fast path: the unit's frequencies use one stream (always without M-RoPE; with Qwen2-VL's
 // sections unless the unit straddles a section boundary) and the tables have unit column

@@ -57,12 +57,14 @@ BWD_MIN_BLOCKS_OLD, BWD_MIN_BLOCKS = 2, 3   # kNormBwdMinBlocks of qk_norm_rope_
 BWD2_MIN_BLOCKS = 2                # kNormBwd2MinBlocks of qk_norm_rope_bwd2 (every arch)
 BWD_SMEM_FLOATS = 4096             # red[] of qk_norm_rope_bwd: (256 / group) * D must fit
 FWD3_MIN_BLOCKS = 4                # __launch_bounds__ of qk_norm_rope_fwd3 (every arch)
-# qk_norm_rotary's 16-byte forward: "fwd2" (one row per lane, one-shot blocks), "fwd3"
-# (persistent grid, each lane's next row loaded ahead, weights in shared memory; where its
-# conditions hold, _fwd3_ok), or "auto": fwd3 for float16 only. Runs 63-64 (H100, graph replay,
-# [4, 4096, 32, 8, 128]): fp16 fwd2 154.6-156.0 us -> fwd3 132.5-132.9 (fwd2 reads fp16 weights
-# and tables element by element after the reduction: its early 16-byte reads spilled); bf16
-# 130.5-130.6 -> 132.6-132.8 and fp32 243.2-243.3 -> 256.6-256.9: slower there.
+# qk_norm_rotary's 16-byte forward: "fwd2" (one row per lane, one-shot blocks, any table /
+# weight layout), "fwd3" (persistent grid, each lane's next row loaded ahead, weights in shared
+# memory), "fwd4" (fwd2's blocks without its fallback paths, weight and table words read after
+# the reduction, 48 registers), or "auto": fwd4 where its conditions hold (_fwd4_ok), else fwd3
+# for float16 (_fwd3_ok), else fwd2. Runs 63-64 (H100, graph replay, [4, 4096, 32, 8, 128]):
+# fp16 fwd2 154.6-156.0 us -> fwd3 132.5-132.9 (fwd2 reads fp16 weights and tables element by
+# element after the reduction: its early 16-byte reads spilled); bf16 130.5-130.6 -> 132.6-132.8
+# and fp32 243.2-243.3 -> 256.6-256.9: slower there. fwd4: not yet measured.
 QK_NORM_FORWARD = "auto"
 TABLE_DTYPES = (dt.float32, dt.float16, dt.bfloat16, dt.float64)   # float64: CPU path only
 POSITION_DTYPES = (dt.int64, dt.int32)
@@ -104,7 +106,8 @@ NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
        for d, c in _PAIRS},
     **{_norm_expr(kind, d, c, _vec(d)): NORM_KERNEL_ARGS for kind in ("fwd2", "bwd2")
        for d, c in _PAIRS},
-    **{_norm_expr("fwd3", d, d, _vec(d)): NORM_KERNEL_ARGS for d in dt.FLOATS},
+    **{_norm_expr(kind, d, d, _vec(d)): NORM_KERNEL_ARGS for kind in ("fwd3", "fwd4")
+       for d in dt.FLOATS},
     **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}})
 
 _bwd_grids: dict = {}
@@ -133,19 +136,35 @@ def _fwd3_grid(dev, rows, slots):
     return min(n, -(-rows // slots))
 
 
-def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, step) -> bool:
-    """qk_norm_rope_fwd3's conditions beyond fwd2's (16-byte packs): GPT-NeoX halves, tables in
-    q's dtype, one stream at unit column stride, cos and sin with the same batch and row strides
-    and 16-byte aligned rows, and rows plus one grid step (its 32-bit row counter) below 2^31."""
-    if QK_NORM_FORWARD == "fwd2" or (QK_NORM_FORWARD == "auto" and dtype is not dt.float16):
-        return False
+def _table_words_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor) -> bool:
+    """What fwd3 and fwd4 need beyond fwd2's 16-byte packs: GPT-NeoX halves, tables in q's
+    dtype, one stream at unit column stride, cos and sin with the same batch and row strides and
+    16-byte aligned rows."""
     if interleaved or tdtype is not dtype or p.mrope_mode:
         return False
     cs, ss = _tab_strides(p, cos), _tab_strides(p, sin)
     v = _vec(dtype)
     return (cs[3] == 1 and ss[3] == 1 and cs[1:3] == ss[1:3] and cs[1] % v == 0
-            and cs[2] % v == 0 and (cos.ptr | sin.ptr) % 16 == 0
-            and rows + step < 2 ** 31)
+            and cs[2] % v == 0 and (cos.ptr | sin.ptr) % 16 == 0)
+
+
+def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, step) -> bool:
+    """qk_norm_rope_fwd3's conditions: the table words', and rows plus one grid step (its 32-bit
+    row counter) below 2^31."""
+    if QK_NORM_FORWARD not in ("fwd3", "auto"):
+        return False
+    return _table_words_ok(p, interleaved, dtype, tdtype, cos, sin) and rows + step < 2 ** 31
+
+
+def _fwd4_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, q_weight: Tensor,
+             k_weight: Tensor, rows, slots) -> bool:
+    """qk_norm_rope_fwd4's conditions: the table words', weights at unit stride with 16-byte
+    aligned bases (read as 16-byte words), and the grid's rows (32-bit) below 2^31."""
+    if QK_NORM_FORWARD not in ("fwd4", "auto"):
+        return False
+    return (_table_words_ok(p, interleaved, dtype, tdtype, cos, sin)
+            and _weight_stride(q_weight) == 1 and _weight_stride(k_weight) == 1
+            and (q_weight.ptr | k_weight.ptr) % 16 == 0 and rows + slots < 2 ** 31)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,7 +837,7 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
     key = (op, call.result_dtype, _key(q), _key(k), _key(q_weight), _key(k_weight), _key(cos),
            _key(sin), _key(positions), float(eps),
            _options_key(interleaved, rotary_dim, mrope_section, mrope_interleaved), aligned,
-           _aligned(cos, sin), QK_NORM_FORWARD)
+           _aligned(cos, sin), _aligned(q_weight, k_weight), QK_NORM_FORWARD)
 
     def build():
         p = _plan(op, q.shape, k.shape, cos.shape, sin.shape,
@@ -832,7 +851,11 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
             return None
         slots = THREADS // group
         blocks = _fwd3_grid(call.device, rows, slots) if v > 1 else 0
-        if v > 1 and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, blocks * slots):
+        if v > 1 and _fwd4_ok(p, interleaved, dtype, tdtype, cos, sin, q_weight, k_weight,
+                              rows, slots):
+            kind, blocks = "fwd4", -(-rows // slots)
+        elif (v > 1 and (QK_NORM_FORWARD == "fwd3" or dtype is dt.float16)
+              and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, blocks * slots)):
             kind = "fwd3"
         else:
             kind, blocks = ("fwd2" if v > 1 else "fwd"), -(-rows // slots)
