@@ -257,12 +257,13 @@ qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
 }
 
 // Forward, one-shot and lean (fwd3's host conditions, plus weights at unit stride with 16-byte
-// aligned rows): one row per lane as fwd2, but only x's words are read before the row's
-// reduction; the weight and cos/sin words, which hit L1 / L2 (every block reads the same
-// weights, a token's table row serves all its heads), after it. No element-by-element fallback
-// paths and 32-bit rows: <= 48 registers, 5 blocks of 256 per SM as rope_kernel (fwd2 holds
-// x, weight and table words through the reduction at 64 registers: 4 blocks).
-template <class T, class TC, int V>
+// aligned rows): one row per lane as fwd2, but only x's and the cos/sin words are read before
+// the row's reduction; the weight words, which hit L1 (every block reads the same weights),
+// after it. No element-by-element fallback paths and 32-bit rows: <= 48 registers, 5 blocks of
+// 256 per SM as rope_kernel (fwd2 holds x, weight and table words through the reduction at 64
+// registers: 4 blocks). kEarlyTables = false (A/B only, benchmarks/experiments/
+// qk_norm_forward.py) reads the cos/sin words after the reduction too, with the weights.
+template <class T, class TC, int V, bool kEarlyTables = true>
 __global__ void __launch_bounds__(kRopeThreads, 5)
 qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
   static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
@@ -289,6 +290,20 @@ qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
     x0 = load16(x + static_cast<unsigned>(off0));    // unsigned: no sign-extension words
     if (off1 >= 0) x1 = load16(x + static_cast<unsigned>(off1));
   }
+  long long r0 = 0, r1 = 0, r2 = 0;
+  bool ok = true;
+  RawPack<TC, V> cw, sw;
+  auto table_reads = [&]() {
+    token_rows(tb, b, sq, r0, r1, r2, ok);
+    if (rotary && ok) {
+      const TC* ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + lane * V;
+      cw.load(ct);
+      // sin's words sit as far from its base as cos's (same batch and row strides: the host
+      // checks); bases from the parameters, not registers
+      sw.load(static_cast<const TC*>(tb.sin) + (ct - static_cast<const TC*>(tb.cos)));
+    }
+  };
+  if (kEarlyTables && active) table_reads();
   float ss = 0.0f;
   {
     float t[2][V];
@@ -304,20 +319,11 @@ qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
   const float rstd = rsqrtf(ss / static_cast<float>(a.d) + n.eps);
 
   const TC* w = static_cast<const TC*>(q ? n.wq : n.wk);
-  RawPack<TC, V> w0, w1, cw, sw;
+  RawPack<TC, V> w0, w1;
   w0.load(w + off0);
   if (off1 >= 0) w1.load(w + off1);
   else w1.clear();
-  long long r0 = 0, r1 = 0, r2 = 0;
-  bool ok = true;
-  token_rows(tb, b, sq, r0, r1, r2, ok);
-  if (rotary && ok) {
-    const TC* ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + lane * V;
-    cw.load(ct);
-    // sin's words sit as far from its base as cos's (same batch and row strides: the host
-    // checks); bases from the parameters, not registers
-    sw.load(static_cast<const TC*>(tb.sin) + (ct - static_cast<const TC*>(tb.cos)));
-  }
+  if (!kEarlyTables) table_reads();
   // x's floats again from its 8 words (opaque: not kept from the sum of squares, 16 registers
   // through the reads)
   opaque(x0);
