@@ -27,20 +27,13 @@ PROBES = {"fwd3 no shuffles": 1, "fwd3 no weights": 2, "fwd3 no rotation": 4,
 PROBE_MODULE = KernelModule("experiments.qk_norm_probe", "rotary/qk_norm_rope.cu", {
     f"gpuops::qk_norm_rope_fwd3<{d.ctype}, {d.ctype}, {16 // d.itemsize}, {p}>": R.NORM_KERNEL_ARGS
     for d in dt.FLOATS for p in PROBES.values()}, archs=("90",))
-# fwd4 with its cos/sin words read after the reduction (kEarlyTables = false; run 67's first
-# fwd4), against the default's reads before it.
-LATE_TABLES_MODULE = KernelModule("experiments.qk_norm_fwd4_late_tables", "rotary/qk_norm_rope.cu", {
-    f"gpuops::qk_norm_rope_fwd4<{d.ctype}, {d.ctype}, {16 // d.itemsize}, false>":
-    R.NORM_KERNEL_ARGS for d in dt.FLOATS}, archs=("90",))
-_probe = {"bit": 0, "late_tables": False}
+_probe = {"bit": 0}
 _real_kernel = R._kernel
 
 
 def _kernel(module, dev, expr):
     if _probe["bit"] and "qk_norm_rope_fwd3<" in expr:
         return _real_kernel(PROBE_MODULE, dev, expr[:-1] + f", {_probe['bit']}>")
-    if _probe["late_tables"] and "qk_norm_rope_fwd4<" in expr:
-        return _real_kernel(LATE_TABLES_MODULE, dev, expr[:-1] + ", false>")
     return _real_kernel(module, dev, expr)
 
 
@@ -86,13 +79,6 @@ def main():
                     R.QK_NORM_FORWARD = kind
                     return go.qk_norm_rotary(q, k, wq, wk, cos, sin)
                 fns[kind] = ours
-            def late_tables():
-                R.QK_NORM_FORWARD, _probe["late_tables"] = "fwd4", True
-                try:
-                    return go.qk_norm_rotary(q, k, wq, wk, cos, sin)
-                finally:
-                    _probe["late_tables"] = False
-            fns["fwd4 late tables"] = late_tables
             if args.probes and shape[1] > 1:
                 for name, bit in PROBES.items():
                     def probe(bit=bit):
@@ -109,8 +95,8 @@ def main():
             if liger is not None:
                 fns["liger"] = lambda: liger(q, k, wq, wk, cos, sin)
             # every kind must agree with fwd2 bit for bit before anything is timed
-            outs = {kind: fns[kind]() for kind in (*KINDS, "fwd4 late tables")}
-            same = all(torch.equal(x, y) for kind in (*KINDS[1:], "fwd4 late tables")
+            outs = {kind: fns[kind]() for kind in KINDS}
+            same = all(torch.equal(x, y) for kind in KINDS[1:]
                        for x, y in zip(outs[kind], outs["fwd2"]))
             outs.clear()
             res = {}

@@ -261,9 +261,10 @@ qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
 // the row's reduction; the weight words, which hit L1 (every block reads the same weights),
 // after it. No element-by-element fallback paths and 32-bit rows: <= 48 registers, 5 blocks of
 // 256 per SM as rope_kernel (fwd2 holds x, weight and table words through the reduction at 64
-// registers: 4 blocks). kEarlyTables = false (A/B only, benchmarks/experiments/
-// qk_norm_forward.py) reads the cos/sin words after the reduction too, with the weights.
-template <class T, class TC, int V, bool kEarlyTables = true>
+// registers: 4 blocks). Runs 67-68: the cos/sin words read after the reduction too cost 7-10%
+// (bf16 [4, 4096, 32, 8, 128] 128.0 against 116.5 us): their L2 latency then follows the
+// shuffles on every row's path to its store; the weights' L1 hits do not show.
+template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, 5)
 qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
   static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
@@ -293,7 +294,7 @@ qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
   long long r0 = 0, r1 = 0, r2 = 0;
   bool ok = true;
   RawPack<TC, V> cw, sw;
-  auto table_reads = [&]() {
+  if (active) {
     token_rows(tb, b, sq, r0, r1, r2, ok);
     if (rotary && ok) {
       const TC* ct = static_cast<const TC*>(tb.cos) + b * tb.c_sb + r0 * tb.c_sr + lane * V;
@@ -302,8 +303,7 @@ qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
       // checks); bases from the parameters, not registers
       sw.load(static_cast<const TC*>(tb.sin) + (ct - static_cast<const TC*>(tb.cos)));
     }
-  };
-  if (kEarlyTables && active) table_reads();
+  }
   float ss = 0.0f;
   {
     float t[2][V];
@@ -323,7 +323,6 @@ qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
   w0.load(w + off0);
   if (off1 >= 0) w1.load(w + off1);
   else w1.clear();
-  if (!kEarlyTables) table_reads();
   // x's floats again from its 8 words (opaque: not kept from the sum of squares, 16 registers
   // through the reads)
   opaque(x0);

@@ -61,10 +61,9 @@ FWD3_MIN_BLOCKS = 4                # __launch_bounds__ of qk_norm_rope_fwd3 (eve
 # weight layout), "fwd3" (persistent grid, each lane's next row loaded ahead, weights in shared
 # memory), "fwd4" (fwd2's blocks without its fallback paths, weight and table words read after
 # the reduction, 48 registers), or "auto": fwd4 where its conditions hold (_fwd4_ok), else fwd3
-# for float16 (_fwd3_ok), else fwd2. Runs 63-64 (H100, graph replay, [4, 4096, 32, 8, 128]):
-# fp16 fwd2 154.6-156.0 us -> fwd3 132.5-132.9 (fwd2 reads fp16 weights and tables element by
-# element after the reduction: its early 16-byte reads spilled); bf16 130.5-130.6 -> 132.6-132.8
-# and fp32 243.2-243.3 -> 256.6-256.9: slower there. fwd4: not yet measured.
+# for float16 (_fwd3_ok), else fwd2. H100, graph replay, [4, 4096, 32, 8, 128], us, fwd2 / fwd3
+# / fwd4 (runs 67-68): bf16 130.4 / 132.7-133.1 / 116.5, fp16 156.4 / 132.6-132.9 / 117.1, fp32
+# 243.2-243.3 / 256.7-256.9 / 226.8-227.0 (copy-bound floor 111.8 / 111.8 / 223.7).
 QK_NORM_FORWARD = "auto"
 TABLE_DTYPES = (dt.float32, dt.float16, dt.bfloat16, dt.float64)   # float64: CPU path only
 POSITION_DTYPES = (dt.int64, dt.int32)
