@@ -256,6 +256,37 @@ qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
   if (off1 >= 0) store16(o + off1, Vec16<T>::pack(v[1]));
 }
 
+// The end of a fused forward row (fwd3, fwd4): v = v * rstd * w, then on rotary lanes the
+// rotation by the token's cos/sin words, NaN where its position lies outside the table (as fwd2).
+template <class TC, int V>
+__device__ __forceinline__ void scale_rotate(float (&v)[2][V], float rstd,
+                                             const RawPack<TC, V>& w0, const RawPack<TC, V>& w1,
+                                             bool rotary, bool ok, const RawPack<TC, V>& cw,
+                                             const RawPack<TC, V>& sw, float sign) {
+  constexpr bool inter = false;                   // GPT-NeoX halves only (the host checks)
+  float wv[2][V];
+  w0.unpack(wv[0]);
+  w1.unpack(wv[1]);
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+  if (rotary) {
+    float c[V], sn[V], lo[V], hi[V];
+    if (ok) {
+      cw.unpack(c);
+      sw.unpack(sn, sign);
+    } else {
+      const float nan = __int_as_float(0x7fffffff);
+#pragma unroll
+      for (int j = 0; j < V; ++j) c[j] = sn[j] = nan;
+    }
+    unit_pairs<V>(v, inter, lo, hi);
+    rotate_pairs<V>(lo, hi, c, sn);
+    unit_scatter<V>(lo, hi, inter, v);
+  }
+}
+
 // Forward, one-shot and lean (fwd3's host conditions, plus weights at unit stride with 16-byte
 // aligned rows): one row per lane as fwd2, but only x's and the cos/sin words are read before
 // the row's reduction; the weight words, which hit L1 (every block reads the same weights),
@@ -327,29 +358,10 @@ qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
   // through the reads)
   opaque(x0);
   opaque(x1);
-  float v[2][V], wv[2][V];
+  float v[2][V];
   Vec16<T>::unpack(x0, v[0]);
   Vec16<T>::unpack(x1, v[1]);
-  w0.unpack(wv[0]);
-  w1.unpack(wv[1]);
-#pragma unroll
-  for (int p = 0; p < 2; ++p)
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
-  if (rotary) {
-    float c[V], sn[V], lo[V], hi[V];
-    if (ok) {
-      cw.unpack(c);
-      sw.unpack(sn, a.sign);
-    } else {                                      // position outside the table: NaN, as fwd2
-      const float nan = __int_as_float(0x7fffffff);
-#pragma unroll
-      for (int j = 0; j < V; ++j) c[j] = sn[j] = nan;
-    }
-    unit_pairs<V>(v, inter, lo, hi);
-    rotate_pairs<V>(lo, hi, c, sn);
-    unit_scatter<V>(lo, hi, inter, v);
-  }
+  scale_rotate<TC, V>(v, rstd, w0, w1, rotary, ok, cw, sw, a.sign);
   T* o = row_ptr<T>(q ? a.oq : a.ok, q ? a.oq_s : a.ok_s, b, sq, hh);
   store16(o + static_cast<unsigned>(off0), Vec16<T>::pack(v[0]));
   if (off1 >= 0) store16(o + static_cast<unsigned>(off1), Vec16<T>::pack(v[1]));
@@ -467,27 +479,7 @@ qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
     } else {
       w0.r[0] = w1.r[0] = Vec16<TC>::splat(from_float<TC>(1.0f));
     }
-    float wv[2][V];
-    w0.unpack(wv[0]);
-    w1.unpack(wv[1]);
-#pragma unroll
-    for (int p = 0; p < 2; ++p)
-#pragma unroll
-      for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
-    if (!(kProbe & 4) && rotary) {
-      float c[V], sn[V], lo[V], hi[V];
-      if (cur.ok) {
-        cw.unpack(c);
-        sw.unpack(sn, a.sign);
-      } else {                                    // position outside the table: NaN, as fwd2
-        const float nan = __int_as_float(0x7fffffff);
-#pragma unroll
-        for (int j = 0; j < V; ++j) c[j] = sn[j] = nan;
-      }
-      unit_pairs<V>(v, inter, lo, hi);
-      rotate_pairs<V>(lo, hi, c, sn);
-      unit_scatter<V>(lo, hi, inter, v);
-    }
+    scale_rotate<TC, V>(v, rstd, w0, w1, !(kProbe & 4) && rotary, cur.ok, cw, sw, a.sign);
     T* out = out_row<T>(a, row);                  // recomputed: fewer registers across the loop
     store16(out + off0, Vec16<T>::pack(v[0]));
     if (off1 >= 0) store16(out + off1, Vec16<T>::pack(v[1]));
@@ -745,17 +737,7 @@ qk_norm_rope_bwd2(RopeQK a, RopeTables tb, NormArgs n) {
       bool ok = true;
       token_rows(tb, b, s, r0, r1, r2, ok);
       float c[V], sn[V], lo[V], hi[V];
-      const TC* ct = nullptr;
-      const TC* st = nullptr;
-      if (table_words<TC, V>(tb, b, r0, ok, lane * V, ct, st)) {
-        RawPack<TC, V> cw, sw;
-        cw.load(ct);
-        sw.load(st);
-        cw.unpack(c);
-        sw.unpack(sn, a.sign);
-      } else {
-        fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, lane * V, a.sign, c, sn);
-      }
+      cos_sin<TC, V>(tb, b, r0, r1, r2, ok, lane * V, a.sign, c, sn);
       unit_pairs<V>(gy, inter, lo, hi);
       rotate_pairs<V>(lo, hi, c, sn);
       unit_scatter<V>(lo, hi, inter, gy);

@@ -61,18 +61,7 @@ rope_kernel(RopeQK a, RopeTables tb) {
     const uint4 x0 = load16(x + static_cast<unsigned>(off0));
     const uint4 x1 = load16(x + static_cast<unsigned>(off1));
     token_rows(tb, b, s, r0, r1, r2, ok);
-    const TC* ct = nullptr;
-    const TC* st = nullptr;
-    RawPack<TC, V> cw, sw;
-    const bool tvec = table_words<TC, V>(tb, b, r0, ok, it * V, ct, st);
-    if (tvec) {
-      cw.load(ct);
-      sw.load(st);
-      cw.unpack(c);
-      sw.unpack(sn, a.sign);
-    } else {
-      fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, it * V, a.sign, c, sn);
-    }
+    cos_sin<TC, V>(tb, b, r0, r1, r2, ok, it * V, a.sign, c, sn);
     Vec16<T>::unpack(x0, v[0]);
     Vec16<T>::unpack(x1, v[1]);
   } else {

@@ -267,6 +267,25 @@ __device__ __forceinline__ void fetch_cos_sin(const RopeTables& tb, long long b,
   }
 }
 
+// cos and sign * sin as fetch_cos_sin, read as 16-byte words where table_words allows (one stream,
+// unit column stride, aligned: two or four wide loads instead of 2V element loads).
+template <class TC, int V>
+__device__ __forceinline__ void cos_sin(const RopeTables& tb, long long b, long long r0,
+                                        long long r1, long long r2, bool ok, int f0, float sign,
+                                        float (&c)[V], float (&s)[V]) {
+  const TC* ct = nullptr;
+  const TC* st = nullptr;
+  if (table_words<TC, V>(tb, b, r0, ok, f0, ct, st)) {
+    RawPack<TC, V> cw, sw;
+    cw.load(ct);
+    sw.load(st);
+    cw.unpack(c);
+    sw.unpack(s, sign);
+  } else {
+    fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, f0, sign, c, s);
+  }
+}
+
 // (lo, hi) -> (lo cos - hi sin, hi cos + lo sin), in place.
 template <int V>
 __device__ __forceinline__ void rotate_pairs(float (&lo)[V], float (&hi)[V], const float (&c)[V],
