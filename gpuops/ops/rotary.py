@@ -59,8 +59,8 @@ BWD_SMEM_FLOATS = 4096             # red[] of qk_norm_rope_bwd: (256 / group) * 
 FWD3_MIN_BLOCKS = 4                # __launch_bounds__ of qk_norm_rope_fwd3 (every arch)
 # qk_norm_rotary's 16-byte forward: "fwd2" (one row per lane, one-shot blocks, any table /
 # weight layout), "fwd3" (persistent grid, each lane's next row loaded ahead, weights in shared
-# memory), "fwd4" (fwd2's blocks without its fallback paths, weight and table words read after
-# the reduction, 48 registers), or "auto": fwd4 where its conditions hold (_fwd4_ok), else fwd3
+# memory), "fwd4" (fwd2's blocks without its fallback paths, x and cos/sin words read before
+# the row's reduction, weight words after it, 48 registers), or "auto": fwd4 where its conditions hold (_fwd4_ok), else fwd3
 # for float16 (_fwd3_ok), else fwd2. H100, graph replay, [4, 4096, 32, 8, 128], us, fwd2 / fwd3
 # / fwd4 (runs 67-68): bf16 130.4 / 132.7-133.1 / 116.5, fp16 156.4 / 132.6-132.9 / 117.1, fp32
 # 243.2-243.3 / 256.7-256.9 / 226.8-227.0 (copy-bound floor 111.8 / 111.8 / 223.7).
