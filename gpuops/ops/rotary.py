@@ -148,9 +148,10 @@ def _table_words_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor) -> 
 
 
 def _fwd3_ok(p, interleaved, dtype, tdtype, cos: Tensor, sin: Tensor, rows, step) -> bool:
-    """qk_norm_rope_fwd3's conditions: the table words', and rows plus one grid step (its 32-bit
-    row counter) below 2^31."""
-    if QK_NORM_FORWARD not in ("fwd3", "auto"):
+    """qk_norm_rope_fwd3's conditions: asked for, or "auto" with float16 (where fwd4's weight
+    conditions failed: fwd3 reads weights of any stride), the table words', and rows plus one grid
+    step (its 32-bit row counter) below 2^31."""
+    if not (QK_NORM_FORWARD == "fwd3" or (QK_NORM_FORWARD == "auto" and dtype is dt.float16)):
         return False
     return _table_words_ok(p, interleaved, dtype, tdtype, cos, sin) and rows + step < 2 ** 31
 
@@ -853,8 +854,7 @@ def qk_norm_rotary(call, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tenso
         if v > 1 and _fwd4_ok(p, interleaved, dtype, tdtype, cos, sin, q_weight, k_weight,
                               rows, slots):
             kind, blocks = "fwd4", -(-rows // slots)
-        elif (v > 1 and (QK_NORM_FORWARD == "fwd3" or dtype is dt.float16)
-              and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, blocks * slots)):
+        elif v > 1 and _fwd3_ok(p, interleaved, dtype, tdtype, cos, sin, rows, blocks * slots):
             kind = "fwd3"
         else:
             kind, blocks = ("fwd2" if v > 1 else "fwd"), -(-rows // slots)
