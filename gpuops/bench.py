@@ -196,6 +196,15 @@ def capture_graph(fn, calls=1, warmup=3):
     return graph
 
 
+def write_experiment_json(path, copy_gbps, rows, **extra):
+    """An experiment's record (benchmarks/experiments): the GPU, torch's version, the copy
+    bandwidth its percentages use, its rows and anything else it names."""
+    import torch  # noqa: PLC0415
+    with open(path, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": copy_gbps,
+                   "torch": torch.__version__, "rows": rows, **extra}, f, indent=1)
+
+
 def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     """GPU microseconds per call of fn: ``calls`` calls captured in one graph, replayed
     ``replays`` times with CUDA events around each replay; ``stat`` (median by default) of the

@@ -10,13 +10,12 @@ replay; % of the copy bandwidth measured here. (benchmarks/notes_rotary.md, "fwd
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import gpuops as go
 from gpuops import dtypes as dt
-from gpuops.bench import _Framework, graph_replay_us
+from gpuops.bench import _Framework, graph_replay_us, write_experiment_json
 from gpuops.ops import rotary as R
 from gpuops.runtime.modules import KernelModule
 
@@ -115,9 +114,7 @@ def main():
             fns.clear()
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": bw,
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_experiment_json(args.json, bw, rows)
 
 
 if __name__ == "__main__":

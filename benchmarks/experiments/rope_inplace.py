@@ -10,12 +10,11 @@ bytes. Diagnostic only: no in-place entry point exists yet.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import gpuops as go
-from gpuops.bench import _Framework, graph_replay_us
+from gpuops.bench import _Framework, graph_replay_us, write_experiment_json
 from gpuops.ops import rotary as R
 
 _shipped = R._rotary
@@ -79,9 +78,7 @@ def main():
                          "in_place_equals_shipped": same})
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": bw,
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_experiment_json(args.json, bw, rows)
 
 
 if __name__ == "__main__":
