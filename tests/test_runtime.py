@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_torch_cuda
 from gpuops.runtime import bundle, config, loader, nvrtc
 from gpuops.runtime.cache import DiskCache, cache_key
 from gpuops.runtime.errors import CompileError
@@ -172,6 +174,69 @@ def test_kernel_argspecs_match_the_ptx_signatures(full_bundle):
             assert params == spec.layout, f"{m.name}: {expr}: PTX {params} vs ArgSpec {spec.layout}"
             last = params[-1]
             assert spec.size >= last[0] + last[1]
+
+
+# A memory access in PTX: ld / st / atom / red / cp.async / prefetch in any state space but the
+# kernel's parameters, shared memory, local memory and the constant bank (a generic ld.u32 counts:
+# it may reach global memory).
+_PTX_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:ld|st|atom|red|cp\.async|cp\.reduce\.async|prefetch"
+                         r"|multimem)\.(?!param|shared|local|const)", re.M)
+
+
+def ptx_entry_bodies(ptx: str) -> dict:
+    """{mangled name: body text} of every .entry in PTX text."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+([\w$]+)\s*\(", ptx):
+        start = ptx.index("{", ptx.index(")", m.end()))
+        depth, i = 0, start
+        while True:
+            depth += {"{": 1, "}": -1}.get(ptx[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        out[m.group(1)] = ptx[start:i + 1]
+    return out
+
+
+def test_ptx_access_scanner():
+    body = ("{\n\tld.param.u64 %rd1, [p];\n\tld.shared.f32 %f1, [s];\n"
+            "\tgriddepcontrol.wait;\n\t@%p1 ld.global.nc.v4.u32 {%r1}, [%rd1];\n}")
+    first = _PTX_ACCESS.search(body)
+    assert first is not None and body.index("griddepcontrol.wait") < first.start()
+    assert _PTX_ACCESS.search("\tst.shared.u32 [a], %r1;\n\tld.const.u32 %r2, [c];") is None
+    assert _PTX_ACCESS.search("\tld.u32 %r2, [%rd4];") is not None        # generic
+    bodies = ptx_entry_bodies(".visible .entry _Z1kv(\n.param .u64 a\n)\n{\n{ inner }\nret;\n}\n"
+                              ".visible .entry _Z1jv()\n{\nret;\n}")
+    assert set(bodies) == {"_Z1kv", "_Z1jv"} and "inner" in bodies["_Z1kv"]
+
+
+@needs_nvrtc
+def test_pdl_modules_wait_before_their_first_memory_access():
+    """A module declared pdl=True has its kernels launched as programmatic dependent launches on
+    sm_90+: each may start before the previous kernel of the stream ends, so each must execute
+    griddepcontrol.wait (gpuops::pdl_start()) before any load or store, or it races with that
+    kernel. Reads the sm_90 PTX of one instantiation of every kernel template of those modules."""
+    if 90 not in nvrtc.supported_archs():
+        pytest.skip("this NVRTC cannot target sm_90")
+    modules = [m for m in all_modules() if m.pdl]
+    assert {m.name for m in modules} >= {"norms.layer_norm", "norms.rms_norm", "norms.backward",
+                                          "softmax.rows", "softmax.split", "softmax.cols",
+                                          "rotary.rope", "rotary.qk_norm_rope"}
+    for m in modules:
+        one_each = {}
+        for expr in m.kernels:                    # one instantiation per kernel template
+            one_each.setdefault(expr.split("<")[0], expr)
+        exprs = list(one_each.values())
+        c = nvrtc.compile_source(m.assembled.text, m.assembled.main_file, m.name,
+                                 Target(90, "ptx"), m.options, exprs)
+        bodies = ptx_entry_bodies(c.image.decode(errors="replace"))
+        for expr in exprs:
+            body = bodies[c.lowered[expr]]
+            wait = body.find("griddepcontrol.wait")
+            first = _PTX_ACCESS.search(body)
+            assert wait >= 0, f"{m.name}: {expr} has no griddepcontrol.wait (pdl_start())"
+            assert first is None or wait < first.start(), \
+                f"{m.name}: {expr} accesses memory before griddepcontrol.wait: {first.group(0)!r}"
 
 
 def test_argspec_layout_and_packing():
@@ -550,6 +615,76 @@ def test_loaded_modules_report_their_origin_and_target():
     assert m.load_seconds >= 0
 
 
+def _pdl_chain(go, x, xl, w, wl, b, qw, kw, cos, sin):
+    """Ops of the pdl=True modules, each reading the one before (a kernel that did not wait for
+    its predecessor would read a stale or poisoned input): whole rows, split / ring rows, the
+    two-launch softmax, a backward with its weight-grad launch, pointwise, rotary."""
+    n = x.shape[-1]
+    h1 = go.rms_norm(x, (n,), w)
+    h2 = go.layer_norm(h1, (n,), w, b)
+    h3 = go.softmax(h2, -1)
+    h4 = go.silu_mul(h3, h2)
+    h5, res = go.add_rms_norm(h4, h1, w)
+    y, rstd = go.rms_norm_forward(h5, (n,), w)
+    dx, dw = go.rms_norm_backward(y, h5, rstd, (n,), w)
+    q = dx.reshape(2, 64, 16, 128)
+    qr, kr = go.apply_rotary(q, q[:, :, :4], cos, sin)
+    qn, kn = go.qk_norm_rotary(qr, kr, qw, kw, cos, sin)
+    nl = xl.shape[-1]
+    l1 = go.rms_norm(xl, (nl,), wl)
+    l2 = go.layer_norm(l1, (nl,), wl)
+    l3 = go.log_softmax(l2, -1)
+    return h1, h2, h3, h4, h5, res, y, dx, dw, qr, kr, qn, kn, l1, l2, l3
+
+
+@pytest.mark.gpu
+@needs_torch_cuda
+def test_pdl_chains_equal_stream_order(monkeypatch):
+    """The kernels of pdl=True modules launched as programmatic dependent launches (sm_90+, not
+    under GPUOPS_ARCH=61: that PTX has no griddepcontrol) give the same bits as with GPUOPS_PDL=0,
+    back to back and replayed in a CUDA graph, with every output poisoned first."""
+    import torch
+    import gpuops as go
+    from gpuops.runtime import device
+    from gpuops.runtime.launch import PDL
+    monkeypatch.setenv("GPUOPS_DEBUG_POISON", "1")
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    randn = lambda *s: torch.randn(*s, device="cuda", generator=g)   # noqa: E731
+    ang = randn(64, 64)
+    args = (randn(128, 2048), randn(4, 262144), randn(2048), randn(262144), randn(2048),
+            randn(128), randn(128), torch.cat([ang.cos(), ang.cos()], -1),
+            torch.cat([ang.sin(), ang.sin()], -1))
+
+    def run(pdl: str):
+        monkeypatch.setenv("GPUOPS_PDL", pdl)
+        config.refresh()
+        eager = _pdl_chain(go, *args)
+        m = loader.load(get_module("norms.rms_norm"), 0)
+        expect = (pdl == "1" and m.target.arch >= 90 and device.device_info(0).cc >= 90)
+        k = m.kernel(next(iter(m.module.kernels)))
+        assert k.attrs == (PDL if expect else ()), (pdl, m.target, k.attrs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = _pdl_chain(go, *args)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        return eager, graphed
+
+    try:
+        on_eager, on_graph = run("1")
+        off_eager, off_graph = run("0")
+    finally:
+        monkeypatch.delenv("GPUOPS_PDL")
+        config.refresh()
+    names = "h1 h2 h3 h4 h5 res y dx dw qr kr qn kn l1 l2 l3".split()
+    for name, a, b, c, d in zip(names, on_eager, on_graph, off_eager, off_graph):
+        assert torch.isfinite(c).all(), name
+        for label, t in (("PDL eager", a), ("PDL graph", b), ("graph", d)):
+            assert torch.equal(t, c), f"{name}: {label} differs from stream order"
+
+
 def test_kernel_handles_cached_until_modules_are_forgotten(monkeypatch):
     """loader.kernel looks a kernel up once per (module, device, name) and looks it up again after
     clear_memory_cache (the one kernel-handle cache every launcher uses)."""
@@ -582,13 +717,21 @@ def test_launch_attribute_structs_match_cuda_h(monkeypatch):
     function here), or plain cuLaunchKernel where the driver has none."""
     import ctypes  # noqa: PLC0415
     from gpuops.runtime import launch as L  # noqa: PLC0415
+
+    class CuLaunchConfig(ctypes.Structure):      # as cuda.h declares it
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                    ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                    ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                    ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
     assert ctypes.sizeof(L._CuLaunchAttribute) == 72 and L._CuLaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(L._CuLaunchConfig) == 56 and L._CuLaunchConfig.attrs.offset == 40
+    assert ctypes.sizeof(CuLaunchConfig) == 56 == L._LAUNCH_CONFIG.size
     assert L.PDL == ((6, 1),)
     seen, plain = [], []
 
     def fake_ex(config_addr, func, params, extra):
-        cfg = L._CuLaunchConfig.from_address(config_addr)
+        cfg = CuLaunchConfig.from_address(config_addr)
         attrs = (L._CuLaunchAttribute * cfg.numAttrs).from_address(cfg.attrs)
         seen.append(((cfg.gridDimX, cfg.gridDimY, cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream),
                      [(a.id, a.value[0]) for a in attrs], func, extra is not None))
@@ -596,12 +739,17 @@ def test_launch_attribute_structs_match_cuda_h(monkeypatch):
 
     k = Kernel.__new__(Kernel)
     k.name, k.ptr, k.spec, k._smem_limit, k._by_pointers = "k", 1234, ArgSpec("ptr", "i32"), 0, False
+    k.attrs = ()
     k._launch = lambda *a: plain.append(a)
     monkeypatch.setattr(L, "_launch_ex", fake_ex)
     k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6, attrs=L.PDL)
     assert seen == [((3, 2, 128, 0, 77), [(6, 1)], 1234, True)] and not plain
     k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6)
     assert len(plain) == 1 and len(seen) == 1
+    k.attrs = L.PDL                 # a kernel of a pdl=True module: its launches carry PDL
+    k.launch((5, 1, 1), (64, 1, 1), 0, 5, 6)
+    assert seen[-1] == ((5, 1, 64, 0, None), [(6, 1)], 1234, True) and len(plain) == 1
     monkeypatch.setattr(L, "_launch_ex", False)          # a driver without cuLaunchKernelEx
     k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6, attrs=L.PDL)
-    assert len(plain) == 2 and len(seen) == 1
+    k.launch((3, 2, 1), (128, 1, 1), 77, 5, 6)
+    assert len(plain) == 3 and len(seen) == 2

@@ -25,4 +25,16 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// The first statement of every kernel of a module declared with pdl=True (gpuops.runtime.modules;
+// the launcher then makes each launch a PDL secondary on sm_90+). The wait comes before any load or
+// store: the previous kernel may write what this one reads, or still read memory that this one's
+// outputs reuse. The trigger right after it lets the next kernel's blocks be scheduled into slots
+// this grid leaves free (they wait in their own pdl_start); it completes only once every block of
+// this grid has executed it, so a multi-wave grid releases its successor during its last wave.
+// Saves the successor's launch latency (~1 us per kernel in a CUDA graph on the H100).
+__device__ __forceinline__ void pdl_start() {
+  pdl_wait();
+  pdl_launch_dependents();
+}
+
 }  // namespace gpuops

@@ -7,6 +7,7 @@
 //   gated_backward_strided  any strides, broadcast inputs (stride 0); outputs contiguous
 #include "elementwise/pointwise.cuh"
 #include "common/activation_grads.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -32,6 +33,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, GatedBackwardBudget<A>::kMi
 gated_backward_flat(T* __restrict__ grad_gate, T* __restrict__ grad_up,
                     const T* __restrict__ grad_out, const T* __restrict__ gate,
                     const T* __restrict__ up, long long n) {
+  pdl_start();
   static_assert(VEC == Vec16<T>::size, "VEC must be 16 bytes of T");
   const long long thread = static_cast<long long>(blockIdx.x) * kPointwiseThreads + threadIdx.x;
   const long long n_packs = n / VEC;
@@ -64,6 +66,7 @@ __global__ void __launch_bounds__(kPointwiseThreads)
 gated_backward_strided(T* __restrict__ grad_gate, T* __restrict__ grad_up,
                        const T* __restrict__ grad_out, const T* __restrict__ gate,
                        const T* __restrict__ up, StridedLayout L, long long n) {
+  pdl_start();
   const long long step = static_cast<long long>(gridDim.x) * kPointwiseThreads;
   for (long long i = static_cast<long long>(blockIdx.x) * kPointwiseThreads + threadIdx.x; i < n;
        i += step) {

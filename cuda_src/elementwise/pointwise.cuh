@@ -9,6 +9,7 @@
 #include "common/vec.cuh"
 #include "common/strided.cuh"
 #include "common/activations.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(kPointwiseThreads, Op::kMinBlocks)
 pointwise_flat(PointwiseParams p, T* __restrict__ out, const T* __restrict__ in0,
                const T* __restrict__ in1, const T* __restrict__ in2, long long period0,
                long long period1, long long period2, long long n) {
+  pdl_start();
   const T* const in[3] = {in0, in1, in2};
   const long long period[3] = {period0, period1, period2};
   const long long thread = static_cast<long long>(blockIdx.x) * kPointwiseThreads + threadIdx.x;
@@ -135,6 +137,7 @@ __global__ void __launch_bounds__(kPointwiseThreads)
 pointwise_strided(PointwiseParams p, T* __restrict__ out, const T* __restrict__ in0,
                   const T* __restrict__ in1, const T* __restrict__ in2, StridedLayout L,
                   long long n) {
+  pdl_start();
   const long long step = static_cast<long long>(gridDim.x) * kPointwiseThreads;
   for (long long i = static_cast<long long>(blockIdx.x) * kPointwiseThreads + threadIdx.x; i < n;
        i += step) {

@@ -7,6 +7,7 @@
 // and spilled on some archs. Row layout and phases: norms/norm_rows.cuh.
 #include "norms/norm_rows.cuh"
 #include "norms/norm_ring.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -156,6 +157,7 @@ layer_norm_fwd(const T* x, long long x_stride, T* y, long long y_stride, const T
                const T* __restrict__ b, float* mean_out, float* rstd_out,
                float* __restrict__ partials, unsigned* __restrict__ counters, long long rows,
                int n, int C, int phase, float eps) {
+  pdl_start();
   __shared__ float scratch[96];   // block_sum_n<1>: 32, merge_welford_partials: 96
   __shared__ unsigned flag;
   const RowMap map(C, phase == kApply);
@@ -238,6 +240,7 @@ layer_norm_two_pass(const T* x, long long x_stride, T* y, long long y_stride,
                     const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                     float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
                     int C, int phase, float eps) {
+  pdl_start();
   __shared__ float scratch[32];
   const int units = n / VEC;
   const int u0 = static_cast<int>(threadIdx.x);
@@ -290,6 +293,7 @@ layer_norm_compact(const T* x, long long x_stride, T* y, long long y_stride,
                    const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                    float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
                    int C, int phase, float eps) {
+  pdl_start();
   static_assert(VEC > 1, "16-byte units");
   __shared__ float scratch[96];
   const int units = n / VEC;
@@ -345,6 +349,7 @@ layer_norm_split(const T* x, long long x_stride, T* y, long long y_stride,
                  const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                  float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
                  long long rows, int n, int C, int phase, float eps) {
+  pdl_start();
   __shared__ float scratch[96];
   __shared__ unsigned flag;
   const RowMap map(C);
@@ -481,6 +486,7 @@ layer_norm_ring(const T* x, long long x_stride, T* y, long long y_stride, const 
                 const T* __restrict__ b, float* mean_out, float* rstd_out,
                 float* __restrict__ partials, unsigned* __restrict__ counters, long long rows,
                 int n, int C, int D, float eps) {
+  pdl_start();
   extern __shared__ uint4 ring_smem[];
   LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
   ring_rows(pol, rows, n / VEC, C, D, partials, counters,
@@ -495,6 +501,7 @@ layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
                  const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                  float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
                  float eps) {
+  pdl_start();
   extern __shared__ uint4 ring_smem[];
   LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
   ring2_rows<LayerNormRing<T, VEC, PACKS>::kPollBatch>(

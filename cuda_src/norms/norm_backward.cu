@@ -11,6 +11,7 @@
 // row), every thread accumulates its columns over its rows in registers and writes them to row
 // `slot` of a [slots, n] fp32 workspace, and norm_weight_grad sums the slots in a fixed order.
 #include "norms/norm_rows.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -39,6 +40,7 @@ norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const
          float* __restrict__ db_part, float* __restrict__ partials,
          unsigned* __restrict__ counters, float* row_sums, long long rows, int n, int C,
          int phase) {
+  pdl_start();
   constexpr int K = kLN ? 2 : 1;   // s[0] = sum(g * xhat), s[1] = sum(g)
   __shared__ float scratch[32 * K];
   __shared__ unsigned flag;
@@ -162,6 +164,7 @@ template <class T>
 __global__ void __launch_bounds__(512)
 norm_weight_grad(const float* __restrict__ part_a, const float* __restrict__ part_b,
                  T* __restrict__ out_a, T* __restrict__ out_b, int slots, int n) {
+  pdl_start();
   __shared__ float sa[16][33];
   __shared__ float sb[16][33];
   const int tx = threadIdx.x, ty = threadIdx.y;

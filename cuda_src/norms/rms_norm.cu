@@ -8,6 +8,7 @@
 // Row layout and phases: norms/norm_rows.cuh.
 #include "norms/norm_rows.cuh"
 #include "norms/norm_ring.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -87,6 +88,7 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
              long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
              float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
              long long rows, int n, int C, int phase, float eps) {
+  pdl_start();
   __shared__ float scratch[32];
   __shared__ unsigned flag;
   const RowMap map(C, phase == kApply);
@@ -163,6 +165,7 @@ rms_norm_split(const T* x, long long x_stride, const T* r, long long r_stride, T
                long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
                float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
                long long rows, int n, int C, int phase, float eps) {
+  pdl_start();
   __shared__ float scratch[32];
   __shared__ unsigned flag;
   const RowMap map(C);
@@ -300,6 +303,7 @@ rms_norm_ring(const T* x, long long x_stride, const T* r, long long r_stride, T*
               long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
               float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
               long long rows, int n, int C, int D, float eps) {
+  pdl_start();
   extern __shared__ uint4 ring_smem[];
   RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
                                        rstd_out, n, eps);
@@ -315,6 +319,7 @@ rms_norm_ring2(const T* x, long long x_stride, const T* r, long long r_stride, T
                long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
                float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
                float eps) {
+  pdl_start();
   extern __shared__ uint4 ring_smem[];
   RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
                                        rstd_out, n, eps);

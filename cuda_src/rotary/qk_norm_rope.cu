@@ -16,6 +16,7 @@
 // order and writes one partial row; qk_norm_dw_reduce adds the partial rows in a fixed order.
 #include "rotary/rope_common.cuh"
 #include "common/opaque.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -100,6 +101,7 @@ __device__ __forceinline__ T* row_ptr(const void* base, const long long (&st)[4]
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, 4)
 qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
+  pdl_start();
   static_assert(V == 1, "16-byte packs: qk_norm_rope_fwd2");
   const int G = n.group;
   const int lane = threadIdx.x & (G - 1);
@@ -162,6 +164,7 @@ template <> struct IsHalf<float16_t> { static constexpr bool value = true; };
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, 4)
 qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
+  pdl_start();
   static_assert(V > 1, "16-byte packs only");
   const int G = n.group;
   const int lane = threadIdx.x & (G - 1);
@@ -298,6 +301,7 @@ __device__ __forceinline__ void scale_rotate(float (&v)[2][V], float rstd,
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, 5)
 qk_norm_rope_fwd4(RopeQK a, RopeTables tb, NormArgs n) {
+  pdl_start();
   static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
   const int G = n.group;
   const int lane = threadIdx.x & (G - 1);
@@ -415,6 +419,7 @@ struct Fwd3Row {
 template <class T, class TC, int V, int kProbe = 0>
 __global__ void __launch_bounds__(kRopeThreads, 4)
 qk_norm_rope_fwd3(RopeQK a, RopeTables tb, NormArgs n) {
+  pdl_start();
   static_assert(V > 1 && sizeof(TC) == sizeof(T), "16-byte packs, tables as wide as the data");
   __shared__ __align__(16) TC wsm[2][kQkNormMaxD];    // q weights, k weights
   for (int i = threadIdx.x; i < a.d; i += kRopeThreads) {
@@ -532,6 +537,7 @@ constexpr int kNormBwdMinBlocks = 3;
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, kNormBwdMinBlocks)
 qk_norm_rope_bwd(RopeQK a, RopeTables tb, NormArgs n) {
+  pdl_start();
   static_assert(V == 1, "16-byte packs: qk_norm_rope_bwd2");
   // Column sums of gy * n per slot (each (slot, column) belongs to one lane): slots * D <= 4096
   // (host-checked).
@@ -642,6 +648,7 @@ constexpr int kNormBwd2MinBlocks = 2;
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, kNormBwd2MinBlocks)
 qk_norm_rope_bwd2(RopeQK a, RopeTables tb, NormArgs n) {
+  pdl_start();
   static_assert(V > 1, "16-byte packs only");
   __shared__ __align__(16) float red[4096];
   const int G = n.group;
@@ -803,6 +810,7 @@ template <class TW>
 __global__ void __launch_bounds__(1024)
 qk_norm_dw_reduce(const float* __restrict__ partial, TW* __restrict__ dwq, TW* __restrict__ dwk,
                   int nbq, int nbk, int d) {
+  pdl_start();
   __shared__ float sm[32][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   const int lo = blockIdx.y == 0 ? 0 : nbq;

@@ -10,6 +10,7 @@
 //                       D % V == 0);
 //   V = 1:              one element per pack, any strides.
 #include "rotary/rope_common.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -18,6 +19,7 @@ namespace gpuops {
 template <class T, class TC, int V>
 __global__ void __launch_bounds__(kRopeThreads, 5)
 rope_kernel(RopeQK a, RopeTables tb) {
+  pdl_start();
   const long long i = static_cast<long long>(blockIdx.x) * kRopeThreads + threadIdx.x;
   if (i >= a.total) return;
   const int units = a.r / (2 * V);

@@ -10,6 +10,7 @@
 // threads of a column are merged through shared memory in a fixed order, the second pass reads
 // the column again (mostly from L1/L2: a block's tile is R x blockDim.x packs) and writes it.
 #include "softmax/rows.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -19,6 +20,7 @@ template <class T, bool V, bool LOG>
 __global__ void __launch_bounds__(kColThreads)
 softmax_cols(const T* x, T* y, int R, long long I, int nib, long long xso, long long xsr,
              long long xsi, long long yso, long long ysr, long long ysi) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N;
   __shared__ float sm_m[kColThreads * N], sm_s[kColThreads * N];
@@ -75,6 +77,7 @@ __global__ void __launch_bounds__(kColThreads)
 softmax_backward_cols(const T* g, const T* y, T* dx, int R, long long I, int nib, long long gso,
                       long long gsr, long long gsi, long long yso, long long ysr, long long ysi,
                       long long dso, long long dsr, long long dsi) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N;
   __shared__ float sm_acc[kColThreads * N];

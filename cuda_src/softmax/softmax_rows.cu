@@ -10,6 +10,7 @@
 // blockDim.x * blockDim.y a multiple of 32) are chosen per shape on the host
 // (gpuops/ops/softmax.py); longer rows go to softmax_split.cu.
 #include "softmax/rows.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -17,6 +18,7 @@ template <class T, bool V, int P, bool LOG>
 __global__ void __launch_bounds__(1024)
 softmax_rows(const T* x, T* y, long long rows, int n, long long xs,
              long long ys) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N;
   __shared__ float scratch[32];
@@ -80,6 +82,7 @@ template <class T, bool V, int P, bool LOG>
 __global__ void __launch_bounds__(1024)
 softmax_backward_rows(const T* g, const T* y, T* dx, long long rows, int n, long long gs,
                       long long ys, long long dxs) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N;
   __shared__ float scratch[32];

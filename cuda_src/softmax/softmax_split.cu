@@ -12,6 +12,7 @@
 // long-row case moves close to one read + one write. Blocks are 256 threads; each thread keeps
 // U packs in flight per loop step.
 #include "softmax/rows.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 
@@ -20,6 +21,7 @@ constexpr int kSplitUnroll = 4;
 template <class T, bool V>
 __global__ void __launch_bounds__(256)
 softmax_split_stats(const T* x, long long xs, int n, int chunk, int S, float* ws) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N, U = kSplitUnroll;
   __shared__ float scratch[32];
@@ -62,6 +64,7 @@ template <class T, bool V, bool LOG>
 __global__ void __launch_bounds__(256)
 softmax_split_apply(const T* x, T* y, long long xs, long long ys, int n, int chunk, int S,
                     const float* ws) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N, U = kSplitUnroll;
   __shared__ float scratch[32];
@@ -104,6 +107,7 @@ template <class T, bool V, bool LOG>
 __global__ void __launch_bounds__(256)
 softmax_backward_split_stats(const T* g, const T* y, long long gs, long long ys, int n, int chunk,
                              int S, float* ws) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N, U = kSplitUnroll;
   __shared__ float scratch[32];
@@ -149,6 +153,7 @@ template <class T, bool V, bool LOG>
 __global__ void __launch_bounds__(256)
 softmax_backward_split_apply(const T* g, const T* y, T* dx, long long gs, long long ys,
                              long long dxs, int n, int chunk, int S, const float* ws) {
+  pdl_start();
   using PK = Pack<T, V>;
   constexpr int N = PK::N, U = kSplitUnroll;
   __shared__ float scratch[32];

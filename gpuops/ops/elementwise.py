@@ -77,7 +77,7 @@ def _pointwise_module(name, source, functors: dict) -> dict:
     ops = {f: Pointwise(name, f, nin) for f, nin in functors.items()}
     kernels = {e: (STRIDED_ARGS if v is None else FLAT_ARGS)
                for p in ops.values() for (d, v), e in p.exprs.items()}
-    module = KernelModule(name, source, kernels)
+    module = KernelModule(name, source, kernels, pdl=True)
     for p in ops.values():
         p.module = module
     return ops

@@ -40,7 +40,7 @@ def _strided_expr(act, d):
 MODULE = KernelModule(
     "elementwise.gated_backward", "elementwise/gated_backward.cu",
     {**{_flat_expr(a, d): FLAT_ARGS for a in _ACTS for d in dt.FLOATS},
-     **{_strided_expr(a, d): STRIDED_ARGS for a in _ACTS for d in dt.FLOATS}})
+     **{_strided_expr(a, d): STRIDED_ARGS for a in _ACTS for d in dt.FLOATS}}, pdl=True)
 
 # kernel names built once, not per call
 _EXPRS = {(a, d, flat): (_flat_expr(a, d) if flat else _strided_expr(a, d))

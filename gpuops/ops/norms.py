@@ -222,17 +222,17 @@ LAYER_NORM_MODULE = KernelModule(
         for e in table["layer_norm"].values()},
      **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS)
         for e in table.values()},
-     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}})
+     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}}, pdl=True)
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
     {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
      **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
-        for e in _RING2_EXPRS[k].values()}})
+        for e in _RING2_EXPRS[k].values()}}, pdl=True)
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
-     **{e: WGRAD_ARGS for e in _WGRAD_EXPRS.values()}})
+     **{e: WGRAD_ARGS for e in _WGRAD_EXPRS.values()}}, pdl=True)
 _MODULE_OF = {"layer_norm": LAYER_NORM_MODULE, "rms_norm": RMS_NORM_MODULE,
               "add_rms_norm": RMS_NORM_MODULE, "layer_norm_bwd": BACKWARD_MODULE,
               "rms_norm_bwd": BACKWARD_MODULE}

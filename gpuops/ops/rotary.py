@@ -95,7 +95,7 @@ def _reduce_expr(c):
 
 
 ROPE_MODULE = KernelModule("rotary.rope", "rotary/rope.cu", {
-    _rope_expr(d, c, v): ROPE_ARGS for d, c in _PAIRS for v in (_vec(d), 1)})
+    _rope_expr(d, c, v): ROPE_ARGS for d, c in _PAIRS for v in (_vec(d), 1)}, pdl=True)
 NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
     # element-wise kernels (v = 1: unaligned or odd head dims) and 16-byte-pack kernels (fwd2 /
     # bwd2: loads issued before the row's reduction, 16-byte weight and table words). The first
@@ -107,7 +107,7 @@ NORM_MODULE = KernelModule("rotary.qk_norm_rope", "rotary/qk_norm_rope.cu", {
        for d, c in _PAIRS},
     **{_norm_expr(kind, d, d, _vec(d)): NORM_KERNEL_ARGS for kind in ("fwd3", "fwd4")
        for d in dt.FLOATS},
-    **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}})
+    **{_reduce_expr(c): REDUCE_ARGS for c in dt.FLOATS}}, pdl=True)
 
 _bwd_grids: dict = {}
 _fwd3_grids: dict = {}

@@ -64,7 +64,8 @@ ROWS_MODULE = KernelModule("softmax.rows", "softmax/softmax_rows.cu", {
     **{_rows_expr(d, v, p, log): ROWS_FWD_ARGS
        for d in dt.FLOATS for v in (True, False) for p in ROW_P[v] for log in (False, True)},
     **{_rows_bwd_expr(d, v, p, log): ROWS_BWD_ARGS
-       for d in dt.FLOATS for v in (True, False) for p in ROW_BWD_P[v] for log in (False, True)}})
+       for d in dt.FLOATS for v in (True, False) for p in ROW_BWD_P[v] for log in (False, True)}},
+    pdl=True)
 
 SPLIT_MODULE = KernelModule("softmax.split", "softmax/softmax_split.cu", {
     **{f"gpuops::softmax_split_stats<{d.ctype}, {_B[v]}>": SPLIT_STATS_ARGS
@@ -74,13 +75,13 @@ SPLIT_MODULE = KernelModule("softmax.split", "softmax/softmax_split.cu", {
     **{f"gpuops::softmax_backward_split_stats<{d.ctype}, {_B[v]}, {_B[log]}>": SPLIT_BSTATS_ARGS
        for d in dt.FLOATS for v in (True, False) for log in (False, True)},
     **{f"gpuops::softmax_backward_split_apply<{d.ctype}, {_B[v]}, {_B[log]}>": SPLIT_BAPPLY_ARGS
-       for d in dt.FLOATS for v in (True, False) for log in (False, True)}})
+       for d in dt.FLOATS for v in (True, False) for log in (False, True)}}, pdl=True)
 
 COLS_MODULE = KernelModule("softmax.cols", "softmax/softmax_cols.cu", {
     **{f"gpuops::softmax_cols<{d.ctype}, {_B[v]}, {_B[log]}>": COLS_FWD_ARGS
        for d in dt.FLOATS for v in (True, False) for log in (False, True)},
     **{f"gpuops::softmax_backward_cols<{d.ctype}, {_B[v]}, {_B[log]}>": COLS_BWD_ARGS
-       for d in dt.FLOATS for v in (True, False) for log in (False, True)}})
+       for d in dt.FLOATS for v in (True, False) for log in (False, True)}}, pdl=True)
 
 
 class KernelCache:

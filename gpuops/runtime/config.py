@@ -8,6 +8,7 @@
 | GPUOPS_FALLBACK | 'auto' (default): no GPU -> NumPy reference on the CPU; 'error': raise instead |
 | GPUOPS_DEBUG_POISON | 1: fill every output gpuops allocates with NaN bytes first (finds unwritten elements) |
 | GPUOPS_QUIET | 1: no compile progress messages |
+| GPUOPS_PDL | 0: launch no kernel as a programmatic dependent launch (default 1: the modules that declare pdl=True do, on sm_90+) |
 
 The hot path reads the cached :data:`settings`; call :func:`refresh` after changing the environment
 in a running process.
@@ -27,6 +28,7 @@ class Settings:
     fallback: str
     poison: bool
     quiet: bool
+    pdl: bool
 
 
 def _read() -> Settings:
@@ -45,6 +47,7 @@ def _read() -> Settings:
         fallback=fallback,
         poison=env.get("GPUOPS_DEBUG_POISON", "") not in ("", "0"),
         quiet=env.get("GPUOPS_QUIET", "") not in ("", "0"),
+        pdl=env.get("GPUOPS_PDL", "1").strip() not in ("0", "false", "off"),
     )
 
 
@@ -52,10 +55,12 @@ settings: Settings = _read()
 
 
 def refresh() -> Settings:
-    """Re-read the environment; loaded modules are forgotten if the arch, bundle or cache changed."""
+    """Re-read the environment; loaded modules are forgotten if the arch, bundle, cache or PDL
+    setting changed (a loaded kernel keeps the launch attributes it was loaded with)."""
     global settings
     old, settings = settings, _read()
-    if (old.arch, old.bundle, old.cache_dir) != (settings.arch, settings.bundle, settings.cache_dir):
+    if ((old.arch, old.bundle, old.cache_dir, old.pdl)
+            != (settings.arch, settings.bundle, settings.cache_dir, settings.pdl)):
         from gpuops.runtime import loader  # noqa: PLC0415
         loader.clear_memory_cache()
     return settings

@@ -193,14 +193,10 @@ def _param_pointers(spec: ArgSpec) -> int:
     return hit[0]
 
 
-class _CuLaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h): grid, block, dynamic shared memory, stream, attributes."""
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
-                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
-                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
-
+# CUlaunchConfig (cuda.h): gridDim x/y/z, blockDim x/y/z, sharedMemBytes, (4 bytes of padding),
+# hStream, attrs (a pointer to CUlaunchAttribute[numAttrs]), numAttrs: 56 bytes, packed in one
+# struct call per launch (the launch path is host-bound at decode sizes).
+_LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
 
 # Launch attributes (cuLaunchKernelEx; CUlaunchAttributeID in cuda.h). An attribute is given to
 # Kernel.launch as (id, int value); the int sits at the start of CUlaunchAttributeValue (64 bytes).
@@ -237,28 +233,47 @@ def launch_ex_available() -> bool:
     return _launch_ex is not False
 
 
+_attr_tables: dict = {}
+
+
+def _attr_table(attrs: tuple) -> int:
+    """Address of a CUlaunchAttribute array holding ``attrs`` ((id, int value) pairs), built once
+    per distinct tuple and kept for the process (the driver reads it during the launch call)."""
+    hit = _attr_tables.get(attrs)
+    if hit is None:
+        if len(attrs) > MAX_ATTRS:
+            raise ValueError(f"gpuops: at most {MAX_ATTRS} launch attributes, got {len(attrs)}")
+        table = (_CuLaunchAttribute * len(attrs))()
+        for i, (attr_id, value) in enumerate(attrs):
+            table[i].id = attr_id
+            table[i].value[0] = int(value) & 0xFFFFFFFF    # the union's leading int
+        hit = _attr_tables[attrs] = (ctypes.addressof(table), table)
+    return hit[0]
+
+
 def _ex_scratch():
-    """This thread's CUlaunchConfig and attribute array (the config points at the array)."""
+    """This thread's CUlaunchConfig buffer: (buffer, its address)."""
     s = getattr(_tls, "ex", None)
     if s is None:
-        attrs = (_CuLaunchAttribute * MAX_ATTRS)()
-        config = _CuLaunchConfig()
-        config.attrs = ctypes.addressof(attrs)
-        s = _tls.ex = (config, attrs, ctypes.addressof(config))
+        buf = ctypes.create_string_buffer(_LAUNCH_CONFIG.size)
+        s = _tls.ex = (buf, ctypes.addressof(buf))
     return s
 
 
 class Kernel:
     """One loaded kernel function: ``kernel.launch(grid, block, stream, *args)``."""
 
-    __slots__ = ("name", "ptr", "spec", "raw", "_launch", "_smem_limit", "_by_pointers")
+    __slots__ = ("name", "ptr", "spec", "raw", "attrs", "_launch", "_smem_limit", "_by_pointers")
 
-    def __init__(self, name: str, raw_kernel, spec: ArgSpec):
+    def __init__(self, name: str, raw_kernel, spec: ArgSpec, attrs: tuple = ()):
         from cupy.cuda import driver  # noqa: PLC0415
         self.name = name
         self.raw = raw_kernel            # cupy.RawKernel: attributes (registers, smem limits)
         self.ptr = raw_kernel.kernel.ptr
         self.spec = spec
+        # launch attributes of every launch that passes none (the loader gives PDL to the
+        # kernels of pdl=True modules where it is active: loader.pdl_active)
+        self.attrs = tuple(attrs)
         self._launch = driver.launchKernel
         self._smem_limit = 0             # queried at the first launch with dynamic smem
         # a parameter aligned beyond 8 bytes (CUtensorMap: 64) may sit at another offset in the
@@ -283,14 +298,16 @@ class Kernel:
         within the device's opt-in maximum (227 KiB per block on sm_90; 48 KiB on sm_61, which
         has no opt-in): callers size it from ``DeviceInfo.max_smem_per_block_optin``.
         ``attrs``: launch attributes, (id, int value) pairs (e.g. ``PDL``), launched through
-        cuLaunchKernelEx; where the driver has no cuLaunchKernelEx they are dropped (the plain
-        launch keeps full stream order, which every attribute used here only relaxes). Callers
-        pass only attributes the device supports (PDL: compute capability 9.0+)."""
+        cuLaunchKernelEx (default: the kernel's own ``attrs``); where the driver has no
+        cuLaunchKernelEx they are dropped (the plain launch keeps full stream order, which every
+        attribute used here only relaxes). Callers pass only attributes the device supports
+        (PDL: compute capability 9.0+)."""
         if smem > self._smem_limit:
             self._raise_smem_limit(smem)
         buf, size, extra, _ = _scratch()
         spec = self.spec
         spec.struct.pack_into(buf, 0, *args)
+        attrs = attrs or self.attrs
         if attrs and launch_ex_available():
             self._launch_with_attrs(grid, block, stream, smem, attrs, buf, size, extra)
             return
@@ -303,17 +320,9 @@ class Kernel:
                      smem, stream, 0, extra)
 
     def _launch_with_attrs(self, grid, block, stream, smem, attrs, buf, size, extra) -> None:
-        if len(attrs) > MAX_ATTRS:
-            raise ValueError(f"gpuops: at most {MAX_ATTRS} launch attributes, got {len(attrs)}")
-        config, table, config_addr = _ex_scratch()
-        (config.gridDimX, config.gridDimY, config.gridDimZ) = grid
-        (config.blockDimX, config.blockDimY, config.blockDimZ) = block
-        config.sharedMemBytes = smem
-        config.hStream = stream or None
-        for i, (attr_id, value) in enumerate(attrs):
-            table[i].id = attr_id
-            table[i].value[0] = int(value) & 0xFFFFFFFF    # the union's leading int
-        config.numAttrs = len(attrs)
+        config, config_addr = _ex_scratch()
+        _LAUNCH_CONFIG.pack_into(config, 0, grid[0], grid[1], grid[2], block[0], block[1],
+                                 block[2], smem, stream or 0, _attr_table(attrs), len(attrs))
         if self._by_pointers:
             rc = _launch_ex(config_addr, self.ptr, _param_pointers(self.spec), None)
         else:

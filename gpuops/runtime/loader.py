@@ -15,7 +15,7 @@ from gpuops.runtime import config, device, nvrtc, progress
 from gpuops.runtime.bundle import open_bundle
 from gpuops.runtime.cache import DiskCache, cache_key
 from gpuops.runtime.errors import NVRTCUnavailableError
-from gpuops.runtime.launch import Kernel
+from gpuops.runtime.launch import PDL, Kernel, launch_ex_available
 from gpuops.runtime.nvrtc import Target
 
 _memory: dict = {}
@@ -54,8 +54,18 @@ class LoadedModule:
                 raise KeyError(f"gpuops: module {self.module.name!r} declares no kernel {expr!r}")
             with device.cupy_or_none().cuda.Device(self.device):
                 raw_kernel = self.raw.get_function(self.lowered[expr])
-                k = self._kernels[expr] = Kernel(expr, raw_kernel, spec)
+                attrs = PDL if pdl_active(self) else ()
+                k = self._kernels[expr] = Kernel(expr, raw_kernel, spec, attrs=attrs)
         return k
+
+
+def pdl_active(loaded: LoadedModule) -> bool:
+    """Whether the kernels of a loaded module are launched as programmatic dependent launches
+    (modules.KernelModule's ``pdl``): the module declares it, the code loaded is for sm_90 or
+    newer (compute_61 PTX run on an H100 under GPUOPS_ARCH has no griddepcontrol: its kernels
+    would not wait), the device is sm_90+, the driver has cuLaunchKernelEx, GPUOPS_PDL is not 0."""
+    return (loaded.module.pdl and config.settings.pdl and loaded.target.arch >= 90
+            and device.device_info(loaded.device).cc >= 90 and launch_ex_available())
 
 
 def runtime_target(module, cc: int) -> Target:

@@ -5,6 +5,13 @@ usually template instantiations) it must export with each one's parameter layout
 options, and the architectures it is built for. Modules are compiled lazily, per device, the
 first time one of their kernels is launched (:mod:`gpuops.runtime.loader`), or ahead of time into a
 bundle (``python -m gpuops build``).
+
+``pdl=True`` declares that every kernel of the module begins with ``gpuops::pdl_start()``
+(cuda_src/common/pdl.cuh: wait for the previous kernel of the stream before any memory access,
+then let the next one be scheduled). Its kernels are then launched as programmatic dependent
+launches where that is real: a device and loaded code of sm_90 or newer, a driver with
+cuLaunchKernelEx, and GPUOPS_PDL not 0 (:func:`gpuops.runtime.loader.pdl_active`). A test reads
+every such kernel's PTX and fails where an access comes before the wait.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ _MODULES: dict = {}
 
 
 class KernelModule:
-    def __init__(self, name: str, source: str, kernels: dict, options=(), archs=DEFAULT_ARCHS):
+    def __init__(self, name: str, source: str, kernels: dict, options=(), archs=DEFAULT_ARCHS,
+                 pdl: bool = False):
         if name in _MODULES:
             raise ValueError(f"gpuops: kernel module {name!r} is declared twice")
         if not kernels:
@@ -39,6 +47,7 @@ class KernelModule:
         self.kernels = dict(kernels)
         self.options = tuple(options)
         self.archs = tuple(str(a) for a in archs)
+        self.pdl = bool(pdl)
         _MODULES[name] = self
 
     def __repr__(self):
