@@ -490,9 +490,9 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
         expected = {"layer_norm": "layer_norm_", "rms_norm": "rms_norm_",
                     "add_rms_norm": "rms_norm_"}[op]
         assert log and all(expected in name for name, *_ in log)
-        if op != "layer_norm":    # rms_norm_fwd<T, VEC, PACKS, kAdd[, kWeightAhead]> etc.
-            assert all(name.split(",")[3].strip(" >") == ("true" if op == "add_rms_norm"
-                                                          else "false") for name, *_ in log)
+        if op != "layer_norm":
+            assert all(name.endswith("true>" if op == "add_rms_norm" else "false>")
+                       for name, *_ in log)
         name, grid, block, args = log[0]
         C, phase = args[-3], args[-2]
         vec = int(name.split(",")[1])
@@ -978,7 +978,6 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
     compact: one block per row, raw x, one exchange, w and b after it), in one warp, odd rows of
     single elements; rows far from zero mean."""
     monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
-    monkeypatch.setattr(N, "WEIGHTS_AHEAD_MAX_WAVES", 0)   # (decode-sized rows: its own test)
     dev = emulated
     chosen = 0
     marker = WHOLE_ROWS_KERNELS[whole_rows]
@@ -1007,43 +1006,6 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
     _, rm, rr = N.ref_layer_norm_forward(_f64(far), 4096, None, None, 1e-5)
     assert_close(_f64(mean), rm, "float32", "mean of rows at 300")
     assert_close(_f64(rstd), rr, "float32", "rstd of rows at 300")
-
-
-@needs_emu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_emulated_weights_ahead_at_decode_sizes(emulated, dtype, rng, monkeypatch):
-    """Launches whose grid fits in WEIGHTS_AHEAD_MAX_WAVES resident waves (decode sizes) load the
-    weights with the row: rms_norm / add_rms_norm through rms_norm_fwd<..., kWeightAhead = true>,
-    layer_norm through layer_norm_fwd (not the WHOLE_ROWS kernel), giving the same bits as the
-    late-weight kernels; bigger grids, rows of single elements, no weight: the late ones."""
-    dev = emulated                          # 2 SMs x 2 blocks: one wave is 4 blocks
-    ahead_seen = 0
-    for shape in ((3, 512), (4, 256), (1, 64), (2, 128), (9, 512), (3, 515)):
-        x, w, b, r = _emu_case(rng, shape, dtype)
-        n = shape[-1]
-        runs = {}
-        for waves in (1, 0):
-            monkeypatch.setattr(N, "WEIGHTS_AHEAD_MAX_WAVES", waves)
-            emu.Device.launches = []
-            outs = (_emu_run(dev, "rms_norm_forward", dtype, x, (n,), w, 1e-6)
-                    + _emu_run(dev, "add_rms_norm_forward", dtype, x, r, w, 1e-6)
-                    + _emu_run(dev, "layer_norm_forward", dtype, x, (n,), w, b, 1e-5)
-                    + _emu_run(dev, "rms_norm", dtype, x, (n,), None, 1e-6))
-            runs[waves] = (outs, [name for name, *_ in emu.Device.launches])
-        for a, c in zip(runs[1][0], runs[0][0]):
-            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(c).view(np.uint8)), shape
-        names = runs[1][1]
-        ahead = [nm for nm in names if "rms_norm_fwd<" in nm and nm.count(",") == 4]
-        vec = _vec_width_of(x, dt.BY_NAME[dtype])
-        threads, ty, packs, C = N.plan_shape(N.TUNING["rms_norm"], vec, n)
-        grid = -(-shape[0] // ty)
-        expect = vec > 1 and packs <= 2 and C == 1 and grid <= 4
-        assert len(ahead) == (2 if expect else 0), (shape, names)  # rms_norm with w, add_rms_norm
-        assert all(nm.endswith(", true>") for nm in ahead)
-        assert not any(nm.count(",") == 4 for nm in runs[0][1])
-        assert "layer_norm_fwd<" in names[2] or not expect
-        ahead_seen += len(ahead)
-    assert ahead_seen >= 4
 
 
 # ============================================================================ autograd, compile
@@ -1372,7 +1334,6 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
     applies ([*, 4096], [*, 2048], [*, 8192] rows), layer_norm_fwd elsewhere; affine and not,
     out=, rows far from zero mean; outputs NaN-poisoned."""
     monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
-    monkeypatch.setattr(N, "WEIGHTS_AHEAD_MAX_WAVES", 0)   # (decode-sized rows: its own test)
     dev = torch.cuda.current_device()
     d = dt.BY_NAME[dtype]
     used = 0
@@ -1394,37 +1355,6 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
         _check_ln(x, None, None, dtype, what + " no affine")
         _check_ln_far(_randn(shape, dtype, 1.0, 300.0), w, b, dtype, what + " mean 300")
     assert used >= (0 if whole_rows == "per_row" else 1)
-
-
-@gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_weights_ahead_at_decode_sizes(dtype, monkeypatch):
-    """Decode-sized calls (one resident wave) take the kernels that load the weights with the row
-    (rms_norm_fwd<..., true>, layer_norm_fwd): within tolerance of the float64 references and
-    bit for bit the late-weight kernels' results; outputs NaN-poisoned."""
-    dev = torch.cuda.current_device()
-    d = dt.BY_NAME[dtype]
-    for shape in ((16, 2048), (1, 4096), (64, 4096), (7, 1024), (16, 64)):
-        n = shape[-1]
-        x, w, b = _ln_case(shape, dtype)
-        r = _randn(shape, dtype)
-        vec = 16 // d.itemsize
-        plan, grid, _ = N._grid(N._plan("rms_norm", d, vec, n, dev), shape[0], False)
-        ahead = N._weights_ahead_plan("rms_norm", plan, d, vec, grid, dev)
-        assert ahead is not None and ahead.kernel.name.endswith(", true>"), (shape, plan.packs)
-        results = {}
-        for waves in (1, 0):
-            monkeypatch.setattr(N, "WEIGHTS_AHEAD_MAX_WAVES", waves)
-            _poison_allocator(x, x, x)
-            results[waves] = (go.rms_norm_forward(x, (n,), w) + go.add_rms_norm(x, r, w)
-                              + go.layer_norm_forward(x, (n,), w, b))
-        for a, c in zip(results[1], results[0]):
-            assert torch.equal(a, c), shape
-        y, rstd = results[1][:2]
-        ry, rr = N.ref_rms_norm_forward(_np(x), (n,), _np(w), None)
-        assert_close(_np(y), ry, dtype, f"rms_norm {shape}")
-        _check_ln(x, w, b, dtype, f"{shape} weights ahead")
 
 
 @gpu

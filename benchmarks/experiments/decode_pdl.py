@@ -10,8 +10,8 @@ default). For each op at its decode shape, per call, in one process:
   dependents early), minus that kernel's own graph time: what PDL gives next to non-gpuops kernels;
 - eager: host us per call back to back (PDL launches go through cuLaunchKernelEx by ctypes);
 - body: the kernels' own GPU time (torch.profiler / CUPTI, eager, PDL off), kernels per call.
-For the norms, "pdl_late_w" is the A/B of the weights loaded after the reduction
-(norms.WEIGHTS_AHEAD_MAX_WAVES = 0), with PDL.
+(Run 73 also timed the norms with their weights loaded ahead of the reduction, an A/B since
+removed: benchmarks/NOTES.md.)
 Rounds alternate the variants; each figure is the median over ROUNDS rounds of a median over
 REPLAYS replays. Outputs of PDL on and off are compared bit for bit first.
 
@@ -33,7 +33,6 @@ import torch  # noqa: E402
 from gpuops import dtypes as dt  # noqa: E402
 from gpuops import registry  # noqa: E402
 from gpuops.bench import _Framework, _peers, graph_replay_us, write_experiment_json  # noqa: E402
-from gpuops.ops import norms  # noqa: E402
 from gpuops.runtime import config  # noqa: E402
 
 CALLS = 50
@@ -112,16 +111,6 @@ def measure(op, d, foreign, foreign_us):
     off = outputs(ours())
     row["pdl_equals_stream_order"] = all(torch.equal(a, b) for a, b in zip(on, off))
     variants = {"pdl": (True, ours), "no_pdl": (False, ours)}
-    if op.name in ("rms_norm", "layer_norm", "add_rms_norm"):
-        # A/B: the weights after the row's reduction (norms.WEIGHTS_AHEAD_MAX_WAVES = 0)
-        def late_weights():
-            saved = norms.WEIGHTS_AHEAD_MAX_WAVES
-            norms.WEIGHTS_AHEAD_MAX_WAVES = 0
-            try:
-                return ours()
-            finally:
-                norms.WEIGHTS_AHEAD_MAX_WAVES = saved
-        variants["pdl_late_w"] = (True, late_weights)
     variants.update({n: (None, f) for n, f in peers.items()})
     chain = {n: [] for n in variants}
     mixed = {n: [] for n in variants}
@@ -144,7 +133,7 @@ def measure(op, d, foreign, foreign_us):
     set_pdl(False)
     row["body_us"], row["kernels_per_call"] = {}, {}
     for name, (pdl, fn) in variants.items():
-        if name in ("pdl", "pdl_late_w"):
+        if name == "pdl":
             continue
         try:
             row["body_us"][name], row["kernels_per_call"][name] = body_us(fn)
@@ -188,7 +177,7 @@ def main():
             if "error" in row:
                 print(f"{name:<26}{dn:<10} error: {row['error']}", flush=True)
                 continue
-            peers = [n for n in row["chain_us"] if n not in ("pdl", "no_pdl")]   # (and A/B)
+            peers = [n for n in row["chain_us"] if n not in ("pdl", "no_pdl")]
             c, m, e, b = row["chain_us"], row["mixed_us"], row["eager_us"], row["body_us"]
             k = row["kernels_per_call"]
             print(f"{name:<26}{dn:<10}{'x'.join(map(str, row['shape'])):<18}"

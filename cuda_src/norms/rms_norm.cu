@@ -68,28 +68,6 @@ __device__ __forceinline__ void scale_store(float (&v)[PACKS][VEC], float rstd, 
   }
 }
 
-// y = v * rstd * w with this thread's w words loaded earlier (held[p] for pack p).
-template <class T, int VEC, int PACKS>
-__device__ __forceinline__ void scale_store_held(float (&v)[PACKS][VEC], float rstd,
-                                                 const typename RawUnit<T, VEC>::type (&held)[PACKS],
-                                                 bool has_w, T* y_row, int u0, int units) {
-#pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-    const int u = u0 + p * static_cast<int>(blockDim.x);
-    if (u < units) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;    // as scale_store: the same bits
-      if (has_w) {
-        float wv[VEC];
-        RawUnit<T, VEC>::unpack(held[p], wv);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
-      }
-      Unit<T, VEC>::store(y_row + static_cast<long long>(u) * VEC, v[p]);
-    }
-  }
-}
-
 // The last block of a split row: sum the row's partials, store rstd (through L2).
 __device__ __forceinline__ void merge_row_rstd(const float* row_partials, int C, float inv_n,
                                                float eps, float* rstd_out, float* scratch) {
@@ -104,11 +82,7 @@ __device__ __forceinline__ void merge_row_rstd(const float* row_partials, int C,
 // C == 1 (for C > 1 it carries the statistics from kPartials to kApply). h is written by kFused
 // and kPartials and read back by kApply. partials (rows * C floats) and counters (rows,
 // zeroed): only for C > 1.
-// kWeightAhead: the block's w words are loaded once, before its first row, and held (the launch
-// chooses it for decode-sized calls, whose blocks fit in one wave: each block then waits for one
-// round trip for x and w together, not one for x and another for w after the reduction; with
-// several waves the other blocks hide the late w loads, and holding w costs registers).
-template <class T, int VEC, int PACKS, bool kAdd, bool kWeightAhead = false>
+template <class T, int VEC, int PACKS, bool kAdd>
 __global__ void __launch_bounds__(1024, 1)
 rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
              long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
@@ -122,10 +96,6 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
   const int u0 = first_unit<PACKS>(map.chunk);
   const bool block_rows = blockDim.x > 32;
   const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN
-  typename RawUnit<T, VEC>::type w_held[kWeightAhead ? PACKS : 1];
-  if (kWeightAhead && w != nullptr) {
-    load_params<T, VEC, kWeightAhead ? PACKS : 1>(w, u0, 0, units, w_held);
-  }
 
   for (long long row = map.first; row < rows; row += map.step) {
     float v[PACKS][VEC];
@@ -155,12 +125,7 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
       rstd = rsqrtf(ss[0] * inv_n + eps);
       if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
     }
-    if constexpr (kWeightAhead) {
-      scale_store_held<T, VEC, PACKS>(v, rstd, w_held, w != nullptr, y + row * y_stride, u0,
-                                      units);
-    } else {
-      scale_store<T, VEC, PACKS>(v, rstd, w, y + row * y_stride, u0, units);
-    }
+    scale_store<T, VEC, PACKS>(v, rstd, w, y + row * y_stride, u0, units);
   }
 }
 

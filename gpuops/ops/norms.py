@@ -157,13 +157,6 @@ LONG_ROWS_PLANS = ("auto", "ring2", "ring", "split")
 # the default.
 WHOLE_ROWS_PLANS = ("per_row", "two_pass", "compact")
 WHOLE_ROWS = "compact"
-# Decode-sized calls: where a whole-row launch fits in this many resident waves, rms_norm /
-# add_rms_norm take rms_norm_fwd<..., kWeightAhead = true> and layer_norm takes layer_norm_fwd
-# (w and b ahead) whatever WHOLE_ROWS says: their blocks load the weights with the row, so each
-# waits for one round trip instead of a second one for the weights after the reduction (run 71,
-# [16, 2048]: our kernels' bodies 0.5-0.6 us longer than Liger's, which issues w with x). With
-# more waves the other blocks hide the late loads and holding w costs registers. 0: never.
-WEIGHTS_AHEAD_MAX_WAVES = 1
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 
@@ -222,10 +215,6 @@ _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
-# rms_norm_fwd with the weights loaded ahead (16-byte units, up to two packs: decode rows)
-_AHEAD_EXPRS = {k: {key: e[:-1] + ", true>" for key, e in _EXPRS[k].items()
-                    if key[1] > 1 and key[2] <= 2}
-                for k in ("rms_norm", "add_rms_norm")}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
@@ -236,7 +225,7 @@ LAYER_NORM_MODULE = KernelModule(
      **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}}, pdl=True)
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
-    {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS, _AHEAD_EXPRS)
+    {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
      **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
         for e in _RING2_EXPRS[k].values()}}, pdl=True)
@@ -456,8 +445,6 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
     if WHOLE_ROWS == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
                                     or rows > (1 << 31) - 1):
         return None
-    if plan.packs <= 2 and rows <= WEIGHTS_AHEAD_MAX_WAVES * plan.capacity:
-        return None        # decode-sized: layer_norm_fwd, w and b loaded with the row
     exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS}[WHOLE_ROWS]
     key = (WHOLE_ROWS, dtype, vec, plan.packs, threads, dev)
     hit = _plans.get(key)
@@ -469,22 +456,6 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
                    per_sm * device.device_info(dev).sm_count)
         _plans[key] = hit
     return hit
-
-
-def _weights_ahead_plan(kind_name: str, plan: Plan, dtype, vec: int, grid: int, dev: int):
-    """The Plan of rms_norm_fwd<..., kWeightAhead> for a whole-row launch of `grid` blocks of
-    `plan`'s shape, or None where the late-weights kernel runs (WEIGHTS_AHEAD_MAX_WAVES)."""
-    expr = _AHEAD_EXPRS[kind_name].get((dtype, vec, plan.packs))
-    if expr is None or plan.C != 1 or grid > WEIGHTS_AHEAD_MAX_WAVES * plan.capacity:
-        return None
-    key = ("ahead", kind_name, dtype, vec, plan.packs, plan.block, dev)
-    hit = _plans.get(key)
-    if hit is None:
-        kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(expr)
-        per_sm = loader.blocks_per_sm(kernel, plan.block[0] * plan.block[1])
-        hit = _plans[key] = Plan(kernel, plan.block, plan.packs, 1,
-                                 per_sm * device.device_info(dev).sm_count)
-    return hit if grid <= WEIGHTS_AHEAD_MAX_WAVES * hit.capacity else None
 
 
 def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
@@ -792,8 +763,6 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
                            ring.C, ring.depth, eps, smem=ring.smem)
         return y, h, rstd
     plan, grid, phases = _grid(plan, rows, False)
-    if w is not None:
-        plan = _weights_ahead_plan(kind, plan, dtype, vec, grid, call.device) or plan
     rp, partials, counters = _ptr(rstd), 0, 0
     if plan.C > 1:
         extra = rows if rstd is None else 0
