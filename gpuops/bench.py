@@ -225,6 +225,39 @@ def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     return stat(times)
 
 
+def back_to_back_us(fn, calls=200, loops=5, warmup=20):
+    """Wall microseconds per call of fn called ``calls`` times back to back from Python and
+    synchronized at the end (the best of ``loops`` loops): what a host-bound caller sees."""
+    import torch  # noqa: PLC0415
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def kernel_us(fn, calls=50):
+    """(GPU microseconds of the kernels of one call of fn, kernels per call): CUPTI kernel
+    records of ``calls`` eager calls through torch.profiler (memcpy / memset records left out)."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return sum(e.time_range.elapsed_us() for e in kernels) / calls, len(kernels) / calls
+
+
 def rotating(fn, items):
     """A callable that calls fn(*item) for the next of `items` on each call, round robin: inputs
     rotated through more bytes than the L2 holds, so that a timed call reads them from memory

@@ -23,7 +23,7 @@ import cupy  # noqa: E402
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import graph_replay_us, write_experiment_json  # noqa: E402
+from gpuops.bench import graph_replay_us, kernel_us, write_experiment_json  # noqa: E402
 from gpuops.runtime.launch import ArgSpec, Kernel  # noqa: E402
 
 SRC = r"""
@@ -44,18 +44,6 @@ extern "C" __global__ void silu_mul4(const float4* __restrict__ g, const float4*
 """
 CALLS, REPLAYS, ROUNDS = 50, 20, 3
 THREADS = 256
-
-
-def body_us(fn):
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in ks) / CALLS, len(ks) / CALLS
 
 
 def triton_variants(g, u, y, n4):
@@ -150,7 +138,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}; fp32 [16, 2048]; us per call")
     print(f"{'variant':<30}{'graph':>8}{'body':>8}  kernels/call")
     for name, fn in variants.items():
-        body, k = body_us(fn)
+        body, k = kernel_us(fn, CALLS)
         gr = statistics.median(graphs[name])
         rows.append({"variant": name, "graph_us": gr, "body_us": body, "kernels_per_call": k,
                      "graph_rounds": graphs[name]})

@@ -14,7 +14,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from math import prod
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -23,7 +22,7 @@ import torch  # noqa: E402
 
 from gpuops import dtypes as dt  # noqa: E402
 from gpuops import registry  # noqa: E402
-from gpuops.bench import graph_replay_us  # noqa: E402
+from gpuops.bench import back_to_back_us, graph_replay_us  # noqa: E402
 
 CALLS = 200
 
@@ -43,17 +42,7 @@ def randn(shape, d):
 
 
 def eager_us(fn):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / CALLS * 1e6)
-    return best
+    return back_to_back_us(fn, calls=CALLS)
 
 
 def graph_us(fn):

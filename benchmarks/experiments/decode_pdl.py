@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from math import prod
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -32,7 +31,8 @@ import torch  # noqa: E402
 
 from gpuops import dtypes as dt  # noqa: E402
 from gpuops import registry  # noqa: E402
-from gpuops.bench import _Framework, _peers, graph_replay_us, write_experiment_json  # noqa: E402
+from gpuops.bench import (_Framework, _peers, back_to_back_us, graph_replay_us,  # noqa: E402
+                          kernel_us, write_experiment_json)
 from gpuops.runtime import config  # noqa: E402
 
 CALLS = 50
@@ -59,37 +59,6 @@ def set_pdl(on: bool):
 
 def graph_us(fn):
     return graph_replay_us(fn, calls=CALLS, replays=REPLAYS)
-
-
-def eager_us(fn):
-    """Host microseconds per call, back to back (best of 5 loops of CALLS calls)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / CALLS * 1e6)
-    return best
-
-
-def body_us(fn):
-    """(GPU us of the kernels of one call, kernels per call): CUPTI via torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
-               and "memset" not in e.name.lower()]
-    total = sum(e.time_range.elapsed_us() for e in kernels)
-    return total / CALLS, len(kernels) / CALLS
 
 
 def outputs(res):
@@ -129,14 +98,14 @@ def measure(op, d, foreign, foreign_us):
     for name, (pdl, fn) in variants.items():
         if pdl is not None:
             set_pdl(pdl)
-        row["eager_us"][name] = eager_us(fn)
+        row["eager_us"][name] = back_to_back_us(fn, calls=CALLS, warmup=10)
     set_pdl(False)
     row["body_us"], row["kernels_per_call"] = {}, {}
     for name, (pdl, fn) in variants.items():
         if name == "pdl":
             continue
         try:
-            row["body_us"][name], row["kernels_per_call"][name] = body_us(fn)
+            row["body_us"][name], row["kernels_per_call"][name] = kernel_us(fn, CALLS)
         except Exception as exc:  # noqa: BLE001  the profiler is a diagnostic only
             row.setdefault("errors", {})[f"body {name}"] = f"{type(exc).__name__}: {exc}"[:200]
     set_pdl(True)
