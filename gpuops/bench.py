@@ -142,8 +142,11 @@ class _Framework:
     def graph_time_us(self, fn, budget_s=1.0):
         """GPU microseconds per call: ``k`` calls captured in one CUDA graph (torch), the graph
         replayed, CUDA events around each replay; the median of the replays over ``k``. The host
-        cost of a call is not in it, which is what a model captured in a graph sees. Raises if
-        the call cannot be captured (a host sync, an allocation outside the graph pool, ...)."""
+        cost of a call is not in it, which is what a model captured in a graph sees. On sm_90+
+        the k calls of a gpuops op from a pdl=True module chain by programmatic dependent launch
+        (as in a model whose neighbouring kernels are gpuops'); next to foreign kernels a call
+        gains nothing from it (benchmarks/experiments/decode_pdl.py times both). Raises if the
+        call cannot be captured (a host sync, an allocation outside the graph pool, ...)."""
         torch = self.torch
         once = _host_seconds(torch, fn)
         k = int(max(1, min(100, 2e-3 / max(once, 1e-6))))
