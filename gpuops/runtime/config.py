@@ -47,7 +47,7 @@ def _read() -> Settings:
         fallback=fallback,
         poison=env.get("GPUOPS_DEBUG_POISON", "") not in ("", "0"),
         quiet=env.get("GPUOPS_QUIET", "") not in ("", "0"),
-        pdl=env.get("GPUOPS_PDL", "1").strip() not in ("0", "false", "off"),
+        pdl=env.get("GPUOPS_PDL", "1").strip().lower() not in ("0", "false", "off"),
     )
 
 
