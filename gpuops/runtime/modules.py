@@ -11,7 +11,8 @@ bundle (``python -m gpuops build``).
 then let the next one be scheduled). Its kernels are then launched as programmatic dependent
 launches where that is real: a device and loaded code of sm_90 or newer, a driver with
 cuLaunchKernelEx, and GPUOPS_PDL not 0 (:func:`gpuops.runtime.loader.pdl_active`). A test reads
-every such kernel's PTX and fails where an access comes before the wait.
+the sm_90 PTX of one instantiation of every kernel template of such modules and fails where a
+memory access comes before the wait.
 """
 from __future__ import annotations
 
