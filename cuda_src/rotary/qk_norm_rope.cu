@@ -155,26 +155,6 @@ qk_norm_rope_fwd(RopeQK a, RopeTables tb, NormArgs n) {
 template <class T> struct IsHalf { static constexpr bool value = false; };
 template <> struct IsHalf<float16_t> { static constexpr bool value = true; };
 
-// The end of a fused forward row (fwd2 and, through scale_rotate, fwd3 / fwd4): v = v * rstd * w,
-// then on rotary lanes the rotation of its halves by the token's cos and sign * sin, which
-// cos_sin(c, sn) fills (called on rotary lanes only: the kernels differ in where those come from).
-template <int V, class CosSin>
-__device__ __forceinline__ void scale_and_rotate(float (&v)[2][V], float rstd,
-                                                 const float (&wv)[2][V], bool rotary, bool inter,
-                                                 CosSin&& cos_sin) {
-#pragma unroll
-  for (int p = 0; p < 2; ++p)
-#pragma unroll
-    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
-  if (rotary) {
-    float c[V], sn[V], lo[V], hi[V];
-    cos_sin(c, sn);
-    unit_pairs<V>(v, inter, lo, hi);
-    rotate_pairs<V>(lo, hi, c, sn);
-    unit_scatter<V>(lo, hi, inter, v);
-  }
-}
-
 // Forward, 16-byte packs only (V > 1): the same math as qk_norm_rope_fwd, but every
 // load of a row (x, its weights, its cos/sin) is issued before the row's sum of squares, as
 // 16-byte words where aligned (weights at unit stride, tables as above), so a lane's reads are
@@ -258,14 +238,25 @@ qk_norm_rope_fwd2(RopeQK a, RopeTables tb, NormArgs n) {
   } else {
     load_item_weights<TC, V>(w, ws, lane, units, a.r, inter, wv);
   }
-  scale_and_rotate<V>(v, rstd, wv, rotary, inter, [&](float (&c)[V], float (&sn)[V]) {
+  // The same scale-and-rotate steps as scale_rotate (fwd3 / fwd4), written out here on purpose:
+  // this kernel sits at its 64-register cap, and sharing them through one helper (tried in
+  // session 14) turned sm_70's allocation of the bf16 instance into an 8-byte spill.
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+  if (rotary) {
+    float c[V], sn[V], lo[V], hi[V];
     if (tvec) {
       cw.unpack(c);
       sw.unpack(sn, a.sign);
     } else {
       fetch_cos_sin<TC, V>(tb, b, r0, r1, r2, ok, lane * V, a.sign, c, sn);
     }
-  });
+    unit_pairs<V>(v, inter, lo, hi);
+    rotate_pairs<V>(lo, hi, c, sn);
+    unit_scatter<V>(lo, hi, inter, v);
+  }
   T* o = row_ptr<T>(is_q ? a.oq : a.ok, is_q ? a.oq_s : a.ok_s, b, s, hh);
   store16(o + off0, Vec16<T>::pack(v[0]));
   if (off1 >= 0) store16(o + off1, Vec16<T>::pack(v[1]));
@@ -278,11 +269,16 @@ __device__ __forceinline__ void scale_rotate(float (&v)[2][V], float rstd,
                                              const RawPack<TC, V>& w0, const RawPack<TC, V>& w1,
                                              bool rotary, bool ok, const RawPack<TC, V>& cw,
                                              const RawPack<TC, V>& sw, float sign) {
+  constexpr bool inter = false;                   // GPT-NeoX halves only (the host checks)
   float wv[2][V];
   w0.unpack(wv[0]);
   w1.unpack(wv[1]);
-  // (GPT-NeoX halves only: the host checks)
-  scale_and_rotate<V>(v, rstd, wv, rotary, false, [&](float (&c)[V], float (&sn)[V]) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[p][e] = v[p][e] * rstd * wv[p][e];
+  if (rotary) {
+    float c[V], sn[V], lo[V], hi[V];
     if (ok) {
       cw.unpack(c);
       sw.unpack(sn, sign);
@@ -291,7 +287,10 @@ __device__ __forceinline__ void scale_rotate(float (&v)[2][V], float rstd,
 #pragma unroll
       for (int j = 0; j < V; ++j) c[j] = sn[j] = nan;
     }
-  });
+    unit_pairs<V>(v, inter, lo, hi);
+    rotate_pairs<V>(lo, hi, c, sn);
+    unit_scatter<V>(lo, hi, inter, v);
+  }
 }
 
 // Forward, one-shot and lean (fwd3's host conditions, plus weights at unit stride with 16-byte
