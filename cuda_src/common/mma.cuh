@@ -68,67 +68,35 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
-// D = A * B + D for one 16x8x16 (f16/bf16), 16x8x8 (tf32) or 16x8x32 (s8) tile.
+// D = A * B + D for one 16x8x16 (f16/bf16), 16x8x8 (tf32) or 16x8x32 (s8) tile: Mma<T>::run
+// with kK the tile's K and Acc the accumulator type. The four specializations differ only in the
+// instruction's shape and types and in the accumulator's register class, so one macro writes
+// them (an asm string must be a literal).
 template <class T>
 struct Mma;
 
-template <>
-struct Mma<bfloat16_t> {
-  static constexpr int kK = 16;
-  using Acc = float;
-  __device__ __forceinline__ static void run(float (&d)[4], const unsigned int (&a)[4],
-                                             unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+#define GPUOPS_MMA_16x8(T, K, ACC, ACC_REG, SHAPE_TYPES)                                    \
+  template <>                                                                              \
+  struct Mma<T> {                                                                          \
+    static constexpr int kK = K;                                                           \
+    using Acc = ACC;                                                                       \
+    __device__ __forceinline__ static void run(ACC (&d)[4], const unsigned int (&a)[4],    \
+                                               unsigned int b0, unsigned int b1) {         \
+      asm volatile("mma.sync.aligned." SHAPE_TYPES " {%0, %1, %2, %3}, "                   \
+                   "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                          \
+                   : "+" ACC_REG(d[0]), "+" ACC_REG(d[1]), "+" ACC_REG(d[2]),              \
+                     "+" ACC_REG(d[3])                                                     \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));        \
+    }                                                                                      \
+  };
 
-template <>
-struct Mma<float16_t> {
-  static constexpr int kK = 16;
-  using Acc = float;
-  __device__ __forceinline__ static void run(float (&d)[4], const unsigned int (&a)[4],
-                                             unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
+GPUOPS_MMA_16x8(bfloat16_t, 16, float, "f", "m16n8k16.row.col.f32.bf16.bf16.f32")
+GPUOPS_MMA_16x8(float16_t, 16, float, "f", "m16n8k16.row.col.f32.f16.f16.f32")
 // fp32 storage multiplied as TF32 (only when the caller allows it: allow_tf32=True).
-template <>
-struct Mma<float> {
-  static constexpr int kK = 8;
-  using Acc = float;
-  __device__ __forceinline__ static void run(float (&d)[4], const unsigned int (&a)[4],
-                                             unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
+GPUOPS_MMA_16x8(float, 8, float, "f", "m16n8k8.row.col.f32.tf32.tf32.f32")
 // int8 x int8 with exact int32 accumulation (int8_matmul on sm_80+).
-template <>
-struct Mma<signed char> {
-  static constexpr int kK = 32;
-  using Acc = int;
-  __device__ __forceinline__ static void run(int (&d)[4], const unsigned int (&a)[4],
-                                             unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+GPUOPS_MMA_16x8(signed char, 32, int, "r", "m16n8k32.row.col.s32.s8.s8.s32")
+#undef GPUOPS_MMA_16x8
 
 // fp32 bits -> TF32 rounded to nearest (ties away), as cuBLAS does; the tensor core would
 // otherwise truncate the low mantissa bits, a biased error.
