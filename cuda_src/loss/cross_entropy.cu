@@ -45,25 +45,13 @@ ce_stats(const T* x, long long xs, int C, int chunk, int S, float* ws) {
   float m = neg_inf(), s = 0.0f, sx = 0.0f;
   for (int base = begin + threadIdx.x * N; base < end; base += U * step) {
     PK pk[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (base + u * step < end) pk[u].load(xr + base + u * step);
-    float f[U * N];
+    bool live[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float g[N];
-      if (base + u * step < end) {
-        pk[u].unpack(g);
-#pragma unroll
-        for (int k = 0; k < N; ++k) sx += g[k];
-      } else {
-#pragma unroll
-        for (int k = 0; k < N; ++k) g[k] = neg_inf();
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) f[u * N + k] = g[k];
+      live[u] = base + u * step < end;
+      if (live[u]) pk[u].load(xr + base + u * step);
     }
-    online_add(m, s, f);
+    online_add_packs<true>(m, s, sx, pk, live);
   }
   const float M = block_max(m, scratch);
   const float total = block_sum(s * online_rescale(m, M), scratch);
@@ -203,30 +191,17 @@ ce_fused(const T* x, long long xs, const TI* target, long long ts, int C, int ca
   float m = neg_inf(), s = 0.0f, sx = 0.0f;
   for (int i0 = threadIdx.x; i0 < packs; i0 += U * TX) {
     PK pk[U];
+    bool live[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * TX;
-      if (i < packs) {
+      live[u] = i < packs;
+      if (live[u]) {
         pk[u].load(xr + static_cast<long long>(i) * N);
         if (i < cache_packs) cache[i] = pk[u].raw;
       }
     }
-    float f[U * N];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float g[N];
-      if (i0 + u * TX < packs) {
-        pk[u].unpack(g);
-#pragma unroll
-        for (int k = 0; k < N; ++k) sx += g[k];
-      } else {
-#pragma unroll
-        for (int k = 0; k < N; ++k) g[k] = neg_inf();
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) f[u * N + k] = g[k];
-    }
-    online_add(m, s, f);
+    online_add_packs<true>(m, s, sx, pk, live);
   }
   const float M = block_max(m, scratch);
   const float S = block_sum(s * online_rescale(m, M), scratch);

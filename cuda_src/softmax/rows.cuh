@@ -38,6 +38,34 @@ template <class T> struct Pack<T, false> {
   static __device__ __forceinline__ void store(T* p, const float (&f)[1]) { *p = from_float<T>(f[0]); }
 };
 
+// (m, s) <- (m, s) merged with the values of U packs, pk[u] where live[u] (a pack past the end
+// of the data counts as -inf: exp(-inf) adds nothing); with kSum also sum += each live value, in
+// order (cross-entropy's label smoothing needs sum(x)). The streaming loops of softmax_split_stats,
+// ce_stats and ce_fused load U packs and then fold them in through this.
+template <bool kSum, int U, class PK>
+__device__ __forceinline__ void online_add_packs(float& m, float& s, float& sum, const PK (&pk)[U],
+                                                 const bool (&live)[U]) {
+  constexpr int N = PK::N;
+  float f[U * N];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float g[N];
+    if (live[u]) {
+      pk[u].unpack(g);
+      if constexpr (kSum) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) sum += g[k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) g[k] = neg_inf();
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[u * N + k] = g[k];
+  }
+  online_add(m, s, f);
+}
+
 // Combination over the calling thread's group (see above); every thread of the group gets it.
 // All threads of the block must call it (it may contain __syncthreads).
 template <class Op>

@@ -33,23 +33,14 @@ softmax_split_stats(const T* x, long long xs, int n, int chunk, int S, float* ws
   float m = neg_inf(), s = 0.0f;
   for (int base = begin + threadIdx.x * N; base < end; base += U * step) {
     PK pk[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (base + u * step < end) pk[u].load(xr + base + u * step);
-    float f[U * N];
+    bool live[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float g[N];
-      if (base + u * step < end) {
-        pk[u].unpack(g);
-      } else {
-#pragma unroll
-        for (int k = 0; k < N; ++k) g[k] = neg_inf();   // contributes exp(-inf) = 0
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) f[u * N + k] = g[k];
+      live[u] = base + u * step < end;
+      if (live[u]) pk[u].load(xr + base + u * step);
     }
-    online_add(m, s, f);
+    float unused = 0.0f;
+    online_add_packs<false>(m, s, unused, pk, live);
   }
   const float M = block_max(m, scratch);
   const float total = block_sum(s * online_rescale(m, M), scratch);
