@@ -57,7 +57,10 @@ prebuild() {
   # sm_90 also takes the arch-specific (90a: wgmma, TMA) modules, or the tests compile them in-process
   [ "$arch" = 90 ] && arch=90,90a
   start=$(date +%s)
+  # PREBUILD_MODULES (comma-separated): only those (an experiment on a few modules; the rest compile
+  # in-process as needed)
   $PY -m gpuops build --arch "$arch" --kind cubin --out /tmp/gpuops-native-bundle -j "$(nproc)" \
+    ${PREBUILD_MODULES:+--modules "$PREBUILD_MODULES"} \
     > "$DETAIL/prebuild.log" 2>&1 && export GPUOPS_KERNEL_BUNDLE=/tmp/gpuops-native-bundle
   prebuilt=1
   echo "prebuilt sm_$arch bundle in $(( $(date +%s) - start ))s: $(tail -1 "$DETAIL/prebuild.log")"

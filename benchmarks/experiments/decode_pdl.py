@@ -12,6 +12,12 @@ default). For each op at its decode shape, per call, in one process:
 - body: the kernels' own GPU time (torch.profiler / CUPTI, eager, PDL off), kernels per call.
 (Run 73 also timed the norms with their weights loaded ahead of the reduction, an A/B since
 removed: benchmarks/NOTES.md.)
+--variant LABEL:STATEMENT (repeatable) adds "ours" with a host setting changed while it is called
+(and captured), PDL on, e.g. `--variant "two_pass:norms.WHOLE_ROWS = 'two_pass'"` or
+`--variant "t128:norms.TUNING['layer_norm'] = replace(norms.TUNING['layer_norm'], target=128)"`
+(the statement runs with `norms` = gpuops.ops.norms, dataclasses.replace and tune(**fields),
+which replaces fields of every forward Kind of the norms; module globals it sets are restored
+after each call; device_run.sh splits EXPERIMENTS on spaces: write statements without them). Its output's largest difference from the default's is kept.
 Rounds alternate the variants; each figure is the median over ROUNDS rounds of a median over
 REPLAYS replays. Outputs of PDL on and off are compared bit for bit first.
 
@@ -20,6 +26,8 @@ REPLAYS replays. Outputs of PDL on and off are compared bit for bit first.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -61,11 +69,32 @@ def graph_us(fn):
     return graph_replay_us(fn, calls=CALLS, replays=REPLAYS)
 
 
+def host_variant(statement: str, fn):
+    """fn called with `statement` in force (module globals of gpuops.ops.norms restored after)."""
+    from gpuops.ops import norms
+    def tune(**fields):      # every forward Kind of the norms at once, e.g. tune(target=128)
+        for k, v in list(norms.TUNING.items()):
+            if not k.endswith("_bwd"):
+                norms.TUNING[k] = dataclasses.replace(v, **fields)
+    names = {"norms": norms, "replace": dataclasses.replace, "tune": tune}
+    code = compile(statement, "<variant>", "exec")
+
+    def run():
+        saved = {k: copy.copy(v) for k, v in vars(norms).items() if k.isupper()}
+        try:
+            exec(code, names)  # noqa: S102  an experiment's own command line
+            return fn()
+        finally:
+            for k, v in saved.items():
+                setattr(norms, k, v)
+    return run
+
+
 def outputs(res):
     return res if isinstance(res, tuple) else (res,)
 
 
-def measure(op, d, foreign, foreign_us):
+def measure(op, d, foreign, foreign_us, host_variants=()):
     shape = decode_shape(op.bench, d)
     if shape is None:
         return None
@@ -80,6 +109,12 @@ def measure(op, d, foreign, foreign_us):
     off = outputs(ours())
     row["pdl_equals_stream_order"] = all(torch.equal(a, b) for a, b in zip(on, off))
     variants = {"pdl": (True, ours), "no_pdl": (False, ours)}
+    for label, statement in host_variants:
+        fn = host_variant(statement, ours)
+        variants[label] = (True, fn)
+        got = outputs(fn())
+        row.setdefault("variant_max_abs_diff", {})[label] = max(
+            float((a.float() - b.float()).abs().max()) for a, b in zip(got, on))
     variants.update({n: (None, f) for n, f in peers.items()})
     chain = {n: [] for n in variants}
     mixed = {n: [] for n in variants}
@@ -121,7 +156,10 @@ def main():
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--json")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:STATEMENT, ours with a host setting changed (see the docstring)")
     a = ap.parse_args()
+    host_variants = [tuple(v.split(":", 1)) for v in a.variant]
     buf = torch.zeros(16, 1024, device="cuda")
     foreign = lambda: buf.add_(1.0)  # noqa: E731
     foreign_us = statistics.median(graph_us(foreign) for _ in range(ROUNDS))
@@ -137,7 +175,7 @@ def main():
             if op.bench is None or d not in op.dtypes:
                 continue
             try:
-                row = measure(op, d, foreign, foreign_us)
+                row = measure(op, d, foreign, foreign_us, host_variants)
             except Exception as exc:  # noqa: BLE001  report and go on
                 row = {"op": name, "dtype": dn, "error": f"{type(exc).__name__}: {exc}"[:300]}
             if row is None:
@@ -147,6 +185,9 @@ def main():
                 print(f"{name:<26}{dn:<10} error: {row['error']}", flush=True)
                 continue
             peers = [n for n in row["chain_us"] if n not in ("pdl", "no_pdl")]
+            if row.get("variant_max_abs_diff"):
+                print(f"{'':<26}variants' largest |difference| from ours: "
+                      f"{row['variant_max_abs_diff']}")
             c, m, e, b = row["chain_us"], row["mixed_us"], row["eager_us"], row["body_us"]
             k = row["kernels_per_call"]
             print(f"{name:<26}{dn:<10}{'x'.join(map(str, row['shape'])):<18}"
