@@ -961,7 +961,7 @@ def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int
 
 
 def test_whole_rows_options_are_listed_and_checked(monkeypatch):
-    assert set(WHOLE_ROWS_KERNELS) == set(N.WHOLE_ROWS_PLANS)
+    assert set(WHOLE_ROWS_KERNELS) | {"auto"} == set(N.WHOLE_ROWS_PLANS)
     assert N.WHOLE_ROWS in N.WHOLE_ROWS_PLANS
     monkeypatch.setattr(N, "WHOLE_ROWS", "per-row")
     plan = N.Plan(None, (256, 1, 1), 2, 1, 1)
@@ -978,6 +978,7 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
     compact: one block per row, raw x, one exchange, w and b after it), in one warp, odd rows of
     single elements; rows far from zero mean."""
     monkeypatch.setattr(N, "WHOLE_ROWS", whole_rows)
+    monkeypatch.setattr(N, "DECODE_ROWS", False)         # (rms_norm's own decode kernel: below)
     dev = emulated
     chosen = 0
     marker = WHOLE_ROWS_KERNELS[whole_rows]
@@ -1006,6 +1007,65 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
     _, rm, rr = N.ref_layer_norm_forward(_f64(far), 4096, None, None, 1e-5)
     assert_close(_f64(mean), rm, "float32", "mean of rows at 300")
     assert_close(_f64(rstd), rr, "float32", "rstd of rows at 300")
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
+    """WHOLE_ROWS = "auto": layer_norm_two_pass where the rows fit in one wave of its blocks (the
+    emulated device holds 4), else layer_norm_compact where that applies, else layer_norm_fwd."""
+    monkeypatch.setattr(N, "WHOLE_ROWS", "auto")
+    dev = emulated
+    seen = set()
+    for shape in ((3, 4096), (4, 2048), (5, 2048), (9, 4096), (2, 4097), (6, 64)):
+        x, w, b, r = _emu_case(rng, shape, dtype)
+        emu.Device.launches = []
+        (y,) = _emu_run(dev, "layer_norm", dtype, x, (shape[-1],), w, b)
+        ry, _, _ = N.ref_layer_norm_forward(_f64(x), (shape[-1],), _f64(w), _f64(b), 1e-5)
+        assert_close(_f64(y), ry, dtype, f"layer_norm {shape} auto")
+        (name,) = [launch[0] for launch in emu.Device.launches]
+        vec = _vec_width_of(x, dt.BY_NAME[dtype])
+        threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, shape[-1])
+        if not _whole_rows_applies("two_pass", vec, threads, ty, packs, C):
+            expected = "layer_norm_fwd<"
+        elif shape[0] <= 4:
+            expected = "layer_norm_two_pass<"
+        elif _whole_rows_applies("compact", vec, threads, ty, packs, C):
+            expected = "layer_norm_compact<"
+        else:
+            expected = "layer_norm_fwd<"
+        assert expected in name, (shape, name)
+        seen.add(expected)
+    assert seen == {"layer_norm_two_pass<", "layer_norm_compact<", "layer_norm_fwd<"}
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_decode_rows_equal_rms_norm_fwd(emulated, dtype, rng, monkeypatch):
+    """rms_norm_rows (DECODE_ROWS: whole rows of a one-wave grid on 16-byte units, w loaded with
+    x) gives rms_norm_fwd's bits for rms_norm / add_rms_norm (y, h, rstd), with and without a
+    weight; single elements and rows past one wave (4 blocks here) keep rms_norm_fwd."""
+    dev = emulated
+    for shape in ((3, 2048), (4, 1000), (2, 1001), (1, 64), (6, 2048)):
+        x, w, _, r = _emu_case(rng, shape, dtype)
+        ns = (shape[-1],)
+        got = {}
+        for rows_kernel in (True, False):
+            monkeypatch.setattr(N, "DECODE_ROWS", rows_kernel)
+            emu.Device.launches = []
+            got[rows_kernel] = (_emu_run(dev, "rms_norm_forward", dtype, x, ns, w, 1e-6)
+                                + _emu_run(dev, "rms_norm", dtype, x, ns, None, 1e-6)
+                                + _emu_run(dev, "add_rms_norm_forward", dtype, x, r, w, 1e-6))
+            names = [launch[0] for launch in emu.Device.launches]
+            vec = _vec_width_of(x, dt.BY_NAME[dtype])
+            threads, ty, _, C = N.plan_shape(N.TUNING["rms_norm"], vec, shape[-1])
+            lean = (rows_kernel and shape[0] <= 4 and vec > 1 and ty == 1 and threads > 32
+                    and C == 1)
+            assert all(("rms_norm_rows<" in n) == lean for n in names), (shape, names)
+        for a, b in zip(got[True], got[False]):
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), shape
+        ry, rr = N.ref_rms_norm_forward(_f64(x), ns, _f64(w), 1e-6)
+        assert_close(_f64(got[True][0]), ry, dtype, f"rms_norm_rows {shape}")
 
 
 # ============================================================================ autograd, compile
@@ -1355,6 +1415,45 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
         _check_ln(x, None, None, dtype, what + " no affine")
         _check_ln_far(_randn(shape, dtype, 1.0, 300.0), w, b, dtype, what + " mean 300")
     assert used >= (0 if whole_rows == "per_row" else 1)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
+    """Decode-sized whole rows: layer_norm under WHOLE_ROWS = "auto" takes layer_norm_two_pass
+    where the grid fits in one wave ([16, 2048]) and layer_norm_compact past it; rms_norm /
+    add_rms_norm take rms_norm_rows there on 16-byte units (DECODE_ROWS), bit-equal to
+    rms_norm_fwd (y, h, rstd; with and without weight; single elements keep rms_norm_fwd),
+    outputs NaN-poisoned."""
+    dev = torch.cuda.current_device()
+    d = dt.BY_NAME[dtype]
+    vec = 16 // d.itemsize
+    plan = N._plan("layer_norm", d, vec, 2048, dev)
+    assert "layer_norm_two_pass<" in N._whole_rows_plan(plan, d, vec, dev, 16).kernel.name
+    many = N._whole_rows_option("two_pass", plan, d, vec, dev, 1).capacity + 1
+    assert "layer_norm_compact<" in N._whole_rows_plan(plan, d, vec, dev, many).kernel.name
+    for shape in ((16, 2048), (1, 4096), (7, 1000), (5, 1001), (3, 128), (many, 2048)):
+        x, w, b = _ln_case(shape, dtype)
+        r = _randn(shape, dtype, 1.0, 0.0)
+        _check_ln(x, w, b, dtype, f"{shape} {dtype} auto", out=torch.full_like(x, float("nan")))
+        got = {}
+        for rows_kernel in (True, False):
+            monkeypatch.setattr(N, "DECODE_ROWS", rows_kernel)
+            _poison_allocator(x, x)
+            y, rstd = go.rms_norm_forward(x, (shape[-1],), w, 1e-6)
+            plain = go.rms_norm(x, (shape[-1],), None, 1e-6, out=torch.full_like(x, float("nan")))
+            normed, h, arstd = go.add_rms_norm_forward(x, r, w, 1e-6)
+            got[rows_kernel] = (y, rstd, plain, normed, h, arstd)
+        for a, c in zip(got[True], got[False]):
+            assert torch.equal(a, c), shape
+        ry, _ = N.ref_rms_norm_forward(_np(x), (shape[-1],), _np(w), 1e-6)
+        assert_close(_np(got[True][0]), ry, dtype, f"rms_norm {shape} {dtype}")
+        v = 16 // d.itemsize if shape[-1] % (16 // d.itemsize) == 0 else 1
+        rms_plan = N._plan("rms_norm", d, v, shape[-1], dev)
+        lean = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev)
+        assert (lean is not None) == (shape[0] < many and v > 1 and rms_plan.block[0] > 32
+                                      and rms_plan.block[1] == 1), shape
 
 
 @gpu

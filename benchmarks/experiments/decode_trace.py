@@ -13,6 +13,12 @@ Liger's (and a plain copy of the bytes) in the same run. Then a traced launch of
 0 of every block writes clock64 deltas between entry, x landed (its squares summed), the block
 reduction done, w landed (y computed) and the stores issued, plus %globaltimer at entry and exit;
 medians over blocks and launches, in SM cycles (and the block start spread in ns).
+Then the same for probes built from gpuops' own code (cuda_src/norms/rms_norm.cu included, fp32,
+256 threads x 2 float4 as rms_norm_fwd runs at this shape): the real rms_norm_fwd kernel launched
+directly, and its steps in order with stamps between them (pdl_start, the row loop, load_tile,
+sum_squares, block_sum_n, the rstd store, scale_store), alone and with one change each: no
+pdl_start, w loaded before the row (held), the block reduction's second stage done by every thread
+reading the warps' partials from shared memory (no second shuffle chain).
 
     python benchmarks/experiments/decode_trace.py [--json F]
 """
@@ -137,6 +143,100 @@ extern "C" __global__ void copy4(const float4* __restrict__ x, float4* __restric
   if (i < n) y[i] = x[i];
 }
 """
+OURS_SRC = r"""
+#include "norms/rms_norm.cu"
+namespace gpuops {
+__device__ __forceinline__ long long oclk() { return clock64(); }
+__device__ __forceinline__ void oafter(float v) { asm volatile("" :: "f"(v)); }
+
+// block_sum_n without its second shuffle chain: after the barrier every thread adds the warps'
+// partials itself (broadcast shared-memory reads), in warp order.
+template <int K>
+__device__ __forceinline__ void block_sum_lds(float (&v)[K], float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  warp_sum_n<K>(v);
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) scratch[32 * k + warp] = v[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float t = 0.0f;
+    for (int i = 0; i < warps; ++i) t += scratch[32 * k + i];
+    v[k] = t;
+  }
+}
+
+template <bool kPdl, bool kAhead, bool kLds>
+__device__ __forceinline__ void ours_steps(const float* x, const float* w, float* y,
+                                           float* rstd_out, long long rows, int n, float eps,
+                                           long long* trace) {
+  const long long c0 = oclk();
+  if (kPdl) pdl_start();
+  const long long c1 = oclk();
+  __shared__ float scratch[32];
+  const RowMap map(1, false);
+  const int units = n / 4;
+  const int u0 = first_unit<2>(map.chunk);
+  const float inv_n = 1.0f / static_cast<float>(n);
+  typename RawUnit<float, 4>::type held[2];
+  if (kAhead) load_params<float, 4, 2>(w, u0, 0, units, held);
+  long long c2 = 0, c3 = 0, c4 = 0;
+  for (long long row = map.first; row < rows; row += map.step) {
+    float v[2][4];
+    load_tile<float, 4, 2>(x + row * n, u0, units, v);
+    float ss[1] = {sum_squares<4, 2>(v)};
+    oafter(ss[0]);
+    c2 = oclk();
+    if (kLds) block_sum_lds<1>(ss, scratch);
+    else block_sum_n<1>(ss, scratch);
+    oafter(ss[0]);
+    c3 = oclk();
+    const float rstd = rsqrtf(ss[0] * inv_n + eps);
+    if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
+    if (kAhead) {
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        float wv[4];
+        RawUnit<float, 4>::unpack(held[p], wv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[p][j] = v[p][j] * rstd * wv[j];
+        const int u = u0 + p * static_cast<int>(blockDim.x);
+        if (u < units) Unit<float, 4>::store(y + row * n + static_cast<long long>(u) * 4, v[p]);
+      }
+    } else {
+      scale_store<float, 4, 2>(v, rstd, w, y + row * n, u0, units);
+    }
+    c4 = oclk();
+  }
+  if (trace != nullptr && threadIdx.x == 0) {
+    long long* t = trace + static_cast<long long>(blockIdx.x) * 8;
+    t[0] = 0;
+    t[1] = c1 - c0;     // pdl_start
+    t[2] = c2 - c1;     // x landed (its squares summed)
+    t[3] = c3 - c2;     // block reduction
+    t[4] = c4 - c3;     // rstd, w, y computed and stored
+    t[5] = c4 - c0;
+  }
+}
+}  // namespace gpuops
+
+#define OURS(NAME, PDL, AHEAD, LDS)                                                          \
+  extern "C" __global__ void __launch_bounds__(1024, 1)                                      \
+  NAME(const float* x, const float* w, float* y, float* rstd, long long rows, int n,         \
+       float eps, long long* trace) {                                                        \
+    gpuops::ours_steps<PDL, AHEAD, LDS>(x, w, y, rstd, rows, n, eps, trace);                 \
+  }
+OURS(ours_steps, true, false, false)
+OURS(ours_no_pdl, false, false, false)
+OURS(ours_w_ahead, true, true, false)
+OURS(ours_lds_reduce, true, false, true)
+OURS(ours_ahead_lds, true, true, true)
+"""
+OURS_PROBES = ("ours_steps", "ours_no_pdl", "ours_w_ahead", "ours_lds_reduce", "ours_ahead_lds")
+REAL = "gpuops::rms_norm_fwd<float, 4, 2, false>"
 PROBES = {"late_256x2": 256, "ahead_256x2": 256, "late_128x4": 128, "late_512x1": 512,
           "warp_32x16": 32}
 
@@ -153,6 +253,16 @@ def main():
     spec = ArgSpec("ptr", "ptr", "ptr", "i32", "f32", "ptr")
     kernels = {n: Kernel(n, mod.get_function(n), spec) for n in PROBES}
     copy4 = Kernel("copy4", mod.get_function("copy4"), ArgSpec("ptr", "ptr", "i32"))
+    root = __file__.rsplit("/benchmarks/", 1)[0]
+    omod = cupy.RawModule(code=OURS_SRC, options=("-std=c++17", f"-I{root}/cuda_src"),
+                          backend="nvrtc", name_expressions=[REAL])
+    ospec = ArgSpec("ptr", "ptr", "ptr", "ptr", "i64", "i32", "f32", "ptr")
+    ours = {n: Kernel(n, omod.get_function(n), ospec) for n in OURS_PROBES}
+    # rms_norm_fwd(x, xs, r, rs, y, ys, h, hs, w, rstd, partials, counters, rows, n, C, phase, eps)
+    real = Kernel("rms_norm_fwd", omod.get_function(REAL),
+                  ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
+                          "ptr", "ptr", "i64", "i32", "i32", "i32", "f32"))
+    rstd = torch.empty(ROWS, device="cuda")
 
     def stream():
         return torch.cuda.current_stream().cuda_stream
@@ -162,6 +272,15 @@ def main():
                                             x.data_ptr(), w.data_ptr(), y.data_ptr(), UNITS,
                                             EPS, trace.data_ptr() if traced else 0)
 
+    def ours_probe(name, traced=False):
+        return lambda: ours[name].launch((ROWS, 1, 1), (256, 1, 1), stream(), x.data_ptr(),
+                                         w.data_ptr(), y.data_ptr(), rstd.data_ptr(), ROWS, N,
+                                         EPS, trace.data_ptr() if traced else 0)
+
+    def real_fwd():
+        real.launch((ROWS, 1, 1), (256, 1, 1), stream(), x.data_ptr(), N, 0, 0, y.data_ptr(), N,
+                    0, 0, w.data_ptr(), rstd.data_ptr(), 0, 0, ROWS, N, 1, 0, EPS)
+
     ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + EPS)
            * w.double())
     errors = {}
@@ -170,8 +289,15 @@ def main():
         probe(name)()
         torch.cuda.synchronize()
         errors[name] = float((y.double() - ref).abs().max())
+    for name, fn in [(n, ours_probe(n)) for n in OURS_PROBES] + [("rms_norm_fwd direct", real_fwd)]:
+        y.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        errors[name] = float((y.double() - ref).abs().max())
     print("probe max abs err vs float64:", {k: f"{v:.1e}" for k, v in errors.items()})
     variants = {f"probe {n}": probe(n) for n in PROBES}
+    variants.update({f"probe {n}": ours_probe(n) for n in OURS_PROBES})
+    variants["rms_norm_fwd direct"] = real_fwd
     variants["copy (probe)"] = lambda: copy4.launch((ROWS * UNITS // 256, 1, 1), (256, 1, 1),
                                                     stream(), x.data_ptr(), y.data_ptr(),
                                                     ROWS * UNITS)
@@ -216,6 +342,23 @@ def main():
         print(f"{name:<14} load {med['load_cyc']:6.0f}  reduce {med['reduce_cyc']:5.0f}  "
               f"weight {med['weight_cyc']:5.0f}  store {med['store_cyc']:4.0f}  | start spread "
               f"{spread:5.0f} ns, block {duration:5.0f} ns, {sms} SMs", flush=True)
+    print("traced probes of gpuops' code (SM cycles, medians): pdl_start / x landed / block "
+          "reduction / rstd+w+y stored / total")
+    for name in OURS_PROBES:
+        samples = []
+        for _ in range(TRACES):
+            trace.zero_()
+            ours_probe(name, traced=True)()
+            torch.cuda.synchronize()
+            samples.append(trace.cpu())
+        t = torch.stack(samples).double()
+        med = {k: float(t[:, :, i].median()) for i, k in
+               ((1, "pdl_cyc"), (2, "load_cyc"), (3, "reduce_cyc"), (4, "weight_store_cyc"),
+                (5, "total_cyc"))}
+        rows.append({"variant": f"trace {name}", **med})
+        print(f"{name:<16} pdl {med['pdl_cyc']:5.0f}  load {med['load_cyc']:5.0f}  reduce "
+              f"{med['reduce_cyc']:5.0f}  w+store {med['weight_store_cyc']:5.0f}  total "
+              f"{med['total_cyc']:5.0f}", flush=True)
     if a.json:
         write_experiment_json(a.json, None, rows, calls=CALLS, replays=REPLAYS, rounds=ROUNDS,
                               probe_errors=errors)

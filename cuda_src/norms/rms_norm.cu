@@ -129,6 +129,63 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
   }
 }
 
+// Whole rows of a grid that fits in one wave (decode-sized calls: rows <= resident blocks; the
+// launch picks it, gpuops.ops.norms.DECODE_ROWS): 16-byte units, one block per row (blockDim.x >
+// 32, a multiple of 32), rms_norm_fwd's kFused math to the bit, laid out for one row's latency rather than for
+// streaming: w's units are loaded together with x's, before the reduction, and held (a block
+// waits for one round trip, not for a second one after the reduction), and there is no row loop
+// and no split-row code. An fp32 [16, 2048] probe of these steps ran 0.12 us shorter than the same steps with w read after the reduction,
+// and rms_norm_fwd itself 0.17 us longer than those (runs 76-77, benchmarks/NOTES.md). Arguments
+// as rms_norm_fwd's; partials, counters, C and phase are not read.
+template <class T, int VEC, int PACKS, bool kAdd>
+__global__ void __launch_bounds__(1024, 1)
+rms_norm_rows(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+              long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+              float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
+              long long rows, int n, int C, int phase, float eps) {
+  pdl_start();
+  __shared__ float scratch[32];
+  const long long row = blockIdx.x;
+  if (row >= rows) return;                        // (the grid is one block per row)
+  const int units = n / VEC;
+  const int u0 = static_cast<int>(threadIdx.x);
+  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN
+  using R = RawUnit<T, VEC>;
+  static_assert(VEC > 1, "16-byte units only (single elements: rms_norm_fwd)");
+  float v[PACKS][VEC];
+  typename R::type held[PACKS];
+  if (kAdd) {
+    float t[PACKS][VEC];
+    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, v);
+    load_tile<T, VEC, PACKS>(r + row * r_stride, u0, units, t);
+    if (w != nullptr) load_params<T, VEC, PACKS>(w, u0, 0, units, held);
+    add_store_residual<T, VEC, PACKS>(v, t, h + row * h_stride, u0, units);
+  } else {
+    load_tile<T, VEC, PACKS>(x + row * x_stride, u0, units, v);
+    if (w != nullptr) load_params<T, VEC, PACKS>(w, u0, 0, units, held);
+  }
+  float ss[1] = {sum_squares<VEC, PACKS>(v)};
+  block_sum_n<1>(ss, scratch);
+  const float rstd = rsqrtf(ss[0] * inv_n + eps);
+  if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
+  T* y_row = y + row * y_stride;
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * static_cast<int>(blockDim.x);
+    if (u < units) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;      // as scale_store: the same bits
+      if (w != nullptr) {
+        float wv[VEC];
+        R::unpack(held[p], wv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
+      }
+      Unit<T, VEC>::store(y_row + static_cast<long long>(u) * VEC, v[p]);
+    }
+  }
+}
+
 // One row of a split launch in one pass (see layer_norm_split_row): `t` holds r of the current
 // row on entry (kAdd) and is refilled with r of the next row.
 template <class T, int VEC, int PACKS, bool kAdd>

@@ -153,10 +153,18 @@ LONG_ROWS_PLANS = ("auto", "ring2", "ring", "split")
 # norms_long_rows.py --plans per_row,two_pass,compact --skip-long); predictions:
 # notes_norms.md. Run 22, [32768, 4096] bf16 (Liger 180.1 us): compact 181.9 us (98.3% of copy),
 # two_pass 182.0, per_row 206.0 (and "persistent", layer_norm_rows, 214.5 / 215.9 in runs 21-22:
-# removed); fp32 all within 0.3% of Liger (compact falls back to layer_norm_fwd there). compact is
-# the default.
-WHOLE_ROWS_PLANS = ("per_row", "two_pass", "compact")
-WHOLE_ROWS = "compact"
+# removed); fp32 all within 0.3% of Liger (compact falls back to layer_norm_fwd there). compact was
+# the default until run 77 ("auto" below).
+# Whole rows of rms_norm / add_rms_norm whose grid fits in one wave (decode-sized calls, e.g.
+# [16, 2048]): rms_norm_rows (w loaded with x and held, no row loop; bit-equal to rms_norm_fwd)
+# instead of rms_norm_fwd. Tests switch it off to reach rms_norm_fwd at small sizes.
+DECODE_ROWS = True
+# "auto" (run 77): two_pass where the grid fits in one wave, else compact. At [16, 2048] (PDL
+# chain, run 76) two_pass 1.69 us bf16 / 1.91 fp32 against compact's 1.91 / 2.30 (two plain block
+# sums cost less latency than compact's one exchange of Chan merges); at [32768, 4096] bf16
+# (run 77) compact 180.1 us, two_pass 180.8.
+WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact")
+WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 
@@ -211,6 +219,13 @@ _COMPACT_EXPRS = {(d, _vec_width(d), p):
                   f"gpuops::layer_norm_compact<{d.ctype}, {_vec_width(d)}, {p}>"
                   for d in dt.FLOATS for p in (1, 2)}
 COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
+# rms_norm_rows (norms/rms_norm.cu): the decode-sized whole rows of rms_norm / add_rms_norm, at the
+# (dtype, vec, packs) of rms_norm_fwd's plans on 16-byte units (single elements keep rms_norm_fwd:
+# an add_rms_norm fp32 instance of 8 elements per thread spilled under the 64-register cap).
+_ROWS_EXPRS = {k: {key: f"gpuops::rms_norm_rows<{key[0].ctype}, {key[1]}, {key[2]}, "
+                        f"{'true' if k == 'add_rms_norm' else 'false'}>"
+                   for key in _EXPRS[k] if key[1] > 1}
+               for k in ("rms_norm", "add_rms_norm")}
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
@@ -225,7 +240,7 @@ LAYER_NORM_MODULE = KernelModule(
      **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}}, pdl=True)
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
-    {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
+    {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS, _ROWS_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
      **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
         for e in _RING2_EXPRS[k].values()}}, pdl=True)
@@ -430,23 +445,49 @@ def _ring_grid(ring, rows: int):
     return grid
 
 
+def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, dev: int):
+    """The Plan of rms_norm_rows for `rows` whole rows of the shape of `plan` (an rms_norm_fwd
+    plan), or None where rms_norm_fwd runs: DECODE_ROWS off, single-element units, split or warp
+    rows, or more rows than one wave of its blocks."""
+    threads = plan.block[0]
+    if not DECODE_ROWS or vec == 1 or plan.C != 1 or plan.block[1] != 1 or threads <= 32:
+        return None
+    key = ("rows", kind_name, dtype, vec, plan.packs, threads, dev)
+    hit = _plans.get(key)
+    if hit is None:
+        hit = _make_plan(kind_name, _ROWS_EXPRS[kind_name][(dtype, vec, plan.packs)], threads, 1,
+                         plan.packs, 1, dev)
+        _plans[key] = hit
+    return hit if rows <= hit.capacity else None
+
+
 def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
     """The Plan of the WHOLE_ROWS kernel for `rows` rows of the length of `plan` (a
     layer_norm_fwd plan), or None where layer_norm_fwd runs: "per_row", split or warp rows,
     single-element units, or rows the option's kernel does not take (compact: more than 2 packs,
-    more than COMPACT_MAX_THREADS threads, or 2^31 rows or more: one block per row, no loop)."""
+    more than COMPACT_MAX_THREADS threads, or 2^31 rows or more: one block per row, no loop).
+    "auto": two_pass where its grid fits in one wave (decode-sized calls), else compact."""
     if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
         raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
                          f"{WHOLE_ROWS_PLANS}")
+    if WHOLE_ROWS == "auto":
+        two_pass = _whole_rows_option("two_pass", plan, dtype, vec, dev, rows)
+        if two_pass is not None and rows <= two_pass.capacity:
+            return two_pass
+        return _whole_rows_option("compact", plan, dtype, vec, dev, rows)
+    return _whole_rows_option(WHOLE_ROWS, plan, dtype, vec, dev, rows)
+
+
+def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows: int):
     threads = plan.block[0]
-    if (WHOLE_ROWS == "per_row" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
+    if (option == "per_row" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
             or vec == 1):
         return None
-    if WHOLE_ROWS == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
-                                    or rows > (1 << 31) - 1):
+    if option == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
+                                or rows > (1 << 31) - 1):
         return None
-    exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS}[WHOLE_ROWS]
-    key = (WHOLE_ROWS, dtype, vec, plan.packs, threads, dev)
+    exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS}[option]
+    key = (option, dtype, vec, plan.packs, threads, dev)
     hit = _plans.get(key)
     if hit is None:
         kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(
@@ -763,6 +804,9 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
                            ring.C, ring.depth, eps, smem=ring.smem)
         return y, h, rstd
     plan, grid, phases = _grid(plan, rows, False)
+    rows_plan = _decode_rows_plan(kind, plan, dtype, vec, rows, call.device)
+    if rows_plan is not None:
+        plan, grid = rows_plan, rows
     rp, partials, counters = _ptr(rstd), 0, 0
     if plan.C > 1:
         extra = rows if rstd is None else 0
