@@ -1449,6 +1449,7 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
             assert torch.equal(a, c), shape
         ry, _ = N.ref_rms_norm_forward(_np(x), (shape[-1],), _np(w), 1e-6)
         assert_close(_np(got[True][0]), ry, dtype, f"rms_norm {shape} {dtype}")
+        monkeypatch.setattr(N, "DECODE_ROWS", True)
         v = 16 // d.itemsize if shape[-1] % (16 // d.itemsize) == 0 else 1
         rms_plan = N._plan("rms_norm", d, v, shape[-1], dev)
         lean = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev)
