@@ -1453,8 +1453,12 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
         v = 16 // d.itemsize if shape[-1] % (16 // d.itemsize) == 0 else 1
         rms_plan = N._plan("rms_norm", d, v, shape[-1], dev)
         lean = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev)
-        assert (lean is not None) == (shape[0] < many and v > 1 and rms_plan.block[0] > 32
-                                      and rms_plan.block[1] == 1), shape
+        if v > 1 and rms_plan.block[0] > 32 and rms_plan.block[1] == 1 and rms_plan.C == 1:
+            cap = N._decode_rows_plan("rms_norm", rms_plan, d, v, 1, dev).capacity
+            assert (lean is not None) == (shape[0] <= cap), shape
+            assert N._decode_rows_plan("rms_norm", rms_plan, d, v, cap + 1, dev) is None
+        else:
+            assert lean is None, shape
 
 
 @gpu
