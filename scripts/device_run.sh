@@ -58,7 +58,8 @@ prebuild() {
   [ "$arch" = 90 ] && arch=90,90a
   start=$(date +%s)
   # PREBUILD_MODULES (comma-separated): only those (an experiment on a few modules; the rest compile
-  # in-process as needed)
+  # in-process as needed). Not with the bench stages: `gpuops bench` loads every module first and
+  # compiling the rest in-process outlasts STAGE_TIMEOUT (run 78)
   $PY -m gpuops build --arch "$arch" --kind cubin --out /tmp/gpuops-native-bundle -j "$(nproc)" \
     ${PREBUILD_MODULES:+--modules "$PREBUILD_MODULES"} \
     > "$DETAIL/prebuild.log" 2>&1 && export GPUOPS_KERNEL_BUNDLE=/tmp/gpuops-native-bundle
