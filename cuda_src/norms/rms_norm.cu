@@ -37,6 +37,23 @@ __device__ __forceinline__ float sum_squares(const float (&v)[PACKS][VEC]) {
   return ss;
 }
 
+// y = v * rstd * w for one unit, w given as its raw unit (has_w false: no weight; wr not read):
+// rstd first, then w, the rounding every rms_norm kernel shares.
+template <class T, int VEC>
+__device__ __forceinline__ void scale_store_unit(float (&v)[VEC], float rstd,
+                                                 const typename RawUnit<T, VEC>::type& wr,
+                                                 bool has_w, T* y) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v[j] *= rstd;
+  if (has_w) {
+    float wv[VEC];
+    RawUnit<T, VEC>::unpack(wr, wv);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] *= wv[j];
+  }
+  Unit<T, VEC>::store(y, v);
+}
+
 // y = v * rstd * w for this thread's units of the row. The loads of w go out in groups of GROUP
 // packs (default two), all of a group before the first is used: one L2 round trip per group, not
 // one per pack (a pack's branch kept the compiler from hoisting the next pack's load).
@@ -54,15 +71,8 @@ __device__ __forceinline__ void scale_store(float (&v)[PACKS][VEC], float rstd, 
       const int p = p0 + g;
       const int u = u0 + p * static_cast<int>(blockDim.x);
       if (u < units) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;
-        if (w != nullptr) {
-          float wv[VEC];
-          R::unpack(wr[g], wv);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
-        }
-        Unit<T, VEC>::store(y_row + static_cast<long long>(u) * VEC, v[p]);
+        scale_store_unit<T, VEC>(v[p], rstd, wr[g], w != nullptr,
+                                 y_row + static_cast<long long>(u) * VEC);
       }
     }
   }
@@ -131,12 +141,13 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
 
 // Whole rows of a grid that fits in one wave (decode-sized calls: rows <= resident blocks; the
 // launch picks it, gpuops.ops.norms.DECODE_ROWS): 16-byte units, one block per row (blockDim.x >
-// 32, a multiple of 32), rms_norm_fwd's kFused math to the bit, laid out for one row's latency rather than for
-// streaming: w's units are loaded together with x's, before the reduction, and held (a block
-// waits for one round trip, not for a second one after the reduction), and there is no row loop
-// and no split-row code. An fp32 [16, 2048] probe of these steps ran 0.12 us shorter than the same steps with w read after the reduction,
-// and rms_norm_fwd itself 0.17 us longer than those (runs 76-77, benchmarks/NOTES.md). Arguments
-// as rms_norm_fwd's; partials, counters, C and phase are not read.
+// 32, a multiple of 32), rms_norm_fwd's kFused math to the bit, laid out for one row's latency
+// rather than for streaming: w's units are loaded together with x's, before the reduction, and
+// held (a block waits for one round trip, not for a second one after the reduction), and there
+// is no row loop and no split-row code. An fp32 [16, 2048] probe of these steps ran 0.12 us
+// shorter than the same steps with w read after the reduction, and rms_norm_fwd itself 0.17 us
+// longer than those (runs 76-77); in a PDL chain rms_norm bf16 1.58 -> 1.46 us (run 78,
+// benchmarks/NOTES.md). Arguments as rms_norm_fwd's; partials, counters, C and phase are not read.
 template <class T, int VEC, int PACKS, bool kAdd>
 __global__ void __launch_bounds__(1024, 1)
 rms_norm_rows(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
@@ -173,15 +184,8 @@ rms_norm_rows(const T* x, long long x_stride, const T* r, long long r_stride, T*
   for (int p = 0; p < PACKS; ++p) {
     const int u = u0 + p * static_cast<int>(blockDim.x);
     if (u < units) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) v[p][j] *= rstd;      // as scale_store: the same bits
-      if (w != nullptr) {
-        float wv[VEC];
-        R::unpack(held[p], wv);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[p][j] *= wv[j];
-      }
-      Unit<T, VEC>::store(y_row + static_cast<long long>(u) * VEC, v[p]);
+      scale_store_unit<T, VEC>(v[p], rstd, held[p], w != nullptr,
+                               y_row + static_cast<long long>(u) * VEC);
     }
   }
 }
