@@ -261,6 +261,27 @@ def kernel_us(fn, calls=50):
     return sum(e.time_range.elapsed_us() for e in kernels) / calls, len(kernels) / calls
 
 
+def graph_and_body_rows(variants: dict, calls=50, replays=20, rounds=3, width=30):
+    """Each variant (name -> fn) timed per call in a CUDA graph of ``calls`` calls (median of
+    ``rounds`` rounds, the variants alternating within a round, of a median of ``replays``
+    replays) and by its kernels' CUPTI time (kernel_us); printed one line each and returned as
+    rows {"variant", "graph_us", "body_us", "kernels_per_call", "graph_rounds"}. The decode
+    probe experiments' table."""
+    graphs = {n: [] for n in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            graphs[name].append(graph_replay_us(fn, calls=calls, replays=replays))
+    print(f"{'variant':<{width}}{'graph':>8}{'body':>8}  kernels/call")
+    rows = []
+    for name, fn in variants.items():
+        body, k = kernel_us(fn, calls)
+        gr = statistics.median(graphs[name])
+        rows.append({"variant": name, "graph_us": gr, "body_us": body, "kernels_per_call": k,
+                     "graph_rounds": graphs[name]})
+        print(f"{name:<{width}}{gr:8.2f}{body:8.2f}  {k:.0f}", flush=True)
+    return rows
+
+
 def rotating(fn, items):
     """A callable that calls fn(*item) for the next of `items` on each call, round robin: inputs
     rotated through more bytes than the L2 holds, so that a timed call reads them from memory

@@ -14,7 +14,6 @@ cost and the kernels' code is; if they do not, it is the launch path.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -23,7 +22,7 @@ import cupy  # noqa: E402
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import graph_replay_us, kernel_us, write_experiment_json  # noqa: E402
+from gpuops.bench import graph_and_body_rows, write_experiment_json  # noqa: E402
 from gpuops.runtime.launch import ArgSpec, Kernel  # noqa: E402
 
 SRC = r"""
@@ -130,19 +129,8 @@ def main():
     torch.cuda.synchronize()
     ref = torch.nn.functional.silu(g) * u
     print(f"probe silu_mul max abs err {float((y - ref).abs().max()):.2e}")
-    graphs = {n: [] for n in variants}
-    for _ in range(ROUNDS):
-        for name, fn in variants.items():
-            graphs[name].append(graph_replay_us(fn, calls=CALLS, replays=REPLAYS))
-    rows = []
     print(f"{torch.cuda.get_device_name()}; fp32 [16, 2048]; us per call")
-    print(f"{'variant':<30}{'graph':>8}{'body':>8}  kernels/call")
-    for name, fn in variants.items():
-        body, k = kernel_us(fn, CALLS)
-        gr = statistics.median(graphs[name])
-        rows.append({"variant": name, "graph_us": gr, "body_us": body, "kernels_per_call": k,
-                     "graph_rounds": graphs[name]})
-        print(f"{name:<30}{gr:8.2f}{body:8.2f}  {k:.0f}", flush=True)
+    rows = graph_and_body_rows(variants, calls=CALLS, replays=REPLAYS, rounds=ROUNDS, width=30)
     if a.json:
         write_experiment_json(a.json, None, rows, calls=CALLS, replays=REPLAYS, rounds=ROUNDS)
 

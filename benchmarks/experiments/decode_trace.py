@@ -25,7 +25,6 @@ reading the warps' partials from shared memory (no second shuffle chain).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -34,7 +33,7 @@ import cupy  # noqa: E402
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import graph_replay_us, kernel_us, write_experiment_json  # noqa: E402
+from gpuops.bench import graph_and_body_rows, write_experiment_json  # noqa: E402
 from gpuops.runtime.launch import ArgSpec, Kernel  # noqa: E402
 
 ROWS, N = 16, 2048
@@ -308,30 +307,23 @@ def main():
                                                                         False)
     except ImportError:
         pass
-    graphs = {n: [] for n in variants}
-    for _ in range(ROUNDS):
-        for name, fn in variants.items():
-            graphs[name].append(graph_replay_us(fn, calls=CALLS, replays=REPLAYS))
-    rows = []
     print(f"{torch.cuda.get_device_name()}; fp32 [{ROWS}, {N}] with weight; us per call "
           f"(graph: chain of {CALLS}, median of {ROUNDS} x {REPLAYS}; body: CUPTI)")
-    print(f"{'variant':<22}{'graph':>8}{'body':>8}  kernels/call")
-    for name, fn in variants.items():
-        body, k = kernel_us(fn, CALLS)
-        gr = statistics.median(graphs[name])
-        rows.append({"variant": name, "graph_us": gr, "body_us": body, "kernels_per_call": k,
-                     "graph_rounds": graphs[name]})
-        print(f"{name:<22}{gr:8.2f}{body:8.2f}  {k:.0f}", flush=True)
+    rows = graph_and_body_rows(variants, calls=CALLS, replays=REPLAYS, rounds=ROUNDS, width=22)
     print("traced probes (thread 0 of each block; SM cycles, median over blocks x launches): "
           "load / reduce / weight+scale / store issue; block start spread and duration in ns")
-    for name in PROBES:
+    def traced(launch):
+        """[TRACES, ROWS, STAMPS] float64: the trace buffer after each of TRACES launches."""
         samples = []
         for _ in range(TRACES):
             trace.zero_()
-            probe(name, traced=True)()
+            launch()
             torch.cuda.synchronize()
             samples.append(trace.cpu())
-        t = torch.stack(samples).double()                      # [TRACES, ROWS, STAMPS]
+        return torch.stack(samples).double()
+
+    for name in PROBES:
+        t = traced(probe(name, traced=True))
         med = {k: float(t[:, :, i].median()) for i, k in
                ((1, "load_cyc"), (2, "reduce_cyc"), (3, "weight_cyc"), (4, "store_cyc"))}
         spread = float((t[:, :, 0].amax(1) - t[:, :, 0].amin(1)).median())
@@ -345,13 +337,7 @@ def main():
     print("traced probes of gpuops' code (SM cycles, medians): pdl_start / x landed / block "
           "reduction / rstd+w+y stored / total")
     for name in OURS_PROBES:
-        samples = []
-        for _ in range(TRACES):
-            trace.zero_()
-            ours_probe(name, traced=True)()
-            torch.cuda.synchronize()
-            samples.append(trace.cpu())
-        t = torch.stack(samples).double()
+        t = traced(ours_probe(name, traced=True))
         med = {k: float(t[:, :, i].median()) for i, k in
                ((1, "pdl_cyc"), (2, "load_cyc"), (3, "reduce_cyc"), (4, "weight_store_cyc"),
                 (5, "total_cyc"))}
