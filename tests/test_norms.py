@@ -602,8 +602,10 @@ def test_ring_plans_fit_the_device(monkeypatch):
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("layer", [True, False])
 @pytest.mark.parametrize("n", [7, 4096, 9000, 1 << 20])
-def test_backward_launch_arguments(recording, layer, n):
+@pytest.mark.parametrize("plan", N.BACKWARD_LONG_ROWS_PLANS)
+def test_backward_launch_arguments(recording, layer, n, plan, monkeypatch):
     log, memsets, capacity = recording
+    monkeypatch.setattr(N, "BACKWARD_LONG_ROWS", plan)
     dtype = dt.bfloat16
     rows = 5
     call = _FakeCall(dtype)
@@ -614,6 +616,11 @@ def test_backward_launch_arguments(recording, layer, n):
     dx, dw, db = N._backward_launch(call, "t", layer, dy, x, mean if layer else None, rstd,
                                     (n,), w, dres)
     assert dx.shape == (rows, n) and dw.shape == (n,) and (db is not None) == layer
+    vec = 8 if n % 8 == 0 else 1
+    if plan == "columns" and N.plan_shape(N.TUNING["rms_norm_bwd"], vec, n)[3] > 1:
+        _check_columns_launches(call, log, memsets, capacity, layer, rows, n, vec,
+                                (dy, x, mean, rstd, w, dres, dx, dw, db))
+        return
     main = [e for e in log if "norm_bwd" in e[0]]
     final = [e for e in log if "norm_weight_grad" in e[0]]
     assert len(final) == 1 and log[-1] is final[0]
@@ -639,6 +646,56 @@ def test_backward_launch_arguments(recording, layer, n):
         assert len(main) == 2 or grid[0] <= capacity
     else:
         assert not memsets and len(main) == 1 and grid[0] == min(rows, capacity)
+
+
+def _check_columns_launches(call, log, memsets, capacity, layer, rows, n, vec, tensors):
+    """The column plan's launches: stats, row sums, apply (and norm_weight_grad over the groups'
+    [groups, n] workspace where there are several), no memset; every pointer inside its
+    allocation, the workspace's dw / db 16-byte aligned."""
+    dy, x, mean, rstd, w, dres, dx, dw, db = tensors
+    K = 2 if layer else 1
+    chunks, grid_x, groups, rpg = N.cols_grid(n // vec, rows, capacity)
+    assert groups * rpg >= rows and (groups - 1) * rpg < rows
+    assert groups == 1 or rpg % N.COLS_ROWS == 0
+    names = [e[0] for e in log]
+    assert ["cols_stats" in names[0], "row_sums" in names[1], "cols_apply" in names[2]] == [True] * 3
+    assert len(log) == (4 if groups > 1 else 3) and not memsets
+    (_, g1, b1, sa), (_, g2, b2, ra), (_, g3, b3, aa) = log[:3]
+    assert g1 == g3 == (grid_x, groups, 1) and b1 == b3 == (N.COLS_THREADS, 1, 1)
+    assert g2[0] == min(rows, 1 << 16) and ra[2:] == (rows, chunks)
+    assert sa[:7] == (dy.ptr, n, x.ptr, n, mean.ptr if layer else 0, rstd.ptr, w.ptr)
+    assert sa[12:] == (rows, n, chunks, rpg)
+    partials, sums = sa[7], aa[9]
+    assert ra[:2] == (partials, sums)
+    assert _within(call, partials, rows * chunks * K * 4) and _within(call, sums, rows * K * 4)
+    assert aa[:9] == (dy.ptr, n, x.ptr, n, 0 if layer else dres.ptr, 0 if layer else n,
+                      mean.ptr if layer else 0, rstd.ptr, w.ptr)
+    assert aa[10:] == (dx.ptr, n, rows, n, chunks, rpg)
+    if groups > 1:
+        dw_part, db_part = sa[8], sa[9]
+        assert dw_part % 16 == 0 and _within(call, dw_part, groups * n * 4)
+        assert (db_part != 0) == layer and (not layer or _within(call, db_part, groups * n * 4))
+        assert sa[10:12] == (dw.ptr, db.ptr if layer else 0)
+        assert log[3][3] == (dw_part, db_part, dw.ptr, db.ptr if layer else 0, groups, n)
+    else:
+        assert sa[8:12] == (0, 0, dw.ptr, db.ptr if layer else 0)
+
+
+def test_cols_grid():
+    """The column plan covers every chunk and row, fills the capacity without a short last
+    wave: blocks take equal numbers of chunks (all but the last ones)."""
+    for units in (1, 255, 256, 257, 5000, 131072, 262144):
+        for rows in (1, 3, 4, 5, 16, 37, 1000, 32768):
+            for target in (4, 264, 396):
+                chunks, grid_x, groups, rpg = N.cols_grid(units, rows, target)
+                assert chunks * N.COLS_THREADS >= units > (chunks - 1) * N.COLS_THREADS
+                assert grid_x <= max(chunks, 1) and groups * rpg >= rows
+                per_block = -(-chunks // grid_x)
+                assert (grid_x - 1) * per_block < chunks       # no block without a chunk
+                if chunks >= target:
+                    assert groups == 1 and grid_x <= target
+                else:
+                    assert grid_x == chunks and grid_x * groups <= max(target, chunks)
 
 
 def test_strided_and_unaligned_launches(recording):
@@ -1068,6 +1125,75 @@ def test_emulated_decode_rows_equal_rms_norm_fwd(emulated, dtype, rng, monkeypat
         assert_close(_f64(got[True][0]), ry, dtype, f"rms_norm_rows {shape}")
 
 
+def _emu_backward_all(dev, x, w, r, dtype, what):
+    """Every backward op on x (stats from the float64 references) against the references; dx
+    tolerances scale with the magnitudes of its terms (they cancel), dw / db with sum |terms|."""
+    n = x.shape[-1]
+    ns = (n,)
+    x64 = _f64(x)
+    dy = (0.5 * x64 + 1.0 + 0.3 * np.random.default_rng(n).standard_normal(x.shape)).astype(x.dtype)
+    _, mean, rstd = N.ref_layer_norm_forward(x64, ns, None, None, 1e-5)
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    dx, dw, db = _emu_run(dev, "layer_norm_backward", dtype, dy, x, mean, rstd, ns, w)
+    rx, rw, rb = N.ref_layer_norm_backward(_f64(dy), x64, _f64(mean), _f64(rstd), ns, _f64(w))
+    xhat = (x64 - mean[:, None]) * rstd[:, None]
+    gw = _f64(dy) * _f64(w)
+    terms = np.abs(rstd[:, None]) * (np.abs(gw) + np.abs(gw).mean(1, keepdims=True)
+                                     + np.abs(xhat) * np.abs(gw * xhat).mean(1, keepdims=True))
+    assert_close(_f64(dx), rx, dtype, f"layer_norm dx {what}", scale=terms)
+    rows_err = (x.shape[0] + 19) * 2.0 ** -24
+    assert_close(_f64(dw), rw, dtype, f"layer_norm dw {what}",
+                 scale=np.abs(_f64(dy) * xhat).sum(0) * (1 + rows_err))
+    assert_close(_f64(db), rb, dtype, f"layer_norm db {what}", scale=np.abs(_f64(dy)).sum(0))
+    _, rstd = N.ref_rms_norm_forward(x64, ns, None, 1e-6)
+    rstd = rstd.astype(np.float32)
+    xhat = x64 * rstd[:, None]
+    terms = np.abs(rstd[:, None]) * (np.abs(gw) + np.abs(xhat) * np.abs(gw * xhat).mean(
+        1, keepdims=True))
+    dx, dw = _emu_run(dev, "rms_norm_backward", dtype, dy, x, rstd, ns, w)
+    rx, rw = N.ref_rms_norm_backward(_f64(dy), x64, _f64(rstd), ns, _f64(w))
+    assert_close(_f64(dx), rx, dtype, f"rms_norm dx {what}", scale=terms)
+    assert_close(_f64(dw), rw, dtype, f"rms_norm dw {what}",
+                 scale=np.abs(_f64(dy) * xhat).sum(0))
+    dx, dw = _emu_run(dev, "add_rms_norm_backward", dtype, dy, r, x, rstd, w)
+    rx, rw = N.ref_add_rms_norm_backward(_f64(dy), _f64(r), x64, _f64(rstd), _f64(w))
+    assert_close(_f64(dx), rx, dtype, f"add_rms_norm dx {what}", scale=terms + np.abs(_f64(r)))
+    assert_close(_f64(dw), rw, dtype, f"add_rms_norm dw {what}",
+                 scale=np.abs(_f64(dy) * xhat).sum(0))
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", N.BACKWARD_LONG_ROWS_PLANS)
+def test_emulated_backward_long_rows(emulated, dtype, plan, rng, monkeypatch):
+    """The backward's split rows (blocks of 64 threads: rows over 64 units split) under both
+    BACKWARD_LONG_ROWS plans. columns on a device of 4 blocks: blocks taking 2 chunks each
+    (37 x 10000), one chunk each with 2 groups of rows and the [groups, n] workspace (9 x 4096 /
+    2048), single elements (3 x 3001); split: kPartials then kApply."""
+    monkeypatch.setattr(N, "BACKWARD_LONG_ROWS", plan)
+    _small_blocks(monkeypatch)
+    dev = emulated
+    shapes = ((37, 10000), (9, 2048 if dtype == "float32" else 4096), (3, 3001))
+    for shape in shapes:
+        x, w, _, r = _emu_case(rng, shape, dtype)
+        emu.Device.launches = []
+        _emu_backward_all(dev, x, w, r, dtype, f"{shape} {plan}")
+        names = [launch[0] for launch in emu.Device.launches]
+        stats = [launch for launch in emu.Device.launches if "norm_bwd_cols_stats" in launch[0]]
+        assert len(stats) == (3 if plan == "columns" else 0), names
+        assert all(("norm_bwd<" in name) == (plan == "split") for name in names
+                   if "norm_weight_grad" not in name), names
+        if plan == "columns":
+            vec = _vec_width_of(x, dt.BY_NAME[dtype])
+            chunks, grid_x, groups, rpg = N.cols_grid(shape[-1] // vec, shape[0], 4)
+            assert all(launch[1][:2] == (grid_x, groups) for launch in stats), stats
+            assert sum("norm_weight_grad" in name for name in names) == (3 if groups > 1 else 0)
+            if shape[0] == 37:
+                assert grid_x < chunks                  # blocks walking several chunks
+            if shape[0] == 9:
+                assert groups == 2
+
+
 # ============================================================================ autograd, compile
 
 @needs_torch
@@ -1370,6 +1496,37 @@ def test_gpu_long_rows_every_plan(plan, dtype, shape, monkeypatch):
     r = _randn(shape, dtype)
     _poison_allocator(x, x, stats)
     _check_add(x, r, w, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("plan", N.BACKWARD_LONG_ROWS_PLANS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16, 262144), (3, 393217), (300, 16400), (5, 9000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_backward_long_rows_every_plan(plan, dtype, shape, monkeypatch):
+    """The backward's split rows under both BACKWARD_LONG_ROWS plans: rows of 262144 (columns:
+    one group, blocks over chunks), single elements (393217), many rows (300 x 16400: groups of
+    rows and the [groups, n] workspace), a few short split rows; outputs NaN-poisoned; the weight
+    gradients bitwise the same on a second call."""
+    monkeypatch.setattr(N, "BACKWARD_LONG_ROWS", plan)
+    x, w, b = _ln_case(shape, dtype)
+    what = f"{shape} {dtype} backward {plan}"
+    _, mean, rstd = _check_ln(x, w, b, dtype, what)
+    _poison_allocator(x, x, w, w, w)
+    dx, dw, db = _check_ln_bwd(x, w, mean, rstd, dtype, what)
+    dy = _grad_like(x)
+    first = go.layer_norm_backward(dy, x, mean, rstd, shape[-1:], w)
+    _poison_allocator(x, w, w)
+    again = go.layer_norm_backward(dy, x, mean, rstd, shape[-1:], w)
+    for a, c in zip(first, again):
+        assert torch.equal(a, c), what + " bitwise"
+    _, rstd = _check_rms(x, w, dtype, what)
+    _poison_allocator(x, w)
+    _check_rms_bwd(x, w, rstd, dtype, what)
+    _, h, rstd = _check_add(x, _randn(shape, dtype), w, dtype, what)
+    _poison_allocator(x, w)
+    _check_add_bwd(h, w, rstd, dtype, what)
 
 
 def _check_ln_far(x, w, b, dtype, what):

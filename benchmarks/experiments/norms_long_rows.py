@@ -42,6 +42,8 @@ Liger 179.4 us (run 21). fp32 (4 packs per thread): compact does not apply (laye
 
 (Run 34 also timed ring2's exchange with the tiles copied into the ring by cp.async several
 tiles ahead: slower at every shape, removed; notes_norms.md.)
+--backward: only the backward ops on split rows (BACKWARD_SHAPES) under each
+BACKWARD_LONG_ROWS plan (notes_norms.md, "The backward's long rows by columns").
 Quick runs: `--plans two_pass,compact,per_row --skip-long` (whole rows only), `--plans
 auto,ring2,ring --skip-4096 --peers torch` (long rows only). --plans takes long-row plans
 and WHOLE_ROWS options; --skip-softmax leaves out the softmax rows.
@@ -194,6 +196,45 @@ def _long_rows(fw, copy, rows, plans, peers):
                         _record(rows, copy, name, shape, d, peer, pfn, nbytes)
 
 
+BACKWARD_SHAPES = ((16, 1048576), (8, 393216), (64, 65536), (4096, 16384))
+
+
+def _backward_rows(fw, copy, rows):
+    """The backward ops on split rows under each BACKWARD_LONG_ROWS plan (columns: blocks own
+    column chunks over the rows of their group; split: norm_bwd's C blocks per row). Bytes: dy
+    and x read, dx written (add_rms_norm: dres read too), w read, dw (db) written."""
+    for shape in BACKWARD_SHAPES:
+        ns = shape[-1:]
+        for d in (dt.bfloat16, dt.float32):
+            x, dy, dres = fw.randn(shape, d), fw.randn(shape, d), fw.randn(shape, d)
+            w, b = fw.randn(ns, d), fw.randn(ns, d)
+            _, mean, rstd = go.layer_norm_forward(x, ns, w, b, 1e-5)
+            _, rms_rstd = go.rms_norm_forward(x, ns, w, 1e-6)
+            body, vec = 3 * x.numel() * d.itemsize, 2 * shape[-1] * d.itemsize
+            cases = {
+                "ln_bwd": (lambda: go.layer_norm_backward(dy, x, mean, rstd, ns, w),
+                           body + vec + vec // 2),
+                "rms_bwd": (lambda: go.rms_norm_backward(dy, x, rms_rstd, ns, w), body + vec),
+                "add_rms_bwd": (lambda: go.add_rms_norm_backward(dy, dres, x, rms_rstd, w),
+                                body + x.numel() * d.itemsize + vec)}
+            for name, (fn, nbytes) in cases.items():
+                for plan in N.BACKWARD_LONG_ROWS_PLANS:
+                    saved = N.BACKWARD_LONG_ROWS
+                    N.BACKWARD_LONG_ROWS = plan
+                    try:
+                        fn()
+                        what = ""
+                        if plan == "columns":
+                            n = shape[-1]
+                            vec_w = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
+                            cp = N._cols_plan(name == "ln_bwd", d, vec_w, n, shape[0], 0)
+                            what = (f"chunks {cp.chunks}, grid {cp.grid_x} x {cp.groups}, "
+                                    f"{cp.rows_per_group} rows/group")
+                        _record(rows, copy, name, shape, d, plan, fn, nbytes, what)
+                    finally:
+                        N.BACKWARD_LONG_ROWS = saved
+
+
 def _softmax_rows(fw, copy, rows, peers):
     """softmax / log_softmax on the long rows (gpuops' default plan; notes_softmax.md: two
     kernels, per-chunk partials then a merge-and-apply re-reading the chunk from L2)."""
@@ -268,6 +309,8 @@ def main():
     ap.add_argument("--skip-4096", action="store_true", help="only the long-row shapes")
     ap.add_argument("--skip-long", action="store_true", help="only [32768, 4096]")
     ap.add_argument("--skip-softmax", action="store_true", help="no softmax rows")
+    ap.add_argument("--backward", action="store_true",
+                    help="only the backward ops on split rows, every BACKWARD_LONG_ROWS plan")
     ap.add_argument("--peers", default="torch,torch.compile,liger",
                     help="long-row peers: comma-separated of torch, torch.compile, liger")
     args = ap.parse_args()
@@ -282,11 +325,13 @@ def main():
     print(f"copy {copy:.0f} GB/s", flush=True)
     rows = []
     peers = [p for p in args.peers.split(",") if p]
-    if not args.skip_long:
+    if args.backward:
+        _backward_rows(fw, copy, rows)
+    elif not args.skip_long:
         _long_rows(fw, copy, rows, plans, peers)
         if not args.skip_softmax:
             _softmax_rows(fw, copy, rows, peers)
-    if not args.skip_4096:
+    if not args.skip_4096 and not args.backward:
         _rows_4096(fw, copy, rows, whole_options)
     if args.json:
         with open(args.json, "w") as f:

@@ -158,6 +158,206 @@ norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Long rows by columns (split rows, few of them: e.g. [16, 1048576]). norm_bwd above walks each
+// row with C blocks that meet at every row (an arrive/merge chain per row, little in flight) and
+// writes a [slots, n] fp32 dw workspace per slot of rows. Here a block owns columns instead: the
+// chunk of kColsThreads units it holds lives in the same place of every row, so one block
+// accumulates dw (and db) of its columns over all the rows of its group in registers, and no
+// row needs all its blocks at once:
+//   norm_bwd_cols_stats   dw / db of its columns (rows of its group), and per (row, chunk) the K
+//                         partial row sums (sum(g * xhat), sum(g)) into partials[rows, chunks, K]
+//   norm_bwd_row_sums     each row's K sums of its chunks' partials, in a fixed order
+//   norm_bwd_cols_apply   dx, walking the rows backwards: what the stats pass read last is the
+//                         first it reads again, from L2 while it is still there
+// kColsRows rows are loaded per step (loads for all of them in flight before the first is used;
+// one block reduction for all of them). Grid: (blocks over chunks, row groups); a block takes
+// chunks blockIdx.x, blockIdx.x + gridDim.x, ... of rows [group * rows_per_group, ...). dw and
+// db go straight to the output when there is one group, else to a [groups, n] fp32 workspace
+// that norm_weight_grad sums in a fixed order.
+constexpr int kColsThreads = 256;
+constexpr int kColsRows = 4;
+
+template <class T, int VEC, bool kLN>
+__global__ void __launch_bounds__(kColsThreads, 2)
+norm_bwd_cols_stats(const T* dy, long long dy_stride, const T* x, long long x_stride,
+                    const float* __restrict__ mean, const float* __restrict__ rstd,
+                    const T* __restrict__ w, float* __restrict__ partials,
+                    float* __restrict__ dw_part, float* __restrict__ db_part, T* dw_out,
+                    T* db_out, long long rows, int n, int chunks, long long rows_per_group) {
+  pdl_start();
+  using R = RawUnit<T, VEC>;
+  constexpr int K = kLN ? 2 : 1;
+  constexpr int RR = kColsRows;
+  __shared__ float scratch[32 * K * RR];
+  const int units = n / VEC;
+  const long long r0 = static_cast<long long>(blockIdx.y) * rows_per_group;
+  const long long r1 = r0 + rows_per_group < rows ? r0 + rows_per_group : rows;
+
+  for (int chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const int u = chunk * kColsThreads + static_cast<int>(threadIdx.x);
+    const bool in = u < units;
+    const long long e = static_cast<long long>(u) * VEC;
+    float wv[VEC];
+    if (w != nullptr && in) {
+      Unit<T, VEC>::load(w + e, wv);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) wv[j] = 1.0f;
+    }
+    float dw[VEC], db[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dw[j] = db[j] = 0.0f;
+
+    for (long long row = r0; row < r1; row += RR) {
+      typename R::type xr[RR], gr[RR];
+#pragma unroll
+      for (int i = 0; i < RR; ++i) {   // rows past the group's end and units past the row's: 0
+        const bool ok = in && row + i < r1;
+        xr[i] = ok ? R::load(x + (row + i) * x_stride + e) : R::zero();
+        gr[i] = ok ? R::load(dy + (row + i) * dy_stride + e) : R::zero();
+      }
+      float s[RR * K];
+#pragma unroll
+      for (int i = 0; i < RR; ++i) {
+        const bool ok = row + i < r1;
+        const float r = ok ? rstd[row + i] : 0.0f;
+        const float m = kLN && ok ? mean[row + i] : 0.0f;
+        float xh[VEC], g[VEC];
+        R::unpack(xr[i], xh);
+        R::unpack(gr[i], g);
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[i * K + k] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xh[j] = (xh[j] - m) * r;
+          dw[j] = fmaf(g[j], xh[j], dw[j]);
+          if (kLN) db[j] += g[j];
+          const float gw = g[j] * wv[j];
+          s[i * K] = fmaf(gw, xh[j], s[i * K]);
+          if (kLN) s[i * K + 1] += gw;
+        }
+      }
+      block_sum_n<RR * K>(s, scratch);
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < RR; ++i) {
+          if (row + i < r1) {
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+              partials[((row + i) * chunks + chunk) * K + k] = s[i * K + k];
+          }
+        }
+      }
+    }
+
+    if (in) {
+      if (gridDim.y == 1) {
+        Unit<T, VEC>::store(dw_out + e, dw);
+        if (kLN) Unit<T, VEC>::store(db_out + e, db);
+      } else {
+        store_f32<VEC>(dw_part + blockIdx.y * static_cast<long long>(n) + e, dw);
+        if (kLN) store_f32<VEC>(db_part + blockIdx.y * static_cast<long long>(n) + e, db);
+      }
+    }
+  }
+}
+
+// sums[row * K + k] = sum over chunks of partials[(row * chunks + chunk) * K + k], one block per
+// row (grid-stride), in a fixed order: the same sums on every run.
+template <int K>
+__global__ void __launch_bounds__(256)
+norm_bwd_row_sums(const float* __restrict__ partials, float* __restrict__ sums, long long rows,
+                  int chunks) {
+  pdl_start();
+  __shared__ float scratch[32 * K];
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    float v[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = 0.0f;
+    const float* p = partials + row * chunks * K;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += p[c * K + k];
+    }
+    block_sum_n<K>(v, scratch);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) sums[row * K + k] = v[k];
+    }
+  }
+}
+
+// dx of the blocks' columns, rows of the group last to first, chunks last to first.
+template <class T, int VEC, bool kLN>
+__global__ void __launch_bounds__(kColsThreads, 2)
+norm_bwd_cols_apply(const T* dy, long long dy_stride, const T* x, long long x_stride,
+                    const T* dres, long long dres_stride, const float* __restrict__ mean,
+                    const float* __restrict__ rstd, const T* __restrict__ w,
+                    const float* __restrict__ sums, T* dx, long long dx_stride, long long rows,
+                    int n, int chunks, long long rows_per_group) {
+  pdl_start();
+  using R = RawUnit<T, VEC>;
+  constexpr int K = kLN ? 2 : 1;
+  constexpr int RR = kColsRows;
+  const int units = n / VEC;
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const long long r0 = static_cast<long long>(blockIdx.y) * rows_per_group;
+  const long long r1 = r0 + rows_per_group < rows ? r0 + rows_per_group : rows;
+  const int own = chunks > static_cast<int>(blockIdx.x)
+                      ? (chunks - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x)
+                      : -1;   // this block's chunks: blockIdx.x + k * gridDim.x, k <= own
+
+  for (int k_chunk = own; k_chunk >= 0; --k_chunk) {
+    const int chunk = static_cast<int>(blockIdx.x) + k_chunk * static_cast<int>(gridDim.x);
+    const int u = chunk * kColsThreads + static_cast<int>(threadIdx.x);
+    if (u >= units) continue;
+    const long long e = static_cast<long long>(u) * VEC;
+    float wv[VEC];
+    if (w != nullptr) {
+      Unit<T, VEC>::load(w + e, wv);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) wv[j] = 1.0f;
+    }
+    for (long long top = r1; top > r0; top -= RR) {   // rows top - 1, top - 2, ... >= r0
+      typename R::type xr[RR], gr[RR], dr[RR];
+#pragma unroll
+      for (int i = 0; i < RR; ++i) {
+        const long long row = top - 1 - i;
+        const bool ok = row >= r0;
+        xr[i] = ok ? R::load(x + row * x_stride + e) : R::zero();
+        gr[i] = ok ? R::load(dy + row * dy_stride + e) : R::zero();
+        if (!kLN && dres != nullptr) dr[i] = ok ? R::load(dres + row * dres_stride + e) : R::zero();
+      }
+#pragma unroll
+      for (int i = 0; i < RR; ++i) {
+        const long long row = top - 1 - i;
+        if (row < r0) continue;
+        const float r = rstd[row];
+        const float m = kLN ? mean[row] : 0.0f;
+        const float a = sums[row * K] * inv_n;                   // mean(g * xhat)
+        const float c = kLN ? sums[row * K + 1] * inv_n : 0.0f;  // mean(g)
+        float xh[VEC], g[VEC], o[VEC];
+        R::unpack(xr[i], xh);
+        R::unpack(gr[i], g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xh[j] = (xh[j] - m) * r;
+          o[j] = r * (g[j] * wv[j] - fmaf(xh[j], a, c));
+        }
+        if (!kLN && dres != nullptr) {
+          float dv[VEC];
+          R::unpack(dr[i], dv);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] += dv[j];
+        }
+        Unit<T, VEC>::store(dx + row * dx_stride + e, o);
+      }
+    }
+  }
+}
+
 // out_a[c] = sum over slots of part_a[slot, c] (and out_b from part_b unless null), in a fixed
 // order. blockDim = (32, 16): 32 columns per block, 16 slot lanes each.
 template <class T>

@@ -44,6 +44,13 @@ RMS_FWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "
 BWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64",
                    "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32")
 WGRAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32")
+# The backward's long rows by columns (norm_backward.cu: norm_bwd_cols_stats, norm_bwd_row_sums,
+# norm_bwd_cols_apply).
+COLS_STATS_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",
+                          "ptr", "ptr", "i64", "i32", "i32", "i64")
+ROW_SUMS_ARGS = ArgSpec("ptr", "ptr", "i64", "i32")
+COLS_APPLY_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr",
+                          "ptr", "i64", "i64", "i32", "i32", "i64")
 # The ring2 kernels: the forward arguments with one `state` pointer for partials and counters.
 LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
                         "i32", "i32", "i32", "f32")
@@ -138,6 +145,18 @@ ONE_LAUNCH_MAX_WAVES = 1
 # slower at every shape in run 34 and was removed: benchmarks/notes_norms.md.)
 LONG_ROWS = "auto"
 AUTO_RING2_MAX_C = 64
+# Split rows of the backward (rows longer than one block of norm_bwd holds: > 8192 elements):
+#   "columns"  (default) blocks own column chunks over all the rows of their group
+#              (norm_backward.cu: norm_bwd_cols_*): dw / db and the rows' partial sums in one
+#              streaming pass, the rows' sums, then dx re-reading the rows last-read-first
+#              (from L2 where they still are); no per-row meeting of blocks, no [slots, n]
+#              workspace where one group of rows covers the device
+#   "split"    norm_bwd with C blocks per row (one launch where they fit at once, else kPartials
+#              and kApply); run 72 at [16, 1048576]: 22-35% of copy (rms_norm bf16 139.9 us)
+BACKWARD_LONG_ROWS_PLANS = ("columns", "split")
+BACKWARD_LONG_ROWS = "columns"
+COLS_THREADS = 256          # kColsThreads of norm_backward.cu
+COLS_ROWS = 4               # kColsRows: rows per step of a block
 LONG_ROWS_PLANS = ("auto", "ring2", "ring", "split")
 # Whole rows of layer_norm (one block per row, 16-byte units; e.g. [*, 4096]): which kernel.
 #   "per_row"    layer_norm_fwd: x raw in registers, w and b loaded with it (up to 2 packs), one
@@ -230,6 +249,11 @@ _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
+_COLS_EXPRS = {(layer, d, v): tuple(f"gpuops::norm_bwd_cols_{step}<{d.ctype}, {v}, "
+                                    f"{'true' if layer else 'false'}>"
+                                    for step in ("stats", "apply"))
+               for layer in (True, False) for d in dt.FLOATS for v in (_vec_width(d), 1)}
+_ROW_SUMS_EXPRS = {K: f"gpuops::norm_bwd_row_sums<{K}>" for K in (1, 2)}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
@@ -247,7 +271,10 @@ RMS_NORM_MODULE = KernelModule(
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
-     **{e: WGRAD_ARGS for e in _WGRAD_EXPRS.values()}}, pdl=True)
+     **{e: WGRAD_ARGS for e in _WGRAD_EXPRS.values()},
+     **{e: COLS_STATS_ARGS for e, _ in _COLS_EXPRS.values()},
+     **{e: COLS_APPLY_ARGS for _, e in _COLS_EXPRS.values()},
+     **{e: ROW_SUMS_ARGS for e in _ROW_SUMS_EXPRS.values()}}, pdl=True)
 _MODULE_OF = {"layer_norm": LAYER_NORM_MODULE, "rms_norm": RMS_NORM_MODULE,
               "add_rms_norm": RMS_NORM_MODULE, "layer_norm_bwd": BACKWARD_MODULE,
               "rms_norm_bwd": BACKWARD_MODULE}
@@ -292,6 +319,22 @@ def plan_shape(kind: Kind, vec: int, n: int):
     return threads, ty, packs, C
 
 
+def cols_grid(units: int, rows: int, target: int):
+    """(chunks, grid_x, groups, rows_per_group) of the backward's column plan: chunks of
+    COLS_THREADS units; where they fill `target` blocks (the resident capacity) on their own,
+    one group of all the rows and a grid over the chunks balanced to at most `target` blocks
+    (each taking the same number of chunks, but the last ones); else one block per chunk and
+    groups of rows (a multiple of COLS_ROWS each) to fill the capacity."""
+    chunks = -(-units // COLS_THREADS)
+    if chunks >= target:
+        per_block = -(-chunks // target)
+        return chunks, -(-chunks // per_block), 1, rows
+    steps = -(-rows // COLS_ROWS)
+    groups = max(1, min(steps, target // chunks))
+    rows_per_group = -(-steps // groups) * COLS_ROWS
+    return chunks, chunks, -(-rows // rows_per_group), rows_per_group
+
+
 def split_shape(kind: Kind, vec: int, n: int):
     """(threads, packs, blocks per row) of the pipelined `split_template` kernel."""
     packs = split_packs(kind, vec)
@@ -329,6 +372,32 @@ def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
         plan.kind = kind
         _plans[key] = plan
     return plan
+
+
+@dataclass
+class ColsPlan:
+    """The backward's long rows by columns: its three kernels and the launch shape."""
+    stats: object
+    sums: object
+    apply: object
+    chunks: int
+    grid_x: int
+    groups: int
+    rows_per_group: int
+
+
+def _cols_plan(layer: bool, dtype, vec: int, n: int, rows: int, dev: int) -> ColsPlan:
+    key = ("columns", layer, dtype, vec, dev)
+    hit = _plans.get(key)
+    if hit is None:
+        module = loader.load(BACKWARD_MODULE, dev)
+        stats_expr, apply_expr = _COLS_EXPRS[(layer, dtype, vec)]
+        stats = module.kernel(stats_expr)
+        target = loader.blocks_per_sm(stats, COLS_THREADS) * device.device_info(dev).sm_count
+        hit = _plans[key] = (stats, module.kernel(_ROW_SUMS_EXPRS[2 if layer else 1]),
+                             module.kernel(apply_expr), target)
+    stats, sums, apply, target = hit
+    return ColsPlan(stats, sums, apply, *cols_grid(n // vec, rows, target))
 
 
 def _grid(plan: Plan, rows: int, persistent: bool):
@@ -851,8 +920,35 @@ def _backward_launch(call, op, layer, grad_output, input, mean, rstd, ns, weight
     w = _vector(call, weight)
     operands = [(g.ptr, gs), (x.ptr, xs), (dx.ptr, n)] + ([(d.ptr, ds)] if d is not None else [])
     vec = _vec_width(dtype) if _vec_ok(dtype, n, rows, operands, (w,)) else 1
-    plan, grid, phases = _grid(_plan("layer_norm_bwd" if layer else "rms_norm_bwd", dtype, vec,
-                                     n, call.device), rows, True)
+    kind = "layer_norm_bwd" if layer else "rms_norm_bwd"
+    if BACKWARD_LONG_ROWS not in BACKWARD_LONG_ROWS_PLANS:
+        raise ValueError(f"gpuops.ops.norms.BACKWARD_LONG_ROWS = {BACKWARD_LONG_ROWS!r}: one of "
+                         f"{BACKWARD_LONG_ROWS_PLANS}")
+    if BACKWARD_LONG_ROWS == "columns" and plan_shape(TUNING[kind], vec, n)[3] > 1:
+        cp = _cols_plan(layer, dtype, vec, n, rows, call.device)
+        K = 2 if layer else 1
+        per_group = K * n if cp.groups > 1 else 0
+        # [groups, n] dw (and db) first: the kernel stores them 16 bytes at a time
+        ws = call.empty((cp.groups * per_group + rows * K * (cp.chunks + 1),), dt.float32)
+        dw_part = ws.ptr if cp.groups > 1 else 0
+        db_part = ws.ptr + 4 * cp.groups * n if cp.groups > 1 and layer else 0
+        partials = ws.ptr + 4 * cp.groups * per_group
+        sums = partials + 4 * rows * K * cp.chunks
+        mp = _ptr(mean) if layer else 0
+        grid, block = (cp.grid_x, cp.groups, 1), (COLS_THREADS, 1, 1)
+        cp.stats.launch(grid, block, call.stream, g.ptr, gs, x.ptr, xs, mp, rstd.ptr, _ptr(w),
+                        partials, dw_part, db_part, dw.ptr, _ptr(db), rows, n, cp.chunks,
+                        cp.rows_per_group)
+        cp.sums.launch((min(rows, 1 << 16), 1, 1), (256, 1, 1), call.stream, partials, sums,
+                       rows, cp.chunks)
+        cp.apply.launch(grid, block, call.stream, g.ptr, gs, x.ptr, xs, _ptr(d), ds, mp,
+                        rstd.ptr, _ptr(w), sums, dx.ptr, n, rows, n, cp.chunks,
+                        cp.rows_per_group)
+        if cp.groups > 1:
+            wgrad.launch(wgrid, WGRAD_BLOCK, call.stream, dw_part, db_part, dw.ptr, _ptr(db),
+                         cp.groups, n)
+        return dx, dw, db
+    plan, grid, phases = _grid(_plan(kind, dtype, vec, n, call.device), rows, True)
     slots = grid // plan.C
     K = 2 if layer else 1
     part = call.empty(((2 if layer else 1) * slots * n,), dt.float32)
