@@ -649,23 +649,25 @@ def test_backward_launch_arguments(recording, layer, n, plan, monkeypatch):
 
 
 def _check_columns_launches(call, log, memsets, capacity, layer, rows, n, vec, tensors):
-    """The column plan's launches: stats, apply (and norm_weight_grad over the groups' [groups, n]
-    workspace where there are several), no memset; every pointer inside its allocation, the
-    workspace's dw / db 16-byte aligned."""
+    """The column plan's launches: stats, row sums, apply (and norm_weight_grad over the groups'
+    [groups, n] workspace where there are several), no memset; every pointer inside its
+    allocation, the workspace's dw / db 16-byte aligned."""
     dy, x, mean, rstd, w, dres, dx, dw, db = tensors
     K = 2 if layer else 1
     chunks, grid_x, groups, rpg = N.cols_grid(n // vec, rows, capacity)
     assert groups * rpg >= rows and (groups - 1) * rpg < rows
     assert groups == 1 or rpg % N.COLS_ROWS == 0
     names = [e[0] for e in log]
-    assert ["cols_stats" in names[0], "cols_apply" in names[1]] == [True] * 2
-    assert len(log) == (3 if groups > 1 else 2) and not memsets
-    (_, g1, b1, sa), (_, g3, b3, aa) = log[:2]
+    assert ["cols_stats" in names[0], "row_sums" in names[1], "cols_apply" in names[2]] == [True] * 3
+    assert len(log) == (4 if groups > 1 else 3) and not memsets
+    (_, g1, b1, sa), (_, g2, b2, ra), (_, g3, b3, aa) = log[:3]
     assert g1 == g3 == (grid_x, groups, 1) and b1 == b3 == (N.COLS_THREADS, 1, 1)
+    assert g2[0] == min(rows, 1 << 16) and ra[2:] == (rows, chunks)
     assert sa[:7] == (dy.ptr, n, x.ptr, n, mean.ptr if layer else 0, rstd.ptr, w.ptr)
     assert sa[12:] == (rows, n, chunks, rpg)
-    partials = sa[7]
-    assert aa[9] == partials and _within(call, partials, rows * chunks * K * 4)
+    partials, sums = sa[7], aa[9]
+    assert ra[:2] == (partials, sums)
+    assert _within(call, partials, rows * chunks * K * 4) and _within(call, sums, rows * K * 4)
     assert aa[:9] == (dy.ptr, n, x.ptr, n, 0 if layer else dres.ptr, 0 if layer else n,
                       mean.ptr if layer else 0, rstd.ptr, w.ptr)
     assert aa[10:] == (dx.ptr, n, rows, n, chunks, rpg)
@@ -674,7 +676,7 @@ def _check_columns_launches(call, log, memsets, capacity, layer, rows, n, vec, t
         assert dw_part % 16 == 0 and _within(call, dw_part, groups * n * 4)
         assert (db_part != 0) == layer and (not layer or _within(call, db_part, groups * n * 4))
         assert sa[10:12] == (dw.ptr, db.ptr if layer else 0)
-        assert log[2][3] == (dw_part, db_part, dw.ptr, db.ptr if layer else 0, groups, n)
+        assert log[3][3] == (dw_part, db_part, dw.ptr, db.ptr if layer else 0, groups, n)
     else:
         assert sa[8:12] == (0, 0, dw.ptr, db.ptr if layer else 0)
 

@@ -1,14 +1,14 @@
 """Where the time of the backward's column plan goes (norms.BACKWARD_LONG_ROWS = "columns";
 notes_norms.md, "The backward's long rows by columns"): rms_norm_backward on long rows, CUDA-graph
-timed, as the whole op and as its two kernels alone:
-  op           go.rms_norm_backward (stats, then apply)
+timed, as the whole op and as its three kernels alone:
+  op           go.rms_norm_backward (stats, row sums, apply)
   stats        norm_bwd_cols_stats alone (reads dy and x: 2N)
-  apply        norm_bwd_cols_apply alone (sums the rows' partials itself), replayed back to
-               back: its re-read starts cold (the previous replay read those rows first)
-  stats+apply  the two kernels launched here (= op, as a check of the pieces)
-  bands<B>     the two kernels per band of rows/B rows (timing only: each band's dw overwrites
+  sums         norm_bwd_row_sums alone
+  apply        norm_bwd_cols_apply alone, replayed back to back: its re-read starts cold
+               (the previous replay read those rows first, long before)
+  stats+apply  the three kernels launched here (= op, as a check of the pieces)
+  bands<B>     the three kernels per band of rows/B rows (timing only: each band's dw overwrites
                the last's): how much an apply pass gains when its rows' bytes are still in L2
-(Run 83 timed a third kernel, norm_bwd_row_sums, between them: 1.2-1.7 us; now folded into apply.)
 Bytes per line: what the piece moves at least (stats 2N, apply 3N, op 3N; N = one tensor).
 """
 from __future__ import annotations
@@ -29,14 +29,18 @@ SHAPES = ((16, 1048576), (8, 393216))
 
 
 def _pieces(torch, x, dy, w, rstd, d, rows_range=None):
-    """Launchers of the two kernels (and of both) on rows [r0, r1) of x / dy; the buffers they
+    """Launchers of the three kernels (and of all three) on rows [r0, r1) of x / dy, as the op
+    launches them (a [groups, n] dw workspace where there are several groups); the buffers they
     write ride along in the dict ("keep") so that they outlive the launchers' captures."""
     rows, n = x.shape
     r0, r1 = rows_range or (0, rows)
     sub = r1 - r0
     cp = N._cols_plan(False, d, 16 // d.itemsize, n, sub, 0)
-    ws = torch.empty(sub * cp.chunks, device="cuda", dtype=torch.float32)
-    partials = ws.data_ptr()
+    ws = torch.empty(sub * (cp.chunks + 1), device="cuda", dtype=torch.float32)
+    partials, sums = ws.data_ptr(), ws.data_ptr() + 4 * sub * cp.chunks
+    dw_ws = torch.empty(cp.groups * n if cp.groups > 1 else 1, device="cuda",
+                        dtype=torch.float32)
+    dw_part = dw_ws.data_ptr() if cp.groups > 1 else 0
     dx = torch.empty_like(x)
     dw = torch.empty_like(w)
     es = x.element_size()
@@ -48,17 +52,22 @@ def _pieces(torch, x, dy, w, rstd, d, rows_range=None):
         return torch.cuda.current_stream().cuda_stream
 
     def stats():
-        cp.stats.launch(grid, block, stream(), gp, n, xp, n, 0, rp, w.data_ptr(), partials, 0, 0,
-                        dw.data_ptr(), 0, sub, n, cp.chunks, cp.rows_per_group)
+        cp.stats.launch(grid, block, stream(), gp, n, xp, n, 0, rp, w.data_ptr(), partials,
+                        dw_part, 0, dw.data_ptr(), 0, sub, n, cp.chunks, cp.rows_per_group)
+
+    def sums_():
+        cp.sums.launch((min(sub, 1 << 16), 1, 1), (256, 1, 1), stream(), partials, sums, sub,
+                       cp.chunks)
 
     def apply():
-        cp.apply.launch(grid, block, stream(), gp, n, xp, n, 0, 0, 0, rp, w.data_ptr(), partials,
+        cp.apply.launch(grid, block, stream(), gp, n, xp, n, 0, 0, 0, rp, w.data_ptr(), sums,
                         dxp, n, sub, n, cp.chunks, cp.rows_per_group)
 
-    def both():
+    def all3():
         stats()
+        sums_()
         apply()
-    return dict(stats=stats, apply=apply, both=both, keep=(ws, dx, dw)), cp
+    return dict(stats=stats, sums=sums_, apply=apply, all3=all3, keep=(ws, dw_ws, dx, dw)), cp
 
 
 def main():
@@ -77,16 +86,18 @@ def main():
             _, rstd = go.rms_norm_forward(x, shape[-1:], w, 1e-6)
             N_bytes = x.numel() * d.itemsize
             fns, cp = _pieces(torch, x, dy, w, rstd, d)
-            lines = [("op", lambda: go.rms_norm_backward(dy, x, rstd, shape[-1:], w), 3 * N_bytes),
-                     ("stats", fns["stats"], 2 * N_bytes), ("apply", fns["apply"], 3 * N_bytes),
-                     ("stats+apply", fns["both"], 3 * N_bytes)]
+            lines = [("op", lambda: go.rms_norm_backward(dy, x, rstd, shape[-1:], w),
+                      3 * N_bytes),
+                     ("stats", fns["stats"], 2 * N_bytes), ("sums", fns["sums"], 0),
+                     ("apply", fns["apply"], 3 * N_bytes),
+                     ("stats+apply", fns["all3"], 3 * N_bytes)]
             for bands in (2, 4):
                 if shape[0] % bands == 0:
                     step = shape[0] // bands
                     parts = [_pieces(torch, x, dy, w, rstd, d, (b * step, (b + 1) * step))[0]
                              for b in range(bands)]
                     lines.append((f"bands{bands}",
-                                  lambda parts=parts: [p["both"]() for p in parts], 3 * N_bytes))
+                                  lambda parts=parts: [p["all3"]() for p in parts], 3 * N_bytes))
             for name, fn, nbytes in lines:
                 fn()
                 us = graph_replay_us(fn)

@@ -167,30 +167,19 @@ norm_bwd(const T* dy, long long dy_stride, const T* x, long long x_stride, const
 // row needs all its blocks at once:
 //   norm_bwd_cols_stats   dw / db of its columns (rows of its group), and per (row, chunk) the K
 //                         partial row sums (sum(g * xhat), sum(g)) into partials[rows, chunks, K]
+//   norm_bwd_row_sums     each row's K sums of its chunks' partials, in a fixed order
 //   norm_bwd_cols_apply   dx, walking the rows backwards: what the stats pass read last is the
-//                         first it reads again, from L2 while it is still there. Each step's
-//                         rows' sums are summed from their chunks' partials by one warp per
-//                         (row, k) in a fixed order (every block gets the same bits), while the
-//                         step's x and dy are in flight: no kernel of its own (run 83: a
-//                         separate row-sum kernel cost 1.2-1.7 us, 12% at [8, 393216] bf16).
+//                         first it reads again, from L2 while it is still there
 // kColsRows rows are loaded per step (loads for all of them in flight before the first is used;
 // one block reduction for all of them). Grid: (blocks over chunks, row groups); a block takes
 // chunks blockIdx.x, blockIdx.x + gridDim.x, ... of rows [group * rows_per_group, ...). dw and
 // db go straight to the output when there is one group, else to a [groups, n] fp32 workspace
 // that norm_weight_grad sums in a fixed order.
-// 3 blocks of 256 per SM (<= 80 registers, no spills sm_61 .. sm_90; at 4 per SM the 16-bit
-// layer_norm stats spilled; sm_70's apply runs at 2): run 82 ran them at 2 (stats 123-128
-// registers: 83% of copy at bf16 [16, 1048576], 89% at fp32, which ran 3).
 constexpr int kColsThreads = 256;
 constexpr int kColsRows = 4;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 700
-constexpr int kColsApplyBlocks = 2;   // sm_70 spilled the 16-bit add_rms_norm apply at 80 registers
-#else
-constexpr int kColsApplyBlocks = 3;
-#endif
 
 template <class T, int VEC, bool kLN>
-__global__ void __launch_bounds__(kColsThreads, 3)
+__global__ void __launch_bounds__(kColsThreads, 2)
 norm_bwd_cols_stats(const T* dy, long long dy_stride, const T* x, long long x_stride,
                     const float* __restrict__ mean, const float* __restrict__ rstd,
                     const T* __restrict__ w, float* __restrict__ partials,
@@ -274,22 +263,43 @@ norm_bwd_cols_stats(const T* dy, long long dy_stride, const T* x, long long x_st
   }
 }
 
+// sums[row * K + k] = sum over chunks of partials[(row * chunks + chunk) * K + k], one block per
+// row (grid-stride), in a fixed order: the same sums on every run.
+template <int K>
+__global__ void __launch_bounds__(256)
+norm_bwd_row_sums(const float* __restrict__ partials, float* __restrict__ sums, long long rows,
+                  int chunks) {
+  pdl_start();
+  __shared__ float scratch[32 * K];
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    float v[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = 0.0f;
+    const float* p = partials + row * chunks * K;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += p[c * K + k];
+    }
+    block_sum_n<K>(v, scratch);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) sums[row * K + k] = v[k];
+    }
+  }
+}
+
 // dx of the blocks' columns, rows of the group last to first, chunks last to first.
 template <class T, int VEC, bool kLN>
-__global__ void __launch_bounds__(kColsThreads, kColsApplyBlocks)
+__global__ void __launch_bounds__(kColsThreads, 2)
 norm_bwd_cols_apply(const T* dy, long long dy_stride, const T* x, long long x_stride,
                     const T* dres, long long dres_stride, const float* __restrict__ mean,
                     const float* __restrict__ rstd, const T* __restrict__ w,
-                    const float* __restrict__ partials, T* dx, long long dx_stride,
-                    long long rows, int n, int chunks, long long rows_per_group) {
+                    const float* __restrict__ sums, T* dx, long long dx_stride, long long rows,
+                    int n, int chunks, long long rows_per_group) {
   pdl_start();
   using R = RawUnit<T, VEC>;
   constexpr int K = kLN ? 2 : 1;
   constexpr int RR = kColsRows;
-  static_assert(RR * K <= kColsThreads / 32, "a warp per (row, k) of a step");
-  __shared__ float step_sums[RR * K];
-  const int warp = static_cast<int>(threadIdx.x) >> 5;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
   const int units = n / VEC;
   const float inv_n = 1.0f / static_cast<float>(n);
   const long long r0 = static_cast<long long>(blockIdx.y) * rows_per_group;
@@ -301,10 +311,10 @@ norm_bwd_cols_apply(const T* dy, long long dy_stride, const T* x, long long x_st
   for (int k_chunk = own; k_chunk >= 0; --k_chunk) {
     const int chunk = static_cast<int>(blockIdx.x) + k_chunk * static_cast<int>(gridDim.x);
     const int u = chunk * kColsThreads + static_cast<int>(threadIdx.x);
-    const bool in = u < units;   // (threads past the row's end still sum partials and sync)
+    if (u >= units) continue;
     const long long e = static_cast<long long>(u) * VEC;
     float wv[VEC];
-    if (w != nullptr && in) {
+    if (w != nullptr) {
       Unit<T, VEC>::load(w + e, wv);
     } else {
 #pragma unroll
@@ -315,31 +325,19 @@ norm_bwd_cols_apply(const T* dy, long long dy_stride, const T* x, long long x_st
 #pragma unroll
       for (int i = 0; i < RR; ++i) {
         const long long row = top - 1 - i;
-        const bool ok = in && row >= r0;
+        const bool ok = row >= r0;
         xr[i] = ok ? R::load(x + row * x_stride + e) : R::zero();
         gr[i] = ok ? R::load(dy + row * dy_stride + e) : R::zero();
         if (!kLN && dres != nullptr) dr[i] = ok ? R::load(dres + row * dres_stride + e) : R::zero();
       }
-      __syncthreads();   // (the previous step's reads of step_sums are done)
-      if (warp < RR * K) {
-        const long long row = top - 1 - warp / K;
-        float v = 0.0f;
-        if (row >= r0) {
-          const float* p = partials + row * chunks * K + warp % K;
-          for (int c = lane; c < chunks; c += 32) v += p[static_cast<long long>(c) * K];
-        }
-        v = warp_sum(v);
-        if (lane == 0) step_sums[warp] = v;
-      }
-      __syncthreads();
 #pragma unroll
       for (int i = 0; i < RR; ++i) {
         const long long row = top - 1 - i;
-        if (row < r0 || !in) continue;
+        if (row < r0) continue;
         const float r = rstd[row];
         const float m = kLN ? mean[row] : 0.0f;
-        const float a = step_sums[i * K] * inv_n;                   // mean(g * xhat)
-        const float c = kLN ? step_sums[i * K + 1] * inv_n : 0.0f;  // mean(g)
+        const float a = sums[row * K] * inv_n;                   // mean(g * xhat)
+        const float c = kLN ? sums[row * K + 1] * inv_n : 0.0f;  // mean(g)
         float xh[VEC], g[VEC], o[VEC];
         R::unpack(xr[i], xh);
         R::unpack(gr[i], g);

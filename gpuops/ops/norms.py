@@ -44,9 +44,11 @@ RMS_FWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "
 BWD_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64",
                    "ptr", "ptr", "ptr", "ptr", "ptr", "i64", "i32", "i32", "i32")
 WGRAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32")
-# The backward's long rows by columns (norm_backward.cu: norm_bwd_cols_stats, norm_bwd_cols_apply).
+# The backward's long rows by columns (norm_backward.cu: norm_bwd_cols_stats, norm_bwd_row_sums,
+# norm_bwd_cols_apply).
 COLS_STATS_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",
                           "ptr", "ptr", "i64", "i32", "i32", "i64")
+ROW_SUMS_ARGS = ArgSpec("ptr", "ptr", "i64", "i32")
 COLS_APPLY_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr",
                           "ptr", "i64", "i64", "i32", "i32", "i64")
 # The ring2 kernels: the forward arguments with one `state` pointer for partials and counters.
@@ -146,10 +148,12 @@ AUTO_RING2_MAX_C = 64
 # Split rows of the backward (rows longer than one block of norm_bwd holds: > 8192 elements):
 #   "columns"  (default) blocks own column chunks over all the rows of their group
 #              (norm_backward.cu: norm_bwd_cols_*): dw / db and the rows' partial sums in one
-#              streaming pass, then dx re-reading the rows last-read-first (from L2 where they
-#              still are); no per-row meeting of blocks, no [slots, n] workspace where one group
-#              of rows covers the device. Run 82: 2.0-4.9x faster than split at [16, 1048576],
-#              [8, 393216], [64, 65536]; 1.08-1.29x at [4096, 16384]
+#              streaming pass, the rows' sums, then dx re-reading the rows last-read-first
+#              (from L2 where they still are); no per-row meeting of blocks, no [slots, n]
+#              workspace where one group of rows covers the device. Run 82: 2.0-4.9x faster
+#              than split at [16, 1048576], [8, 393216], [64, 65536]; 1.08-1.29x at [4096, 16384]
+#              (run 84: the row sums folded into the apply kernel and 3 blocks/SM were slower:
+#              notes_norms.md)
 #   "split"    norm_bwd with C blocks per row (one launch where they fit at once, else kPartials
 #              and kApply); run 72 at [16, 1048576]: 22-35% of copy (rms_norm bf16 139.9 us)
 BACKWARD_LONG_ROWS_PLANS = ("columns", "split")
@@ -252,6 +256,7 @@ _COLS_EXPRS = {(layer, d, v): tuple(f"gpuops::norm_bwd_cols_{step}<{d.ctype}, {v
                                     f"{'true' if layer else 'false'}>"
                                     for step in ("stats", "apply"))
                for layer in (True, False) for d in dt.FLOATS for v in (_vec_width(d), 1)}
+_ROW_SUMS_EXPRS = {K: f"gpuops::norm_bwd_row_sums<{K}>" for K in (1, 2)}
 
 LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
@@ -271,7 +276,8 @@ BACKWARD_MODULE = KernelModule(
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
      **{e: WGRAD_ARGS for e in _WGRAD_EXPRS.values()},
      **{e: COLS_STATS_ARGS for e, _ in _COLS_EXPRS.values()},
-     **{e: COLS_APPLY_ARGS for _, e in _COLS_EXPRS.values()}}, pdl=True)
+     **{e: COLS_APPLY_ARGS for _, e in _COLS_EXPRS.values()},
+     **{e: ROW_SUMS_ARGS for e in _ROW_SUMS_EXPRS.values()}}, pdl=True)
 _MODULE_OF = {"layer_norm": LAYER_NORM_MODULE, "rms_norm": RMS_NORM_MODULE,
               "add_rms_norm": RMS_NORM_MODULE, "layer_norm_bwd": BACKWARD_MODULE,
               "rms_norm_bwd": BACKWARD_MODULE}
@@ -373,8 +379,9 @@ def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
 
 @dataclass
 class ColsPlan:
-    """The backward's long rows by columns: its two kernels and the launch shape."""
+    """The backward's long rows by columns: its three kernels and the launch shape."""
     stats: object
+    sums: object
     apply: object
     chunks: int
     grid_x: int
@@ -390,9 +397,10 @@ def _cols_plan(layer: bool, dtype, vec: int, n: int, rows: int, dev: int) -> Col
         stats_expr, apply_expr = _COLS_EXPRS[(layer, dtype, vec)]
         stats = module.kernel(stats_expr)
         target = loader.blocks_per_sm(stats, COLS_THREADS) * device.device_info(dev).sm_count
-        hit = _plans[key] = (stats, module.kernel(apply_expr), target)
-    stats, apply, target = hit
-    return ColsPlan(stats, apply, *cols_grid(n // vec, rows, target))
+        hit = _plans[key] = (stats, module.kernel(_ROW_SUMS_EXPRS[2 if layer else 1]),
+                             module.kernel(apply_expr), target)
+    stats, sums, apply, target = hit
+    return ColsPlan(stats, sums, apply, *cols_grid(n // vec, rows, target))
 
 
 def _grid(plan: Plan, rows: int, persistent: bool):
@@ -924,17 +932,20 @@ def _backward_launch(call, op, layer, grad_output, input, mean, rstd, ns, weight
         K = 2 if layer else 1
         per_group = K * n if cp.groups > 1 else 0
         # [groups, n] dw (and db) first: the kernel stores them 16 bytes at a time
-        ws = call.empty((cp.groups * per_group + rows * K * cp.chunks,), dt.float32)
+        ws = call.empty((cp.groups * per_group + rows * K * (cp.chunks + 1),), dt.float32)
         dw_part = ws.ptr if cp.groups > 1 else 0
         db_part = ws.ptr + 4 * cp.groups * n if cp.groups > 1 and layer else 0
         partials = ws.ptr + 4 * cp.groups * per_group
+        sums = partials + 4 * rows * K * cp.chunks
         mp = _ptr(mean) if layer else 0
         grid, block = (cp.grid_x, cp.groups, 1), (COLS_THREADS, 1, 1)
         cp.stats.launch(grid, block, call.stream, g.ptr, gs, x.ptr, xs, mp, rstd.ptr, _ptr(w),
                         partials, dw_part, db_part, dw.ptr, _ptr(db), rows, n, cp.chunks,
                         cp.rows_per_group)
+        cp.sums.launch((min(rows, 1 << 16), 1, 1), (256, 1, 1), call.stream, partials, sums,
+                       rows, cp.chunks)
         cp.apply.launch(grid, block, call.stream, g.ptr, gs, x.ptr, xs, _ptr(d), ds, mp,
-                        rstd.ptr, _ptr(w), partials, dx.ptr, n, rows, n, cp.chunks,
+                        rstd.ptr, _ptr(w), sums, dx.ptr, n, rows, n, cp.chunks,
                         cp.rows_per_group)
         if cp.groups > 1:
             wgrad.launch(wgrid, WGRAD_BLOCK, call.stream, dw_part, db_part, dw.ptr, _ptr(db),
