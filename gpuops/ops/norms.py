@@ -6,14 +6,18 @@ Kernels: cuda_src/norms/*.cu, on the row machinery of cuda_src/norms/norm_rows.c
 elements: read once, written once), or by several blocks that exchange partial statistics through
 global memory. Longer rows in the forward ops: one launch whose grid is resident at once, each
 block holding its tiles of the rows in a ring of shared memory until their rows' statistics are
-in (norm_ring.cuh: read once, written once; ``LONG_ROWS``); where that does not fit, and in the
-backward, the split kernels (one launch when a row's blocks fit at once, else two launches, the
-second reading the row again). Statistics and all math are fp32 for fp32/fp16/bf16 storage; the
-variance is merged from (count, mean, M2) triples (Welford/Chan), never E[x^2] - E[x]^2.
+in (norm_ring.cuh: read once, written once; ``LONG_ROWS``); where that does not fit, the split
+kernels (one launch when a row's blocks fit at once, else two launches, the second reading the
+row again). Long rows in the backward: blocks own column chunks over all the rows of their group
+(``BACKWARD_LONG_ROWS``: a stats pass with dw / db, then one re-reading the rows for dx).
+Statistics and all math are fp32 for fp32/fp16/bf16 storage; the variance is merged from (count,
+mean, M2) triples (Welford/Chan), never E[x^2] - E[x]^2.
 
 The ``*_forward`` ops also return the per-row statistics (fp32) that the ``*_backward`` ops take;
 gpuops.torch builds autograd from them. Backward ops reduce grad_weight/grad_bias over rows
-deterministically: per-block partial sums in a workspace, then a second small kernel (no atomics).
+deterministically: in registers over a block's rows, then (where several blocks share columns)
+per-block partial sums in a workspace summed by a second small kernel in a fixed order (no
+atomics).
 """
 from __future__ import annotations
 
