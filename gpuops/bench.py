@@ -208,6 +208,18 @@ def write_experiment_json(path, copy_gbps, rows, **extra):
                    "torch": torch.__version__, "rows": rows, **extra}, f, indent=1)
 
 
+def write_rows_json(path, copy_gbps, rows):
+    """An experiment's JSON (benchmarks/experiments): the run's copy bandwidth, the GPU's name and
+    the rows; nothing where path is None (no --json)."""
+    if path is None:
+        return
+    import json  # noqa: PLC0415
+    from gpuops.runtime import device  # noqa: PLC0415
+    with open(path, "w") as f:
+        json.dump({"copy_gbps": copy_gbps, "gpu": device.device_info(0).name, "rows": rows}, f,
+                  indent=1)
+
+
 def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     """GPU microseconds per call of fn: ``calls`` calls captured in one graph, replayed
     ``replays`` times with CUDA events around each replay; ``stat`` (median by default) of the

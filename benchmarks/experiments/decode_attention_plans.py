@@ -21,7 +21,6 @@ B16 ~95 us (~94%).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -29,9 +28,9 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us, rotating  # noqa: E402
+from gpuops.bench import (_Framework, graph_replay_us, rotating,  # noqa: E402
+                          write_rows_json)
 from gpuops.ops import attention_decode as AD  # noqa: E402
-from gpuops.runtime import device  # noqa: E402
 
 L2_BYTES = 50 << 20
 
@@ -129,10 +128,7 @@ def main():
                         AD.SPLIT.update(saved_split)
             del caches, pages
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": rows}, f,
-                      indent=1)
+    write_rows_json(args.json, copy, rows)
 
 
 if __name__ == "__main__":

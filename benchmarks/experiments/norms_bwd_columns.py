@@ -14,16 +14,14 @@ Bytes per line: what the piece moves at least (stats 2N, apply 3N, op 3N; N = on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 sys.path.insert(0, ".")
 
 import gpuops as go  # noqa: E402
 from gpuops import dtypes as dt  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us, write_rows_json  # noqa: E402
 from gpuops.ops import norms as N  # noqa: E402
-from gpuops.runtime import device  # noqa: E402
 
 SHAPES = ((16, 1048576), (8, 393216))
 
@@ -106,10 +104,7 @@ def main():
                                 chunks=cp.chunks, grid=[cp.grid_x, cp.groups]))
                 print(f"{str(shape):<14}{d.name:<9}{name:<12}{us:8.1f} us"
                       + (f" {pct:5.1f}% of copy" if pct else ""), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": out}, f,
-                      indent=1)
+    write_rows_json(args.json, copy, out)
 
 
 if __name__ == "__main__":

@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 sys.path.insert(0, ".")
 
 import gpuops as go  # noqa: E402
 from gpuops import dtypes as dt  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us, write_rows_json  # noqa: E402
 from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
@@ -333,10 +332,7 @@ def main():
             _softmax_rows(fw, copy, rows, peers)
     if not args.skip_4096 and not args.backward:
         _rows_4096(fw, copy, rows, whole_options)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": rows}, f,
-                      indent=1)
+    write_rows_json(args.json, copy, rows)
 
 
 if __name__ == "__main__":

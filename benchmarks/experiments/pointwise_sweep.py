@@ -9,7 +9,6 @@ covering the array once.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -17,7 +16,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from gpuops import dtypes as dt  # noqa: E402
-from gpuops.bench import _Framework  # noqa: E402
+from gpuops.bench import _Framework, write_rows_json  # noqa: E402
 from gpuops.ops import elementwise as ew  # noqa: E402
 from gpuops.runtime import device, loader  # noqa: E402
 from gpuops.runtime.modules import KernelModule  # noqa: E402
@@ -67,10 +66,7 @@ def main():
                     print(f"{functor:<32}{d.name:<10} ilp={ilp} minb={minb} {grid_name:<6}"
                           f"{us:9.1f} us {gbps:7.0f} GB/s {100 * gbps / copy:5.1f}% regs {regs}",
                           flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": rows}, f,
-                      indent=1)
+    write_rows_json(args.json, copy, rows)
 
 
 if __name__ == "__main__":
