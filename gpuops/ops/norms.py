@@ -358,11 +358,16 @@ def _make_plan(kind_name: str, expr: str, threads: int, ty: int, packs: int, C: 
     return Plan(kernel, (threads, ty, 1), packs, C, per_sm * device.device_info(dev).sm_count)
 
 
-def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
+def _fresh_plans():
+    """Drops the cached plans (their kernels) when the loader has reloaded its modules."""
     global _plans_generation
     if _plans_generation != loader.generation:
         _plans.clear()
         _plans_generation = loader.generation
+
+
+def _plan(kind_name: str, dtype, vec: int, n: int, dev: int) -> Plan:
+    _fresh_plans()
     kind = TUNING[kind_name]
     key = (kind_name, dtype, vec, n, dev)
     plan = _plans.get(key)
@@ -394,6 +399,7 @@ class ColsPlan:
 
 
 def _cols_plan(layer: bool, dtype, vec: int, n: int, rows: int, dev: int) -> ColsPlan:
+    _fresh_plans()
     key = ("columns", layer, dtype, vec, dev)
     hit = _plans.get(key)
     if hit is None:
