@@ -264,7 +264,7 @@ norm_bwd_cols_stats(const T* dy, long long dy_stride, const T* x, long long x_st
 }
 
 // sums[row * K + k] = sum over chunks of partials[(row * chunks + chunk) * K + k], one block per
-// row (grid-stride), in a fixed order: the same sums on every run.
+// row (grid-stride), in a fixed order (norm_rows.cuh sum_partials): the same sums on every run.
 template <int K>
 __global__ void __launch_bounds__(256)
 norm_bwd_row_sums(const float* __restrict__ partials, float* __restrict__ sums, long long rows,
@@ -273,14 +273,7 @@ norm_bwd_row_sums(const float* __restrict__ partials, float* __restrict__ sums, 
   __shared__ float scratch[32 * K];
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     float v[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = 0.0f;
-    const float* p = partials + row * chunks * K;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += p[c * K + k];
-    }
-    block_sum_n<K>(v, scratch);
+    sum_partials<K>(partials + row * chunks * K, chunks, v, scratch);
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int k = 0; k < K; ++k) sums[row * K + k] = v[k];
