@@ -498,6 +498,7 @@ def test_wgmma_grid_is_one_block_per_sm_at_most():
     assert G._wgmma_grid(p, 132) == 132
     small = SimpleNamespace(M=300, N=520, batch=2)             # 3 x 3 tiles, 2 matrices
     assert G._wgmma_grid(small, 132) == 18
+    assert G._wgmma_grid(small, 132, bn=G.WGMMA_PP_BN) == 30   # 3 x 5 tiles of 128 x 128
 
 
 @pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
@@ -508,7 +509,8 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
 
     class FakeKernel:
         def launch(self, grid, block, stream, *args, smem=0):
-            spec = {3: G.WGMMA_TMASTORE_ARGS, 4: G.WGMMA_TMAFUSED_ARGS}.get(epi, G.WGMMA_ARGS)
+            spec = {3: G.WGMMA_TMASTORE_ARGS, 4: G.WGMMA_TMAFUSED_ARGS,
+                    6: G.WGMMA_TMAFUSED_ARGS}.get(epi, G.WGMMA_ARGS)
             spec.struct.pack_into(bytearray(spec.size), 0, *args)
             launches.append((grid, block, smem))
             maps.append(args[:4])
@@ -540,17 +542,21 @@ def test_wgmma_configs_launch_their_kernels(config, monkeypatch):
         assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
         assert encoded == [(64, 128), (64, 256), (32, 16, 1)]
         assert maps[0][3] == maps[0][2] == bytes([3]) * 128
+    elif epi == 6:  # tma_fused's maps, B in 128-row boxes (128 x 128 tiles)
+        assert expr == "gpuops::gemm::gemm_wgmma_pingpong<gpuops::bfloat16_t, false, false>"
+        assert encoded == [(64, 128), (64, 128), (32, 16, 1)]
+        assert maps[0][3] == maps[0][2] == bytes([3]) * 128
     else:
         assert expr == f"gpuops::gemm::gemm_wgmma<gpuops::bfloat16_t, false, false, {epi}>"
         assert encoded == [(64, 128), (64, 256)]
     assert expr in G.WGMMA_MODULES[config][dt.bfloat16].kernels
     assert grid == (132, 1, 1) and block == (384, 1, 1)
-    assert smem == (G.WGMMA_SMEM_FUSED if epi == 4 else G.WGMMA_SMEM)
-    # 3 x 3 tiles: one block each
+    assert smem == {4: G.WGMMA_SMEM_FUSED, 6: G.WGMMA_SMEM_PINGPONG}.get(epi, G.WGMMA_SMEM)
+    # 3 x 3 tiles (3 x 5 of 128 x 128): one block each
     launches.clear()
     G.gemm(FakeCall(), "matmul", _view((300, 64), dtype=dt.bfloat16),
            _view((64, 520), ptr=1 << 24, dtype=dt.bfloat16), variant="wgmma")
-    assert launches[1][0] == (9, 1, 1)
+    assert launches[1][0] == ((15 if epi == 6 else 9), 1, 1)
     monkeypatch.setitem(G.PLAN, "wgmma", "nope")
     with pytest.raises(ValueError, match="PLAN\\['wgmma'\\]"):
         G.gemm(FakeCall(), "matmul", x, G._transposed(w), variant="wgmma")
@@ -583,12 +589,14 @@ def test_tma_store_gives_way_to_direct_where_it_cannot_or_should_not(monkeypatch
     assert config(bias=1 << 22) == "base"
 
 
-def test_tma_fused_routing_and_residual_maps(monkeypatch):
+@pytest.mark.parametrize("cfg", ["pingpong", "tma_fused"])
+def test_tma_fused_routing_and_residual_maps(cfg, monkeypatch):
     """'tma_fused' keeps bare and fused calls (bias, activation, residual) while TMA can write C
     and read the residual; fp32 outputs, N % 8 != 0, a misaligned C and residuals TMA cannot
     read (row broadcast, transposed, misaligned rows) go to 'direct'. The residual's map has C's
-    geometry: (N, M[, batch dims innermost first]), 32 x 16 boxes, 64-byte swizzle."""
-    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    geometry: (N, M[, batch dims innermost first]), 32 x 16 boxes, 64-byte swizzle. 'pingpong'
+    (tma_fused's epilogue on 128 x 128 tiles) routes alike."""
+    monkeypatch.setitem(G.PLAN, "wgmma", cfg)
 
     def plan(M=300, N=520, r_sm=520, r_sn=1, batch=1, bshape=(1, 1, 1), r_sb=(0, 0, 0)):
         return types.SimpleNamespace(M=M, N=N, r_sm=r_sm, r_sn=r_sn, batch=batch, bshape=bshape,
@@ -602,10 +610,10 @@ def test_tma_fused_routing_and_residual_maps(monkeypatch):
         return G._wgmma_call_config(p, L)
 
     res = 1 << 22
-    assert config() == "tma_fused"
-    assert config(bias=1 << 21, bias_s=1) == "tma_fused"
-    assert config(act=3) == "tma_fused"
-    assert config(bias=1 << 21, bias_s=1, act=2, residual=res) == "tma_fused"
+    assert config() == cfg
+    assert config(bias=1 << 21, bias_s=1) == cfg
+    assert config(act=3) == cfg
+    assert config(bias=1 << 21, bias_s=1, act=2, residual=res) == cfg
     assert config(bias=1 << 21, bias_s=0) == "direct"               # a broadcast bias
     assert config(bias=1 << 21, bias_s=2) == "direct"               # a strided bias
     assert config(bias=(1 << 21) + 2, bias_s=1) == "direct"         # not 4-byte aligned
@@ -616,7 +624,7 @@ def test_tma_fused_routing_and_residual_maps(monkeypatch):
     assert config(plan(r_sm=1, r_sn=300), residual=res) == "direct"  # transposed residual
     assert config(plan(r_sm=524), residual=res) == "direct"         # rows 1048 B apart
     assert config(residual=res + 2) == "direct"                     # misaligned base
-    assert config(plan(M=1, r_sm=0), residual=res) == "tma_fused"   # one row: no row stride
+    assert config(plan(M=1, r_sm=0), residual=res) == cfg   # one row: no row stride
     L = G._Launch()
     L.residual = res
     assert G._wgmma_residual_plan(plan(), L, 2) == ((520, 300), (1040,), (32, 16))
@@ -627,7 +635,7 @@ def test_tma_fused_routing_and_residual_maps(monkeypatch):
     p = plan(batch=6, bshape=(1, 2, 3), r_sb=(0, 3 * 300 * 520, 300 * 520))
     assert G._wgmma_residual_plan(p, L, 2) == (
         (520, 300, 3, 2, 1), (1040, 312000, 936000, 1872000), (32, 16, 1, 1, 1))
-    assert config(p, residual=res) == "tma_fused"
+    assert config(p, residual=res) == cfg
 
     # the launch: a fourth map for the residual, tma_fused's shared memory
     launches, encoded = [], []
@@ -657,9 +665,10 @@ def test_tma_fused_routing_and_residual_maps(monkeypatch):
     G.gemm(FakeCall(), "linear", x, G._transposed(w), residual=r, activation="gelu",
            variant="wgmma")
     (name, expr), (args, smem) = launches
-    assert name == "gemm.wgmma_tma_fused_bf16"
-    assert expr == "gpuops::gemm::gemm_wgmma_tmafused<gpuops::bfloat16_t, false, false>"
-    assert smem == G.WGMMA_SMEM_FUSED
+    kernel = "tmafused" if cfg == "tma_fused" else cfg
+    assert name == f"gemm.wgmma_{cfg}_bf16"
+    assert expr == f"gpuops::gemm::gemm_wgmma_{kernel}<gpuops::bfloat16_t, false, false>"
+    assert smem == (G.WGMMA_SMEM_FUSED if cfg == "tma_fused" else G.WGMMA_SMEM_PINGPONG)
     assert encoded[3] == (1 << 28, (6144, 4096), (12288,), (32, 16), (G.tma.SWIZZLE_64B,))
     assert args[3] == bytes([4]) * 128 and args[2] == bytes([3]) * 128
     G._wgmma_map_cache.clear()
@@ -747,6 +756,16 @@ def test_wgmma_constants_match_the_kernel():
     assert G.WGMMA_SMEM_FUSED <= 227 * 1024
     assert "kWgSmemBytes = kWgBarOffset + 2 * kWgStages * 8 + 1024" in text
     assert G.WGMMA_SMEM <= 227 * 1024
+    # pingpong: 128 x 128 tiles, its own ring, tma_fused's boxes, two bias rows per warpgroup
+    pp = {k: int(v) for k, v in re.findall(r"\b(kPp\w+) = (\d+)", text)}
+    assert (pp["kPpBN"], pp["kPpStages"]) == (G.WGMMA_PP_BN, G.WGMMA_PP_STAGES)
+    pp_stage = (G.WGMMA_BM + G.WGMMA_PP_BN) * G.WGMMA_BK * 2
+    assert G.WGMMA_SMEM_PINGPONG == (G.WGMMA_PP_STAGES * pp_stage + 8 * boxes * 1024
+                                     + 2 * 2 * G.WGMMA_PP_BN * 2 + 2 * G.WGMMA_PP_STAGES * 8
+                                     + 2 * 8 + 8 * boxes * 8 + 1024)
+    assert ("kPpSmemBytes =\n    kPpBarOffset + 2 * kPpStages * 8 + 2 * 8 + 8 * kWgFusedBoxes * 8"
+            " + 1024") in text
+    assert G.WGMMA_SMEM_PINGPONG <= 227 * 1024
 
 
 def test_wgmma_layout_simulation():
@@ -793,11 +812,13 @@ def test_wgmma_module_compiles_for_sm90a(dtype, config):
     sass = _sass(c.image)
     if sass is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
-    # nvdisasm prints fp16 inputs as the default type (no suffix), bf16 as .BF16
-    hgmma = "HGMMA.64x256x16.F32.BF16 " if dtype is dt.bfloat16 else "HGMMA.64x256x16.F32 "
-    assert sass.count(hgmma) == 4 * 4, hgmma                  # 4 k16 steps x 4 kernels
+    # nvdisasm prints fp16 inputs as the default type (no suffix), bf16 as .BF16; 'pingpong'
+    # multiplies 128 x 128 tiles as two m64n128k16 products per k16 step
+    n, per_k16 = (128, 2) if G.WGMMA_CONFIGS[config] == 6 else (256, 1)
+    hgmma = f"HGMMA.64x{n}x16.F32.BF16 " if dtype is dt.bfloat16 else f"HGMMA.64x{n}x16.F32 "
+    assert sass.count(hgmma) == 4 * 4 * per_k16, hgmma        # 4 k16 steps x 4 kernels
     # the transpose bits: A M-major in 2 of the 4 kernels, B N-major in 2
-    assert sass.count(".tnspA") == 8 and sass.count(".tnspB") == 8
+    assert sass.count(".tnspA") == 8 * per_k16 and sass.count(".tnspB") == 8 * per_k16
     for op in ("UTMALDG.2D", "UTMALDG.5D", "SYNCS.ARRIVE", "USETMAXREG.DEALLOC",
                "USETMAXREG.TRY_ALLOC", "WARPGROUP.ARRIVE"):
         assert op in sass, op
@@ -1795,22 +1816,29 @@ def _spy_wgmma_configs(monkeypatch):
     return ran
 
 
+# the configurations whose fused epilogues go through tensor stores (tma_fused's epilogue)
+WG_FUSED_CONFIGS = ["pingpong", "tma_fused"]
+
+
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", WG_DTYPES)
-def test_gpu_wgmma_tma_fused(dtype, monkeypatch):
-    """'tma_fused' (residual by TMA into the store boxes, bias row by cp.async): every epilogue
-    combination against float64 with NaN-poisoned outputs; M edges inside a warp's 16 rows and
-    inside a tile, N edges inside a 32-column chunk and inside a tile (chunks past N skipped),
-    one k-tile (residual and bias issued at k-tile 0) and many (issued 8 before the end), more
-    tiles than SMs (barrier parities and bias rows across tiles, ragged tiles among them)."""
+@pytest.mark.parametrize("config", WG_FUSED_CONFIGS)
+def test_gpu_wgmma_tma_fused(dtype, config, monkeypatch):
+    """'tma_fused' and 'pingpong' (residual by TMA into the store boxes, bias row by cp.async):
+    every epilogue combination against float64 with NaN-poisoned outputs; M edges inside a warp's
+    16 rows, inside a tile and (pingpong) between a warp's two row halves, N edges inside a
+    32-column chunk and inside a tile (chunks past N skipped), one k-tile (residual and bias
+    issued at k-tile 0) and many (issued 8 before the end), more tiles than SMs (barrier parities,
+    pingpong's turns and bias rows across tiles, ragged tiles among them)."""
     _skip_unless_hopper()
-    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     ran = _spy_wgmma_configs(monkeypatch)
-    for M, N, K in ((200, 264, 136), (70, 72, 64), (130, 776, 1000), (4097, 4104, 640)):
+    for M, N, K in ((200, 264, 136), (70, 72, 64), (130, 776, 1000), (4097, 4104, 640),
+                    (100, 200, 72)):
         a, b = _randn((M, K), dtype), _randn((K, N), dtype)
         bias, res = _randn((N,), dtype), _randn((M, N), dtype)
-        what = f"tma_fused {dtype} {(M, N, K)}"
+        what = f"{config} {dtype} {(M, N, K)}"
         _check(go.matmul(a, b, bias=bias, variant="wgmma"), a, b, dtype, bias=bias,
                what=f"{what} bias", tile=WG_TILE)
         _check(go.matmul(a, b, residual=res, variant="wgmma"), a, b, dtype, residual=res,
@@ -1822,7 +1850,7 @@ def test_gpu_wgmma_tma_fused(dtype, monkeypatch):
                             variant="wgmma")
             _check(out, a, b, dtype, bias=bias, act=act, residual=res, alpha=-0.75,
                    what=f"{what} bias+{act}+residual", tile=WG_TILE)
-        assert set(ran) == {"tma_fused"}, ran
+        assert set(ran) == {config}, ran
         ran.clear()
     # a linear layer (K-major weight) and a residual with a row stride wider than N
     x, w, bias = _randn((300, 512), dtype), _randn((264, 512), dtype), _randn((264,), dtype)
@@ -1830,20 +1858,21 @@ def test_gpu_wgmma_tma_fused(dtype, monkeypatch):
     out = go.matmul(x, w.T, bias=bias, activation="silu", residual=res, variant="wgmma")
     _check(out, x, w.T, dtype, bias=bias, act="silu", residual=res, what="padded residual",
            tile=WG_TILE)
-    assert ran == ["tma_fused"]
+    assert ran == [config]
     ran.clear()
 
 
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", WG_DTYPES)
-def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
+@pytest.mark.parametrize("config", WG_FUSED_CONFIGS)
+def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, config, monkeypatch):
     """Batched residuals through the 5-D residual map (per matrix, broadcast over a batch dim,
     shared by the batch), in a CUDA graph too; calls 'tma_fused' cannot take run 'direct' and are
     still right: fp32 output, N % 8 != 0, a row or transposed or misaligned residual, a broadcast
     or misaligned bias."""
     _skip_unless_hopper()
-    monkeypatch.setitem(G.PLAN, "wgmma", "tma_fused")
+    monkeypatch.setitem(G.PLAN, "wgmma", config)
     ran = _spy_wgmma_configs(monkeypatch)
     M, N, K = 37, 136, 72
     a, b = _randn((3, 2, M, K), dtype), _randn((3, 2, K, N), dtype)
@@ -1853,8 +1882,8 @@ def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
                       ("shared", _randn((M, N), dtype))):
         out = go.matmul(a, b, bias=bias, activation="gelu_tanh", residual=res, variant="wgmma")
         _check(out, a, b, dtype, bias=bias, act="gelu_tanh", residual=res,
-               what=f"tma_fused batched residual {what}", tile=WG_TILE)
-    assert set(ran) == {"tma_fused"}, ran
+               what=f"{config} batched residual {what}", tile=WG_TILE)
+    assert set(ran) == {config}, ran
     ran.clear()
 
     x, w = _randn((300, 320), dtype), _randn((320, 520), dtype)
@@ -1896,9 +1925,9 @@ def test_gpu_wgmma_tma_fused_batched_and_fallbacks(dtype, monkeypatch):
         res.copy_(_randn(res.shape, dtype))
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what="graph tma_fused",
+        _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what=f"graph {config}",
                tile=WG_TILE)
-    assert set(ran) == {"tma_fused"}, ran
+    assert set(ran) == {config}, ran
 
 
 @gpu

@@ -375,10 +375,13 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
       "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n" \
       " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
       " {" GPUOPS_WG_REGS64 "}, %64, %65, " \
-      " p, 1, 1, 0, 0;\n}" \
+      " p, 1, 1, %67, %68;\n}" \
       : GPUOPS_WG_ACC64 \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB))
 
+// TA / TB: A is M-major / B is N-major (else K-major); the attention forward's S = Q K^T has
+// both K-major, the GEMM's 'pingpong' tiles any of the four layouts
+template <int TA, int TB>
 struct WgmmaSSM64N128K16 {
   GPUOPS_WG_RUN_16BIT(GPUOPS_WGMMA_SS_M64N128K16, float (&d)[64], unsigned long long desc_a,
                       unsigned long long desc_b, int scale_d)
@@ -462,10 +465,10 @@ struct WgmmaRSM64N64K16 {
 #undef GPUOPS_WG_ACC8
 #undef GPUOPS_WG_RUN_16BIT
 
-template <class T>
+template <class T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], unsigned long long desc_a,
                                                     unsigned long long desc_b, int scale_d) {
-  WgmmaSSM64N128K16::run(T{}, d, desc_a, desc_b, scale_d);
+  WgmmaSSM64N128K16<TA, TB>::run(T{}, d, desc_a, desc_b, scale_d);
 }
 
 // D[64 x 64] += A B, both from shared memory; TA / TB: A M-major / B N-major (else K-major)

@@ -37,7 +37,10 @@
 //  * EPI = 4 'tma_fused' (kernel gemm_wgmma_tmafused, a fourth tensor map for the residual): EPI
 //    3 for bare calls; fused calls keep the tensor stores, with the residual loaded by TMA into
 //    the boxes the output leaves from and the bias row through shared memory, so no global load
-//    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused).
+//    is in flight at a chunk's proxy fence (wg_epilogue_tma_fused);
+//  * EPI = 6 'pingpong' (kernel gemm_wgmma_pingpong, tma_fused's parameters): 128 x 128 tiles,
+//    each consumer warpgroup its own (two m64n128k16 per k16 step), the two taking the CTA's
+//    tiles in turns, so one warpgroup's epilogue (tma_fused's) runs under the other's MMAs.
 #include "gemm/gemm_common.cuh"
 #include "common/wgmma.cuh"
 #include "common/mma.cuh"
@@ -72,18 +75,35 @@ constexpr int kWgFusedSmemBytes =
     kWgFusedBarOffset + 2 * kWgStages * 8 + 8 * kWgFusedBoxes * 8 + 1024;
 static_assert(kWgFusedSmemBytes <= 227 * 1024, "tma_fused shared memory exceeds 227 KiB");
 
+// 'pingpong' (EPI 6, kernel gemm_wgmma_pingpong): each consumer warpgroup owns whole 128 x 128
+// output tiles (two m64n128k16 products per k16 step, 128 fp32 accumulators per thread as in the
+// 64 x 256 layout), the two taking the CTA's tiles in turns, so one warpgroup's epilogue runs
+// while the other's MMAs keep the tensor cores busy. A 6-stage ring of 32 KiB stages (A 128 x 64,
+// B 128 x 64), tma_fused's 4 boxes per warp, a double-buffered bias row of kPpBN per warpgroup.
+constexpr int kPpBN = 128, kPpStages = 6;
+constexpr int kPpStageBytes = kWgABytes + kPpBN * kWgBK * 2;
+constexpr int kPpBoxOffset = kPpStages * kPpStageBytes;
+constexpr int kPpBiasOffset = kPpBoxOffset + 8 * kWgFusedWarpBytes;
+constexpr int kPpBarOffset = kPpBiasOffset + 2 * 2 * kPpBN * 2;
+// full and empty per stage, one order barrier per consumer warpgroup, one per residual box
+constexpr int kPpSmemBytes =
+    kPpBarOffset + 2 * kPpStages * 8 + 2 * 8 + 8 * kWgFusedBoxes * 8 + 1024;
+static_assert(kPpSmemBytes <= 227 * 1024, "pingpong shared memory exceeds 227 KiB");
+
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 static_assert((2 * kWgConsumerRegs + kWgProducerRegs) * 128 <= 65536, "register file");
 
-// The work of one launch: batch x tiles_m x tiles_n output tiles (the host keeps the count below
-// 2^31), ktiles steps of K each. Computed by each warpgroup after its setmaxnreg: a value live
-// across setmaxnreg would be spilled by ptxas.
+// The work of one launch: batch x tiles_m x tiles_n output tiles of BM x BN (the host keeps the
+// count below 2^31), ktiles steps of K each. Computed by each warpgroup after its setmaxnreg: a
+// value live across setmaxnreg would be spilled by ptxas.
+template <int BM = kWgBM, int BN = kWgBN>
 struct WgShape {
+  static constexpr int kBM = BM, kBN = BN;
   int tiles_m, tiles_n, tiles, work, ktiles;
   bool batched;
   __device__ __forceinline__ explicit WgShape(const GemmArgs& p) {
-    tiles_m = (int)((p.M + kWgBM - 1) / kWgBM);
-    tiles_n = (int)((p.N + kWgBN - 1) / kWgBN);
+    tiles_m = (int)((p.M + BM - 1) / BM);
+    tiles_n = (int)((p.N + BN - 1) / BN);
     tiles = tiles_m * tiles_n;
     work = tiles * (int)p.batch;
     ktiles = (int)((p.K + kWgBK - 1) / kWgBK);
@@ -96,14 +116,15 @@ struct WgTile {
   long long z, m0, n0;
 };
 
-__device__ __forceinline__ WgTile wg_tile(const WgShape& sh, int w) {
+template <class Shape>
+__device__ __forceinline__ WgTile wg_tile(const Shape& sh, int w) {
   WgTile t;
   const int z = w / sh.tiles;
   int tm, tn;
   tile_coords(w - z * sh.tiles, sh.tiles_m, sh.tiles_n, tm, tn);
   t.z = z;
-  t.m0 = (long long)tm * kWgBM;
-  t.n0 = (long long)tn * kWgBN;
+  t.m0 = (long long)tm * Shape::kBM;
+  t.n0 = (long long)tn * Shape::kBN;
   return t;
 }
 
@@ -277,6 +298,32 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 #undef GPUOPS_WG_EPI
 }
 
+// The 32-column chunks of one consumer warp's accumulators in the tensor-store epilogues, 8 per
+// tile, chunk c fed by acc[16c .. 16c + 15] (n8 blocks j = 4c .. 4c + 3):
+//  * kHalves 1 (EPI 4: the warpgroup's 64 x 256 tile): the warp's 16 rows m_base.., chunk c at
+//    columns 32c;
+//  * kHalves 2 (EPI 6: the warpgroup's 128 x 128 tile, two m64n128 products): rows m_base..
+//    (acc[0..63], chunks 0..3) and m_base + 64.. (acc[64..127], chunks 4..7), chunk c at
+//    columns 32 (c % 4).
+// Live chunks (some column < N, rows < M) are numbered s = 0, 1, .. in that order: `cols` per
+// live half, `count` in all; offsets(s) gives live chunk s's row and column offsets.
+template <int kHalves>
+struct WgChunks {
+  static_assert(kHalves == 1 || kHalves == 2, "64 x 256 or 2 x 64 x 128 per warpgroup");
+  static constexpr int kCols = 8 / kHalves;
+  int cols, count;
+  __device__ __forceinline__ WgChunks(const GemmArgs& p, long long m_base, long long n0) {
+    const long long left = p.N - n0;        // > 0: the tile starts inside N
+    cols = left >= 32 * kCols ? kCols : (int)((left + 31) >> 5);
+    count = (kHalves == 2 && m_base + 64 < p.M) ? 2 * cols : cols;
+  }
+  __device__ __forceinline__ void offsets(int s, int& dm, int& dn) const {
+    const int h = (kHalves == 2 && s >= cols) ? 1 : 0;
+    dm = 64 * h;
+    dn = 32 * (s - h * cols);
+  }
+};
+
 // Epilogue 'tma_fused' (EPI 4) of a fused call (bias, activation and / or residual; 16-bit C,
 // N % 8 == 0, and a residual TMA can read: the host checks): act(alpha * acc + bias) + residual
 // with no global load in the chunk loop, so the proxy fence before each tensor store has only
@@ -293,9 +340,10 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 //  * bias: the tile's kWgBN bias values (T) in shared memory (bias_row, or null without bias),
 //    copied by cp.async during the main loop and published before the epilogue (no load in
 //    flight here); read as broadcast pairs.
-// Chunks wholly past N are skipped (no load, no math, no store); the chunks a warp handles are a
-// prefix 0..L-1 of the tile's 8, so the bulk groups of a tile are consecutive.
-template <class T, Act A>
+// Chunks wholly past N (or M) are skipped (no load, no math, no store); the live chunks are
+// handled in order as s = 0, 1, .. (WgChunks), box s % 4, so the bulk groups of a tile are
+// consecutive. kHalves: the accumulators' geometry (WgChunks).
+template <class T, Act A, int kHalves>
 __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const float (&acc)[128],
                                                       long long m_base, long long n0, int lane,
                                                       unsigned char* buf,
@@ -310,27 +358,38 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
   lane = (int)lane_u;
   const int g = lane >> 2, tq = lane & 3, sw = (g >> 1) & 3;
   const bool has_bias = bias_row != nullptr, has_res = p.residual != nullptr;
+  const WgChunks<kHalves> live(p, m_base, n0);
   // the boxes' previous stores (last tile's) have read them; without a residual nothing else did
   // this wait (with one, wg_fused_residual_prologue did it before loading chunks 0..3)
   if (!has_res) {
     if (lane == 0) bulk_wait_read<0>();
     __syncwarp();
   }
+  int seq = 0;                              // live chunks so far (kHalves 2)
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    if (n0 + 32 * c >= p.N) break;          // this and later chunks lie past N (warp-uniform)
-    const int box = c & (kWgFusedBoxes - 1);
+    constexpr int kCols = WgChunks<kHalves>::kCols;
+    const int h = c / kCols, cc = c % kCols;  // row half and column chunk (compile-time)
+    if (cc >= live.cols) {                  // past N (warp-uniform)
+      if (kHalves == 1) break;
+      continue;
+    }
+    if (h == 1 && live.count == live.cols) break;   // the second half lies past M
+    // this chunk's place among the live ones: c itself when they are a prefix (kHalves 1)
+    const int s = kHalves == 1 ? c : seq++;
+    const int box = s & (kWgFusedBoxes - 1);
     unsigned char* chunk = buf + box * kWgBoxBufBytes;
     if (has_res) {
       mbar_wait(res_bar + 8 * box, (res_phase >> box) & 1u);
       res_phase ^= 1u << box;
-    } else if (c >= kWgFusedBoxes) {
-      if (lane == 0) bulk_wait_read<kWgFusedBoxes - 1>();   // chunk c - 4's store read the box
+    } else if (s >= kWgFusedBoxes) {
+      if (lane == 0) bulk_wait_read<kWgFusedBoxes - 1>();   // chunk s - 4's store read the box
       __syncwarp();
     }
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-      const int j = 4 * c + jj;             // n8 block: columns 8j + 2t, + 1 of the tile
+      const int j = 4 * c + jj;             // n8 block of the accumulators
+      const int jn = 4 * cc + jj;           // n8 block of the tile's columns: 8 jn + 2t, + 1
       // 16-byte unit jj of the 64-byte box row; rows g and g + 8 share the swizzle
       unsigned char* at = chunk + ((jj ^ sw) * 16) + 4 * tq;
       unsigned int* lo_at = reinterpret_cast<unsigned int*>(at + g * kWgBoxRowBytes);
@@ -338,7 +397,7 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
       float bz[8] = {}, r_lo[8] = {}, r_hi[8] = {};
       if (has_bias)
         Vec16<T>::unpack(make_uint4(*reinterpret_cast<const unsigned int*>(
-                                        bias_row + (8 * j + 2 * tq) * 2), 0u, 0u, 0u), bz);
+                                        bias_row + (8 * jn + 2 * tq) * 2), 0u, 0u, 0u), bz);
       if (has_res) {
         Vec16<T>::unpack(make_uint4(*lo_at, 0u, 0u, 0u), r_lo);
         Vec16<T>::unpack(make_uint4(*hi_at, 0u, 0u, 0u), r_hi);
@@ -356,35 +415,100 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
     __syncwarp();
     if (lane == 0) {
       // rows past M and columns past N are clipped by the map's extents, not written
-      tma_store_3d(tma_c, smem_u32(chunk), (int)n0 + 32 * c, (int)m_base, z);
+      tma_store_3d(tma_c, smem_u32(chunk), (int)n0 + 32 * cc, (int)(m_base + 64 * h), z);
       bulk_commit();
-      const int cn = c + kWgFusedBoxes - 1; // the chunk whose residual goes into chunk c - 1's box
-      if (has_res && c >= 1 && cn < 8 && n0 + 32 * cn < p.N) {
-        bulk_wait_read<1>();                // chunk c - 1's store has read its box
-        const int nb = cn & (kWgFusedBoxes - 1);
+      const int sn = s + kWgFusedBoxes - 1; // the chunk whose residual goes into chunk s - 1's box
+      if (has_res && s >= 1 && sn < live.count) {
+        bulk_wait_read<1>();                // chunk s - 1's store has read its box
+        const int nb = sn & (kWgFusedBoxes - 1);
+        int dm, dn;
+        live.offsets(sn, dm, dn);
         mbar_arrive_expect_tx(res_bar + 8 * nb, kWgBoxBufBytes);
-        tma_load(smem_u32(buf + nb * kWgBoxBufBytes), tma_r, res_bar + 8 * nb, (int)n0 + 32 * cn,
-                 (int)m_base, batched, rc);
+        tma_load(smem_u32(buf + nb * kWgBoxBufBytes), tma_r, res_bar + 8 * nb, (int)n0 + dn,
+                 (int)m_base + dm, batched, rc);
       }
     }
   }
 }
 
-// The residual boxes of a tile's first kWgFusedBoxes chunks, issued by lane 0 of each consumer
-// warp during the tile's main loop (EPI 4; see wg_epilogue_tma_fused): the previous tile's stores
-// must have read the boxes first.
+// The residual boxes of a tile's first kWgFusedBoxes live chunks, issued by lane 0 of each
+// consumer warp during the tile's main loop (EPI 4 and 6; see wg_epilogue_tma_fused): the
+// previous tile's stores must have read the boxes first.
+template <int kHalves>
 __device__ __forceinline__ void wg_fused_residual_prologue(const GemmArgs& p, long long m_base,
                                                           long long n0, unsigned char* buf,
                                                           const TmaDesc* tma_r,
                                                           unsigned int res_bar, bool batched,
                                                           const int (&rc)[3]) {
+  const WgChunks<kHalves> live(p, m_base, n0);
   bulk_wait_read<0>();
 #pragma unroll
   for (int b = 0; b < kWgFusedBoxes; ++b) {
-    if (n0 + 32 * b < p.N) {
+    if (b < live.count) {
+      int dm, dn;
+      live.offsets(b, dm, dn);
       mbar_arrive_expect_tx(res_bar + 8 * b, kWgBoxBufBytes);
-      tma_load(smem_u32(buf + b * kWgBoxBufBytes), tma_r, res_bar + 8 * b, (int)n0 + 32 * b,
-               (int)m_base, batched, rc);
+      tma_load(smem_u32(buf + b * kWgBoxBufBytes), tma_r, res_bar + 8 * b, (int)n0 + dn,
+               (int)m_base + dm, batched, rc);
+    }
+  }
+}
+
+// The producer (one thread of warpgroup 0): every k-tile of every output tile of this CTA, in
+// order, into a ring of S stages, each the kWgBM x 64 A tile and then the BN x 64 B tile; a stage
+// is refilled once its "empty" barrier says its consumers are done with it.
+template <bool AMN, bool BMN, int BN, int S>
+__device__ __forceinline__ void wg_produce(const TmaDesc& tma_a, const TmaDesc& tma_b,
+                                           const GemmArgs& p, unsigned int sbase,
+                                           unsigned int full_bar, unsigned int empty_bar) {
+  constexpr unsigned int kBBytes = BN * kWgBK * 2;
+  constexpr unsigned int kStageBytes = kWgABytes + kBBytes;
+  const WgShape<kWgBM, BN> sh(p);
+  int stage = 0;
+  unsigned int phase = 0;
+  for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
+    const WgTile t = wg_tile(sh, w);
+    int ca[3] = {0, 0, 0}, cb[3] = {0, 0, 0};
+    if (sh.batched) {
+      batch_coords(p, t.z, p.a_sb, ca);
+      batch_coords(p, t.z, p.b_sb, cb);
+    }
+    // M/N-major operands come as 64-wide boxes; boxes wholly past M / N are not loaded
+    // (their rows / columns of the product are never stored, so stale shared memory there is
+    // moot). a_live and b_live always hold (the loop visits only tiles inside M x N): the
+    // checks stay because with them ptxas emits, byte for byte, the code run 33 measured,
+    // and without them it reschedules the whole kernel, the consumers' loops included
+    // (benchmarks/notes_gemm.md, 2026-11-23).
+    const bool a_live = t.m0 < p.M;
+    const int a_boxes = !a_live ? 0 : AMN ? (t.m0 + 64 < p.M ? 2 : 1) : 1;
+    const int b_boxes = BMN ? (int)min((long long)(BN / 64), (p.N - t.n0 + 63) / 64) : 1;
+    const int b_live = (int)min(1LL, (p.N - t.n0 + BN - 1) / BN);   // K-major B: 0 or 1
+    const unsigned int a_bytes = AMN ? a_boxes * kWgBoxBytes : (a_live ? kWgABytes : 0);
+    const unsigned int bytes = a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_live * kBBytes);
+    for (int kt = 0; kt < sh.ktiles; ++kt) {
+      mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+      const unsigned int fb = full_bar + 8 * stage;
+      mbar_arrive_expect_tx(fb, bytes);
+      const unsigned int sa = sbase + stage * kStageBytes, sb = sa + kWgABytes;
+      const int k0 = kt * kWgBK;
+      if (AMN) {
+#pragma unroll 1
+        for (int i = 0; i < a_boxes; ++i)
+          tma_load(sa + i * kWgBoxBytes, &tma_a, fb, (int)t.m0 + 64 * i, k0, sh.batched, ca);
+      } else if (a_live) {
+        tma_load(sa, &tma_a, fb, k0, (int)t.m0, sh.batched, ca);
+      }
+      if (BMN) {
+#pragma unroll 1
+        for (int i = 0; i < b_boxes; ++i)
+          tma_load(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0, sh.batched, cb);
+      } else if (b_live > 0) {
+        tma_load(sb, &tma_b, fb, k0, (int)t.n0, sh.batched, cb);
+      }
+      if (++stage == S) {
+        stage = 0;
+        phase ^= 1;
+      }
     }
   }
 }
@@ -433,62 +557,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   if (wg == 0) {
     // ------------------------------------------------------------------ producer warpgroup
     setmaxnreg_dec<kWgProducerRegs>();
-    if (tid == 0) {
-      const WgShape sh(p);
-      int stage = 0;
-      unsigned int phase = 0;
-      for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
-        const WgTile t = wg_tile(sh, w);
-        int ca[3] = {0, 0, 0}, cb[3] = {0, 0, 0};
-        if (sh.batched) {
-          batch_coords(p, t.z, p.a_sb, ca);
-          batch_coords(p, t.z, p.b_sb, cb);
-        }
-        // M/N-major operands come as 64-wide boxes; boxes wholly past M / N are not loaded
-        // (their rows / columns of the product are never stored, so stale shared memory there is
-        // moot). a_live and b_live always hold (the loop visits only tiles inside M x N): the
-        // checks stay because with them ptxas emits, byte for byte, the code run 33 measured,
-        // and without them it reschedules the whole kernel, the consumers' loops included
-        // (benchmarks/notes_gemm.md, 2026-11-23).
-        const bool a_live = t.m0 < p.M;
-        const int a_boxes = !a_live ? 0 : AMN ? (t.m0 + 64 < p.M ? 2 : 1) : 1;
-        const int b_boxes = BMN ? (int)min(4LL, (p.N - t.n0 + 63) / 64) : 1;
-        const int b_live = (int)min(1LL, (p.N - t.n0 + kWgBN - 1) / kWgBN);   // K-major B: 0 or 1
-        const unsigned int a_bytes = AMN ? a_boxes * kWgBoxBytes : (a_live ? kWgABytes : 0);
-        const unsigned int bytes = a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_live * kWgBBytes);
-        for (int kt = 0; kt < sh.ktiles; ++kt) {
-          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-          const unsigned int fb = full_bar + 8 * stage;
-          mbar_arrive_expect_tx(fb, bytes);
-          const unsigned int sa = sbase + stage * kWgStageBytes, sb = sa + kWgABytes;
-          const int k0 = kt * kWgBK;
-          if (AMN) {
-#pragma unroll 1
-            for (int i = 0; i < a_boxes; ++i)
-              tma_load(sa + i * kWgBoxBytes, &tma_a, fb, (int)t.m0 + 64 * i, k0, sh.batched, ca);
-          } else if (a_live) {
-            tma_load(sa, &tma_a, fb, k0, (int)t.m0, sh.batched, ca);
-          }
-          if (BMN) {
-#pragma unroll 1
-            for (int i = 0; i < b_boxes; ++i)
-              tma_load(sb + i * kWgBoxBytes, &tma_b, fb, (int)t.n0 + 64 * i, k0, sh.batched, cb);
-          } else if (b_live > 0) {
-            tma_load(sb, &tma_b, fb, k0, (int)t.n0, sh.batched, cb);
-          }
-          if (++stage == kWgStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-    }
+    if (tid == 0)
+      wg_produce<AMN, BMN, kWgBN, kWgStages>(tma_a, tma_b, p, sbase, full_bar, empty_bar);
     return;
   }
 
   // -------------------------------------------------------------------- consumer warpgroups
   setmaxnreg_inc<kWgConsumerRegs>();
-  const WgShape sh(p);
+  const WgShape<> sh(p);
   const int cg = wg - 1;                         // rows 64 cg .. 64 cg + 63 of the tile
   const int ctid = tid - 128 * wg;               // thread in the warpgroup
   const int cwarp = ctid / 32, lane = tid % 32;
@@ -548,7 +624,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
           if (p.residual != nullptr && lane == 0 && mb < p.M) {
             int rc[3] = {0, 0, 0};
             if (sh.batched) batch_coords(p, t.z, p.r_sb, rc);
-            wg_fused_residual_prologue(p, mb, t.n0, reinterpret_cast<unsigned char*>(stage_c),
+            wg_fused_residual_prologue<1>(p, mb, t.n0, reinterpret_cast<unsigned char*>(stage_c),
                                        tma_r, res_bar, sh.batched, rc);
           }
           if (p.bias != nullptr && cg == 0) {
@@ -594,7 +670,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         int rc[3] = {0, 0, 0};
         if (sh.batched && p.residual != nullptr) batch_coords(p, t.z, p.r_sb, rc);
 #define GPUOPS_WG_FUSED(A)                                                                   \
-  wg_epilogue_tma_fused<T, A>(p, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), \
+  wg_epilogue_tma_fused<T, A, 1>(p, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), \
                               bias_row, tma_c, tma_r, (int)t.z, res_bar, epi_state, sh.batched, rc)
         switch (p.act) {
           case 1: GPUOPS_WG_FUSED(Act::kRelu); break;
@@ -694,6 +770,184 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
 #endif
 }
 
+// EPI 6 ('pingpong'), the kernel body. Warpgroup 0 produces as in gemm_wgmma_body (tiles of
+// 128 x kPpBN, in the CTA's order); consumer warpgroup cg takes the CTA's tiles i = cg, cg + 2, ..
+// Tile i's k-tiles are the ring's iterations i * ktiles .. (i + 1) * ktiles - 1 (stage = it % S,
+// parity = it / S % 2), so each stage is read by one warpgroup at a time and its empty barrier
+// counts that warpgroup's 4 warps.
+// Order barriers: a warpgroup may wait on tile i's full barriers only after every fill of tile
+// i - 1 has landed (a parity wait cannot tell phase n from phase n + 2: waiting for a stage two
+// fills ahead of the ring would pass on the older one). The warpgroup of tile i - 1 arrives on
+// the other's order barrier as soon as its last k-tile has landed; its epilogue then overlaps
+// the other's main loop, and it waits for tile i + 1's turn (the other's arrival) before its own
+// next main loop. The two barriers alternate strictly, so their parities never run two ahead.
+// Fused calls: tma_fused's epilogue (bias row per warpgroup, residual boxes by TMA issued 8
+// k-tiles before the end); bare calls take the same code with no bias, residual or activation.
+template <class T, bool AMN, bool BMN>
+__device__ __forceinline__ void gemm_wgmma_pingpong_body(const TmaDesc& tma_a,
+                                                         const TmaDesc& tma_b,
+                                                         const TmaDesc* tma_c,
+                                                         const TmaDesc* tma_r, const GemmArgs& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(16) unsigned char smem_raw[];   // aligned to 1024 by hand below
+  const unsigned int raw = smem_u32(smem_raw);
+  const unsigned int pad = (1024u - (raw & 1023u)) & 1023u;
+  const unsigned int sbase = raw + pad;
+  unsigned char* smem = smem_raw + pad;
+  const unsigned int full_bar = sbase + kPpBarOffset;        // + 8 stage
+  const unsigned int empty_bar = full_bar + 8 * kPpStages;
+  const unsigned int order_bar = empty_bar + 8 * kPpStages;  // + 8 cg: this warpgroup's turn
+  const unsigned int res_bar0 = order_bar + 16;              // + 8 (4 warp + box)
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kPpStages; ++s) {
+      mbar_init(full_bar + 8 * s, 1);       // the producer's arrive.expect_tx (+ TMA's bytes)
+      mbar_init(empty_bar + 8 * s, 4);      // one arrive per warp of the consuming warpgroup
+    }
+    mbar_init(order_bar, 1);
+    mbar_init(order_bar + 8, 1);
+#pragma unroll 1
+    for (int i = 0; i < 8 * kWgFusedBoxes; ++i) mbar_init(res_bar0 + 8 * i, 1);   // lane 0's
+    mbar_fence_init();
+    tma_prefetch_desc(&tma_a);
+    tma_prefetch_desc(&tma_b);
+    tma_prefetch_desc(tma_c);
+    if (p.residual != nullptr) tma_prefetch_desc(tma_r);
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    setmaxnreg_dec<kWgProducerRegs>();
+    if (tid == 0)
+      wg_produce<AMN, BMN, kPpBN, kPpStages>(tma_a, tma_b, p, sbase, full_bar, empty_bar);
+    return;
+  }
+
+  setmaxnreg_inc<kWgConsumerRegs>();
+  const WgShape<kWgBM, kPpBN> sh(p);
+  const int cg = wg - 1;
+  const int ctid = tid - 128 * wg;
+  const int cwarp = ctid / 32, lane = tid % 32;
+  unsigned char* boxes = smem + kPpBoxOffset + (cg * 4 + cwarp) * kWgFusedWarpBytes;
+  const bool fused = p.bias != nullptr || p.residual != nullptr || p.act != 0;
+  const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
+  const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
+  const unsigned int res_bar = res_bar0 + 8 * kWgFusedBoxes * (cg * 4 + cwarp);
+  const int bias_rows = kPpBiasOffset + cg * (2 * kPpBN * 2);   // this warpgroup's two rows
+  // bits 0..3: the residual boxes' parities; bit 4: the bias row in use; bit 5: the parity of
+  // this warpgroup's order barrier
+  unsigned int epi_state = 0;
+  const unsigned int my_turn = order_bar + 8 * cg, their_turn = order_bar + 8 * (1 - cg);
+
+  auto release = [&](int s) {
+    if (lane == 0) mbar_arrive(empty_bar + 8 * s);
+  };
+
+  float acc[128];
+  int i = cg;
+  for (int w = blockIdx.x + cg * gridDim.x; w < sh.work; w += 2 * gridDim.x, i += 2) {
+    const WgTile t = wg_tile(sh, w);
+    const BatchOffsets o = batch_offsets(p, t.z);
+    if (i > 0) {                             // tile i - 1's operands have all landed
+      mbar_wait(my_turn, (epi_state >> 5) & 1u);
+      epi_state ^= 32u;
+    }
+    if (sh.ktiles == 0 && ctid == 0) mbar_arrive(their_turn);   // (the host never sends K = 0)
+    const unsigned int it0 = (unsigned int)i * (unsigned int)sh.ktiles;
+    int stage = (int)(it0 % kPpStages);
+    unsigned int phase = (it0 / kPpStages) & 1u;
+#pragma unroll
+    for (int q = 0; q < 128; ++q) acc[q] = 0.0f;
+    float (&acc_lo)[64] = *reinterpret_cast<float (*)[64]>(&acc[0]);
+    float (&acc_hi)[64] = *reinterpret_cast<float (*)[64]>(&acc[64]);
+    int prev = 0;
+    for (int kt = 0; kt < sh.ktiles; ++kt) {
+      mbar_wait(full_bar + 8 * stage, phase);
+      if (kt == sh.ktiles - 1 && ctid == 0) mbar_arrive(their_turn);
+      const unsigned int sa = sbase + stage * kPpStageBytes;
+      const unsigned int sb = sa + kWgABytes;
+      reg_fence(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kWgBK / 16; ++kk) {
+        // rows 0..63 and 64..127 of the A tile: the next 64 K-major rows, or the second 64 x 64
+        // M-major box, 8192 bytes on either way
+        const unsigned long long db = WgOperand<BMN>::desc(sb, kk);
+        wgmma_ss_m64n128k16<T, AMN ? 1 : 0, BMN ? 1 : 0>(acc_lo, WgOperand<AMN>::desc(sa, kk),
+                                                         db, 1);
+        wgmma_ss_m64n128k16<T, AMN ? 1 : 0, BMN ? 1 : 0>(
+            acc_hi, WgOperand<AMN>::desc(sa + 8192, kk), db, 1);
+      }
+      wgmma_commit();
+      reg_fence(acc);
+      wgmma_wait<1>();                       // k-tile kt - 1's group is complete
+      reg_fence(acc);
+      if (kt > 0) release(prev);
+      if (prefetch_res && kt == pf_kt)
+        prefetch_residual_l2<T, kWgBM, kPpBN, 128>(p, o, t.m0, t.n0, ctid);
+      if (fused && kt == pf_kt) {
+        const long long mb = t.m0 + 16 * cwarp;
+        if (p.residual != nullptr && lane == 0 && mb < p.M) {
+          int rc[3] = {0, 0, 0};
+          if (sh.batched) batch_coords(p, t.z, p.r_sb, rc);
+          wg_fused_residual_prologue<2>(p, mb, t.n0, boxes, tma_r, res_bar, sh.batched, rc);
+        }
+        if (p.bias != nullptr && ctid < kPpBN / 2) {
+          // the tile's bias row as 64 pairs (cp.async holds no register until the epilogue;
+          // pairs past N are zero-filled): contiguous, 4-byte aligned, N even (the host checks)
+          const long long n = t.n0 + 2 * ctid;
+          cp_async4(sbase + bias_rows + ((epi_state >> 4) & 1) * (kPpBN * 2) + 4 * ctid,
+                    static_cast<const unsigned short*>(p.bias) + (n < p.N ? n : 0),
+                    n < p.N ? 4 : 0);
+          cp_async_commit();
+        }
+      }
+      prev = stage;
+      if (++stage == kPpStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    wgmma_wait<0>();
+    reg_fence(acc);
+    if (sh.ktiles > 0) release(prev);
+
+    // ---------------------------------------------------------------- epilogue
+    // Warp cwarp holds rows 16 cwarp + g, + 8 (acc[0..63]) and 64 + 16 cwarp + g, + 8
+    // (acc[64..127]) of the tile, columns 8j + 2t, + 1 (j < 16) in acc[4j..] / acc[64 + 4j..].
+    const unsigned char* bias_row = nullptr;
+    if (p.bias != nullptr) {
+      // published to the warpgroup by a named barrier of its 128 threads; two rows by tile
+      // parity, so a row is rewritten (two tiles on) only after every warp of the warpgroup has
+      // passed the next tile's barrier, i.e. finished this epilogue
+      bias_row = smem + bias_rows + ((epi_state >> 4) & 1) * (kPpBN * 2);
+      cp_async_wait<0>();
+      named_bar_sync(1 + cg, 128);
+      epi_state ^= 16u;
+    }
+    int rc[3] = {0, 0, 0};
+    if (sh.batched && p.residual != nullptr) batch_coords(p, t.z, p.r_sb, rc);
+    const long long m_base = t.m0 + 16 * cwarp;
+#define GPUOPS_WG_PP(A)                                                                      \
+  wg_epilogue_tma_fused<T, A, 2>(p, acc, m_base, t.n0, lane, boxes, bias_row, tma_c, tma_r,  \
+                                 (int)t.z, res_bar, epi_state, sh.batched, rc)
+    switch (p.act) {
+      case 1: GPUOPS_WG_PP(Act::kRelu); break;
+      case 2: GPUOPS_WG_PP(Act::kSilu); break;
+      case 3: GPUOPS_WG_PP(Act::kGeluErf); break;
+      case 4: GPUOPS_WG_PP(Act::kGeluTanh); break;
+      default: GPUOPS_WG_PP(Act::kIdentity); break;
+    }
+#undef GPUOPS_WG_PP
+  }
+  bulk_wait<0>();                            // the stores read this CTA's shared memory
+#else
+  __trap();   // not reached: the module is built for sm_90a only
+#endif
+}
+
 template <class T, bool AMN, bool BMN, int EPI>
 __global__ void __launch_bounds__(kWgThreads, 1)
     gemm_wgmma(const __grid_constant__ TmaDesc tma_a, const __grid_constant__ TmaDesc tma_b,
@@ -721,6 +975,17 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                         const __grid_constant__ TmaDesc tma_c,
                         const __grid_constant__ TmaDesc tma_r, const GemmArgs p) {
   gemm_wgmma_body<T, AMN, BMN, 4>(tma_a, tma_b, &tma_c, &tma_r, p);
+}
+
+// EPI 6 ('pingpong'): the tma_fused kernel's parameters (the host passes C's map again as the
+// residual's when the call has none). Shared memory: kPpSmemBytes.
+template <class T, bool AMN, bool BMN>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    gemm_wgmma_pingpong(const __grid_constant__ TmaDesc tma_a,
+                        const __grid_constant__ TmaDesc tma_b,
+                        const __grid_constant__ TmaDesc tma_c,
+                        const __grid_constant__ TmaDesc tma_r, const GemmArgs p) {
+  gemm_wgmma_pingpong_body<T, AMN, BMN>(tma_a, tma_b, &tma_c, &tma_r, p);
 }
 
 }  // namespace gemm

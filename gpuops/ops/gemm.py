@@ -21,7 +21,6 @@ call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from math import prod
 
@@ -262,13 +261,20 @@ WGMMA_FUSED_BOXES = 4
 WGMMA_SMEM_FUSED = WGMMA_STAGES * (WGMMA_BM + WGMMA_BN) * WGMMA_BK * 2 \
     + 8 * WGMMA_FUSED_BOXES * 1024 + 2 * WGMMA_BN * 2 + 2 * WGMMA_STAGES * 8 \
     + 8 * WGMMA_FUSED_BOXES * 8 + 1024
+# 'pingpong' (epilogue 6): 128 x 128 tiles, each consumer warpgroup its own (kPpSmemBytes in
+# wgmma.cu): a 6-stage ring of 32 KiB, tma_fused's boxes, a bias row pair per warpgroup, two
+# order barriers
+WGMMA_PP_BN, WGMMA_PP_STAGES = 128, 6
+WGMMA_SMEM_PINGPONG = WGMMA_PP_STAGES * (WGMMA_BM + WGMMA_PP_BN) * WGMMA_BK * 2 \
+    + 8 * WGMMA_FUSED_BOXES * 1024 + 2 * 2 * WGMMA_PP_BN * 2 + 2 * WGMMA_PP_STAGES * 8 + 2 * 8 \
+    + 8 * WGMMA_FUSED_BOXES * 8 + 1024
 
 
 # Kernel configurations (PLAN["wgmma"] picks one; each is its own module per dtype, so that only
 # the chosen one is compiled): the epilogue. 0 'staged' (shared memory, rolled 32-column chunks),
 # 1 'direct' (fragments straight to global memory, activation chosen per tile), 3 'tma_store' and
 # 4 'tma_fused' (below). 'base' is the configuration run 21 measured.
-WGMMA_CONFIGS = {"base": 0, "direct": 1, "tma_store": 3, "tma_fused": 4}
+WGMMA_CONFIGS = {"base": 0, "direct": 1, "tma_store": 3, "tma_fused": 4, "pingpong": 6}
 # 'tma_store' (epilogue 3): C leaves through a third tensor map, one 16 x 32 box per warp and
 # chunk (kernel gemm_wgmma_tmastore), so the warps start the next tile while it drains. Run 30
 # (H100, CUDA graphs, bf16 linear, % of cuBLAS): 4096x6144x512 100, x1024 95.7, x2048 89.0,
@@ -282,6 +288,11 @@ WGMMA_TMASTORE_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "9P25qf4i")
 # memory, so no global load is in flight at the per-chunk proxy fence (notes_gemm.md,
 # "Fused epilogues through tensor stores"). Calls whose residual TMA cannot read run 'direct'.
 WGMMA_TMAFUSED_ARGS = ArgSpec("tensormap", "tensormap", "tensormap", "tensormap", "9P25qf4i")
+# 'pingpong' (epilogue 6, kernel gemm_wgmma_pingpong): tma_fused's epilogue and parameters on
+# 128 x 128 tiles, each consumer warpgroup its own, taking the CTA's tiles in turns, so one
+# warpgroup's epilogue overlaps the other's MMAs (tma_fused's warpgroups share a 128 x 256 tile
+# and the tensor cores idle during its epilogue: bias+gelu +23.5% over the bare product at
+# 4096x6144x2048, run 62). Its calls route as tma_fused's (_wgmma_call_config).
 # Experiment switch (benchmarks/experiments/wgmma_fused_epilogue.py): True lets 'tma_store' run
 # fused calls itself, with run 30's generic bias / residual loads (measured slow), for A/B.
 _TMA_STORE_GENERIC_FUSED = False
@@ -293,15 +304,23 @@ def _wgmma_expr(d, a_mn, b_mn, config="base"):
         return _kname("gemm_wgmma_tmastore", d.ctype, _b(a_mn), _b(b_mn))
     if epi == 4:
         return _kname("gemm_wgmma_tmafused", d.ctype, _b(a_mn), _b(b_mn))
+    if epi == 6:
+        return _kname("gemm_wgmma_pingpong", d.ctype, _b(a_mn), _b(b_mn))
     return _kname("gemm_wgmma", d.ctype, _b(a_mn), _b(b_mn), epi)
 
 
 def _wgmma_spec(config):
-    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS}.get(WGMMA_CONFIGS[config], WGMMA_ARGS)
+    return {3: WGMMA_TMASTORE_ARGS, 4: WGMMA_TMAFUSED_ARGS, 6: WGMMA_TMAFUSED_ARGS}.get(
+        WGMMA_CONFIGS[config], WGMMA_ARGS)
 
 
 def _wgmma_smem(config):
-    return WGMMA_SMEM_FUSED if WGMMA_CONFIGS[config] == 4 else WGMMA_SMEM
+    return {4: WGMMA_SMEM_FUSED, 6: WGMMA_SMEM_PINGPONG}.get(WGMMA_CONFIGS[config], WGMMA_SMEM)
+
+
+def _wgmma_bn(config):
+    """The output tile's width (B's box rows) of a configuration."""
+    return WGMMA_PP_BN if WGMMA_CONFIGS[config] == 6 else WGMMA_BN
 
 
 def _wgmma_kernels(config):
@@ -928,19 +947,20 @@ def _wgmma_config():
     return cfg
 
 
-def _wgmma_maps(op, p: _Plan, L: _Launch, dtype):
-    """The two tensor maps and layouts of a wgmma launch: ((a_mn, map_a), (b_mn, map_b)),
-    remembered per pointers, extents and strides (a model repeats the same GEMMs). Raises
-    ValueError naming the operand TMA cannot read (the caller falls back to 'mma' when the
-    variant was not asked for)."""
+def _wgmma_maps(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN):
+    """The two tensor maps and layouts of a wgmma launch with output tiles WGMMA_BM x bn:
+    ((a_mn, map_a), (b_mn, map_b)), remembered per pointers, extents and strides (a model repeats
+    the same GEMMs). Raises ValueError naming the operand TMA cannot read (the caller falls back
+    to 'mma' when the variant was not asked for)."""
     key = (L.a, L.b, p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.bshape, p.a_sb, p.b_sb,
-           dtype.itemsize)
-    return _remembered(_wgmma_map_cache, key, lambda: _wgmma_maps_uncached(op, p, L, dtype))
+           dtype.itemsize, bn)
+    return _remembered(_wgmma_map_cache, key,
+                       lambda: _wgmma_maps_uncached(op, p, L, dtype, bn))
 
 
-def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
+def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN):
     names = _OPERAND_NAMES.get(op, ("a", "b"))
-    tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
+    tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, bn) * p.batch
     if tiles >= 2 ** 31 or max(p.M, p.N, p.K) >= 2 ** 31:
         raise ValueError(f"gpuops.{op}: variant='wgmma' takes at most 2^31 - 1 output tiles and "
                          f"extents below 2^31 (M={p.M}, N={p.N}, K={p.K}, batch={p.batch})")
@@ -948,7 +968,7 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
     for name, ptr, args in ((names[0], L.a, (p.M, p.K, p.a_sm, p.a_sk, p.bshape, p.a_sb, L.a,
                                             dtype.itemsize, WGMMA_BM, "M")),
                             (names[1], L.b, (p.N, p.K, p.b_sn, p.b_sk, p.bshape, p.b_sb, L.b,
-                                            dtype.itemsize, WGMMA_BN, "N"))):
+                                            dtype.itemsize, bn, "N"))):
         plan = _wgmma_operand(*args)
         if plan[0] is None:
             raise ValueError(
@@ -968,9 +988,9 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype):
     return tuple(out)
 
 
-def _wgmma_grid(p: _Plan, sms):
+def _wgmma_grid(p: _Plan, sms, bn=WGMMA_BN):
     """Persistent grid: one CTA per SM at most, never more than the output tiles."""
-    return min(_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch, max(sms, 1))
+    return min(_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, bn) * p.batch, max(sms, 1))
 
 
 def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
@@ -979,12 +999,12 @@ def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
     smem = _wgmma_smem(config)
-    blocks = _wgmma_grid(p, device.sm_count(call.device))
+    blocks = _wgmma_grid(p, device.sm_count(call.device), _wgmma_bn(config))
     epi = WGMMA_CONFIGS[config]
     maps_c = ()
-    if epi in (3, 4):
+    if epi in (3, 4, 6):
         maps_c = (_wgmma_map_c(p, L, dtype),)
-    if epi == 4:   # the residual's map, or C's again (unused) when the call has none
+    if epi in (4, 6):   # the residual's map, or C's again (unused) when the call has none
         maps_c += (_wgmma_map_r(p, L, dtype) if L.residual else maps_c[0],)
     kernel.launch((blocks, 1, 1), (WGMMA_THREADS, 1, 1), call.stream, map_a, map_b, *maps_c,
                   *_gemm_args(p, L, 0), smem=smem)
@@ -1034,19 +1054,19 @@ def _wgmma_call_config(p: _Plan, L: _Launch) -> str:
     for fused epilogues (run 30: with its generic bias / residual loads, bias cost +37% and
     residual +39% over the bare product, with direct -5% and +17.5%), 'tma_fused' only for a
     residual its fourth tensor map cannot read or a bias that is not contiguous and 4-byte
-    aligned (a broadcast or strided bias)."""
+    aligned (a broadcast or strided bias). 'pingpong' routes as 'tma_fused' (its epilogue)."""
     config = _wgmma_config()
     epi = WGMMA_CONFIGS[config]
-    if epi not in (3, 4):
+    if epi not in (3, 4, 6):
         return config
     if L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31:
         return "direct"
     fused = bool(L.bias or L.residual or L.act)
     if epi == 3 and fused and not _TMA_STORE_GENERIC_FUSED:
         return "direct"
-    if epi == 4 and L.residual and _wgmma_residual_plan(p, L, 2) is None:
+    if epi in (4, 6) and L.residual and _wgmma_residual_plan(p, L, 2) is None:
         return "direct"
-    if epi == 4 and L.bias and (L.bias_s != 1 or L.bias % 4):
+    if epi in (4, 6) and L.bias and (L.bias_s != 1 or L.bias % 4):
         return "direct"   # the kernel copies the bias row in 4-byte pairs (cp.async)
     return config
 
@@ -1125,7 +1145,7 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
         else:
             config = _wgmma_call_config(p, L)
             try:
-                maps = _wgmma_maps(op, p, L, dtype)
+                maps = _wgmma_maps(op, p, L, dtype, _wgmma_bn(config))
             except ValueError:
                 if variant == "wgmma":
                     raise
