@@ -12,7 +12,7 @@ Per shape, every row in the same process:
     (bare only: its fused calls run 'direct'); by --configs also 'direct' and 'tma_store_generic'
     ('tma_store' running fused calls itself with run 30's generic bias / residual loads,
     gemm._TMA_STORE_GENERIC_FUSED);
-    epilogues: bare, bias, bias+gelu (erf), bias+gelu_tanh, residual
+    epilogues: bare, bias, bias+gelu (erf), bias+gelu_tanh, bias+silu, residual
     (go.matmul(x, w.T, residual=res));
   * peers: cuBLAS F.linear(x, w) / F.linear(x, w, b) (cuBLASLt bias epilogue), F.gelu of that
     (two kernels), torch._addmm_activation(b, x, w.T, use_gelu=True) (cuBLASLt GELU_BIAS, tanh
@@ -51,7 +51,7 @@ from gpuops.runtime import config  # noqa: E402
 SHAPES = {"issue4": [(4096, 6144, 2048), (4096, 2048, 6144), (8192, 8192, 8192)],
           "small": [(1024, 1536, 512)]}
 CONFIGS = ["pingpong", "tma_fused", "tma_store"]
-EPILOGUES = ["bare", "bias", "bias+gelu", "bias+gelu_tanh", "residual"]
+EPILOGUES = ["bare", "bias", "bias+gelu", "bias+gelu_tanh", "bias+silu", "residual"]
 ROUNDS = 3
 RESULTS: dict = {"checks": [], "rows": [], "routing": {}}
 
@@ -72,6 +72,8 @@ def gpuops_fn(cfg, epi, x, w, bias, res):
             return go.linear(x, w, bias, "gelu", variant="wgmma")
         if epi == "bias+gelu_tanh":
             return go.linear(x, w, bias, "gelu_tanh", variant="wgmma")
+        if epi == "bias+silu":
+            return go.linear(x, w, bias, "silu", variant="wgmma")
         return go.matmul(x, w.T, residual=res, variant="wgmma")
     return call
 
@@ -80,6 +82,7 @@ def peer_fns(x, w, bias, res):
     rows = {"cublas bare F.linear": lambda: F.linear(x, w),
             "cublas bias F.linear(b)": lambda: F.linear(x, w, bias),
             "cublas bias+gelu F.gelu(F.linear(b))": lambda: F.gelu(F.linear(x, w, bias)),
+            "cublas bias+silu F.silu(F.linear(b))": lambda: F.silu(F.linear(x, w, bias)),
             "cublas residual addmm(res)": lambda: torch.addmm(res, x, w.T),
             "cublas residual F.linear + res": lambda: F.linear(x, w) + res}
     if hasattr(torch, "_addmm_activation"):
@@ -96,6 +99,8 @@ def reference(epi, x, w, bias, res):
         y = F.gelu(y)
     if epi == "bias+gelu_tanh":
         y = F.gelu(y, approximate="tanh")
+    if epi == "bias+silu":
+        y = F.silu(y)
     if epi == "residual":
         y = y + res.float()
     return y

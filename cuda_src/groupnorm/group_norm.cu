@@ -18,6 +18,7 @@
 //    read once, for NCHW and channels-last; the grid and the blocks per SM sized by the host so
 //    that the blocks really occupy all SMs, and the per-element work trimmed (see there).
 #include "common/fastmath.cuh"
+#include "common/activations.cuh"
 #include "common/dtypes.cuh"
 #include "common/fastdiv.cuh"
 #include "common/group_stats.cuh"
@@ -35,16 +36,9 @@ __device__ __forceinline__ float gn_param(const T* p, int c, float absent) {
 // cancel against the bias); once per block, so the cost does not matter.
 __device__ __forceinline__ float inv_std(float var, float eps) { return 1.0f / sqrtf(var + eps); }
 
-// v * sigmoid(v) with one MUFU.EX2 and one MUFU.RCP: relative error below 1e-6 (the rounding of
-// -v log2(e) dominates), far under the fp16/bf16 storage rounding and within fp32's tolerance; as
-// torch for v = -inf (NaN), v << 0 (-0), +inf and NaN. The IEEE division of activations.cuh's
-// silu_f costs a long instruction sequence per element (and per unrolled copy, compile time).
-__device__ __forceinline__ float silu_fast(float v) {
-  return v * fast_rcp(1.0f + fast_exp2(-1.4426950408889634f * v));
-}
-
-// act: 0 none, 1 SiLU (a uniform branch: the same for the whole launch)
-__device__ __forceinline__ float gn_act(float v, int act) { return act ? silu_fast(v) : v; }
+// act: 0 none, 1 SiLU (silu_f: one MUFU.EX2 and one MUFU.RCP; a uniform branch: the same for
+// the whole launch)
+__device__ __forceinline__ float gn_act(float v, int act) { return act ? silu_f(v) : v; }
 
 // Raw storage of one unit of VEC elements (a 16-byte pack, or one element), to fp32 and back.
 template <class T, int VEC>
@@ -573,7 +567,7 @@ __device__ __forceinline__ float rcp_newton(float d) {
   return r;
 }
 
-// silu_fast with the reciprocal by rcp_newton: 1 + 2^t > 2^126 gives 0, as rcp.approx.ftz does
+// silu_f with the reciprocal by rcp_newton: 1 + 2^t > 2^126 gives 0, as rcp.approx.ftz does
 // (so -inf -> NaN and v << 0 -> -0, as torch); NaN stays NaN.
 __device__ __forceinline__ float silu_newton(float v) {
   const float t = -1.4426950408889634f * v;
@@ -582,7 +576,7 @@ __device__ __forceinline__ float silu_newton(float v) {
 }
 
 // SiLU of a pack, some reciprocals by Newton-Raphson instead of MUFU.RCP. Per warp and element a
-// MUFU op occupies its pipe for 8 clocks, an issue slot 1; silu_fast issues 5 instructions (2 of
+// MUFU op occupies its pipe for 8 clocks, an issue slot 1; silu_f issues 5 instructions (2 of
 // them MUFU), silu_newton 13 (1 MUFU), and the pack's unpack / scale / store add ~5 per element.
 // 16-bit (8 per pack): 3 Newton elements give ~13 issue clocks and 13 MUFU clocks per element
 // (all MUFU: 16 MUFU-bound; half and half: 14.4 issue-bound); fp32 (4 per pack): 1 of 4, ~14.5.
@@ -590,7 +584,7 @@ template <int VEC>
 __device__ __forceinline__ void silu_pack(float (&f)[VEC]) {
   constexpr unsigned int newton = VEC == 8 ? 0x49u : 0x2u;   // elements {0, 3, 6} / {1}
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) f[j] = ((newton >> j) & 1u) ? silu_newton(f[j]) : silu_fast(f[j]);
+  for (int j = 0; j < VEC; ++j) f[j] = ((newton >> j) & 1u) ? silu_newton(f[j]) : silu_f(f[j]);
 }
 
 // NCHW. Block `rank` of group `group` holds packs [rank * slice_packs, ... + slice_packs) of the
