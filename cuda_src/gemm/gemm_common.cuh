@@ -89,12 +89,14 @@ __device__ __forceinline__ void tile_coords(int pid, int tiles_m, int tiles_n, i
 
 // ------------------------------------------------------------------------------------ epilogue
 
+// act chosen at run time (the SIMT and mma epilogues): silu and gelu_tanh share their sigmoid (one
+// copy of its code per element: the register-tiled kernels are at their register limit there)
 __device__ __forceinline__ float apply_act(int act, float v) {
   switch (act) {
     case 1: return activate<Act::kRelu>(v);
-    case 2: return activate<Act::kSilu>(v);
+    case 2:
+    case 4: return v * sigmoid_f(act == 4 ? gelu_tanh_arg(v) : v);   // silu_f / gelu_tanh_f
     case 3: return activate<Act::kGeluErf>(v);
-    case 4: return activate<Act::kGeluTanh>(v);
     default: return v;
   }
 }

@@ -7,6 +7,7 @@
 // Left for `warp_tiled`: the B reads of a warp hit 2-way bank conflicts (16 threads read 8
 // consecutive floats each), and loads are not overlapped with math (two barriers per K step).
 #include "gemm/gemm_common.cuh"
+#include "common/opaque.cuh"
 
 namespace gpuops {
 namespace gemm {
@@ -60,13 +61,23 @@ __global__ void __launch_bounds__(kRtThreads, 2) gemm_register_tiled_vec4(GemmAr
     }
     __syncthreads();
   }
+  // The epilogue's tile, thread and batch offsets are recomputed here from the block index (made
+  // opaque) instead of being held across the K loop, which needs all 128 registers: ptxas spilled
+  // them otherwise once the activations' sigmoid became inline MUFU code.
+  unsigned int block = blockIdx.x, thread = threadIdx.x;
+  opaque(block);
+  opaque(thread);
+  int em, en;
+  tile_coords((int)block, tiles_m, tiles_n, em, en);
+  const long long rows = (long long)em * kRtBM + (thread / 16) * 8;
+  const long long cols = (long long)en * kRtBN + (thread % 16) * 8;
+  const BatchOffsets eo = batch_offsets(p, p.z0 + blockIdx.z);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const long long m = m0 + ty * 8 + i;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float v[4] = {acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2], acc[i][4 * h + 3]};
-      epilogue_run<T, 4>(p, o, m, n0 + tx * 8 + 4 * h, v);
+      epilogue_run<T, 4>(p, eo, rows + i, cols + 4 * h, v);
     }
   }
 }
