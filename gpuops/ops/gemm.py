@@ -187,7 +187,9 @@ GEMV_MMA_PIPE = {
 #             4096x6144x2048 / 4096x2048x6144, us): bare 140.9 / 133.5 (tma_store 141.0 /
 #             132.6), bias 148.8 / 134.8 (direct 171.1 / 142.8), bias+gelu 172.8 / 148.7
 #             (direct 198.6 / 162.4), residual 163.5 / 138.5 (direct 184.8 / 145.1):
-#             benchmarks/experiments/wgmma_fused_epilogue.py.
+#             benchmarks/experiments/wgmma_fused_epilogue.py. "pingpong" (run 87): 128 x 128
+#             tiles, one per consumer warpgroup in turns, epilogues under the other's MMAs;
+#             correct but its bare product is 19-24% slower (L2 bytes per FLOP), an A/B option.
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
 #             timed side by side by benchmarks/experiments/gemm_simt_sweep.py). Run 31 (H100,
