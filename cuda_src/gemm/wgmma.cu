@@ -298,6 +298,17 @@ __device__ __forceinline__ void wg_epilogue_whole(const GemmArgs& p, const Batch
 #undef GPUOPS_WG_EPI
 }
 
+// Pair `i` (columns n0 + 2i, + 1) of a tile's bias row into the shared-memory row at `row`, by
+// cp.async (it holds no register until the epilogue waits for it); pairs past N are zero-filled.
+// The host checks that the bias is contiguous and 4-byte aligned and N even (EPI 4 and 6).
+__device__ __forceinline__ void wg_copy_bias_pair(unsigned int row, const GemmArgs& p,
+                                                  long long n0, int i) {
+  const long long n = n0 + 2 * i;
+  cp_async4(row + 4 * i, static_cast<const unsigned short*>(p.bias) + (n < p.N ? n : 0),
+            n < p.N ? 4 : 0);
+  cp_async_commit();
+}
+
 // The 32-column chunks of one consumer warp's accumulators in the tensor-store epilogues, 8 per
 // tile, chunk c fed by acc[16c .. 16c + 15] (n8 blocks j = 4c .. 4c + 3):
 //  * kHalves 1 (EPI 4: the warpgroup's 64 x 256 tile): the warp's 16 rows m_base.., chunk c at
@@ -628,14 +639,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
                                        tma_r, res_bar, sh.batched, rc);
           }
           if (p.bias != nullptr && cg == 0) {
-            // the first warpgroup copies the row (contiguous, 4-byte aligned, N even: the host
-            // checks) as 128 pairs with cp.async, which holds no register until the epilogue;
-            // pairs past N are zero-filled
-            const long long n = t.n0 + 2 * ctid;
-            cp_async4(sbase + kWgFusedBiasOffset + ((epi_state >> 4) & 1) * (kWgBN * 2) + 4 * ctid,
-                      static_cast<const unsigned short*>(p.bias) + (n < p.N ? n : 0),
-                      n < p.N ? 4 : 0);
-            cp_async_commit();
+            // the first warpgroup copies the row as 128 pairs
+            wg_copy_bias_pair(sbase + kWgFusedBiasOffset + ((epi_state >> 4) & 1) * (kWgBN * 2),
+                              p, t.n0, ctid);
           }
         }
       }
@@ -895,13 +901,9 @@ __device__ __forceinline__ void gemm_wgmma_pingpong_body(const TmaDesc& tma_a,
           wg_fused_residual_prologue<2>(p, mb, t.n0, boxes, tma_r, res_bar, sh.batched, rc);
         }
         if (p.bias != nullptr && ctid < kPpBN / 2) {
-          // the tile's bias row as 64 pairs (cp.async holds no register until the epilogue;
-          // pairs past N are zero-filled): contiguous, 4-byte aligned, N even (the host checks)
-          const long long n = t.n0 + 2 * ctid;
-          cp_async4(sbase + bias_rows + ((epi_state >> 4) & 1) * (kPpBN * 2) + 4 * ctid,
-                    static_cast<const unsigned short*>(p.bias) + (n < p.N ? n : 0),
-                    n < p.N ? 4 : 0);
-          cp_async_commit();
+          // the tile's bias row as 64 pairs, by the warpgroup's first 64 threads
+          wg_copy_bias_pair(sbase + bias_rows + ((epi_state >> 4) & 1) * (kPpBN * 2), p, t.n0,
+                            ctid);
         }
       }
       prev = stage;

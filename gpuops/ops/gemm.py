@@ -316,8 +316,11 @@ def _wgmma_spec(config):
         WGMMA_CONFIGS[config], WGMMA_ARGS)
 
 
+_WGMMA_SMEM_BY_EPI = {4: WGMMA_SMEM_FUSED, 6: WGMMA_SMEM_PINGPONG}
+
+
 def _wgmma_smem(config):
-    return {4: WGMMA_SMEM_FUSED, 6: WGMMA_SMEM_PINGPONG}.get(WGMMA_CONFIGS[config], WGMMA_SMEM)
+    return _WGMMA_SMEM_BY_EPI.get(WGMMA_CONFIGS[config], WGMMA_SMEM)
 
 
 def _wgmma_bn(config):
