@@ -14,6 +14,7 @@
 #   decode     benchmarks/experiments/decode_graphs.py (per call back to back and in a CUDA graph)
 #   gemm       benchmarks/experiments/gemm_ladder.py (every GEMM variant against cuBLAS)
 #   sweep, dispatch   experiments of the elementwise family
+#   ncu        Nsight Compute counters of one call of each of $NCU_TARGETS (ncu_targets.py)
 #   exp        each of $EXPERIMENTS (';'-separated "script.py args" under benchmarks/experiments/),
 #              run with --json detail/exp_<script>.json; logs detail/exp_<script>.log
 # Wheels in .whl (carried; e.g. liger-kernel) are installed into /tmp/site first.
@@ -133,6 +134,21 @@ for stage in $stages; do
     dispatch)
       $T $PY benchmarks/experiments/dispatch_costs.py --json "$OUT/dispatch.json" 2>&1 \
         | tee "$DETAIL/dispatch.log" || status=1 ;;
+    ncu)
+      # Nsight Compute on one call of each of $NCU_TARGETS (benchmarks/experiments/ncu_targets.py):
+      # the clocks left alone (device METHOD.md), the full section set with per-instruction stall
+      # samples; exported as the details page, every raw metric, and the SASS with its samples
+      prebuild
+      rep="$DETAIL/ncu"
+      $T ncu --clock-control none --profile-from-start off --set full ${NCU_ARGS:-} -f -o "$rep" \
+        $PY benchmarks/experiments/ncu_targets.py --targets "${NCU_TARGETS:-sgemm_cublas,sgemm_k16}" \
+        > "$DETAIL/ncu.log" 2>&1 || status=1
+      tail -20 "$DETAIL/ncu.log"
+      ncu -i "$rep.ncu-rep" --page details --csv > "$DETAIL/ncu_details.csv" 2> "$DETAIL/ncu_export.log"
+      ncu -i "$rep.ncu-rep" --page raw --csv > "$DETAIL/ncu_raw.csv" 2>> "$DETAIL/ncu_export.log"
+      ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$DETAIL/ncu_sass.csv" \
+        2>> "$DETAIL/ncu_export.log"
+      ls -la "$DETAIL"/ncu* ; tail -5 "$DETAIL/ncu_export.log" ;;
     exp)
       prebuild
       IFS=';' read -ra exps <<< "${EXPERIMENTS:-}"

@@ -1,0 +1,139 @@
+"""One call of each named target inside a profiler range, for Nsight Compute (ncu) to read the
+hardware counters of exactly those kernels (issue-slot use, warp stall reasons, shared-memory
+wavefronts, DRAM / L2 traffic, per-instruction stall samples in the SASS).
+
+Each target builds its inputs, runs twice outside the range (compiles, warms the caches and
+the allocator), then once between cudaProfilerStart / cudaProfilerStop. Under
+`ncu --profile-from-start off` only the kernels of those single calls are profiled; run without
+ncu, the script just checks that every target runs (and prints its output's checksum).
+
+    ncu --clock-control none --profile-from-start off --set full -o REPORT \\
+        python3 benchmarks/experiments/ncu_targets.py --targets sgemm_cublas,sgemm_k16
+    bash scripts/device_run.sh ncu      # the same with NCU_TARGETS, and the CSV exports
+
+Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue):
+  sgemm_cublas        torch.matmul fp32 4096^3, TF32 off (cuBLAS: the kernel to compare with)
+  sgemm_<config>      go.matmul(variant='warp_tiled') at 4096^3 under PLAN['warp_tiled'] = config
+  rms_long_bf16       go.rms_norm [16, 1048576] bf16 (LONG_ROWS 'auto')
+  ln_long_bf16        go.layer_norm [16, 1048576] bf16
+  copy_long_bf16      torch copy of the same bytes (the DRAM reference)
+  wgmma_bare / wgmma_bias_gelu / wgmma_bias_gelu_tanh / wgmma_residual
+                      go.linear bf16 4096x6144x2048 (M x N x K) under PLAN['wgmma'] 'tma_fused'
+                      (bare: 'tma_store')
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import torch  # noqa: E402
+
+import gpuops as go  # noqa: E402
+from gpuops.ops import gemm as G  # noqa: E402
+
+LONG_ROWS = (16, 1 << 20)
+EPI_SHAPE = (4096, 6144, 2048)   # M, N, K
+
+
+def _sgemm(config):
+    def build():
+        a = torch.randn(4096, 4096, device="cuda")
+        b = torch.randn(4096, 4096, device="cuda")
+        if config is None:
+            return lambda: torch.matmul(a, b)
+
+        def call():
+            saved = G.PLAN["warp_tiled"]
+            G.PLAN["warp_tiled"] = config
+            try:
+                return go.matmul(a, b, variant="warp_tiled")
+            finally:
+                G.PLAN["warp_tiled"] = saved
+        return call
+    return build
+
+
+def _long(op):
+    def build():
+        x = torch.randn(*LONG_ROWS, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(LONG_ROWS[1], device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(LONG_ROWS[1], device="cuda", dtype=torch.bfloat16)
+        if op == "rms":
+            return lambda: go.rms_norm(x, LONG_ROWS[1:], w)
+        if op == "ln":
+            return lambda: go.layer_norm(x, LONG_ROWS[1:], w, b)
+        out = torch.empty_like(x)
+        return lambda: out.copy_(x)
+    return build
+
+
+def _wgmma(epi):
+    def build():
+        M, N, K = EPI_SHAPE
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        cfg = "tma_store" if epi == "bare" else "tma_fused"
+
+        def call():
+            saved = G.PLAN["wgmma"]
+            G.PLAN["wgmma"] = cfg
+            try:
+                if epi == "bare":
+                    return go.linear(x, w, variant="wgmma")
+                if epi == "residual":
+                    return go.matmul(x, w.T, residual=res, variant="wgmma")
+                act = {"bias_gelu": "gelu", "bias_gelu_tanh": "gelu_tanh"}[epi]
+                return go.linear(x, w, bias, act, variant="wgmma")
+            finally:
+                G.PLAN["wgmma"] = saved
+        return call
+    return build
+
+
+TARGETS = {
+    "sgemm_cublas": _sgemm(None),
+    **{f"sgemm_{c}": _sgemm(c) for c in G.WARP_TILED_CONFIGS},
+    "rms_long_bf16": _long("rms"),
+    "ln_long_bf16": _long("ln"),
+    "copy_long_bf16": _long("copy"),
+    **{f"wgmma_{e}": _wgmma(e) for e in ("bare", "bias_gelu", "bias_gelu_tanh", "residual")},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default="sgemm_cublas,sgemm_k16",
+                    help="comma-separated, from: " + ", ".join(TARGETS))
+    ap.add_argument("--json", help="where to write each target's output checksum")
+    args = ap.parse_args()
+    names = [t for t in args.targets.split(",") if t]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown:
+        ap.error(f"--targets: unknown {unknown}; known: {list(TARGETS)}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cudart = torch.cuda.cudart()
+    sums = {}
+    for name in names:
+        torch.manual_seed(0)
+        call = TARGETS[name]()
+        for _ in range(2):
+            call()
+        torch.cuda.synchronize()
+        cudart.cudaProfilerStart()
+        out = call()
+        torch.cuda.synchronize()
+        cudart.cudaProfilerStop()
+        sums[name] = float(out.float().abs().sum())
+        print(f"{name:<24} |out| sum {sums[name]:.6g}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"targets": sums}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
