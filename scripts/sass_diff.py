@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modules", help="comma-separated module names (default: all in both)")
     ap.add_argument("--show", type=int, default=0, help="print up to N differing lines per kernel")
     ap.add_argument("--loose", action="store_true", help="ignore kernel-parameter offsets")
+    ap.add_argument("--rename", nargs=2, metavar=("REGEX", "REPL"),
+                    help="rewrite the after bundle's kernel names (re.sub) before matching, for a "
+                         "change that only renamed kernels (e.g. a template parameter added)")
     args = ap.parse_args(argv)
     roots = Path(args.before), Path(args.after)
     mans = [json.loads((r / "manifest.json").read_text())["modules"] for r in roots]
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
             if None in targets or not targets[0]["file"].endswith(".cubin"):
                 continue
             before, after = (_kernels(r, t, args.loose) for r, t in zip(roots, targets))
+            if args.rename:
+                after = {re.sub(args.rename[0], args.rename[1], k): v for k, v in after.items()}
             same = sorted(k for k in before if k in after and before[k] == after[k])
             diff = sorted(k for k in before if k in after and before[k] != after[k])
             gone = sorted(set(before) - set(after))

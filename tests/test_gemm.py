@@ -1146,25 +1146,27 @@ def test_warp_tiled_configurations(monkeypatch):
     """The table's shapes are consistent (threads, warps, tiles split evenly over the loaders,
     shared memory), PLAN['warp_tiled'] picks the module and kernel, unknown names raise, and a
     configuration the device lacks the shared memory for falls back to 'base'."""
-    assert G.WARP_TILED_CONFIGS["base"] == (128, 128, 8, 64, 32, 2)
+    assert G.WARP_TILED_CONFIGS["base"] == (128, 128, 8, 64, 32, 2, 0)
     assert G.WARP_TILED_MODULES["base"] is G.WARP_TILED and set(G.WARP_TILED) == set(dt.FLOATS)
     for name, cfg in G.WARP_TILED_CONFIGS.items():
-        bm, bn, bk, wm, wn, minb = cfg
+        bm, bn, bk, wm, wn, minb, pipe = cfg
+        assert pipe == 0 or (pipe >= 3 and set(G.WARP_TILED_MODULES[name]) == {dt.float32}), name
         threads = G._wt_threads(cfg)
         assert bm % wm == 0 and bn % wn == 0 and wm % 32 == 0 and wn % 32 == 0, name
         assert threads % 64 == 0 and threads * minb <= 2048, name
         for rows, nt in ((bm, threads), (bn, threads), (bn // 2, threads // 2)):
             assert rows * bk // 4 % nt == 0 and nt % (bk // 4) == 0 and nt % (rows // 4) == 0, name
-        assert G._wt_smem(cfg) == 4 * 2 * bk * (bm + bn + 8)
-        assert G._wt_smem(cfg, True) == 4 * 2 * bk * (bm + bn + 12)
+        stages = max(2, pipe)
+        assert G._wt_smem(cfg) == 4 * stages * bk * (bm + bn + 8)
+        assert G._wt_smem(cfg, True) == 4 * stages * bk * (bm + bn + 12)
         assert G._wt_smem(cfg, True) <= 48 * 1024, f"{name}: sm_61 has 48 KiB per block"
         if name != "base":
             assert set(G.WARP_TILED_MODULES[name]) == {dt.float32}
             assert G.WARP_TILED_MODULES[name][dt.float32].archs == ("61", "90")
         exprs = set(G.WARP_TILED_MODULES[name][dt.float32].kernels)
         assert exprs == {G._wt_expr(dt.float32, cfg, d) for d in (False, True)}
-        assert f"gemm_warp_tiled<float, false, {bm}, {bn}, {bk}, {wm}, {wn}, {minb}>" in \
-            G._wt_expr(dt.float32, cfg, False)
+        assert f"gemm_warp_tiled<float, false, {bm}, {bn}, {bk}, {wm}, {wn}, {minb}, {pipe}>" \
+            in G._wt_expr(dt.float32, cfg, False)
     monkeypatch.setattr(G.device, "device_info", lambda _dev: _Info(132, 232448))
     monkeypatch.setitem(G.PLAN, "warp_tiled", "k16")
     assert G._warp_tiled_config(0, dt.float32, False) == "k16"

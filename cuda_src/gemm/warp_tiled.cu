@@ -12,10 +12,16 @@
 //    of K-contiguous operands are conflict-free too (2-way at BK = 16).
 // The tile shape is a template (gpuops/ops/gemm.py WARP_TILED_CONFIGS names the instantiated
 // ones, PLAN['warp_tiled'] picks one): BM, BN, BK, WM, WN and MINB, the blocks per SM the launch
-// bounds ask registers for (256 threads x 2 blocks: 128 registers; 128 x 2: 255).
+// bounds ask registers for (256 threads x 2 blocks: 128 registers; 128 x 2: 255), and PIPE:
+//  * PIPE = 0: the double buffer above, staged through registers (any dtype);
+//  * PIPE = S >= 3 (fp32 only): a ring of S shared-memory stages filled by cp.async (sm_80+), S - 1
+//    K tiles in flight, no registers or stores spent on staging (cuBLAS' sm_80 FFMA kernels, which
+//    the H100 runs for fp32, are built so: ncu, run 90); the K-contiguous operand is transposed
+//    by 4-byte copies. Before sm_80 the copies are a load and a store (correct, not a speed path).
 // The dual kernel (SwiGLU: silu(A @ B) * (A @ B2)) shares each A tile between two B tiles of BN/2
 // columns; a thread then owns WM/8 x WN/8 outputs of each product, so its registers stay those of
 // the single kernel.
+#include "common/mma.cuh"
 #include "gemm/gemm_common.cuh"
 
 namespace gpuops {
@@ -32,7 +38,111 @@ struct WarpTiledShape {
   static_assert(BK % 4 == 0, "K tiles are loaded in runs of 4");
 };
 
-template <class T, bool DUAL, int BM, int BN, int BK, int WM, int WN, int MINB>
+// fp32 global -> shared (dst: a shared-memory address, smem_addr) without registers where the
+// GPU can (cp.async, sm_80+; the CPU emulator too); before sm_80 a load and a store, and commit /
+// wait are no-ops. An invalid element is zero-filled; its source must still be a valid address.
+__device__ __forceinline__ void simt_copy4(unsigned int dst, const float* src, bool valid) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
+  const float v = valid ? *src : 0.0f;
+  asm volatile("st.shared.f32 [%0], %1;" :: "r"(dst), "f"(v));
+#else
+  cp_async4(dst, src, valid ? 4 : 0);
+#endif
+}
+
+__device__ __forceinline__ void simt_copy16(unsigned int dst, const float* src) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
+  const float4 v = *reinterpret_cast<const float4*>(src);
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(dst), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w));
+#else
+  cp_async16(dst, src, 16);
+#endif
+}
+
+__device__ __forceinline__ void simt_copy_commit() {
+#if !(defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800)
+  cp_async_commit();
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void simt_copy_wait() {
+#if !(defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800)
+  cp_async_wait<N>();
+#endif
+}
+
+// SimtTile's geometry (gemm_common.cuh: the same runs per thread, the same k-major shared layout
+// S[k * kLd + r]) for fp32 operands copied straight into a ring stage. Aligned tiles wholly
+// inside the matrix take a path without checks: a run along k (kcontig) is 4 copies of 4 bytes
+// (transposing), a run along r one 16-byte copy. Else every element is checked and copied
+// alone, out-of-range ones zero-filled.
+template <int ROWS, int BK, int NT>
+struct SimtAsyncTile {
+  static constexpr int kRuns = ROWS * BK / 4 / NT;
+  static_assert(ROWS * BK / 4 % NT == 0, "tile must split evenly over the threads");
+  static_assert(NT % (BK / 4) == 0 && NT % (ROWS / 4) == 0, "a thread's runs a fixed step apart");
+  static constexpr int kRowStep = NT / (BK / 4);
+  static constexpr int kKStep = NT / (ROWS / 4);
+  static constexpr int kLd = ROWS + kSimtPad;
+  const float* base;      // the operand's first element: the source of zero-filled copies
+  const float* ptr;       // the first run's first element in the next tile
+  long long step;         // elements from one run to the next
+  long long kl;           // K - (the first run's k in the next tile)
+  int rl;                 // R - (the first run's row), clamped to +-2^30
+  unsigned int sbase;     // the first run's byte offset in a stage: 4 (k * kLd + row)
+
+  __device__ __forceinline__ void init(const float* b, long long sr, long long sk, long long R,
+                                       long long K, long long r0, bool kcontig, int tid) {
+    const int rk = kcontig ? tid / (BK / 4) : (tid % (ROWS / 4)) * 4;
+    const int kk = kcontig ? (tid % (BK / 4)) * 4 : tid / (ROWS / 4);
+    base = b;
+    ptr = b + (r0 + rk) * sr + kk * sk;
+    step = kcontig ? kRowStep * sr : kKStep * sk;
+    kl = K - kk;
+    const long long left = R - r0 - rk;
+    rl = (int)(left > (1 << 30) ? (1 << 30) : (left < -(1 << 30) ? -(1 << 30) : left));
+    sbase = 4u * (unsigned int)(kk * kLd + rk);
+  }
+
+  // Issues the copies of the next K tile into the stage at shared address S and moves on.
+  __device__ __forceinline__ void issue(unsigned int S, long long sr, long long sk, bool kcontig,
+                                        bool vec) {
+    const unsigned int s = S + sbase;
+    const bool whole = kcontig ? (kl >= 4 && rl - (kRuns - 1) * kRowStep >= 1)
+                               : (kl - (kRuns - 1) * kKStep >= 1 && rl >= 4);
+    if (vec && whole) {   // vec: unit stride along the run (gemm.py _operand_layout)
+#pragma unroll
+      for (int i = 0; i < kRuns; ++i) {
+        if (kcontig) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            simt_copy4(s + 4u * (i * kRowStep + j * kLd), ptr + i * step + j, true);
+        } else {
+          simt_copy16(s + 4u * (i * kKStep * kLd), ptr + i * step);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRuns; ++i) {
+        const float* const p = ptr + i * step;
+        const bool in = kcontig ? rl - i * kRowStep >= 1 : kl - i * kKStep >= 1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool ok = in && (kcontig ? kl > j : rl > j);
+          const unsigned int d = kcontig ? s + 4u * (i * kRowStep + j * kLd)
+                                         : s + 4u * (i * kKStep * kLd + j);
+          simt_copy4(d, ok ? p + j * (kcontig ? sk : sr) : base, ok);
+        }
+      }
+    }
+    ptr += BK * sk;
+    kl -= BK;
+  }
+};
+
+template <class T, bool DUAL, int BM, int BN, int BK, int WM, int WN, int MINB, int PIPE>
 __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, MINB)
     gemm_warp_tiled(GemmArgs p) {
   using Shape = WarpTiledShape<BM, BN, BK, WM, WN>;
@@ -43,13 +153,14 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
   constexpr int kBN = BN / kNB;               // block tile columns per B operand
   static_assert(kSeg >= 1 && Shape::kRN % kNB == 0, "dual: each B needs whole pieces");
   static_assert(kThreads % (32 * kNB) == 0, "dual: B operands split the warps evenly");
-  using TileA = SimtTile<T, BM, BK, kThreads>;
-  using TileB = SimtTile<T, kBN, BK, kThreads / kNB>;   // dual: half the threads per B
-  constexpr int kStageA = BK * TileA::kLd, kStageB = BK * TileB::kLd;
-  // dynamic shared memory (the host's _wt_smem): two buffers of the A tile and of each B tile
+  static_assert(PIPE == 0 || (PIPE >= 3 && sizeof(T) == 4), "a cp.async ring: fp32, >= 3 stages");
+  constexpr int kLdA = BM + kSimtPad, kLdB = kBN + kSimtPad;
+  constexpr int kStageA = BK * kLdA, kStageB = BK * kLdB;
+  // dynamic shared memory (the host's _wt_smem): max(2, PIPE) stages of the A tile and of each
+  // B tile, As [stages][kStageA] then Bs [stages][kNB][kStageB]
   extern __shared__ __align__(16) float wt_smem[];
-  float* const As = wt_smem;                            // [2][kStageA]
-  float* const Bs = wt_smem + 2 * kStageA;              // [2][kNB][kStageB]
+  float* const As = wt_smem;
+  float* const Bs = wt_smem + (PIPE == 0 ? 2 : PIPE) * kStageA;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -77,33 +188,14 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
 #pragma unroll
       for (int j = 0; j < 4 * kSeg; ++j) acc[d][i][j] = 0.0f;
 
-  TileA ta;
-  TileB tb;
-  ta.init(op.a, p.a_sm, p.a_sk, p.M, p.K, (long long)tm * BM, op.a_k, tid);
-  tb.init(b_sel ? op.b2 : op.b, p.b_sn, p.b_sk, p.N, p.K, (long long)tn * kBN, op.b_k, b_tid);
-  const int ktiles = (int)((p.K + BK - 1) / BK);
-  if (ktiles > 0) {
-    ta.load(p.a_sm, p.a_sk, op.a_k, op.a_vec);
-    tb.load(p.b_sn, p.b_sk, op.b_k, op.b_vec);
-    ta.store(As, op.a_k);
-    tb.store(Bs + b_sel * kStageB, op.b_k);
-  }
-  __syncthreads();
-  for (int kt = 0; kt < ktiles; ++kt) {
-    const int cur = kt & 1;
-    const bool more = kt + 1 < ktiles;
-    if (more) {   // in flight during the math below
-      ta.load(p.a_sm, p.a_sk, op.a_k, op.a_vec);
-      tb.load(p.b_sn, p.b_sk, op.b_k, op.b_vec);
-    }
-    const float* as = As + cur * kStageA;
-    const float* bs = Bs + cur * kNB * kStageB;
+  // acc += the K tile in stage (as, bs): per k, kRM + kSeg float4 reads per B operand
+  auto multiply = [&](const float* as, const float* bs) {
 #pragma unroll
     for (int k = 0; k < BK; ++k) {
       float a[4 * kRM];
 #pragma unroll
       for (int i = 0; i < kRM; ++i) {
-        const float4 av = *reinterpret_cast<const float4*>(as + k * TileA::kLd + a_off + 32 * i);
+        const float4 av = *reinterpret_cast<const float4*>(as + k * kLdA + a_off + 32 * i);
         a[4 * i] = av.x; a[4 * i + 1] = av.y; a[4 * i + 2] = av.z; a[4 * i + 3] = av.w;
       }
 #pragma unroll
@@ -111,7 +203,7 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
         float b[4 * kSeg];
 #pragma unroll
         for (int s = 0; s < kSeg; ++s) {
-          const float4 bv = *reinterpret_cast<const float4*>(bs + d * kStageB + k * TileB::kLd +
+          const float4 bv = *reinterpret_cast<const float4*>(bs + d * kStageB + k * kLdB +
                                                              b_off + 16 * s);
           b[4 * s] = bv.x; b[4 * s + 1] = bv.y; b[4 * s + 2] = bv.z; b[4 * s + 3] = bv.w;
         }
@@ -121,11 +213,67 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
           for (int j = 0; j < 4 * kSeg; ++j) acc[d][i][j] = fmaf(a[i], b[j], acc[d][i][j]);
       }
     }
-    if (more) {   // the other buffer was last read before the previous barrier
-      ta.store(As + (cur ^ 1) * kStageA, op.a_k);
-      tb.store(Bs + ((cur ^ 1) * kNB + b_sel) * kStageB, op.b_k);
+  };
+
+  const int ktiles = (int)((p.K + BK - 1) / BK);
+  if constexpr (PIPE == 0) {
+    SimtTile<T, BM, BK, kThreads> ta;
+    SimtTile<T, kBN, BK, kThreads / kNB> tb;   // dual: half the threads per B
+    ta.init(op.a, p.a_sm, p.a_sk, p.M, p.K, (long long)tm * BM, op.a_k, tid);
+    tb.init(b_sel ? op.b2 : op.b, p.b_sn, p.b_sk, p.N, p.K, (long long)tn * kBN, op.b_k, b_tid);
+    if (ktiles > 0) {
+      ta.load(p.a_sm, p.a_sk, op.a_k, op.a_vec);
+      tb.load(p.b_sn, p.b_sk, op.b_k, op.b_vec);
+      ta.store(As, op.a_k);
+      tb.store(Bs + b_sel * kStageB, op.b_k);
     }
     __syncthreads();
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int cur = kt & 1;
+      const bool more = kt + 1 < ktiles;
+      if (more) {   // in flight during the math below
+        ta.load(p.a_sm, p.a_sk, op.a_k, op.a_vec);
+        tb.load(p.b_sn, p.b_sk, op.b_k, op.b_vec);
+      }
+      multiply(As + cur * kStageA, Bs + cur * kNB * kStageB);
+      if (more) {   // the other buffer was last read before the previous barrier
+        ta.store(As + (cur ^ 1) * kStageA, op.a_k);
+        tb.store(Bs + ((cur ^ 1) * kNB + b_sel) * kStageB, op.b_k);
+      }
+      __syncthreads();
+    }
+  } else {
+    // the ring: tile kt in stage kt % PIPE; tiles kt + 1 .. kt + PIPE - 1 in flight during the
+    // math on tile kt. One barrier per tile: it publishes tile kt and retires tile kt - 1's stage,
+    // which the copies issued right after it refill.
+    const unsigned int sA = smem_addr(As), sB = smem_addr(Bs);
+    SimtAsyncTile<BM, BK, kThreads> ta;
+    SimtAsyncTile<kBN, BK, kThreads / kNB> tb;
+    ta.init(reinterpret_cast<const float*>(op.a), p.a_sm, p.a_sk, p.M, p.K, (long long)tm * BM,
+            op.a_k, tid);
+    tb.init(reinterpret_cast<const float*>(b_sel ? op.b2 : op.b), p.b_sn, p.b_sk, p.N, p.K,
+            (long long)tn * kBN, op.b_k, b_tid);
+#pragma unroll
+    for (int s = 0; s < PIPE - 1; ++s) {
+      if (s < ktiles) {
+        ta.issue(sA + 4u * (s * kStageA), p.a_sm, p.a_sk, op.a_k, op.a_vec);
+        tb.issue(sB + 4u * ((s * kNB + b_sel) * kStageB), p.b_sn, p.b_sk, op.b_k, op.b_vec);
+      }
+      simt_copy_commit();
+    }
+    int read = 0, write = PIPE - 1;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      simt_copy_wait<PIPE - 2>();   // this thread's copies of tile kt have landed
+      __syncthreads();
+      if (kt + PIPE - 1 < ktiles) {
+        ta.issue(sA + 4u * (write * kStageA), p.a_sm, p.a_sk, op.a_k, op.a_vec);
+        tb.issue(sB + 4u * ((write * kNB + b_sel) * kStageB), p.b_sn, p.b_sk, op.b_k, op.b_vec);
+      }
+      simt_copy_commit();           // (an empty group past the last tile keeps the count)
+      multiply(As + read * kStageA, Bs + read * kNB * kStageB);
+      read = read + 1 == PIPE ? 0 : read + 1;
+      write = write + 1 == PIPE ? 0 : write + 1;
+    }
   }
 
   const long long m0 = (long long)tm * BM, n0 = (long long)tn * kBN;

@@ -77,37 +77,42 @@ def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
 REGISTER_TILED = _per_dtype("register_tiled_vec4", "gemm/register_tiled_vec4.cu", lambda d: {
     _kname("gemm_register_tiled_vec4", d.ctype): GEMM_ARGS})
 
-# warp_tiled tile configurations: (BM, BN, BK, WM, WN, MINB) = block tile BM x BN (BN: columns of
-# both B operands together in the dual kernel), BK k per shared-memory stage, warp tile WM x WN
-# (a thread owns WM/8 x WN/4 outputs), MINB blocks per SM that the launch bounds ask registers for
-# (65536 / (threads x MINB) registers per thread). Threads = (BM/WM) x (BN/WN) x 32; shared memory
-# 2 x BK x (BM + 4 + BN + 4 (+ 4 dual)) floats. PLAN['warp_tiled'] picks one (each is its own
-# module per dtype: a call compiles only the chosen one); floors and predictions per configuration
-# in benchmarks/notes_gemm.md ("warp_tiled configurations").
+# warp_tiled tile configurations: (BM, BN, BK, WM, WN, MINB, PIPE) = block tile BM x BN (BN:
+# columns of both B operands together in the dual kernel), BK k per shared-memory stage, warp tile
+# WM x WN (a thread owns WM/8 x WN/4 outputs), MINB blocks per SM that the launch bounds ask
+# registers for (65536 / (threads x MINB) registers per thread), PIPE: 0 = two shared-memory
+# buffers filled through registers, S >= 3 = a ring of S stages filled by cp.async (fp32 only).
+# Threads = (BM/WM) x (BN/WN) x 32; shared memory max(2, PIPE) x BK x (BM + 4 + BN + 4 (+ 4
+# dual)) floats. PLAN['warp_tiled'] picks one (each is its own module per dtype: a call compiles
+# only the chosen one); floors and predictions per configuration in benchmarks/notes_gemm.md
+# ("warp_tiled configurations", "The cp.async ring").
 WARP_TILED_CONFIGS = {
     # runs 1..15: 37.3 TFLOP/s = 74.3% of cuBLAS fp32 at 4096^3 (H100); 256 threads, 8x8 outputs
-    "base": (128, 128, 8, 64, 32, 2),
+    "base": (128, 128, 8, 64, 32, 2, 0),
     # half the barriers and loop overhead per FMA; 33 KiB of shared memory
-    "k16": (128, 128, 16, 64, 32, 2),
-    # 128 threads, 8x16 outputs (cuBLAS' sm_90 FFMA kernels: 128x128x8 tiles of 2x2 warps): 6
-    # LDS.128 per 128 FMAs, 255 registers per thread
-    "w64x64": (128, 128, 8, 64, 64, 2),
+    "k16": (128, 128, 16, 64, 32, 2, 0),
+    # 128 threads, 8x16 outputs: 6 LDS.128 per 128 FMAs, 255 registers per thread
+    "w64x64": (128, 128, 8, 64, 64, 2, 0),
     # the same with 16-k stages (siboehm's SGEMM kernel 10: 93.7% of cuBLAS on an A6000)
-    "w64x64_k16": (128, 128, 16, 64, 64, 2),
+    "w64x64_k16": (128, 128, 16, 64, 64, 2, 0),
     # 128 threads of 8x8 outputs, 4 blocks per SM: four independent barriers per SM
-    "b128x64": (128, 64, 8, 64, 32, 4),
+    "b128x64": (128, 64, 8, 64, 32, 4, 0),
+    # what cuBLAS runs on the H100 (ncu, run 90: sm80_xmma_gemm_f32f32_..._tilesize256x128x8_stage3
+    # _warpsize4x2x1_ffma, 2.67 ms at 4096^3): one block of 8 warps per SM, 8x16 outputs per
+    # thread, BK = 8, a 3-stage cp.async ring (no staging registers, no STS), 37.6 KiB
+    "async": (128, 256, 8, 64, 64, 1, 3),
 }
 
 
 def _wt_threads(cfg):
-    bm, bn, _, wm, wn, _ = cfg
+    bm, bn, _, wm, wn = cfg[:5]
     return (bm // wm) * (bn // wn) * 32
 
 
 def _wt_smem(cfg, dual=False):
     bm, bn, bk = cfg[:3]
     nb = 2 if dual else 1
-    return 4 * 2 * bk * ((bm + 4) + nb * (bn // nb + 4))
+    return 4 * max(2, cfg[6]) * bk * ((bm + 4) + nb * (bn // nb + 4))
 
 
 def _wt_expr(d, cfg, dual):
