@@ -106,35 +106,44 @@ struct SimtAsyncTile {
     sbase = 4u * (unsigned int)(kk * kLd + rk);
   }
 
+  // The copies of the next K tile when it lies wholly inside an operand read in aligned vectors
+  // (gemm.py _operand_layout: vec means unit stride along the run), then on to the tile after.
+  __device__ __forceinline__ void issue_whole(unsigned int S, long long sk, bool kcontig) {
+    const unsigned int s = S + sbase;
+#pragma unroll
+    for (int i = 0; i < kRuns; ++i) {
+      if (kcontig) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          simt_copy4(s + 4u * (i * kRowStep + j * kLd), ptr + i * step + j, true);
+      } else {
+        simt_copy16(s + 4u * (i * kKStep * kLd), ptr + i * step);
+      }
+    }
+    ptr += BK * sk;
+    kl -= BK;
+  }
+
   // Issues the copies of the next K tile into the stage at shared address S and moves on.
   __device__ __forceinline__ void issue(unsigned int S, long long sr, long long sk, bool kcontig,
                                         bool vec) {
     const unsigned int s = S + sbase;
     const bool whole = kcontig ? (kl >= 4 && rl - (kRuns - 1) * kRowStep >= 1)
                                : (kl - (kRuns - 1) * kKStep >= 1 && rl >= 4);
-    if (vec && whole) {   // vec: unit stride along the run (gemm.py _operand_layout)
+    if (vec && whole) {
+      issue_whole(S, sk, kcontig);
+      return;
+    }
 #pragma unroll
-      for (int i = 0; i < kRuns; ++i) {
-        if (kcontig) {
+    for (int i = 0; i < kRuns; ++i) {
+      const float* const p = ptr + i * step;
+      const bool in = kcontig ? rl - i * kRowStep >= 1 : kl - i * kKStep >= 1;
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            simt_copy4(s + 4u * (i * kRowStep + j * kLd), ptr + i * step + j, true);
-        } else {
-          simt_copy16(s + 4u * (i * kKStep * kLd), ptr + i * step);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kRuns; ++i) {
-        const float* const p = ptr + i * step;
-        const bool in = kcontig ? rl - i * kRowStep >= 1 : kl - i * kKStep >= 1;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const bool ok = in && (kcontig ? kl > j : rl > j);
-          const unsigned int d = kcontig ? s + 4u * (i * kRowStep + j * kLd)
-                                         : s + 4u * (i * kKStep * kLd + j);
-          simt_copy4(d, ok ? p + j * (kcontig ? sk : sr) : base, ok);
-        }
+      for (int j = 0; j < 4; ++j) {
+        const bool ok = in && (kcontig ? kl > j : rl > j);
+        const unsigned int d = kcontig ? s + 4u * (i * kRowStep + j * kLd)
+                                       : s + 4u * (i * kKStep * kLd + j);
+        simt_copy4(d, ok ? p + j * (kcontig ? sk : sr) : base, ok);
       }
     }
     ptr += BK * sk;
@@ -188,33 +197,32 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
 #pragma unroll
       for (int j = 0; j < 4 * kSeg; ++j) acc[d][i][j] = 0.0f;
 
-  // acc += the K tile in stage (as, bs): per k, kRM + kSeg float4 reads per B operand
-  auto multiply = [&](const float* as, const float* bs) {
+  // a thread's fragments of step k of the K tile in stage (as, bs): kRM + kSeg float4 reads per
+  // B operand
+  auto fetch = [&](const float* as, const float* bs, int k, float (&a)[4 * kRM],
+                   float (&b)[kNB][4 * kSeg]) {
 #pragma unroll
-    for (int k = 0; k < BK; ++k) {
-      float a[4 * kRM];
-#pragma unroll
-      for (int i = 0; i < kRM; ++i) {
-        const float4 av = *reinterpret_cast<const float4*>(as + k * kLdA + a_off + 32 * i);
-        a[4 * i] = av.x; a[4 * i + 1] = av.y; a[4 * i + 2] = av.z; a[4 * i + 3] = av.w;
-      }
-#pragma unroll
-      for (int d = 0; d < kNB; ++d) {
-        float b[4 * kSeg];
-#pragma unroll
-        for (int s = 0; s < kSeg; ++s) {
-          const float4 bv = *reinterpret_cast<const float4*>(bs + d * kStageB + k * kLdB +
-                                                             b_off + 16 * s);
-          b[4 * s] = bv.x; b[4 * s + 1] = bv.y; b[4 * s + 2] = bv.z; b[4 * s + 3] = bv.w;
-        }
-#pragma unroll
-        for (int i = 0; i < 4 * kRM; ++i)
-#pragma unroll
-          for (int j = 0; j < 4 * kSeg; ++j) acc[d][i][j] = fmaf(a[i], b[j], acc[d][i][j]);
-      }
+    for (int i = 0; i < kRM; ++i) {
+      const float4 av = *reinterpret_cast<const float4*>(as + k * kLdA + a_off + 32 * i);
+      a[4 * i] = av.x; a[4 * i + 1] = av.y; a[4 * i + 2] = av.z; a[4 * i + 3] = av.w;
     }
+#pragma unroll
+    for (int d = 0; d < kNB; ++d)
+#pragma unroll
+      for (int s = 0; s < kSeg; ++s) {
+        const float4 bv = *reinterpret_cast<const float4*>(bs + d * kStageB + k * kLdB +
+                                                           b_off + 16 * s);
+        b[d][4 * s] = bv.x; b[d][4 * s + 1] = bv.y; b[d][4 * s + 2] = bv.z; b[d][4 * s + 3] = bv.w;
+      }
   };
-
+  auto fma_step = [&](const float (&a)[4 * kRM], const float (&b)[kNB][4 * kSeg]) {
+#pragma unroll
+    for (int d = 0; d < kNB; ++d)
+#pragma unroll
+      for (int i = 0; i < 4 * kRM; ++i)
+#pragma unroll
+        for (int j = 0; j < 4 * kSeg; ++j) acc[d][i][j] = fmaf(a[i], b[d][j], acc[d][i][j]);
+  };
   const int ktiles = (int)((p.K + BK - 1) / BK);
   if constexpr (PIPE == 0) {
     SimtTile<T, BM, BK, kThreads> ta;
@@ -235,7 +243,12 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
         ta.load(p.a_sm, p.a_sk, op.a_k, op.a_vec);
         tb.load(p.b_sn, p.b_sk, op.b_k, op.b_vec);
       }
-      multiply(As + cur * kStageA, Bs + cur * kNB * kStageB);
+#pragma unroll
+      for (int k = 0; k < BK; ++k) {
+        float a[4 * kRM], b[kNB][4 * kSeg];
+        fetch(As + cur * kStageA, Bs + cur * kNB * kStageB, k, a, b);
+        fma_step(a, b);
+      }
       if (more) {   // the other buffer was last read before the previous barrier
         ta.store(As + (cur ^ 1) * kStageA, op.a_k);
         tb.store(Bs + ((cur ^ 1) * kNB + b_sel) * kStageB, op.b_k);
@@ -243,9 +256,14 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
       __syncthreads();
     }
   } else {
-    // the ring: tile kt in stage kt % PIPE; tiles kt + 1 .. kt + PIPE - 1 in flight during the
-    // math on tile kt. One barrier per tile: it publishes tile kt and retires tile kt - 1's stage,
-    // which the copies issued right after it refill.
+    // The ring: tile t in stage t % PIPE, tiles kt + 1 .. kt + PIPE - 1 in flight during the
+    // math on tile kt. Fragments are double-buffered in registers (step k + 1's read before step
+    // k's FMAs), and the one barrier per tile sits before the tile's last step: by then every
+    // read of tile kt's stage has been issued (step BK - 1's fragments are in registers), so
+    // the barrier both publishes tile kt + 1 and frees tile kt's stage, and tile kt + 1's first
+    // fragments are read under step BK - 1's FMAs instead of after a barrier with nothing to
+    // issue (ncu, run 91: the first FMA after the barrier was the loop's largest stall).
+    static_assert(BK % 2 == 0, "step BK - 1 and the next tile's step 0 use different fragments");
     const unsigned int sA = smem_addr(As), sB = smem_addr(Bs);
     SimtAsyncTile<BM, BK, kThreads> ta;
     SimtAsyncTile<kBN, BK, kThreads / kNB> tb;
@@ -253,27 +271,52 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
             op.a_k, tid);
     tb.init(reinterpret_cast<const float*>(b_sel ? op.b2 : op.b), p.b_sn, p.b_sk, p.N, p.K,
             (long long)tn * kBN, op.b_k, b_tid);
+    // tiles wholly inside aligned operands are copied without checks, in a loop of their own
+    // (the checked copies' code outside it: the loop body stays one tile's math and its copies)
+    const bool interior = op.a_vec && op.b_vec && (long long)(tm + 1) * BM <= p.M &&
+                          (long long)(tn + 1) * kBN <= p.N;
+    const int kwhole = interior ? (int)(p.K / BK) : 0;
+    // (whole is a constant at each call: the inlined copies keep only their own path)
+    auto issue = [&](int t, int stage, bool whole) {
+      if (t < ktiles) {
+        const unsigned int da = sA + 4u * (stage * kStageA);
+        const unsigned int db = sB + 4u * ((stage * kNB + b_sel) * kStageB);
+        if (whole) {
+          ta.issue_whole(da, p.a_sk, op.a_k);
+          tb.issue_whole(db, p.b_sk, op.b_k);
+        } else {
+          ta.issue(da, p.a_sm, p.a_sk, op.a_k, op.a_vec);
+          tb.issue(db, p.b_sn, p.b_sk, op.b_k, op.b_vec);
+        }
+      }
+      simt_copy_commit();   // (empty past the last tile: the group count stays one per tile)
+    };
 #pragma unroll
-    for (int s = 0; s < PIPE - 1; ++s) {
-      if (s < ktiles) {
-        ta.issue(sA + 4u * (s * kStageA), p.a_sm, p.a_sk, op.a_k, op.a_vec);
-        tb.issue(sB + 4u * ((s * kNB + b_sel) * kStageB), p.b_sn, p.b_sk, op.b_k, op.b_vec);
+    for (int t = 0; t < PIPE; ++t) issue(t, t, false);
+    simt_copy_wait<PIPE - 1>();
+    __syncthreads();
+    float a[2][4 * kRM], b[2][kNB][4 * kSeg];
+    fetch(As, Bs, 0, a[0], b[0]);
+    int cur = 0;
+    auto tile = [&](int kt, bool whole) {
+      const float* const as = As + cur * kStageA;
+      const float* const bs = Bs + cur * kNB * kStageB;
+#pragma unroll
+      for (int k = 0; k < BK - 1; ++k) {
+        fetch(as, bs, k + 1, a[(k + 1) & 1], b[(k + 1) & 1]);
+        fma_step(a[k & 1], b[k & 1]);
       }
-      simt_copy_commit();
-    }
-    int read = 0, write = PIPE - 1;
-    for (int kt = 0; kt < ktiles; ++kt) {
-      simt_copy_wait<PIPE - 2>();   // this thread's copies of tile kt have landed
+      simt_copy_wait<PIPE - 2>();   // this thread's copies of tile kt + 1 have landed
       __syncthreads();
-      if (kt + PIPE - 1 < ktiles) {
-        ta.issue(sA + 4u * (write * kStageA), p.a_sm, p.a_sk, op.a_k, op.a_vec);
-        tb.issue(sB + 4u * ((write * kNB + b_sel) * kStageB), p.b_sn, p.b_sk, op.b_k, op.b_vec);
-      }
-      simt_copy_commit();           // (an empty group past the last tile keeps the count)
-      multiply(As + read * kStageA, Bs + read * kNB * kStageB);
-      read = read + 1 == PIPE ? 0 : read + 1;
-      write = write + 1 == PIPE ? 0 : write + 1;
-    }
+      const int next = cur + 1 == PIPE ? 0 : cur + 1;
+      fetch(As + next * kStageA, Bs + next * kNB * kStageB, 0, a[0], b[0]);
+      issue(kt + PIPE, cur, whole);
+      fma_step(a[(BK - 1) & 1], b[(BK - 1) & 1]);
+      cur = next;
+    };
+    int kt = 0;
+    for (; kt < kwhole - PIPE; ++kt) tile(kt, true);
+    for (; kt < ktiles; ++kt) tile(kt, false);
   }
 
   const long long m0 = (long long)tm * BM, n0 = (long long)tn * kBN;
