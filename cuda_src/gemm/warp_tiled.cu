@@ -320,6 +320,18 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
   }
 
   const long long m0 = (long long)tm * BM, n0 = (long long)tn * kBN;
+  // (the ring's kernels only: in the 128-register configurations the extra path made ptxas spill)
+  if (PIPE > 0 && !DUAL && epilogue_is_plain(p)) {
+#pragma unroll
+    for (int i = 0; i < 4 * kRM; ++i)
+#pragma unroll
+      for (int s = 0; s < kSeg; ++s) {
+        const float g[4] = {acc[0][i][4 * s], acc[0][i][4 * s + 1], acc[0][i][4 * s + 2],
+                            acc[0][i][4 * s + 3]};
+        plain_run<T, 4>(p, o, m0 + a_off + (i / 4) * 32 + i % 4, n0 + b_off + 16 * s, g);
+      }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 4 * kRM; ++i) {
     const long long m = m0 + a_off + (i / 4) * 32 + i % 4;
