@@ -1176,6 +1176,13 @@ def test_warp_tiled_configurations(monkeypatch):
     assert G._warp_tiled_config(0, dt.bfloat16, False) == "base"       # fp32 candidates only
     monkeypatch.setattr(G.device, "device_info", lambda _dev: _Info(132, 16 * 1024))
     assert G._warp_tiled_config(0, dt.float32, False) == "base"        # 33 KiB do not fit
+    # 'auto' (the default): the cp.async ring from sm_80 on, k16 before (GPUOPS_ARCH=61 too)
+    monkeypatch.setattr(G.device, "device_info", lambda _dev: _Info(132, 232448))
+    monkeypatch.setitem(G.PLAN, "warp_tiled", "auto")
+    for cc, want in ((90, "async"), (80, "async"), (75, "k16"), (61, "k16")):
+        monkeypatch.setattr(G, "effective_arch", lambda _dev, cc=cc: cc)
+        assert G._warp_tiled_config(0, dt.float32, False) == want, cc
+        assert G._warp_tiled_config(0, dt.float16, False) == "base"
     monkeypatch.setitem(G.PLAN, "warp_tiled", "nope")
     with pytest.raises(ValueError, match="PLAN\\['warp_tiled'\\]"):
         G._warp_tiled_config(0, dt.float32, False)

@@ -277,30 +277,36 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
                           (long long)(tn + 1) * kBN <= p.N;
     const int kwhole = interior ? (int)(p.K / BK) : 0;
     // (whole is a constant at each call: the inlined copies keep only their own path)
-    auto issue = [&](int t, int stage, bool whole) {
-      if (t < ktiles) {
-        const unsigned int da = sA + 4u * (stage * kStageA);
-        const unsigned int db = sB + 4u * ((stage * kNB + b_sel) * kStageB);
-        if (whole) {
-          ta.issue_whole(da, p.a_sk, op.a_k);
-          tb.issue_whole(db, p.b_sk, op.b_k);
-        } else {
-          ta.issue(da, p.a_sm, p.a_sk, op.a_k, op.a_vec);
-          tb.issue(db, p.b_sn, p.b_sk, op.b_k, op.b_vec);
-        }
+    auto stage_a = [&](int stage) { return sA + 4u * (stage * kStageA); };
+    auto stage_b = [&](int stage) { return sB + 4u * ((stage * kNB + b_sel) * kStageB); };
+    // tile t's copies into the stage at (da, db), if t exists (a whole tile always does)
+    auto issue = [&](int t, unsigned int da, unsigned int db, bool whole) {
+      if (whole) {
+        ta.issue_whole(da, p.a_sk, op.a_k);
+        tb.issue_whole(db, p.b_sk, op.b_k);
+      } else if (t < ktiles) {
+        ta.issue(da, p.a_sm, p.a_sk, op.a_k, op.a_vec);
+        tb.issue(db, p.b_sn, p.b_sk, op.b_k, op.b_vec);
       }
       simt_copy_commit();   // (empty past the last tile: the group count stays one per tile)
     };
 #pragma unroll
-    for (int t = 0; t < PIPE; ++t) issue(t, t, false);
+    for (int t = 0; t < PIPE; ++t) issue(t, stage_a(t), stage_b(t), false);
     simt_copy_wait<PIPE - 1>();
     __syncthreads();
     float a[2][4 * kRM], b[2][kNB][4 * kSeg];
     fetch(As, Bs, 0, a[0], b[0]);
     int cur = 0;
     auto tile = [&](int kt, bool whole) {
+      // every address of the tile's second half is formed here, before the math: formed after
+      // the barrier, next to the reads and copies that use them, their registers were reused
+      // right after each use and the copies waited on the reads' operands (ncu, run 93)
+      const int next = cur + 1 == PIPE ? 0 : cur + 1;
       const float* const as = As + cur * kStageA;
       const float* const bs = Bs + cur * kNB * kStageB;
+      const float* const as_next = As + next * kStageA;
+      const float* const bs_next = Bs + next * kNB * kStageB;
+      const unsigned int da = stage_a(cur), db = stage_b(cur);
 #pragma unroll
       for (int k = 0; k < BK - 1; ++k) {
         fetch(as, bs, k + 1, a[(k + 1) & 1], b[(k + 1) & 1]);
@@ -308,9 +314,8 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
       }
       simt_copy_wait<PIPE - 2>();   // this thread's copies of tile kt + 1 have landed
       __syncthreads();
-      const int next = cur + 1 == PIPE ? 0 : cur + 1;
-      fetch(As + next * kStageA, Bs + next * kNB * kStageB, 0, a[0], b[0]);
-      issue(kt + PIPE, cur, whole);
+      fetch(as_next, bs_next, 0, a[0], b[0]);
+      issue(kt + PIPE, da, db, whole);
       fma_step(a[(BK - 1) & 1], b[(BK - 1) & 1]);
       cur = next;
     };

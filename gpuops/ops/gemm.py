@@ -197,10 +197,12 @@ GEMV_MMA_PIPE = {
 #             correct but its bare product is 19-24% slower (L2 bytes per FLOP), an A/B option.
 #   "warp_tiled": a key of WARP_TILED_CONFIGS (the fp32 SIMT kernel's tile configuration; "base"
 #             is run 1..15's kernel, the others are candidates for issue 4's >= 90% of cuBLAS,
-#             timed side by side by benchmarks/experiments/gemm_simt_sweep.py). Run 31 (H100,
-#             % of cuBLAS fp32 at 4096^3 / 2048^3 / 8192x8192x4096): base 75.7 / 61.4 / 76.6,
-#             k16 77.8 / 63.5 / 79.8 (the default since), w64x64_k16 73.0 / 71.4 / 73.8.
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "k16"}
+#             timed side by side by benchmarks/experiments/gemm_simt_sweep.py), or "auto":
+#             "async" (the cp.async ring) on sm_80+, "k16" before (without cp.async the ring's
+#             copies stall its 8 warps). Run 31 (H100, % of cuBLAS fp32 at 4096^3 / 2048^3 /
+#             8192x8192x4096): base 75.7 / 61.4 / 76.6, k16 77.8 / 63.5 / 79.8, w64x64_k16 73.0 /
+#             71.4 / 73.8; run 93: async 84.2 / 75.8 / 85.7 (k16 79.9 / 70.9 / 81.6).
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -818,13 +820,15 @@ def _residual_vec(p, L, res_itemsize) -> bool:
 
 
 def _warp_tiled_config(dev, dtype, dual) -> str:
-    """The key of WARP_TILED_CONFIGS a warp_tiled call runs: PLAN['warp_tiled'], or 'base' for
-    the dtypes the candidate configurations are not built for and where the device lacks their
-    shared memory (sm_61: 48 KiB per block)."""
+    """The key of WARP_TILED_CONFIGS a warp_tiled call runs: PLAN['warp_tiled'] ('auto': by
+    arch), or 'base' for the dtypes the candidate configurations are not built for and where the
+    device lacks their shared memory (sm_61: 48 KiB per block)."""
     name = PLAN["warp_tiled"]
+    if name == "auto":
+        name = "async" if effective_arch(dev) >= 80 else "k16"
     if name not in WARP_TILED_CONFIGS:
-        raise ValueError(f"gpuops: PLAN['warp_tiled'] must be one of {sorted(WARP_TILED_CONFIGS)}, "
-                         f"got {name!r}")
+        raise ValueError(f"gpuops: PLAN['warp_tiled'] must be 'auto' or one of "
+                         f"{sorted(WARP_TILED_CONFIGS)}, got {name!r}")
     if dtype not in WARP_TILED_MODULES[name]:
         return "base"
     if _wt_smem(WARP_TILED_CONFIGS[name], dual) > device.device_info(dev).max_smem_per_block_optin:
