@@ -262,14 +262,12 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
     // read of tile kt's stage has been issued (step BK - 1's fragments are in registers), so
     // the barrier both publishes tile kt + 1 and frees tile kt's stage, and tile kt + 1's first
     // fragments are read under step BK - 1's FMAs instead of after a barrier with nothing to
-    // issue (ncu, run 91: the first FMA after the barrier was the loop's largest stall). The
-    // copies of tile kt + PIPE - 1 go into the stage the previous barrier freed, A's during step
-    // 1 and B's during step 3: issued all at once after the barrier they filled the load queue
-    // (ncu run 94: lg_throttle), and every address is formed before it is needed (formed next to
-    // the reads and copies that use them, their registers were reused right after each use and
-    // waited on the reads' operands, ncu run 93).
-    static_assert(BK % 2 == 0 && BK >= 5, "step BK - 1 and the next tile's step 0 use different "
-                                          "fragments; the copies go out during steps 1 and 3");
+    // issue (ncu, run 91: the first FMA after the barrier was the loop's largest stall).
+    // Measured and not kept (runs 94, 95; benchmarks/notes_gemm.md): forming the post-barrier
+    // addresses before the math (less waiting on reads, but the copies then left in one burst
+    // and filled the load queue: 3% slower) and spreading the copies over steps 1 and 3 (the
+    // MIO queue then throttled the fragment reads: 1% slower).
+    static_assert(BK % 2 == 0, "step BK - 1 and the next tile's step 0 use different fragments");
     const unsigned int sA = smem_addr(As), sB = smem_addr(Bs);
     SimtAsyncTile<BM, BK, kThreads> ta;
     SimtAsyncTile<kBN, BK, kThreads / kNB> tb;
@@ -282,54 +280,46 @@ __global__ void __launch_bounds__(WarpTiledShape<BM, BN, BK, WM, WN>::kThreads, 
     const bool interior = op.a_vec && op.b_vec && (long long)(tm + 1) * BM <= p.M &&
                           (long long)(tn + 1) * kBN <= p.N;
     const int kwhole = interior ? (int)(p.K / BK) : 0;
-    auto stage_a = [&](int stage) { return sA + 4u * (stage * kStageA); };
-    auto stage_b = [&](int stage) { return sB + 4u * ((stage * kNB + b_sel) * kStageB); };
-    // tile t's copies of A (B) into the stage at da (db), if t exists (a whole tile always does)
-    auto copy_a = [&](int t, unsigned int da, bool whole) {
-      if (whole) ta.issue_whole(da, p.a_sk, op.a_k);
-      else if (t < ktiles) ta.issue(da, p.a_sm, p.a_sk, op.a_k, op.a_vec);
-    };
-    auto copy_b = [&](int t, unsigned int db, bool whole) {
-      if (whole) tb.issue_whole(db, p.b_sk, op.b_k);
-      else if (t < ktiles) tb.issue(db, p.b_sn, p.b_sk, op.b_k, op.b_vec);
+    // (whole is a constant at each call: the inlined copies keep only their own path)
+    auto issue = [&](int t, int stage, bool whole) {
+      if (t < ktiles) {
+        const unsigned int da = sA + 4u * (stage * kStageA);
+        const unsigned int db = sB + 4u * ((stage * kNB + b_sel) * kStageB);
+        if (whole) {
+          ta.issue_whole(da, p.a_sk, op.a_k);
+          tb.issue_whole(db, p.b_sk, op.b_k);
+        } else {
+          ta.issue(da, p.a_sm, p.a_sk, op.a_k, op.a_vec);
+          tb.issue(db, p.b_sn, p.b_sk, op.b_k, op.b_vec);
+        }
+      }
+      simt_copy_commit();   // (empty past the last tile: the group count stays one per tile)
     };
 #pragma unroll
-    for (int t = 0; t < PIPE - 1; ++t) {
-      copy_a(t, stage_a(t), false);
-      copy_b(t, stage_b(t), false);
-      simt_copy_commit();   // (empty past the last tile: the group count stays one per tile)
-    }
-    simt_copy_wait<PIPE - 2>();
+    for (int t = 0; t < PIPE; ++t) issue(t, t, false);
+    simt_copy_wait<PIPE - 1>();
     __syncthreads();
     float a[2][4 * kRM], b[2][kNB][4 * kSeg];
     fetch(As, Bs, 0, a[0], b[0]);
     int cur = 0;
     auto tile = [&](int kt, bool whole) {
-      const int next = cur + 1 == PIPE ? 0 : cur + 1;
-      const int freed = cur == 0 ? PIPE - 1 : cur - 1;   // tile kt - 1's, freed by the barrier
       const float* const as = As + cur * kStageA;
       const float* const bs = Bs + cur * kNB * kStageB;
-      const float* const as_next = As + next * kStageA;
-      const float* const bs_next = Bs + next * kNB * kStageB;
-      const unsigned int da = stage_a(freed), db = stage_b(freed);
 #pragma unroll
       for (int k = 0; k < BK - 1; ++k) {
         fetch(as, bs, k + 1, a[(k + 1) & 1], b[(k + 1) & 1]);
-        if (k == 1) copy_a(kt + PIPE - 1, da, whole);
-        if (k == 3) {
-          copy_b(kt + PIPE - 1, db, whole);
-          simt_copy_commit();
-        }
         fma_step(a[k & 1], b[k & 1]);
       }
       simt_copy_wait<PIPE - 2>();   // this thread's copies of tile kt + 1 have landed
       __syncthreads();
-      fetch(as_next, bs_next, 0, a[0], b[0]);
+      const int next = cur + 1 == PIPE ? 0 : cur + 1;
+      fetch(As + next * kStageA, Bs + next * kNB * kStageB, 0, a[0], b[0]);
+      issue(kt + PIPE, cur, whole);
       fma_step(a[(BK - 1) & 1], b[(BK - 1) & 1]);
       cur = next;
     };
     int kt = 0;
-    for (; kt < kwhole - PIPE + 1; ++kt) tile(kt, true);
+    for (; kt < kwhole - PIPE; ++kt) tile(kt, true);
     for (; kt < ktiles; ++kt) tile(kt, false);
   }
 
