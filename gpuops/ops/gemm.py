@@ -201,7 +201,8 @@ GEMV_MMA_PIPE = {
 #             "async" (the cp.async ring) on sm_80+, "k16" before (without cp.async the ring's
 #             copies stall its 8 warps). Run 31 (H100, % of cuBLAS fp32 at 4096^3 / 2048^3 /
 #             8192x8192x4096): base 75.7 / 61.4 / 76.6, k16 77.8 / 63.5 / 79.8, w64x64_k16 73.0 /
-#             71.4 / 73.8; run 93: async 84.2 / 75.8 / 85.7 (k16 79.9 / 70.9 / 81.6).
+#             71.4 / 73.8; runs 93 / 96 (the same code): async 84.2 / 75.8 / 85.7 and 85.8 /
+#             81.0 / 86.1, k16 79.9 / 70.9 / 81.6 and 80.0 / 75.6 / 82.1.
 PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
