@@ -1162,7 +1162,8 @@ def test_warp_tiled_configurations(monkeypatch):
         stages = max(2, pipe)
         assert G._wt_smem(cfg) == 4 * stages * bk * (bm + bn + 8)
         assert G._wt_smem(cfg, True) == 4 * stages * bk * (bm + bn + 12)
-        assert G._wt_smem(cfg, True) <= 48 * 1024, f"{name}: sm_61 has 48 KiB per block"
+        if not pipe:   # (a ring larger than sm_61's 48 KiB falls back there, checked below)
+            assert G._wt_smem(cfg, True) <= 48 * 1024, f"{name}: sm_61 has 48 KiB per block"
         if name != "base":
             assert set(G.WARP_TILED_MODULES[name]) == {dt.float32}
             assert G.WARP_TILED_MODULES[name][dt.float32].archs == ("61", "90")
