@@ -1162,8 +1162,7 @@ def test_warp_tiled_configurations(monkeypatch):
         stages = max(2, pipe)
         assert G._wt_smem(cfg) == 4 * stages * bk * (bm + bn + 8)
         assert G._wt_smem(cfg, True) == 4 * stages * bk * (bm + bn + 12)
-        if not pipe:   # (a ring larger than sm_61's 48 KiB falls back there, checked below)
-            assert G._wt_smem(cfg, True) <= 48 * 1024, f"{name}: sm_61 has 48 KiB per block"
+        assert G._wt_smem(cfg, True) <= 48 * 1024, f"{name}: sm_61 has 48 KiB per block"
         if name != "base":
             assert set(G.WARP_TILED_MODULES[name]) == {dt.float32}
             assert G.WARP_TILED_MODULES[name][dt.float32].archs == ("61", "90")
@@ -1254,7 +1253,11 @@ def _check(out, a, b, dtype, *, bias=None, act=None, residual=None, alpha=1.0, t
     norm = ref.norm().item()
     if norm > 0:
         tol = NORM_TOL["tf32" if tf32 else out_name] * max(1.0, math.sqrt(K / 4096))
-        rel = (got - ref).norm().item() / norm
+        # less the output dtype's absolute floor (TINY per element: half of fp16's subnormal
+        # spacing): a lone output near 1e-6 in fp16 is off by up to 4% from rounding alone (run
+        # 97: swiglu gemv fp16 1x1x1, every element inside its bound above)
+        floor = TINY[out_name] * math.sqrt(ref.numel())
+        rel = max(0.0, (got - ref).norm().item() - floor) / norm
         assert rel <= tol, f"{what}: error {rel:.3g} relative to the output's norm > {tol:.3g}"
 
 
