@@ -377,21 +377,8 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
     __syncwarp();
   }
   int seq = 0;                              // live chunks so far (kHalves 2)
-  // The transcendental activations run the chunk loop rolled: unrolled, their code (8 chunks x
-  // 16 values x ~30 instructions for erf) was fetched once per tile with no MMA to hide it
-  // (ncu run 90: instruction-fetch stalls 14.7% of the bias+gelu kernel's samples, bare 3.5%).
-  // Rolled, every index stays compile-time: chunk c's values are v[0..15], and the accumulators
-  // move down 16 registers per chunk. Unrolled (the others), the moves are renames.
-  constexpr bool kRolled = A == Act::kGeluErf || A == Act::kGeluTanh || A == Act::kSilu;
-  float v[128];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) v[i] = acc[i];
-#pragma unroll(kRolled ? 1 : 8)
   for (int c = 0; c < 8; ++c) {
-    if (c > 0) {
-#pragma unroll
-      for (int i = 0; i < 112; ++i) v[i] = v[i + 16];
-    }
     constexpr int kCols = WgChunks<kHalves>::kCols;
     const int h = c / kCols, cc = c % kCols;  // row half and column chunk (compile-time)
     if (cc >= live.cols) {                  // past N (warp-uniform)
@@ -412,6 +399,7 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
     }
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
+      const int j = 4 * c + jj;             // n8 block of the accumulators
       const int jn = 4 * cc + jj;           // n8 block of the tile's columns: 8 jn + 2t, + 1
       // 16-byte unit jj of the 64-byte box row; rows g and g + 8 share the swizzle
       unsigned char* at = chunk + ((jj ^ sw) * 16) + 4 * tq;
@@ -428,8 +416,8 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
       float lo[2], hi[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        lo[e] = activate<A>(p.alpha * v[4 * jj + e] + bz[e]) + r_lo[e];   // n8 block 4 c + jj
-        hi[e] = activate<A>(p.alpha * v[4 * jj + 2 + e] + bz[e]) + r_hi[e];
+        lo[e] = activate<A>(p.alpha * acc[4 * j + e] + bz[e]) + r_lo[e];
+        hi[e] = activate<A>(p.alpha * acc[4 * j + 2 + e] + bz[e]) + r_hi[e];
       }
       *lo_at = Vec16<T>::pack2(lo[0], lo[1]);
       *hi_at = Vec16<T>::pack2(hi[0], hi[1]);
