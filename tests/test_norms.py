@@ -469,12 +469,16 @@ def _within(call, ptr, nbytes):
 @pytest.mark.parametrize("recording", [2, 64], indirect=True, ids=["2sm", "64sm"])
 @pytest.mark.parametrize("dtype", [dt.float32, dt.bfloat16])
 @pytest.mark.parametrize("n", [1, 4096, 4097, 20000, 1 << 20])
-@pytest.mark.parametrize("long_rows", ["auto", "ring2", "ring", "split"])
+@pytest.mark.parametrize("long_rows", ["auto", "resident", "ring2", "ring", "split"])
 def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
     log, memsets, capacity = recording
     monkeypatch.setattr(N, "LONG_ROWS", long_rows)
     rows = 3
     for op in ("layer_norm", "rms_norm", "add_rms_norm"):
+        vec = 16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1
+        resident = N._ring_grid(N._ring_plan(op, dtype, vec, n, 0, "resident"), rows)
+        # "resident" without a resident kernel or with too many tiles: "auto"'s plan
+        plan = "auto" if long_rows == "resident" and resident is None else long_rows
         log.clear()
         memsets.clear()
         call = _FakeCall(dtype)
@@ -492,20 +496,26 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
         assert log and all(expected in name for name, *_ in log)
         if op != "layer_norm":
             assert all(name.endswith("true>" if op == "add_rms_norm" else "false>")
-                       for name, *_ in log)
+                       or "_resident<" in name for name, *_ in log)
         name, grid, block, args = log[0]
-        C, phase = args[-3], args[-2]
+        C = args[-3]
         vec = int(name.split(",")[1])
         assert vec == (16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1)
-        if "_ring2<" in name:        # split rows, one pass, self-validating partials
-            assert long_rows in ("ring2", "auto") and len(log) == 1 and n > 16384
+        assert ("_resident<" in name) == (plan == "resident" and n > 16384)
+        if "_resident<" in name:     # every tile of a block held at once (the rows fit on chip)
+            assert vec > 1 and op != "add_rms_norm" and len(log) == 1 and grid == (resident, 1, 1)
             D, packs = args[-2], int(name.split(",")[2].strip(" >"))
-            if long_rows == "auto":      # one tile per block, or rms_norm with few partials
+            assert grid[0] <= capacity and -(-(rows * C) // grid[0]) <= D + 1
+        if "_ring2<" in name or "_resident<" in name:   # split rows, one pass, ring2's words
+            assert plan in ("ring2", "auto", "resident") and len(log) == 1 and n > 16384
+            D, packs = args[-2], int(name.split(",")[2].strip(" >"))
+            if plan == "auto":      # one tile per block, or rms_norm with few partials
                 assert vec > 1 and (grid[0] == rows * C
                                     or (op == "rms_norm" and C <= N.AUTO_RING2_MAX_C))
             threads, packs_, C_, tile_bytes = N.ring_shape(N.TUNING[op], vec, n, dtype.itemsize)
             assert (block, C, packs) == ((threads, 1, 1), C_, packs_) and D >= 2
-            assert grid[0] <= capacity and grid[0] <= rows * C and -(-C // grid[0]) <= D
+            assert grid[0] <= capacity and grid[0] <= rows * C
+            assert -(-C // grid[0]) <= D or "_resident<" in name
             words = rows * C * (2 if op == "layer_norm" else 1)
             state = args[-6]                 # zeroed once, when first allocated for the stream
             if memsets:
@@ -527,8 +537,8 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
             assert not memsets and log[0][3][-6] == state
             continue
         if "_ring<" in name:         # split rows, one pass: grid resident, tiles of a ring
-            assert long_rows in ("ring", "auto") and len(log) == 1 and n > 16384
-            if long_rows == "auto" and vec > 1:     # ring2 would leave a block several tiles
+            assert plan in ("ring", "auto") and len(log) == 1 and n > 16384
+            if plan == "auto" and vec > 1:     # ring2 would leave a block several tiles
                 assert grid[0] < rows * C and not (op == "rms_norm" and C <= N.AUTO_RING2_MAX_C)
             D, packs = args[-2], int(name.split(",")[2].strip(" >"))
             kind = N.TUNING[op]
@@ -757,15 +767,15 @@ def test_fp32_statistics_are_stable_far_from_zero(rng):
 # ======================================================================= CPU: kernels, emulated
 
 class _EmuKernel:
-    """An emulated kernel with the attributes norms' planning reads. The ring kernels, whose blocks
-    wait for each other, run with every block at once (the emulator's concurrent schedule); the
+    """An emulated kernel with the attributes norms' planning reads. The ring and resident
+    kernels, whose blocks wait for each other, run with every block at once (the emulator's concurrent schedule); the
     others, which keep static shared memory, block after block."""
 
     def __init__(self, inner):
         self.inner, self.name, self.ptr = inner, inner.name, 0
 
     def launch(self, grid, block, stream, *args, smem=0):
-        emu.Device.concurrent = "_ring" in self.name    # (ring and ring2 kernels)
+        emu.Device.concurrent = "_ring" in self.name or "_resident<" in self.name
         try:
             self.inner.launch(grid, block, stream, *args, smem=smem)
         finally:
@@ -914,6 +924,52 @@ def test_emulated_long_rows_ring(emulated, dtype, depth, long_rows, rng, monkeyp
         assert all(launch[3] > N.RING_HEADER_BYTES for launch in ring)
         rings += len(ring)
     assert rings >= 3 * len(cases)
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("depth", [2, 3])
+def test_emulated_long_rows_resident(emulated, dtype, depth, rng, monkeypatch):
+    """LONG_ROWS = "resident" (norm_ring.cuh, resident_rows): every tile of a block held at once,
+    copied in by cp.async (the emulator lands a copy only at the wait that covers it: a
+    miscounted wait reads the slot's stale bytes), tile depth + 1 of a block in registers;
+    blocks of uneven tile counts; padded rows (a row stride past n, 16-byte aligned); a last
+    tile partly past the row's end. add_rms_norm (no resident kernel), unaligned rows and rows
+    that do not fit on chip take "auto"'s plan."""
+    _small_blocks(monkeypatch)
+    monkeypatch.setattr(N, "RING_MAX_DEPTH", depth)
+    monkeypatch.setattr(N, "LONG_ROWS", "resident")
+    dev = emulated
+    d = dt.BY_NAME[dtype]
+    vec = 16 // d.itemsize
+    tile = 64 * 4 * vec                 # elements of a tile: 64 threads x 4 packs of 16 bytes
+    # (rows, tiles per row C, layout, fits): 4 x (depth + 1) tiles on the emulator's 4 blocks:
+    # every block holds depth + 1 (one in registers); 5 x depth: uneven (e.g. 3, 3, 2, 2);
+    # 5 x (depth + 1): too many; offset rows: single elements, no resident kernel
+    for rows, C, layout, fits in ((4, depth + 1, "contig", True), (5, depth, "padded", True),
+                                  (5, depth + 1, "contig", False), (4, depth + 1, "offset", False)):
+        n = C * tile - 5 * vec          # the last tile ragged
+        x, w, b, r = _emu_case(rng, (rows, n), dtype)
+        if layout == "padded":
+            wide = np.zeros((rows, n + 8 * vec), x.dtype)
+            wide[:, :n] = x
+            x = wide[:, :n]
+        else:
+            x = emu.strided(x, layout)
+        ring = N._ring_plan("rms_norm", d, vec, n, 0, "resident")
+        grid = N._ring_grid(ring, rows)
+        assert (ring.C, ring.depth) == (C, depth)
+        if layout != "offset":          # (offset rows run single elements: no resident kernel)
+            assert (grid is not None) == fits
+        if fits:
+            per_block = -(-(rows * C) // grid)
+            assert per_block == depth + 1                     # K = D + 1: a register tile
+            assert (rows * C % grid != 0) == (rows == 5)      # uneven blocks
+        emu.Device.launches = []
+        _emu_check_all(dev, x, w, b, r, dtype, f"{(rows, n)} {layout} depth {depth}")
+        resident = [launch for launch in emu.Device.launches if "_resident<" in launch[0]]
+        assert len(resident) == (4 if fits else 0), (rows, layout)      # layer_norm, rms_norm x 2
+        assert all(launch[3] == N.RING_HEADER_BYTES + depth * 64 * 4 * 16 for launch in resident)
 
 
 def _ring2_state_words(dev_key=(0, 0)):
@@ -1450,6 +1506,7 @@ def test_gpu_split_rows_in_two_launches_and_small_blocks(dtype, long_rows, monke
 
 # The long-row plans, selectable for A/B runs (benchmarks/experiments/norms_long_rows.py).
 LONG_ROW_PLANS = {"auto": dict(LONG_ROWS="auto"),
+                  "resident": dict(LONG_ROWS="resident"),
                   "ring2": dict(LONG_ROWS="ring2"),
                   "ring": dict(LONG_ROWS="ring"),
                   "one_launch": dict(LONG_ROWS="split", ONE_LAUNCH_MAX_WAVES=None),
@@ -1620,7 +1677,7 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("long_rows", ["ring2", "auto"])
+@pytest.mark.parametrize("long_rows", ["ring2", "auto", "resident"])
 def test_gpu_ring2_cuda_graph_replays_and_eager_calls(long_rows, monkeypatch):
     """ring2 under CUDA graph replay: the epoch lives on the device (norm_ring.cuh), so a graph
     of such launches replayed 5 times on new inputs, with eager calls of other shapes on the same
@@ -1653,7 +1710,7 @@ def test_gpu_ring2_cuda_graph_replays_and_eager_calls(long_rows, monkeypatch):
     stateful = sum(N._long_rows_ring(kind, N._plan(kind, dt.bfloat16, 8, shape[-1], dev),
                                      dt.bfloat16, 8, shape[-1], shape[0], dev)[0].variant != "ring"
                    for kind in ("rms_norm", "layer_norm", "add_rms_norm"))
-    assert stateful == 3 or long_rows == "auto"
+    assert stateful == 3 or long_rows != "ring2"
 
     def counters():
         torch.cuda.synchronize()
@@ -1717,6 +1774,13 @@ def test_gpu_ring_on_this_device(monkeypatch):
                 seen.add(want)
     if info.sm_count >= 100:           # an H100-sized grid: both plans occur (run 34's table)
         assert seen == {"ring", "ring2"}
+    # "resident" at [16, 2^20] bf16: the rows fit in an H100's shared memory (+ a register tile)
+    for kind in ("layer_norm", "rms_norm"):
+        res = N._ring_plan(kind, dt.bfloat16, 8, 1 << 20, dev, "resident")
+        assert res is not None and res.capacity >= info.sm_count
+        if info.sm_count >= 128 and info.max_smem_per_block_optin >= 227 * 1024:
+            grid = N._ring_grid(res, 16)
+            assert res.depth == 7 and grid == 128 and 16 * res.C == grid * (res.depth + 1)
     ring = N._ring_plan("rms_norm", dt.bfloat16, 8, 1 << 20, dev)
     grid = N._ring_grid(ring, 16)
     if ring.capacity * ring.depth < 16 * ring.C:

@@ -16,6 +16,7 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   sgemm_<config>      go.matmul(variant='warp_tiled') at 4096^3 under PLAN['warp_tiled'] = config
   rms_long_bf16       go.rms_norm [16, 1048576] bf16 (LONG_ROWS 'auto')
   ln_long_bf16        go.layer_norm [16, 1048576] bf16
+  rms_long_bf16_resident, ln_long_bf16_resident   the same under LONG_ROWS 'resident'
   copy_long_bf16      torch copy of the same bytes (the DRAM reference)
   wgmma_bare / wgmma_bias_gelu / wgmma_bias_gelu_tanh / wgmma_residual
                       go.linear bf16 4096x6144x2048 (M x N x K) under PLAN['wgmma'] 'tma_fused'
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
 from gpuops.ops import gemm as G  # noqa: E402
+from gpuops.ops import norms as N  # noqa: E402
 
 LONG_ROWS = (16, 1 << 20)
 EPI_SHAPE = (4096, 6144, 2048)   # M, N, K
@@ -56,17 +58,25 @@ def _sgemm(config):
     return build
 
 
-def _long(op):
+def _long(op, long_rows="auto"):
     def build():
         x = torch.randn(*LONG_ROWS, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(LONG_ROWS[1], device="cuda", dtype=torch.bfloat16)
         b = torch.randn(LONG_ROWS[1], device="cuda", dtype=torch.bfloat16)
-        if op == "rms":
-            return lambda: go.rms_norm(x, LONG_ROWS[1:], w)
-        if op == "ln":
-            return lambda: go.layer_norm(x, LONG_ROWS[1:], w, b)
         out = torch.empty_like(x)
-        return lambda: out.copy_(x)
+
+        def call():
+            saved = N.LONG_ROWS
+            N.LONG_ROWS = long_rows
+            try:
+                if op == "rms":
+                    return go.rms_norm(x, LONG_ROWS[1:], w)
+                if op == "ln":
+                    return go.layer_norm(x, LONG_ROWS[1:], w, b)
+                return out.copy_(x)
+            finally:
+                N.LONG_ROWS = saved
+        return call
     return build
 
 
@@ -100,6 +110,8 @@ TARGETS = {
     **{f"sgemm_{c}": _sgemm(c) for c in G.WARP_TILED_CONFIGS},
     "rms_long_bf16": _long("rms"),
     "ln_long_bf16": _long("ln"),
+    "rms_long_bf16_resident": _long("rms", "resident"),
+    "ln_long_bf16_resident": _long("ln", "resident"),
     "copy_long_bf16": _long("copy"),
     **{f"wgmma_{e}": _wgmma(e) for e in ("bare", "bias_gelu", "bias_gelu_tanh", "residual")},
 }

@@ -7,6 +7,11 @@ per graph, median of 20 replays).
 Plans (gpuops.ops.norms module switches, see benchmarks/notes_norms.md):
   auto          LONG_ROWS="auto" (the default since run 34): ring2 (16-byte units) where each
                 block of its grid holds one tile, or for rms_norm with C <= 64; else ring
+  resident      LONG_ROWS="resident": every tile of a block held at once (all copies issued at
+                the start by cp.async, 7 slots + 1 tile in registers, one exchange per launch:
+                norm_ring.cuh resident_rows) where the rows fit on chip (layer_norm, rms_norm);
+                elsewhere "auto"'s plan. Prediction (notes_norms.md, "resident"): [16, 1M] bf16
+                rms_norm 24-26.5 us (85-93% of copy), layer_norm 25-28 us
   ring2         LONG_ROWS="ring2": the ring's tiles, each tile's partial published as
                 self-validating 64-bit words (tag = a launch epoch kept on the device): no
                 memset, no atomics, no merger, no statistics read back (norm_ring.cuh ring2_rows)
@@ -64,6 +69,7 @@ from gpuops.runtime import device  # noqa: E402
 
 PLANS = {
     "auto": dict(LONG_ROWS="auto"),
+    "resident": dict(LONG_ROWS="resident"),
     "ring2": dict(LONG_ROWS="ring2"),
     "ring2_t256": dict(LONG_ROWS="ring2", ring_threads=256),
     "ring": dict(LONG_ROWS="ring"),

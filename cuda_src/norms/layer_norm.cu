@@ -408,8 +408,13 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
     xt.load(x + row * xs, u0, units);
   }
 
-  // Each pack: two passes over its VEC values (mean, then squared deviations), merged into the
-  // thread's triple (Chan): only one pack's values live at a time.
+  // resident: the copies into the slot.
+  __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
+    ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
+  }
+
+  // Stores the tile into its slot; this thread's partial as partial() (the same loop, kept
+  // inline: calling partial() here moved the ring kernels' register allocation).
   __device__ __forceinline__ void land(Raw* slot, long long, int u0, int units,
                                        float (&part)[3]) {
     MeanM2 acc = {0.0f, 0.0f, 0.0f};
@@ -419,6 +424,36 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
       if (u0 + p * static_cast<int>(blockDim.x) < units) {
         float f[VEC];
         R::unpack(xt.u[p], f);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum += f[j];
+        const float m = sum * (1.0f / VEC);          // exact reciprocal: VEC is 1, 4 or 8
+        float m2 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = f[j] - m;
+          m2 = fmaf(d, d, m2);
+        }
+        acc = welford_merge(acc, MeanM2{static_cast<float>(VEC), m, m2});
+      }
+    }
+    part[0] = acc.n;
+    part[1] = acc.mean;
+    part[2] = acc.m2;
+  }
+
+  // A held tile's partial, from its slot or (kRegs) from xt. Each pack: two passes over its VEC
+  // values (mean, then squared deviations), merged into the thread's triple (Chan): only one
+  // pack's values live at a time.
+  template <bool kRegs>
+  __device__ __forceinline__ void partial(const Raw* src, int u0, int units,
+                                          float (&part)[3]) const {
+    MeanM2 acc = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      if (u0 + p * static_cast<int>(blockDim.x) < units) {
+        float f[VEC];
+        R::unpack(src[kRegs ? p : p * blockDim.x], f);
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) sum += f[j];
@@ -505,6 +540,22 @@ layer_norm_ring2(const T* x, long long x_stride, T* y, long long y_stride,
   extern __shared__ uint4 ring_smem[];
   LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
   ring2_rows<LayerNormRing<T, VEC, PACKS>::kPollBatch>(
+      pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// Split rows with every tile of a block held at once (norm_ring.cuh, "resident"; 16-byte units,
+// sm_80+ for speed): arguments as layer_norm_ring2; D slots of shared memory as the ring's, and
+// gridDim.x * (D + 1) >= rows * C. One block of 512 threads per SM.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(512, 1)
+layer_norm_resident(const T* x, long long x_stride, T* y, long long y_stride,
+                    const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                    float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
+                    float eps) {
+  pdl_start();
+  extern __shared__ uint4 ring_smem[];
+  LayerNormRing<T, VEC, PACKS> pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
+  resident_rows<LayerNormRing<T, VEC, PACKS>::kPollBatch>(
       pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 

@@ -43,6 +43,7 @@
 // so slots need no barriers of their own.
 #pragma once
 #include "norms/norm_rows.cuh"
+#include "common/mma.cuh"     // cp_async16 / commit / wait, smem_addr: "resident" (sm_80+)
 
 namespace gpuops {
 
@@ -146,8 +147,10 @@ struct RingOutput {
     }
   }
 
-  // Normalizes this thread's units of a held tile and stores them (group 0 of w, b loaded).
-  template <bool kCg>
+  // Normalizes this thread's units of a held tile and stores them (group 0 of w, b loaded). The
+  // tile is in a ring slot (unit p at slot[p * blockDim.x]), or with kRegs in registers (an array
+  // of PACKS units: "resident"'s last tile).
+  template <bool kCg, bool kRegs = false>
   __device__ __forceinline__ void store_tile(const Raw* slot, long long row, int u0, int units,
                                              float mu, float s) {
     T* y_row = y + row * ys;
@@ -159,7 +162,7 @@ struct RingOutput {
         const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
         if (unit < units) {
           float f[VEC];
-          R::unpack(slot[(p0 + g) * blockDim.x], f);
+          R::unpack(slot[kRegs ? p0 + g : (p0 + g) * blockDim.x], f);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) f[j] = kCentered ? (f[j] - mu) * s : f[j] * s;
           if (w != nullptr) {
@@ -270,6 +273,33 @@ __device__ __forceinline__ unsigned long long ring_word(float v, unsigned tag) {
   return (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
 }
 
+// The epoch (above), at the end of every block: the grid's last block to get here moves the
+// launch counter on.
+__device__ __forceinline__ void ring2_epoch_end(unsigned* state, unsigned tag) {
+  __syncthreads();
+  if (threadIdx.x == 0 && counter_add_relaxed(state + 1, 1u) == gridDim.x - 1) {
+    store_relaxed(state + 1, 0u);
+    store_relaxed(state, tag == 0xffffffffu ? 0u : tag);
+  }
+}
+
+// Tile t's partial, published: the block's reduction, then thread 0 stores its words. (The
+// words' address is formed after the reduction: live across its barriers, it cost ring2_rows a
+// register and rms_norm_ring2<bf16, 8, 4> a spill on sm_90.)
+template <class P>
+__device__ __forceinline__ void ring2_publish(P& pol, unsigned long long* words,
+                                              const RingTile& t, int C, unsigned tag,
+                                              float (&part)[P::K], float* scratch) {
+  pol.reduce(part, scratch);
+  if (threadIdx.x == 0) {
+    float v[P::kWords];
+    pol.words(part, v);
+    unsigned long long* dst = words + t.index(C, P::kWords);
+#pragma unroll
+    for (int i = 0; i < P::kWords; ++i) store_word_relaxed(dst + i, ring_word(v[i], tag));
+  }
+}
+
 // This warp's copy of a row's statistics: lane l reads the words of chunks l, l + 32, ... (the
 // first 32 * kBatch of them in one round trip), re-polls those not yet written by this launch,
 // and merges them in increasing chunk order, then across lanes (a butterfly of merges that are
@@ -349,14 +379,7 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
     pol.template store_tile<true>(slot_of(dslot), dr.row, u0, units, mu, s);
   };
   auto publish = [&](const RingTile& t, float (&part)[P::K]) {
-    pol.reduce(part, scratch);
-    if (threadIdx.x == 0) {
-      float v[W];
-      pol.words(part, v);
-      unsigned long long* dst = words + t.index(C, W);
-#pragma unroll
-      for (int i = 0; i < W; ++i) store_word_relaxed(dst + i, ring_word(v[i], tag));
-    }
+    ring2_publish(pol, words, t, C, tag, part, scratch);
   };
 
   if (K > 0) {
@@ -376,12 +399,130 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
     }
     for (int j = max(0, K + 1 - D); j < K; ++j) drain(j, j % D);
   }
-  // The epoch (above): the grid's last block to get here moves the launch counter on.
-  __syncthreads();
-  if (threadIdx.x == 0 && counter_add_relaxed(state + 1, 1u) == gridDim.x - 1) {
-    store_relaxed(state + 1, 0u);
-    store_relaxed(state, tag == 0xffffffffu ? 0u : tag);
+  ring2_epoch_end(state, tag);
+}
+
+
+// ------------------------------------------------------------------------------------ resident
+//
+// "resident": every block holds ALL its tiles at once, so a launch has one exchange instead of
+// one per ring step. Its tiles (K of them, tiles first, first + gridDim.x, ... as above) are
+// copied global -> slot by cp.async, every copy issued at kernel start (one commit group per
+// tile), the (D+1)-th tile, where there is one, by plain loads into registers after them. Then
+// the tiles land in order (each at the cp.async.wait_group that covers it), each publishing its
+// partial as ring2's words; only when all are published does the block drain them, in order,
+// each after ring2's poll for its row. DRAM sees every read, then every write; a block waits
+// on other blocks only in its drains, after its own reads are done.
+// Why (benchmarks/notes_norms.md, "resident"): the ring's steps each expose an exchange (a
+// publish and a poll with one tile or none in flight), 4-8 of them per block at [16, 1M], and
+// ring_async's deeper copies did not remove that (run 34). Here the copies of all D tiles are in
+// flight at once (224 KB per SM) and the exchange's latency is paid once.
+// Limits: K <= D + 1 (host: _resident_grid), i.e. the rows fit in the grid's shared memory and
+// one register tile per thread; every block resident at once (as the ring; no block waits before
+// it has published all its tiles, so there is no per-row forward-progress rule). A thread reads
+// back only the units it copied itself (no barrier). Below sm_80 the copies are synchronous loads
+// and stores through registers (correct, not a speed path).
+// P as for ring2_rows (no kAdd), plus issue_async(slot, row, u0, units) and
+// partial<kRegs>(src, u0, units, part) (a tile's partial from a slot, or with kRegs from the
+// registers issue() loaded).
+
+// Copies this thread's units of a tile (PACKS of them, 16 bytes each) into its part of `slot`;
+// units past the row's end are zero-filled (src-size 0: nothing read).
+template <class T, int VEC, int PACKS>
+__device__ __forceinline__ void ring_copy_async(typename RawUnit<T, VEC>::type* slot,
+                                                const T* row, int u0, int units) {
+  static_assert(VEC * sizeof(T) == 16, "the resident plan copies 16-byte units");
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int unit = u0 + p * static_cast<int>(blockDim.x);
+    const bool in = unit < units;
+    const T* src = row + (in ? static_cast<long long>(unit) * VEC : 0);
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
+    slot[p * blockDim.x] = in ? RawUnit<T, VEC>::load(src) : RawUnit<T, VEC>::zero();
+#else
+    cp_async16(smem_addr(slot + p * blockDim.x), src, in ? 16 : 0);
+#endif
   }
+}
+
+__device__ __forceinline__ void ring_copy_commit() {
+#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
+  cp_async_commit();
+#endif
+}
+
+// Waits until at most `pending` of this thread's committed copy groups are outstanding (the
+// instruction takes an immediate; pending < 8 = RING_MAX_DEPTH).
+__device__ __forceinline__ void ring_copy_wait(int pending) {
+#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+#endif
+}
+
+template <int kBatch, class P>
+__device__ __forceinline__ void resident_rows(P& pol, long long rows, int units, int C, int D,
+                                              unsigned* state, unsigned char* smem) {
+  using Elem = typename P::Elem;
+  constexpr int W = P::kWords;
+  float* scratch = reinterpret_cast<float*>(smem);
+  unsigned char* ring = smem + kRingHeaderBytes;
+  unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
+  const unsigned tag = load_relaxed(state) + 1u;
+  const int tile_units = static_cast<int>(blockDim.x) * P::kPacks;
+  const unsigned tiles = static_cast<unsigned>(rows) * C;    // < 2^31 (RingTile)
+  const unsigned first = blockIdx.x, step = gridDim.x;
+  const int K = first < tiles ? static_cast<int>((tiles - 1 - first) / step) + 1 : 0;
+  const int held = min(K, D);                      // in slots; tile D (K = D + 1) in registers
+  const RingTile stride(step, C);
+  auto slot_of = [&](int s) { return ring_slot<Elem, P::kVec, P::kPacks>(ring, s); };
+  auto publish = [&](const RingTile& t, float (&part)[P::K]) {
+    ring2_publish(pol, words, t, C, tag, part, scratch);
+  };
+
+  RingTile t(first, C);
+  for (int k = 0; k < held; ++k) {                 // every copy in flight at once
+    pol.issue_async(slot_of(k), t.row, t.u0(tile_units), units);
+    ring_copy_commit();
+    t.advance(stride, C);
+  }
+  if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
+  t = RingTile(first, C);
+  for (int k = 0; k < held; ++k) {                 // land and publish, in order
+    ring_copy_wait(held - 1 - k);
+    float part[P::K];
+    pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
+    publish(t, part);
+    t.advance(stride, C);
+  }
+  if (K > D) {
+    float part[P::K];
+    pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
+    publish(t, part);
+  }
+  for (int j = 0; j < K; ++j) {                    // drain, in order
+    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+    const int u0 = dr.u0(tile_units);
+    pol.template load_group<true>(u0, 0, units);   // in flight through the poll
+    float mu, s;
+    const unsigned long long* row_words = words + static_cast<long long>(dr.row) * C * W;
+    pol.stats(ring2_row_acc<kBatch>(pol, row_words, C, tag, tile_units, units), mu, s);
+    if (dr.chunk == 0 && threadIdx.x == 0) pol.write_stats(dr.row, mu, s);
+    if (j < D) {
+      pol.template store_tile<true>(slot_of(j), dr.row, u0, units, mu, s);
+    } else {
+      pol.template store_tile<true, true>(pol.xt.u, dr.row, u0, units, mu, s);
+    }
+  }
+  ring2_epoch_end(state, tag);
 }
 
 }  // namespace gpuops

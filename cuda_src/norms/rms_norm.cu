@@ -298,6 +298,26 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
     if (kAdd) rt.load(r + row * rs, u0, units);
   }
 
+  // resident (not kAdd): the copies into the slot.
+  __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
+    static_assert(!kAdd, "resident: rms_norm only");
+    ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
+  }
+
+  // A held tile's sum of squares: from its slot, or (kRegs) from xt (past the end: zeros).
+  template <bool kRegs>
+  __device__ __forceinline__ void partial(const Raw* src, int, int, float (&part)[1]) const {
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      float f[VEC];
+      R::unpack(src[kRegs ? p : p * blockDim.x], f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) ss = fmaf(f[j], f[j], ss);
+    }
+    part[0] = ss;
+  }
+
   __device__ __forceinline__ void land(Raw* slot, long long row, int u0, int units,
                                        float (&part)[1]) {
     float ss = 0.0f;
@@ -385,6 +405,23 @@ rms_norm_ring2(const T* x, long long x_stride, const T* r, long long r_stride, T
   RmsNormRing<T, VEC, PACKS, kAdd> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
                                        rstd_out, n, eps);
   ring2_rows<RmsNormRing<T, VEC, PACKS, kAdd>::kPollBatch>(
+      pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// Split rows with every tile of a block held at once (norm_ring.cuh, "resident"; 16-byte units,
+// sm_80+ for speed): arguments as rms_norm_ring2 (r, h unused: no kAdd); D slots of shared memory
+// as the ring's, and gridDim.x * (D + 1) >= rows * C. One block of 512 threads per SM.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(512, 1)
+rms_norm_resident(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+                  long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+                  float* rstd_out, unsigned* state, long long rows, int n, int C, int D,
+                  float eps) {
+  pdl_start();
+  extern __shared__ uint4 ring_smem[];
+  RmsNormRing<T, VEC, PACKS, false> pol(x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
+                                        rstd_out, n, eps);
+  resident_rows<RmsNormRing<T, VEC, PACKS, false>::kPollBatch>(
       pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 

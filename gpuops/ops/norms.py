@@ -98,16 +98,19 @@ class Kind:
     ring_packs: int = 4
     ring_threads: int = 512
     ring2_template: str | None = None    # the same tiles, ring2's exchange (norm_ring.cuh)
+    resident_template: str | None = None  # every tile of a block held at once (16-byte units)
 
 
 LAYER_NORM = Kind("layer_norm", "gpuops::layer_norm_fwd<{t}, {v}, {p}>", 16, 256, 1024, 256,
                   True, False, 3, "gpuops::layer_norm_split<{t}, {v}, {p}>",
                   ring_template="gpuops::layer_norm_ring<{t}, {v}, {p}>",
-                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>")
+                  ring2_template="gpuops::layer_norm_ring2<{t}, {v}, {p}>",
+                  resident_template="gpuops::layer_norm_resident<{t}, {v}, {p}>")
 RMS_NORM = Kind("rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, false>", 16, 256, 1024, 256,
                 True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, false>",
                 ring_template="gpuops::rms_norm_ring<{t}, {v}, {p}, false>",
-                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>")
+                ring2_template="gpuops::rms_norm_ring2<{t}, {v}, {p}, false>",
+                resident_template="gpuops::rms_norm_resident<{t}, {v}, {p}>")
 # (x and r in flight: half the packs per tile)
 ADD_RMS_NORM = Kind("add_rms_norm", "gpuops::rms_norm_fwd<{t}, {v}, {p}, true>", 16, 256, 1024,
                     256, True, False, 1, "gpuops::rms_norm_split<{t}, {v}, {p}, true>",
@@ -138,6 +141,12 @@ ONE_LAUNCH_MAX_WAVES = 1
 #                us vs ring2 106.3; every draining warp of ring2 merges the row's C partials
 #                itself, which costs more as C and the tiles per block grow), but for rms_norm
 #                bf16 (ring2 31.1 us vs 34.8)
+#   "resident"   every tile of a block held at once (resident_rows: all copies issued at the
+#                start by cp.async into up to 7 slots of 32 KB, one more tile in registers; each
+#                tile published as it lands, ring2's words; then every drain): one exchange per
+#                launch. Where the rows fit on chip (grid * (slots + 1) tiles: [16, 1M] bf16 on
+#                an H100, 128 blocks x 8 tiles), for layer_norm and rms_norm on 16-byte units;
+#                elsewhere what "auto" picks. (notes_norms.md, "resident")
 #   "split"      the run-6 plans only (ONE_LAUNCH_MAX_WAVES, FORCE_TWO_LAUNCHES)
 #   "auto"       (default since run 34) ring2 on 16-byte units where every block of its grid
 #                holds one tile, or for rms_norm (one word per partial) with C <= 64 partials
@@ -164,7 +173,7 @@ BACKWARD_LONG_ROWS_PLANS = ("columns", "split")
 BACKWARD_LONG_ROWS = "columns"
 COLS_THREADS = 256          # kColsThreads of norm_backward.cu
 COLS_ROWS = 4               # kColsRows: rows per step of a block
-LONG_ROWS_PLANS = ("auto", "ring2", "ring", "split")
+LONG_ROWS_PLANS = ("auto", "resident", "ring2", "ring", "split")
 # Whole rows of layer_norm (one block per row, 16-byte units; e.g. [*, 4096]): which kernel.
 #   "per_row"    layer_norm_fwd: x raw in registers, w and b loaded with it (up to 2 packs), one
 #                exchange; 56 registers at 4096 bf16, 4 blocks/SM: 205.9 us in run 21 (86.8%).
@@ -228,11 +237,13 @@ def _split_exprs(kind: Kind) -> dict:
             for d in dt.FLOATS for v in (_vec_width(d), 1)}
 
 
-def _ring_exprs(kind: Kind, template: str | None) -> dict:
+def _ring_exprs(kind: Kind, template: str | None, widths=(None, 1)) -> dict:
+    """(dtype, vec) -> the kernel of `template`, at 16-byte units (None) and single elements."""
     if template is None:
         return {}
-    return {(d, v): template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
-            for d in dt.FLOATS for v in (_vec_width(d), 1)}
+    return {(d, v or _vec_width(d)): template.format(t=d.ctype, v=v or _vec_width(d),
+                                                     p=ring_packs(kind, v or _vec_width(d)))
+            for d in dt.FLOATS for v in widths}
 
 
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
@@ -255,6 +266,7 @@ _ROWS_EXPRS = {k: {key: f"gpuops::rms_norm_rows<{key[0].ctype}, {key[1]}, {key[2
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
+_RESIDENT_EXPRS = {k.name: _ring_exprs(k, k.resident_template, (None,)) for k in TUNING.values()}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 _COLS_EXPRS = {(layer, d, v): tuple(f"gpuops::norm_bwd_cols_{step}<{d.ctype}, {v}, "
                                     f"{'true' if layer else 'false'}>"
@@ -268,13 +280,14 @@ LAYER_NORM_MODULE = KernelModule(
         for e in table["layer_norm"].values()},
      **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS)
         for e in table.values()},
-     **{e: LN_RING2_ARGS for e in _RING2_EXPRS["layer_norm"].values()}}, pdl=True)
+     **{e: LN_RING2_ARGS for table in (_RING2_EXPRS, _RESIDENT_EXPRS)
+        for e in table["layer_norm"].values()}}, pdl=True)
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
     {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS, _ROWS_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
-     **{e: RMS_RING2_ARGS for k in ("rms_norm", "add_rms_norm")
-        for e in _RING2_EXPRS[k].values()}}, pdl=True)
+     **{e: RMS_RING2_ARGS for table in (_RING2_EXPRS, _RESIDENT_EXPRS)
+        for k in ("rms_norm", "add_rms_norm") for e in table[k].values()}}, pdl=True)
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -434,7 +447,7 @@ def _grid(plan: Plan, rows: int, persistent: bool):
 class RingPlan:
     """A ring kernel (norm_ring.cuh) for one row length: C tiles of threads x packs units per
     row, `depth` slots of shared memory per block (`smem` bytes), `capacity` blocks resident;
-    `variant` "ring" or "ring2" (the kernel)."""
+    `variant` "ring", "ring2" or "resident" (the kernel)."""
     kernel: object
     threads: int
     packs: int
@@ -479,9 +492,11 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
     """The RingPlan of a row length (cached), or None where no block of 2+ slots fits: two blocks
     per SM with the most slots that allow it (one streams while the other synchronizes), else
     one; blocks of ring_threads threads, else half as many (smaller tiles: Pascal's 48 KiB).
-    variant: "ring" or "ring2" (the kernel; the tiles are the same)."""
+    variant: "ring", "ring2" or "resident" (the kernel; the tiles are the same; "resident" is
+    compiled for one block per SM and takes the most slots of one)."""
     kind = TUNING[kind_name]
-    exprs = {"ring": _RING_EXPRS, "ring2": _RING2_EXPRS}[variant][kind_name]
+    exprs = {"ring": _RING_EXPRS, "ring2": _RING2_EXPRS,
+             "resident": _RESIDENT_EXPRS}[variant][kind_name]
     if (dtype, vec) not in exprs:
         return None
     key = (variant, kind_name, dtype, vec, n, dev, RING_MAX_DEPTH)
@@ -497,7 +512,7 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
         if plan is not None:
             break
         threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
-        for per_sm in (2, 1):
+        for per_sm in (1,) if variant == "resident" else (2, 1):
             for depth in range(RING_MAX_DEPTH, 1, -1):
                 smem = RING_HEADER_BYTES + depth * tile_bytes
                 if smem > limit:
@@ -516,15 +531,18 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
 def _ring_grid(ring, rows: int):
     """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
     (all resident), tiles spread evenly, no block holding more than `depth` tiles of one row
-    (norm_ring.cuh: forward progress), and fewer than 2^31 tiles (32-bit tile indices)."""
+    (norm_ring.cuh: forward progress; "resident": no block holding more than depth + 1 tiles in
+    all, its slots and one in registers), and fewer than 2^31 tiles (32-bit tile indices)."""
     if ring is None:
         return None
     tiles = rows * ring.C
     per_block = -(-tiles // ring.capacity)
     grid = -(-tiles // per_block)
-    if -(-ring.C // grid) > ring.depth or tiles > (1 << 31) - 1:   # (tile indices are int32)
+    if tiles > (1 << 31) - 1:                                      # (tile indices are int32)
         return None
-    return grid
+    if ring.variant == "resident":
+        return grid if per_block <= ring.depth + 1 else None
+    return None if -(-ring.C // grid) > ring.depth else grid
 
 
 def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, dev: int):
@@ -589,6 +607,12 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
     if plan.C == 1 or LONG_ROWS == "split":
         return None
     variant = LONG_ROWS
+    if variant == "resident":
+        ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
+        grid = _ring_grid(ring, rows)
+        if grid is not None:
+            return ring, grid
+        variant = "auto"          # (no resident kernel here, or the rows do not fit on chip)
     if variant == "auto":
         variant = "ring"
         if vec > 1:
