@@ -47,8 +47,10 @@
 
 namespace gpuops {
 
-// Shared memory before the ring: the block reductions' scratch (96 floats) and the arrival flag.
+// Shared memory before the ring: the block reductions' scratch (96 floats) and the arrival flag
+// ("ring"), or from byte 384 the held tiles' statistics ("resident": 2 floats x up to 16 tiles).
 constexpr int kRingHeaderBytes = 512;
+constexpr int kResidentStatsOffset = 384;
 
 // Resident blocks of 512 threads the ring kernels are compiled for (__launch_bounds__(512,
 // GPUOPS_RING_MIN_BLOCKS)): 2 (64 registers) from sm_70. Pascal's plan runs 256-thread tiles (48
@@ -125,6 +127,8 @@ struct RingOutput {
   float inv_n, eps;
   Raw wr[G];
   Raw br[kCentered ? G : 1];
+  Raw wn[G];                           // "resident": group 0 of the next tile, loaded ahead
+  Raw bn[kCentered ? G : 1];
 
   // kCg: through L2 only (ring2: not the tile loads' path); else as the other kernels load w.
   template <bool kCg>
@@ -137,13 +141,24 @@ struct RingOutput {
     }
   }
 
-  template <bool kCg>
+  // Group p0 / G of w (and b) into wr, br; kAhead: into wn, bn (the next tile's group 0, in
+  // flight through this tile's stores; take_ahead() moves it into wr, br).
+  template <bool kCg, bool kAhead = false>
   __device__ __forceinline__ void load_group(int u0, int p0, int units) {
+    auto& wd = kAhead ? wn : wr;
+    auto& bd = kAhead ? bn : br;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
-      if (w != nullptr) wr[g] = param<kCg>(w, unit, units);
-      if (kCentered && b != nullptr) br[kCentered ? g : 0] = param<kCg>(b, unit, units);
+      if (w != nullptr) wd[g] = param<kCg>(w, unit, units);
+      if (kCentered && b != nullptr) bd[kCentered ? g : 0] = param<kCg>(b, unit, units);
+    }
+  }
+  __device__ __forceinline__ void take_ahead() {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      wr[g] = wn[g];
+      if (kCentered) br[kCentered ? g : 0] = bn[kCentered ? g : 0];
     }
   }
 
@@ -410,8 +425,9 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
 // copied global -> slot by cp.async, every copy issued at kernel start (one commit group per
 // tile), the (D+1)-th tile, where there is one, by plain loads into registers after them. Then
 // the tiles land in order (each at the cp.async.wait_group that covers it), each publishing its
-// partial as ring2's words; only when all are published does the block drain them, in order,
-// each after ring2's poll for its row. DRAM sees every read, then every write; a block waits
+// partial as ring2's words; only when all are published does the block gather the statistics
+// of all its tiles' rows (ring2's poll, one warp per tile, all at once) and drain the tiles, in
+// order, each tile's stores issued after the next tile's w (and b) loads. DRAM sees every read, then every write; a block waits
 // on other blocks only in its drains, after its own reads are done.
 // Why (benchmarks/notes_norms.md, "resident"): the ring's steps each expose an exchange (a
 // publish and a poll with one tile or none in flight), 4-8 of them per block at [16, 1M], and
@@ -508,18 +524,36 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
     publish(t, part);
   }
-  for (int j = 0; j < K; ++j) {                    // drain, in order
+  // The statistics of every held tile's row, one warp per tile: all the polls in flight at
+  // once, before any store (run 100: drains that each polled waited an L2 round trip behind
+  // the previous drain's stores, 8 in series: a third of the kernel's stall samples).
+  float* tile_stats = reinterpret_cast<float*>(smem + kResidentStatsOffset);   // (mu, s)
+  for (int j = static_cast<int>(threadIdx.x >> 5); j < K; j += static_cast<int>(blockDim.x >> 5)) {
     const RingTile dr(first + static_cast<unsigned>(j) * step, C);
-    const int u0 = dr.u0(tile_units);
-    pol.template load_group<true>(u0, 0, units);   // in flight through the poll
     float mu, s;
     const unsigned long long* row_words = words + static_cast<long long>(dr.row) * C * W;
     pol.stats(ring2_row_acc<kBatch>(pol, row_words, C, tag, tile_units, units), mu, s);
-    if (dr.chunk == 0 && threadIdx.x == 0) pol.write_stats(dr.row, mu, s);
+    if ((threadIdx.x & 31) == 0) {
+      tile_stats[2 * j] = mu;
+      tile_stats[2 * j + 1] = s;
+      if (dr.chunk == 0) pol.write_stats(dr.row, mu, s);
+    }
+  }
+  __syncthreads();
+  // Drain, in order; the next tile's w (b) loaded before this tile's stores, not after them.
+  if (K > 0) pol.template load_group<true, true>(RingTile(first, C).u0(tile_units), 0, units);
+  for (int j = 0; j < K; ++j) {
+    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+    pol.take_ahead();
+    if (j + 1 < K) {
+      pol.template load_group<true, true>(
+          RingTile(first + static_cast<unsigned>(j + 1) * step, C).u0(tile_units), 0, units);
+    }
+    const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
     if (j < D) {
-      pol.template store_tile<true>(slot_of(j), dr.row, u0, units, mu, s);
+      pol.template store_tile<true>(slot_of(j), dr.row, dr.u0(tile_units), units, mu, s);
     } else {
-      pol.template store_tile<true, true>(pol.xt.u, dr.row, u0, units, mu, s);
+      pol.template store_tile<true, true>(pol.xt.u, dr.row, dr.u0(tile_units), units, mu, s);
     }
   }
   ring2_epoch_end(state, tag);
