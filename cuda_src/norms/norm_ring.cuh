@@ -524,36 +524,46 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
     publish(t, part);
   }
-  // The statistics of every held tile's row, one warp per tile: all the polls in flight at
-  // once, before any store (run 100: drains that each polled waited an L2 round trip behind
-  // the previous drain's stores, 8 in series: a third of the kernel's stall samples).
+  // The statistics of the held tiles' rows, one warp per tile, all the polls of a round in
+  // flight at once and before any store (run 100: drains that each polled waited an L2 round
+  // trip behind the previous drain's stores, 8 in series: a third of the stall samples). Two
+  // rounds, the first half of the tiles, then the rest: the rows of a block's early tiles are
+  // published early by every block, so their stores start while the grid's slowest blocks still
+  // land their last tiles (run 101: one round for all tiles waited ~13% of the kernel at its
+  // barrier, i.e. on the skew between blocks' read phases).
   float* tile_stats = reinterpret_cast<float*>(smem + kResidentStatsOffset);   // (mu, s)
-  for (int j = static_cast<int>(threadIdx.x >> 5); j < K; j += static_cast<int>(blockDim.x >> 5)) {
-    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
-    float mu, s;
-    const unsigned long long* row_words = words + static_cast<long long>(dr.row) * C * W;
-    pol.stats(ring2_row_acc<kBatch>(pol, row_words, C, tag, tile_units, units), mu, s);
-    if ((threadIdx.x & 31) == 0) {
-      tile_stats[2 * j] = mu;
-      tile_stats[2 * j + 1] = s;
-      if (dr.chunk == 0) pol.write_stats(dr.row, mu, s);
+  const int half = (K + 1) / 2;
+  for (int round = 0; round < 2; ++round) {
+    const int j0 = round == 0 ? 0 : half, j1 = round == 0 ? half : K;   // (block-uniform)
+    for (int j = j0 + static_cast<int>(threadIdx.x >> 5); j < j1;
+         j += static_cast<int>(blockDim.x >> 5)) {
+      const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+      float mu, s;
+      const unsigned long long* row_words = words + static_cast<long long>(dr.row) * C * W;
+      pol.stats(ring2_row_acc<kBatch>(pol, row_words, C, tag, tile_units, units), mu, s);
+      if ((threadIdx.x & 31) == 0) {
+        tile_stats[2 * j] = mu;
+        tile_stats[2 * j + 1] = s;
+        if (dr.chunk == 0) pol.write_stats(dr.row, mu, s);
+      }
     }
-  }
-  __syncthreads();
-  // Drain, in order; the next tile's w (b) loaded before this tile's stores, not after them.
-  if (K > 0) pol.template load_group<true, true>(RingTile(first, C).u0(tile_units), 0, units);
-  for (int j = 0; j < K; ++j) {
-    const RingTile dr(first + static_cast<unsigned>(j) * step, C);
-    pol.take_ahead();
-    if (j + 1 < K) {
-      pol.template load_group<true, true>(
-          RingTile(first + static_cast<unsigned>(j + 1) * step, C).u0(tile_units), 0, units);
-    }
-    const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
-    if (j < D) {
-      pol.template store_tile<true>(slot_of(j), dr.row, dr.u0(tile_units), units, mu, s);
-    } else {
-      pol.template store_tile<true, true>(pol.xt.u, dr.row, dr.u0(tile_units), units, mu, s);
+    __syncthreads();
+    // Drain, in order; the next tile's w (b) loaded before this tile's stores, not after them.
+    if (j0 == 0 && K > 0)
+      pol.template load_group<true, true>(RingTile(first, C).u0(tile_units), 0, units);
+    for (int j = j0; j < j1; ++j) {
+      const RingTile dr(first + static_cast<unsigned>(j) * step, C);
+      pol.take_ahead();
+      if (j + 1 < K) {
+        pol.template load_group<true, true>(
+            RingTile(first + static_cast<unsigned>(j + 1) * step, C).u0(tile_units), 0, units);
+      }
+      const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
+      if (j < D) {
+        pol.template store_tile<true>(slot_of(j), dr.row, dr.u0(tile_units), units, mu, s);
+      } else {
+        pol.template store_tile<true, true>(pol.xt.u, dr.row, dr.u0(tile_units), units, mu, s);
+      }
     }
   }
   ring2_epoch_end(state, tag);

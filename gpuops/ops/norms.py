@@ -148,11 +148,15 @@ ONE_LAUNCH_MAX_WAVES = 1
 #                an H100, 128 blocks x 8 tiles), for layer_norm and rms_norm on 16-byte units;
 #                elsewhere what "auto" picks. (notes_norms.md, "resident")
 #   "split"      the run-6 plans only (ONE_LAUNCH_MAX_WAVES, FORCE_TWO_LAUNCHES)
-#   "auto"       (default since run 34) ring2 on 16-byte units where every block of its grid
-#                holds one tile, or for rms_norm (one word per partial) with C <= 64 partials
-#                per row; else ring. Run 34's best plan at each of its 12 long-row shapes
-#                (3 ops x bf16 / fp32 x [16, 1M] / [8, 393216]); within 3% of the best at
-#                layer_norm fp32 [8, 393216] (ring 19.3 us vs ring2 19.8).
+#   "auto"       (default since run 34) "resident" where every tile of a block fits in its
+#                slots (no register tile) and the module runs cp.async (sm_80+ builds): runs
+#                100-101 at [8, 393216], rms bf16 7.4 us vs 7.7, fp32 10.2 vs 12.4-12.7;
+#                layer_norm bf16 10.5 vs 11.7, fp32 15.2 vs 19.6-20.2; else ring2 on 16-byte
+#                units where every block of its grid holds one tile, or for rms_norm (one word
+#                per partial) with C <= 64 partials per row; else ring (run 34's rule: its best
+#                plan at each of its 12 long-row shapes; at [16, 1M] bf16, where "resident"
+#                needs its register tile, it was not faster: rms 32.3 vs ring2 32.1, layer_norm
+#                44.9 vs ring 43.1 in run 101).
 # All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py). (A fifth plan,
 # ring2's exchange with the tiles copied into the ring by cp.async several tiles ahead, was
 # slower at every shape in run 34 and was removed: benchmarks/notes_norms.md.)
@@ -599,6 +603,13 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     return hit
 
 
+def _copies_async(module, dev: int) -> bool:
+    """Whether `module` runs cp.async here: built for sm_80+ (GPUOPS_ARCH=61 on an H100 loads
+    Pascal PTX, whose "resident" copies are plain loads and stores: correct, not a speed path)."""
+    target = getattr(loader.load(module, dev), "target", None)
+    return (target.arch if target is not None else device.device_info(dev).cc) >= 80
+
+
 def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
     """(RingPlan, grid) when split rows take a ring kernel (LONG_ROWS other than "split"; the
     plan's variant says which), else None."""
@@ -607,6 +618,11 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
     if plan.C == 1 or LONG_ROWS == "split":
         return None
     variant = LONG_ROWS
+    if variant == "auto" and vec > 1 and _copies_async(_MODULE_OF[kind_name], dev):
+        ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
+        grid = _ring_grid(ring, rows)
+        if grid is not None and -(-rows * ring.C // grid) <= ring.depth:   # all in slots
+            return ring, grid
     if variant == "resident":
         ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
         grid = _ring_grid(ring, rows)
