@@ -148,15 +148,15 @@ ONE_LAUNCH_MAX_WAVES = 1
 #                an H100, 128 blocks x 8 tiles), for layer_norm and rms_norm on 16-byte units;
 #                elsewhere what "auto" picks. (notes_norms.md, "resident")
 #   "split"      the run-6 plans only (ONE_LAUNCH_MAX_WAVES, FORCE_TWO_LAUNCHES)
-#   "auto"       (default since run 34) "resident" where every tile of a block fits in its
-#                slots (no register tile) and the module runs cp.async (sm_80+ builds): runs
-#                100-101 at [8, 393216], rms bf16 7.4 us vs 7.7, fp32 10.2 vs 12.4-12.7;
-#                layer_norm bf16 10.5 vs 11.7, fp32 15.2 vs 19.6-20.2; else ring2 on 16-byte
-#                units where every block of its grid holds one tile, or for rms_norm (one word
-#                per partial) with C <= 64 partials per row; else ring (run 34's rule: its best
-#                plan at each of its 12 long-row shapes; at [16, 1M] bf16, where "resident"
-#                needs its register tile, it was not faster: rms 32.3 vs ring2 32.1, layer_norm
-#                44.9 vs ring 43.1 in run 101).
+#   "auto"       (default since run 34) "resident" where the rows fit on chip and the module
+#                runs cp.async (sm_80+ builds): the fastest plan at every shape it covers in
+#                run 102 ([8, 393216]: rms bf16 7.5 us vs ring2 7.7, fp32 9.3 vs 12.7;
+#                layer_norm bf16 10.9 vs 11.7, fp32 14.7 vs ring 19.7; [16, 1M] bf16: rms 31.4
+#                vs 32.3, layer_norm 42.7 vs ring 43.7); else ring2 on 16-byte units where every
+#                block of its grid holds one tile, or for rms_norm / add_rms_norm (one word per
+#                partial) with C <= 64 partials per row; else ring (run 34's rule, its best plan
+#                at each of its 12 long-row shapes; add_rms_norm joined the C <= 64 rule after
+#                runs 100-102: bf16 [8, 393216], C = 48, ring2 10.2-10.4 us vs ring 12.4-12.7).
 # All stay selectable for A/B runs (benchmarks/experiments/norms_long_rows.py). (A fifth plan,
 # ring2's exchange with the tiles copied into the ring by cp.async several tiles ahead, was
 # slower at every shape in run 34 and was removed: benchmarks/notes_norms.md.)
@@ -621,7 +621,7 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
     if variant == "auto" and vec > 1 and _copies_async(_MODULE_OF[kind_name], dev):
         ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
         grid = _ring_grid(ring, rows)
-        if grid is not None and -(-rows * ring.C // grid) <= ring.depth:   # all in slots
+        if grid is not None:
             return ring, grid
     if variant == "resident":
         ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
@@ -635,7 +635,7 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
             ring = _ring_plan(kind_name, dtype, vec, n, dev, "ring2")
             grid = _ring_grid(ring, rows)
             if grid is not None and (rows * ring.C <= grid or (
-                    kind_name == "rms_norm" and ring.C <= AUTO_RING2_MAX_C)):
+                    kind_name != "layer_norm" and ring.C <= AUTO_RING2_MAX_C)):
                 return ring, grid
     ring = _ring_plan(kind_name, dtype, vec, n, dev, variant)
     grid = _ring_grid(ring, rows)
