@@ -408,7 +408,8 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
     xt.load(x + row * xs, u0, units);
   }
 
-  // resident: the copies into the slot.
+  // resident: the copies into the slot (per thread), or the row's start (bulk).
+  __device__ __forceinline__ const T* row_ptr(long long row) const { return x + row * xs; }
   __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
     ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
   }

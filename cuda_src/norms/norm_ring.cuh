@@ -44,13 +44,22 @@
 #pragma once
 #include "norms/norm_rows.cuh"
 #include "common/mma.cuh"     // cp_async16 / commit / wait, smem_addr: "resident" (sm_80+)
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+#include "common/wgmma.cuh"   // mbarriers and bulk copies: "resident" on sm_90
+#define GPUOPS_RESIDENT_BULK 1
+#else
+#define GPUOPS_RESIDENT_BULK 0
+#endif
 
 namespace gpuops {
 
 // Shared memory before the ring: the block reductions' scratch (96 floats) and the arrival flag
-// ("ring"), or from byte 384 the held tiles' statistics ("resident": 2 floats x up to 16 tiles).
+// ("ring"), or from byte 384 the held tiles' statistics ("resident": 2 floats per tile, up to 8
+// tiles: at most 7 slots, norms.py RESIDENT_MAX_DEPTH) and from byte 448 the slots' mbarriers
+// (sm_90).
 constexpr int kRingHeaderBytes = 512;
 constexpr int kResidentStatsOffset = 384;
+constexpr int kResidentBarOffset = 448;
 
 // Resident blocks of 512 threads the ring kernels are compiled for (__launch_bounds__(512,
 // GPUOPS_RING_MIN_BLOCKS)): 2 (64 registers) from sm_70. Pascal's plan runs 256-thread tiles (48
@@ -505,15 +514,43 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   };
 
   RingTile t(first, C);
+#if GPUOPS_RESIDENT_BULK
+  // sm_90: each slot's tile as one bulk copy of its valid bytes (thread 0 issues them all),
+  // completing on the slot's mbarrier. (With per-thread cp.async, run 102's read phase, 16
+  // copies of 16 bytes per thread per tile, ran at ~2.2 TB/s: is the SM's issue path the limit?)
+  const unsigned bars = smem_u32(smem + kResidentBarOffset);
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < held; ++k) mbar_init(bars + 8 * k, 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < held; ++k) {
+      const unsigned bytes = static_cast<unsigned>(min(tile_units, units - t.chunk * tile_units)) *
+                             static_cast<unsigned>(sizeof(typename P::Raw));
+      mbar_arrive_expect_tx(bars + 8 * k, bytes);
+      bulk_load(smem_u32(slot_of(k)), pol.row_ptr(t.row) + static_cast<long long>(t.chunk) *
+                tile_units * P::kVec, bytes, bars + 8 * k);
+      t.advance(stride, C);
+    }
+  } else {
+    for (int k = 0; k < held; ++k) t.advance(stride, C);
+  }
+#else
   for (int k = 0; k < held; ++k) {                 // every copy in flight at once
     pol.issue_async(slot_of(k), t.row, t.u0(tile_units), units);
     ring_copy_commit();
     t.advance(stride, C);
   }
+#endif
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
   t = RingTile(first, C);
   for (int k = 0; k < held; ++k) {                 // land and publish, in order
+#if GPUOPS_RESIDENT_BULK
+    mbar_wait(bars + 8 * k, 0);
+#else
     ring_copy_wait(held - 1 - k);
+#endif
     float part[P::K];
     pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
     publish(t, part);

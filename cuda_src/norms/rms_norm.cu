@@ -298,18 +298,22 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
     if (kAdd) rt.load(r + row * rs, u0, units);
   }
 
-  // resident (not kAdd): the copies into the slot.
+  // resident (not kAdd): the copies into the slot (per thread), or the row's start (bulk).
+  __device__ __forceinline__ const T* row_ptr(long long row) const { return x + row * xs; }
   __device__ __forceinline__ void issue_async(Raw* slot, long long row, int u0, int units) {
     static_assert(!kAdd, "resident: rms_norm only");
     ring_copy_async<T, VEC, PACKS>(slot, x + row * xs, u0, units);
   }
 
-  // A held tile's sum of squares: from its slot, or (kRegs) from xt (past the end: zeros).
+  // A held tile's sum of squares: from its slot (units past the row's end skipped: a bulk
+  // copy leaves them stale), or (kRegs) from xt (zeros there).
   template <bool kRegs>
-  __device__ __forceinline__ void partial(const Raw* src, int, int, float (&part)[1]) const {
+  __device__ __forceinline__ void partial(const Raw* src, int u0, int units,
+                                          float (&part)[1]) const {
     float ss = 0.0f;
 #pragma unroll
     for (int p = 0; p < PACKS; ++p) {
+      if (!kRegs && u0 + p * static_cast<int>(blockDim.x) >= units) continue;
       float f[VEC];
       R::unpack(src[kRegs ? p : p * blockDim.x], f);
 #pragma unroll

@@ -205,6 +205,7 @@ DECODE_ROWS = True
 WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact")
 WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
+RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 
 
@@ -517,7 +518,8 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
             break
         threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
         for per_sm in (1,) if variant == "resident" else (2, 1):
-            for depth in range(RING_MAX_DEPTH, 1, -1):
+            top = min(RING_MAX_DEPTH, RESIDENT_MAX_DEPTH) if variant == "resident" else RING_MAX_DEPTH
+            for depth in range(top, 1, -1):
                 smem = RING_HEADER_BYTES + depth * tile_bytes
                 if smem > limit:
                     continue
