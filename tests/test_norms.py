@@ -1798,6 +1798,18 @@ def test_gpu_ring_on_this_device(monkeypatch):
     grid = N._ring_grid(ring, 16)
     if ring.capacity * ring.depth < 16 * ring.C:
         assert -(-16 * ring.C // grid) > ring.depth         # K > D: slots are reused
+    # resident's bulk copies (sm_90, 4+ slot tiles per block) with a ragged last tile per row:
+    # the copy stops at the row's end and the slot's tail stays stale (skipped by the partials)
+    ragged = (16, (1 << 20) - 8)
+    chosen = N._long_rows_ring("rms_norm", N._plan("rms_norm", dt.bfloat16, 8, ragged[1], dev),
+                               dt.bfloat16, 8, ragged[1], ragged[0], dev)
+    if N._copies_async(N.RMS_NORM_MODULE, dev):
+        res, grid = chosen
+        assert res.variant == "resident" and min(res.depth, 16 * res.C // grid) >= 4
+        assert (ragged[1] // 8) % (res.threads * res.packs) != 0          # a ragged last tile
+    x, w, b = _ln_case(ragged, "bfloat16")
+    _check_rms(x, w, "bfloat16", "[16, 2^20 - 8] auto")
+    _check_ln(x, w, b, "bfloat16", "[16, 2^20 - 8] auto", out=torch.full_like(x, float("nan")))
     x = _randn((16, 1 << 20), "bfloat16")
     w = _randn((1 << 20,), "bfloat16")
     _check_rms(x, w, "bfloat16", "[16, 2^20] ring")

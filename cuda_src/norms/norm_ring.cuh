@@ -60,6 +60,7 @@ namespace gpuops {
 constexpr int kRingHeaderBytes = 512;
 constexpr int kResidentStatsOffset = 384;
 constexpr int kResidentBarOffset = 448;
+constexpr int kResidentBulkMinTiles = 4;   // bulk copies from this many slot tiles (sm_90)
 
 // Resident blocks of 512 threads the ring kernels are compiled for (__launch_bounds__(512,
 // GPUOPS_RING_MIN_BLOCKS)): 2 (64 registers) from sm_70. Pascal's plan runs 256-thread tiles (48
@@ -514,43 +515,47 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   };
 
   RingTile t(first, C);
+  // sm_90, blocks of kResidentBulkMinTiles slot tiles or more: each slot's tile as one bulk copy
+  // of its valid bytes (the TMA unit; thread 0 issues them all), completing on the slot's
+  // mbarrier. Run 103 against 102 (graph replay): [16, 1M] bf16 (7 slot tiles) rms_norm 31.4 ->
+  // 30.2 us, layer_norm 42.7 -> 37.5; [8, 393216] (2-3 tiles) 0-0.7 us slower than per-thread
+  // cp.async (whose copies start at once, without the mbarriers' init and barrier).
+  const bool bulk = GPUOPS_RESIDENT_BULK && held >= kResidentBulkMinTiles;   // (block-uniform)
 #if GPUOPS_RESIDENT_BULK
-  // sm_90: each slot's tile as one bulk copy of its valid bytes (thread 0 issues them all),
-  // completing on the slot's mbarrier. (With per-thread cp.async, run 102's read phase, 16
-  // copies of 16 bytes per thread per tile, ran at ~2.2 TB/s: is the SM's issue path the limit?)
   const unsigned bars = smem_u32(smem + kResidentBarOffset);
-  if (threadIdx.x == 0) {
-    for (int k = 0; k < held; ++k) mbar_init(bars + 8 * k, 1);
-    mbar_fence_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int k = 0; k < held; ++k) {
-      const unsigned bytes = static_cast<unsigned>(min(tile_units, units - t.chunk * tile_units)) *
-                             static_cast<unsigned>(sizeof(typename P::Raw));
-      mbar_arrive_expect_tx(bars + 8 * k, bytes);
-      bulk_load(smem_u32(slot_of(k)), pol.row_ptr(t.row) + static_cast<long long>(t.chunk) *
-                tile_units * P::kVec, bytes, bars + 8 * k);
-      t.advance(stride, C);
+  if (bulk) {
+    if (threadIdx.x == 0) {
+      for (int k = 0; k < held; ++k) mbar_init(bars + 8 * k, 1);
+      mbar_fence_init();
     }
-  } else {
-    for (int k = 0; k < held; ++k) t.advance(stride, C);
-  }
-#else
-  for (int k = 0; k < held; ++k) {                 // every copy in flight at once
-    pol.issue_async(slot_of(k), t.row, t.u0(tile_units), units);
-    ring_copy_commit();
-    t.advance(stride, C);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      RingTile b = t;
+      for (int k = 0; k < held; ++k) {
+        const unsigned bytes = static_cast<unsigned>(min(tile_units, units - b.chunk * tile_units)) *
+                               static_cast<unsigned>(sizeof(typename P::Raw));
+        mbar_arrive_expect_tx(bars + 8 * k, bytes);
+        bulk_load(smem_u32(slot_of(k)), pol.row_ptr(b.row) + static_cast<long long>(b.chunk) *
+                  tile_units * P::kVec, bytes, bars + 8 * k);
+        b.advance(stride, C);
+      }
+    }
   }
 #endif
+  for (int k = 0; k < held; ++k) {                 // every copy in flight at once
+    if (!bulk) {
+      pol.issue_async(slot_of(k), t.row, t.u0(tile_units), units);
+      ring_copy_commit();
+    }
+    t.advance(stride, C);
+  }
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
   t = RingTile(first, C);
   for (int k = 0; k < held; ++k) {                 // land and publish, in order
 #if GPUOPS_RESIDENT_BULK
-    mbar_wait(bars + 8 * k, 0);
-#else
-    ring_copy_wait(held - 1 - k);
+    if (bulk) mbar_wait(bars + 8 * k, 0);
 #endif
+    if (!bulk) ring_copy_wait(held - 1 - k);
     float part[P::K];
     pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
     publish(t, part);
