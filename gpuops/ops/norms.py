@@ -4,9 +4,11 @@ decoder layers, fused), forward and backward.
 Kernels: cuda_src/norms/*.cu, on the row machinery of cuda_src/norms/norm_rows.cuh. A row
 (``prod(normalized_shape)`` elements) is held in registers by one block (rows up to 8192-32768
 elements: read once, written once), or by several blocks that exchange partial statistics through
-global memory. Longer rows in the forward ops: one launch whose grid is resident at once, each
-block holding its tiles of the rows in a ring of shared memory until their rows' statistics are
-in (norm_ring.cuh: read once, written once; ``LONG_ROWS``); where that does not fit, the split
+global memory. Longer rows in the forward ops: one launch whose grid is resident at once; where
+the rows fit on chip (e.g. [16, 2^20] bf16 on an H100), each block holds all its tiles at once
+("resident": one exchange per launch), else its tiles of the rows pass through a ring of shared
+memory until their rows' statistics are in (norm_ring.cuh: read once, written once;
+``LONG_ROWS``); where neither fits, the split
 kernels (one launch when a row's blocks fit at once, else two launches, the second reading the
 row again). Long rows in the backward: blocks own column chunks over all the rows of their group
 (``BACKWARD_LONG_ROWS``: a stats pass with dw / db, then one re-reading the rows for dx).
