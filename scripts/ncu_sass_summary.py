@@ -1,9 +1,13 @@
 """Summarize the SASS page of an Nsight Compute report (device_run.sh's `ncu` stage writes it as
 detail/ncu_sass.csv): per kernel, the instructions executed and the warp-stall samples by opcode,
 and (--hot) the hottest loop's instructions with their stall samples, to compare one kernel's
-inner loop with another's (ours against cuBLAS's, say).
+inner loop with another's (ours against cuBLAS's, say); (--phases) the kernel's stretches of
+code, consecutive instructions executed the same number of times (a phase's loop body, e.g. the
+landing, the polls and the drains of norm_ring.cuh's resident_rows, runs 100-103), with their
+share of the stall samples and their top stall reasons: where each phase's time goes.
 
     python scripts/ncu_sass_summary.py detail/ncu_sass.csv [--kernel REGEX] [--hot N]
+        [--phases PCT]
 """
 from __future__ import annotations
 
@@ -88,15 +92,42 @@ def summarize(name, rows, hot):
                 f"{_num(r.get(f'stall_{s}', 0)):5.0f}" for s in STALLS[:8]))
 
 
+def phases(rows, min_pct):
+    """Consecutive SASS rows with one execution count, with >= min_pct % of the samples."""
+    stretches = []
+    for i, r in enumerate(rows):
+        n = _num(r["Instructions Executed"])
+        if not stretches or stretches[-1]["executed"] != n:
+            stretches.append({"first": i, "executed": n, "source": r["Source"].strip()[:40],
+                              "stalls": collections.Counter()})
+        for s in STALLS:
+            stretches[-1]["stalls"][s] += _num(r.get(f"stall_{s}", 0))
+    samples = sum(sum(st["stalls"].values()) for st in stretches) or 1.0
+    print(f"phases (>= {min_pct}% of {samples:.0f} samples): first row, executed, share, "
+          "top stalls, first instruction")
+    for st in stretches:
+        n = sum(st["stalls"].values())
+        if 100 * n / samples >= min_pct:
+            top = ", ".join(f"{s} {v:.0f}" for s, v in st["stalls"].most_common(3) if v > 0)
+            print(f"  {st['first']:6d} {st['executed']:9.0f} {100 * n / samples:5.1f}%  "
+                  f"{top:<44} {st['source']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv")
     ap.add_argument("--kernel", default="", help="regex on the kernel name")
     ap.add_argument("--hot", type=int, default=0, help="print this many hot-loop instructions")
+    ap.add_argument("--phases", type=float, default=None, metavar="PCT",
+                    help="print the stretches of one execution count with >= PCT %% of samples")
     args = ap.parse_args()
+    seen = set()
     for name, rows in kernels(args.csv):
-        if re.search(args.kernel, name):
+        if re.search(args.kernel, name) and name not in seen:   # (a report may list it twice)
+            seen.add(name)
             summarize(name, rows, args.hot)
+            if args.phases is not None:
+                phases(rows, args.phases)
 
 
 if __name__ == "__main__":
