@@ -156,7 +156,7 @@ def main():
     tiles = nbytes // TILE_BYTES
     depth = 7
     smem = depth * TILE_BYTES
-    read_async.max_dynamic_shared_memory_size = smem
+    read_async.max_dynamic_shared_size_bytes = smem
     grid = -(-tiles // (depth + 1))                  # 8 tiles per block, as resident's grid
     per_block = -(-tiles // grid)
     xs, ys, os_ = (cp.uint64(t.data_ptr()) for t in (x, y, out))
