@@ -773,8 +773,8 @@ def test_fp32_statistics_are_stable_far_from_zero(rng):
 
 class _EmuKernel:
     """An emulated kernel with the attributes norms' planning reads. The ring and resident
-    kernels, whose blocks wait for each other, run with every block at once (the emulator's concurrent schedule); the
-    others, which keep static shared memory, block after block."""
+    kernels, whose blocks wait for each other, run with every block at once (the emulator's
+    concurrent schedule); the others, which keep static shared memory, block after block."""
 
     def __init__(self, inner):
         self.inner, self.name, self.ptr = inner, inner.name, 0

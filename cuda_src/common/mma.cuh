@@ -1,6 +1,6 @@
 // Tensor-core building blocks for sm_80+ (mma.sync, ldmatrix, cp.async) as thin inline-PTX
-// wrappers, shared by every family (gemm, attention). Only modules declared for archs >= 80
-// include this file.
+// wrappers, shared by every family (gemm, attention, norms' resident plan). A module built for
+// older archs too (norms) may include it and must keep its calls behind __CUDA_ARCH__ >= 800.
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 / m16n8k8"), g = lane / 4,
 // t = lane % 4:

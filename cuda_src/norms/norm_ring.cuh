@@ -432,18 +432,19 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
 //
 // "resident": every block holds ALL its tiles at once, so a launch has one exchange instead of
 // one per ring step. Its tiles (K of them, tiles first, first + gridDim.x, ... as above) are
-// copied global -> slot by cp.async, every copy issued at kernel start (one commit group per
-// tile), the (D+1)-th tile, where there is one, by plain loads into registers after them. Then
-// the tiles land in order (each at the cp.async.wait_group that covers it), each publishing its
-// partial as ring2's words; only when all are published does the block gather the statistics
-// of all its tiles' rows (ring2's poll, one warp per tile, all at once) and drain the tiles, in
-// order, each tile's stores issued after the next tile's w (and b) loads. DRAM sees every read, then every write; a block waits
-// on other blocks only in its drains, after its own reads are done.
+// copied global -> slot, every copy issued at kernel start: per thread by cp.async (one commit
+// group per tile), or on sm_90 for 4+ slot tiles one bulk copy per tile on an mbarrier; the
+// (D+1)-th tile, where there is one, by plain loads into registers after them. Then the tiles
+// land in order, each publishing its partial as ring2's words; only when all are published does
+// the block gather the statistics of its tiles' rows (ring2's poll, one warp per tile, in two
+// rounds) and drain the tiles in order, each tile's stores issued after the next tile's w (and
+// b) loads. DRAM sees the reads, then the writes; a block waits on other blocks only after its
+// own reads are done.
 // Why (benchmarks/notes_norms.md, "resident"): the ring's steps each expose an exchange (a
 // publish and a poll with one tile or none in flight), 4-8 of them per block at [16, 1M], and
 // ring_async's deeper copies did not remove that (run 34). Here the copies of all D tiles are in
 // flight at once (224 KB per SM) and the exchange's latency is paid once.
-// Limits: K <= D + 1 (host: _resident_grid), i.e. the rows fit in the grid's shared memory and
+// Limits: K <= D + 1 (host: norms.py _ring_grid), i.e. the rows fit in the grid's shared memory and
 // one register tile per thread; every block resident at once (as the ring; no block waits before
 // it has published all its tiles, so there is no per-row forward-progress rule). A thread reads
 // back only the units it copied itself (no barrier). Below sm_80 the copies are synchronous loads
@@ -478,7 +479,7 @@ __device__ __forceinline__ void ring_copy_commit() {
 }
 
 // Waits until at most `pending` of this thread's committed copy groups are outstanding (the
-// instruction takes an immediate; pending < 8 = RING_MAX_DEPTH).
+// instruction takes an immediate; pending < 7 = norms.py RESIDENT_MAX_DEPTH).
 __device__ __forceinline__ void ring_copy_wait(int pending) {
 #if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
   switch (pending) {
@@ -532,8 +533,8 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     if (threadIdx.x == 0) {
       RingTile b = t;
       for (int k = 0; k < held; ++k) {
-        const unsigned bytes = static_cast<unsigned>(min(tile_units, units - b.chunk * tile_units)) *
-                               static_cast<unsigned>(sizeof(typename P::Raw));
+        const int valid = min(tile_units, units - b.chunk * tile_units);   // (ragged last tile)
+        const unsigned bytes = static_cast<unsigned>(valid * sizeof(typename P::Raw));
         mbar_arrive_expect_tx(bars + 8 * k, bytes);
         bulk_load(smem_u32(slot_of(k)), pol.row_ptr(b.row) + static_cast<long long>(b.chunk) *
                   tile_units * P::kVec, bytes, bars + 8 * k);

@@ -248,9 +248,8 @@ def _ring_exprs(kind: Kind, template: str | None, widths=(None, 1)) -> dict:
     """(dtype, vec) -> the kernel of `template`, at 16-byte units (None) and single elements."""
     if template is None:
         return {}
-    return {(d, v or _vec_width(d)): template.format(t=d.ctype, v=v or _vec_width(d),
-                                                     p=ring_packs(kind, v or _vec_width(d)))
-            for d in dt.FLOATS for v in widths}
+    return {(d, v): template.format(t=d.ctype, v=v, p=ring_packs(kind, v))
+            for d in dt.FLOATS for v in (w or _vec_width(d) for w in widths)}
 
 
 _EXPRS = {k.name: _exprs(k) for k in TUNING.values()}
@@ -520,7 +519,8 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
             break
         threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
         for per_sm in (1,) if variant == "resident" else (2, 1):
-            top = min(RING_MAX_DEPTH, RESIDENT_MAX_DEPTH) if variant == "resident" else RING_MAX_DEPTH
+            top = RING_MAX_DEPTH if variant != "resident" else min(RING_MAX_DEPTH,
+                                                                     RESIDENT_MAX_DEPTH)
             for depth in range(top, 1, -1):
                 smem = RING_HEADER_BYTES + depth * tile_bytes
                 if smem > limit:
@@ -622,12 +622,8 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
     if plan.C == 1 or LONG_ROWS == "split":
         return None
     variant = LONG_ROWS
-    if variant == "auto" and vec > 1 and _copies_async(_MODULE_OF[kind_name], dev):
-        ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
-        grid = _ring_grid(ring, rows)
-        if grid is not None:
-            return ring, grid
-    if variant == "resident":
+    if variant == "resident" or (variant == "auto" and vec > 1
+                                 and _copies_async(_MODULE_OF[kind_name], dev)):
         ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
         grid = _ring_grid(ring, rows)
         if grid is not None:
