@@ -974,8 +974,7 @@ def test_emulated_long_rows_resident(emulated, dtype, depth, rng, monkeypatch):
         _emu_check_all(dev, x, w, b, r, dtype, f"{(rows, n)} {layout} depth {depth}")
         resident = [launch for launch in emu.Device.launches if "_resident<" in launch[0]]
         assert len(resident) == (4 if fits else 0), (rows, layout)      # layer_norm, rms_norm x 2
-        assert all(launch[3] == N.RESIDENT_HEADER_BYTES + depth * 64 * 4 * 16
-                   for launch in resident)
+        assert all(launch[3] == N.RING_HEADER_BYTES + depth * 64 * 4 * 16 for launch in resident)
 
 
 def _ring2_state_words(dev_key=(0, 0)):

@@ -479,13 +479,6 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
     part[1] = s.mean;
     part[2] = s.m2;
   }
-  // resident's batched landing: a partial's merge over the warp, in every lane.
-  static __device__ __forceinline__ void warp_partial(float (&part)[3]) {
-    const MeanM2 s = warp_welford(MeanM2{part[0], part[1], part[2]});
-    part[0] = s.n;
-    part[1] = s.mean;
-    part[2] = s.m2;
-  }
 
   // ring: the row's last block merges the partials and stores mean and rstd; drains read them.
   __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,

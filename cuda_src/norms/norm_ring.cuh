@@ -54,8 +54,9 @@
 #ifdef GPUOPS_RESIDENT_TRACE
 // Experiments only (benchmarks/experiments/norms_resident_trace.py builds a module with
 // -DGPUOPS_RESIDENT_TRACE=N): thread 0 of the first N blocks of a resident launch stores
-// %globaltimer (ns, one clock for all SMs) at the steps of resident_rows (stamp indices there)
-// and its SM id in slot 23; the experiment reads the array by name (an unmangled symbol).
+// %globaltimer (ns, one clock for all SMs; it ticks in 256 ns steps on the H100) at the steps of
+// resident_rows (stamp indices there) and its SM id in slot 23; the experiment reads the array by
+// name (an unmangled symbol).
 __device__ unsigned long long gpuops_resident_trace[GPUOPS_RESIDENT_TRACE][24];
 #define RESIDENT_MARK(i)                                                                      \
   do {                                                                                        \
@@ -73,25 +74,16 @@ __device__ unsigned long long gpuops_resident_trace[GPUOPS_RESIDENT_TRACE][24];
 #else
 #define RESIDENT_MARK(i) do {} while (0)
 #endif
-// Experiments only: -DGPUOPS_RESIDENT_PER_TILE=1 builds run 105's landing (a block reduction and
-// a publish per tile) for an A/B against the batched one in the same process.
-#ifndef GPUOPS_RESIDENT_PER_TILE
-#define GPUOPS_RESIDENT_PER_TILE 0
-#endif
 
 namespace gpuops {
 
-// Shared memory before the ring ("ring", "ring2"): the block reductions' scratch (96 floats) and
-// the arrival flag.
+// Shared memory before the ring: the block reductions' scratch (96 floats) and the arrival flag
+// ("ring"), or from byte 384 the held tiles' statistics ("resident": 2 floats per tile, up to 8
+// tiles: at most 7 slots, norms.py RESIDENT_MAX_DEPTH) and from byte 448 the slots' mbarriers
+// (sm_90).
 constexpr int kRingHeaderBytes = 512;
-// "resident"'s, before its slots: the landing's exchange (a batch of up to kResidentBatch tiles'
-// partials, P::K <= 3 floats each, from up to 32 warps), the held tiles' statistics from byte
-// 1536 (2 floats per tile, up to 8 tiles: at most 7 slots, norms.py RESIDENT_MAX_DEPTH) and the
-// slots' mbarriers from byte 1600 (sm_90). norms.py RESIDENT_HEADER_BYTES.
-constexpr int kResidentHeaderBytes = 2048;
-constexpr int kResidentBatch = 4;           // tiles per landing batch: (8 + 1) / 2 at most
-constexpr int kResidentStatsOffset = 1536;
-constexpr int kResidentBarOffset = 1600;
+constexpr int kResidentStatsOffset = 384;
+constexpr int kResidentBarOffset = 448;
 constexpr int kResidentBulkMinTiles = 4;   // bulk copies from this many slot tiles (sm_90)
 
 // Resident blocks of 512 threads the ring kernels are compiled for (__launch_bounds__(512,
@@ -234,6 +226,14 @@ struct RingOutput {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) f[j] += bf[j];
           }
+#ifdef GPUOPS_RING_STORE_CS
+          // Experiments only (norms_resident_trace.py): y stored evict-first (st.global.cs).
+          if constexpr (VEC > 1) {
+            __stcs(reinterpret_cast<uint4*>(y_row + static_cast<long long>(unit) * VEC),
+                   R::pack(f));
+            continue;
+          }
+#endif
           R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
         }
       }
@@ -533,7 +533,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   using Elem = typename P::Elem;
   constexpr int W = P::kWords;
   float* scratch = reinterpret_cast<float*>(smem);
-  unsigned char* ring = smem + kResidentHeaderBytes;
+  unsigned char* ring = smem + kRingHeaderBytes;
   unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
   const unsigned tag = load_relaxed(state) + 1u;
   const int tile_units = static_cast<int>(blockDim.x) * P::kPacks;
@@ -541,9 +541,13 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   const unsigned first = blockIdx.x, step = gridDim.x;
   const int K = first < tiles ? static_cast<int>((tiles - 1 - first) / step) + 1 : 0;
   const int held = min(K, D);                      // in slots; tile D (K = D + 1) in registers
-  RESIDENT_MARK(0);
+  RESIDENT_MARK(0);   // (stamps: -DGPUOPS_RESIDENT_TRACE, experiments only)
   const RingTile stride(step, C);
   auto slot_of = [&](int s) { return ring_slot<Elem, P::kVec, P::kPacks>(ring, s); };
+  auto publish = [&](const RingTile& t, float (&part)[P::K]) {
+    ring2_publish(pol, words, t, C, tag, part, scratch);
+  };
+
   RingTile t(first, C);
   // sm_90, blocks of kResidentBulkMinTiles slot tiles or more: each slot's tile as one bulk copy
   // of its valid bytes (the TMA unit; thread 0 issues them all), completing on the slot's
@@ -581,89 +585,26 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   }
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
   RESIDENT_MARK(1);
-  const int half = (K + 1) / 2;                    // the gather's rounds: [0, half), [half, K)
-#if GPUOPS_RESIDENT_PER_TILE
   t = RingTile(first, C);
-  for (int k = 0; k < K; ++k) {                    // land and publish, in order
-    float part[P::K];
-    if (k < held) {
+  for (int k = 0; k < held; ++k) {                 // land and publish, in order
 #if GPUOPS_RESIDENT_BULK
-      if (bulk) mbar_wait(bars + 8 * k, 0);
+    if (bulk) mbar_wait(bars + 8 * k, 0);
 #endif
-      if (!bulk) ring_copy_wait(held - 1 - k);
-      RESIDENT_MARK(2 + k);
-      pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
-    } else {
-      RESIDENT_MARK(2 + k);
-      pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
-    }
-    ring2_publish(pol, words, t, C, tag, part, scratch);
+    if (!bulk) ring_copy_wait(held - 1 - k);
+    RESIDENT_MARK(2 + k);
+    float part[P::K];
+    pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
+    publish(t, part);
     RESIDENT_MARK(10 + k);
     t.advance(stride, C);
   }
-#else
-  // The landing, in two batches (the gather's rounds below): each thread sums its units of every
-  // tile of the batch as they land (its own copies, or the tile's mbarrier: no barrier between
-  // tiles), then ONE exchange for the batch: every warp's totals of all its tiles (independent
-  // shuffle chains), one __syncthreads, and warp b merges the warps' totals of tile j0 + b and
-  // publishes them. Run 105's landing had a block reduction (two barriers, two dependent
-  // shuffle chains) and a publish per tile: 8 in series at [16, 1M], part of the ~4 us the
-  // kernel spends beyond its reads and writes (run 106: notes_norms.md, "resident").
-  float* batch = scratch;                          // [b][i][warp]: kResidentBatch * P::K * 32
-  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
-  t = RingTile(first, C);
-  for (int round = 0; round < 2; ++round) {
-    const int j0 = round == 0 ? 0 : half, j1 = round == 0 ? half : K;   // (block-uniform)
-    float part[kResidentBatch][P::K];
-#pragma unroll
-    for (int b = 0; b < kResidentBatch; ++b) {
-      const int k = j0 + b;
-#pragma unroll
-      for (int i = 0; i < P::K; ++i) part[b][i] = 0.0f;   // (an empty partial in every policy)
-      if (k < j1) {
-        if (k < held) {
-#if GPUOPS_RESIDENT_BULK
-          if (bulk) mbar_wait(bars + 8 * k, 0);
-#endif
-          if (!bulk) ring_copy_wait(held - 1 - k);
-          RESIDENT_MARK(2 + k);
-          pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part[b]);
-        } else {
-          RESIDENT_MARK(2 + k);
-          pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part[b]);
-        }
-        t.advance(stride, C);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < kResidentBatch; ++b) pol.warp_partial(part[b]);
-    if (round == 1) __syncthreads();               // the first batch's readers are done
-    if (lane == 0) {
-#pragma unroll
-      for (int b = 0; b < kResidentBatch; ++b)
-#pragma unroll
-        for (int i = 0; i < P::K; ++i) batch[(b * P::K + i) * 32 + warp] = part[b][i];
-    }
-    __syncthreads();
-    const int warps = static_cast<int>(blockDim.x >> 5);
-    for (int b = warp; b < j1 - j0; b += warps) {  // warp b: tile j0 + b (blocks of 2+ warps)
-      float v[P::K];
-#pragma unroll
-      for (int i = 0; i < P::K; ++i)
-        v[i] = lane < warps ? batch[(b * P::K + i) * 32 + lane] : 0.0f;
-      pol.warp_partial(v);
-      if (lane == 0) {
-        float w[W];
-        pol.words(v, w);
-        const RingTile mine(first + static_cast<unsigned>(j0 + b) * step, C);
-        unsigned long long* dst = words + mine.index(C, W);
-#pragma unroll
-        for (int i = 0; i < W; ++i) store_word_relaxed(dst + i, ring_word(w[i], tag));
-      }
-    }
-    RESIDENT_MARK(10 + round);
+  if (K > D) {
+    RESIDENT_MARK(2 + D);
+    float part[P::K];
+    pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
+    publish(t, part);
+    RESIDENT_MARK(10 + D);
   }
-#endif
   // The statistics of the held tiles' rows, one warp per tile, all the polls of a round in
   // flight at once and before any store (run 100: drains that each polled waited an L2 round
   // trip behind the previous drain's stores, 8 in series: a third of the stall samples). Two
@@ -672,6 +613,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   // land their last tiles (run 101: one round for all tiles waited ~13% of the kernel at its
   // barrier, i.e. on the skew between blocks' read phases).
   float* tile_stats = reinterpret_cast<float*>(smem + kResidentStatsOffset);   // (mu, s)
+  const int half = (K + 1) / 2;
   RingTile dr(first, C);                           // the drains' cursor: tile j
   for (int round = 0; round < 2; ++round) {
     const int j0 = round == 0 ? 0 : half, j1 = round == 0 ? half : K;   // (block-uniform)

@@ -350,10 +350,6 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
   __device__ __forceinline__ void reduce(float (&part)[1], float* scratch) {
     block_sum_n<1>(part, scratch);
   }
-  // resident's batched landing: a partial's total over the warp, in every lane.
-  static __device__ __forceinline__ void warp_partial(float (&part)[1]) {
-    part[0] = warp_sum(part[0]);
-  }
 
   // ring: the row's last block sums the partials and stores rstd; drains read it.
   __device__ __forceinline__ void merge(const float* row_partials, int C, long long row,

@@ -209,7 +209,6 @@ WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
-RESIDENT_HEADER_BYTES = 2048  # kResidentHeaderBytes of norm_ring.cuh (the landing's exchange)
 
 
 def _vec_width(d) -> int:
@@ -522,9 +521,8 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
         for per_sm in (1,) if variant == "resident" else (2, 1):
             top = RING_MAX_DEPTH if variant != "resident" else min(RING_MAX_DEPTH,
                                                                      RESIDENT_MAX_DEPTH)
-            header = RESIDENT_HEADER_BYTES if variant == "resident" else RING_HEADER_BYTES
             for depth in range(top, 1, -1):
-                smem = header + depth * tile_bytes
+                smem = RING_HEADER_BYTES + depth * tile_bytes
                 if smem > limit:
                     continue
                 fit = _resident_per_sm(kernel, threads, smem)
