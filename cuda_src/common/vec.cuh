@@ -89,4 +89,11 @@ __device__ __forceinline__ uint4 load16(const T* p) { return *reinterpret_cast<c
 template <class T>
 __device__ __forceinline__ void store16(T* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
 
+// The same, evict-first in L2 (st.global.cs): output no one reads soon, whose lines should be the
+// L2's next victims (written back now) rather than other data's (norms' "resident" drains).
+template <class T>
+__device__ __forceinline__ void store16_evict_first(T* p, const uint4& v) {
+  __stcs(reinterpret_cast<uint4*>(p), v);
+}
+
 }  // namespace gpuops

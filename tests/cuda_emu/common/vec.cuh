@@ -50,5 +50,6 @@ template <class T> inline void store16(T* p, const uint4& v) {
   if (reinterpret_cast<unsigned long long>(p) & 15u) { emu::fail("misaligned 16-byte store"); return; }
   std::memcpy(p, &v, 16);
 }
+template <class T> inline void store16_evict_first(T* p, const uint4& v) { store16(p, v); }
 
 }  // namespace gpuops
