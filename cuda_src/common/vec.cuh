@@ -93,7 +93,11 @@ __device__ __forceinline__ void store16(T* p, const uint4& v) { *reinterpret_cas
 // L2's next victims (written back now) rather than other data's (norms' "resident" drains).
 template <class T>
 __device__ __forceinline__ void store16_evict_first(T* p, const uint4& v) {
+#ifdef __CUDA_ARCH__
   __stcs(reinterpret_cast<uint4*>(p), v);
+#else
+  store16(p, v);                         // (host emulation: tests/cuda_host_emulation.py)
+#endif
 }
 
 }  // namespace gpuops
