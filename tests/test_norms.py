@@ -950,8 +950,8 @@ def test_emulated_long_rows_resident(emulated, dtype, depth, rng, monkeypatch):
     tile = 64 * 4 * vec                 # elements of a tile: 64 threads x 4 packs of 16 bytes
     # (rows, tiles per row C, layout, fits): 4 x (depth + 1) tiles on the emulator's 4 blocks:
     # every block holds depth + 1 (one in registers); 5 x depth: uneven (e.g. 3, 3, 2, 2);
-    # 2 x 2 (depth + 1): rows longer than the grid's stride (C > 4 blocks: every tile lands
-    # before either round's statistics; round 0 first would deadlock there); 5 x (depth + 1):
+    # 2 x 2 (depth + 1): rows longer than the grid's stride (C > 4 blocks; run 110's "round 0
+    # drained before round 1 lands" would deadlock there); 5 x (depth + 1):
     # too many; offset rows: single elements, no resident kernel
     for rows, C, layout, fits in ((4, depth + 1, "contig", True), (5, depth, "padded", True),
                                   (2, 2 * (depth + 1), "contig", True),

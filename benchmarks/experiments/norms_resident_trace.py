@@ -5,16 +5,14 @@ For rms_norm and layer_norm at [16, 1048576] bf16 and [8, 393216] fp32 (LONG_ROW
 the kernel built several ways, each a separate module of norm_ring.cuh's resident_rows, switched
 into gpuops' dispatch (norms._MODULE_OF) in one process:
   default         as gpuops builds it
-  land_all_first  -DGPUOPS_RESIDENT_EARLY=0: every tile lands before either round's statistics
-                  (run 105's order), against the default's round 0 landed, gathered and drained
-                  before round 1's tiles land
   *_trace         the same with -DGPUOPS_RESIDENT_TRACE=256: thread 0 of each block stamps
                   %globaltimer at entry (0), copies issued (1), tile k's data there (2 + k),
                   tile k published (10 + k), round r's statistics in (18 + 2r), round r's drains
                   issued (19 + 2r), exit (22)
 (Run 107 compared a batched landing, one exchange per round, against run 105's per-tile one with
-this script, run 108 y stored evict-first (-DGPUOPS_RING_STORE_CS, now the default): add a
-variant's -D options to VARIANTS to A/B another build option; notes_norms.md.)
+this script, run 108 y stored evict-first (-DGPUOPS_RING_STORE_CS, now the default), run 110 round 0
+drained before round 1 lands (-DGPUOPS_RESIDENT_EARLY=0 against it; reverted): add a variant's
+-D options to VARIANTS to A/B another build option; notes_norms.md.)
 Each: max |error| against float64, CUDA-graph time per call (20 calls per graph, median of 20
 replays; the untraced builds alternate over 3 rounds, median), % of the same run's copy; for
 the traced builds, the last call of a replay: each stamp's median / p10 / p90 / max over the
@@ -44,10 +42,7 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 
 SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32))
 TRACE_BLOCKS = 256
-VARIANTS = {"default": (), "land_all_first": ("-DGPUOPS_RESIDENT_EARLY=0",),
-            "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
-            "land_all_first_trace": ("-DGPUOPS_RESIDENT_EARLY=0",
-                                     f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}")}
+VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",

@@ -74,11 +74,6 @@ __device__ unsigned long long gpuops_resident_trace[GPUOPS_RESIDENT_TRACE][24];
 #else
 #define RESIDENT_MARK(i) do {} while (0)
 #endif
-// Experiments only: -DGPUOPS_RESIDENT_EARLY=0 builds the order of run 105 (every tile lands before
-// either round's statistics) for an A/B against round 0 drained first (resident_rows, `early`).
-#ifndef GPUOPS_RESIDENT_EARLY
-#define GPUOPS_RESIDENT_EARLY 1
-#endif
 
 namespace gpuops {
 
@@ -587,46 +582,38 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   }
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
   RESIDENT_MARK(1);
-  // Tile k lands (its copy waited for, or the register tile) and is published.
   t = RingTile(first, C);
-  auto land = [&](int k) {
-    float part[P::K];
-    if (k < held) {
+  for (int k = 0; k < held; ++k) {                 // land and publish, in order
 #if GPUOPS_RESIDENT_BULK
-      if (bulk) mbar_wait(bars + 8 * k, 0);
+    if (bulk) mbar_wait(bars + 8 * k, 0);
 #endif
-      if (!bulk) ring_copy_wait(held - 1 - k);
-      RESIDENT_MARK(2 + k);
-      pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
-    } else {                                       // tile D, from the registers
-      RESIDENT_MARK(2 + k);
-      pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
-    }
+    if (!bulk) ring_copy_wait(held - 1 - k);
+    RESIDENT_MARK(2 + k);
+    float part[P::K];
+    pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
     publish(t, part);
     RESIDENT_MARK(10 + k);
     t.advance(stride, C);
-  };
-  // Two rounds, the first half of the tiles, then the rest; each round's statistics are gathered
-  // (one warp per tile, all the polls of a round in flight at once and before any store: run 100's
-  // drains that each polled waited an L2 round trip behind the previous drain's stores), then its
-  // tiles drained. `early`: round 0's tiles land, are gathered and drained BEFORE round 1's land,
-  // so round 0's stores overlap round 1's reads (runs 108-109's trace: round 0's tiles were in
-  // at ~12 us of ~27, its drains waited for the last tile at ~16). Otherwise every tile lands
-  // first (run 105's order). Why early needs gridDim.x >= C: the tiles of round 0 are a prefix of
-  // the tile indices (t < P), so one row may straddle P; a block waiting in round 0 on that row
-  // needs its round-1 tiles, whose owners publish them after their own round 0, which waits only
-  // on rows below (their previous tile is one grid stride back, before the row's start when the
-  // row is at most a stride long). Rows longer than the stride could close a cycle.
-  const bool early = GPUOPS_RESIDENT_EARLY && step >= static_cast<unsigned>(C);   // (uniform)
+  }
+  if (K > D) {
+    RESIDENT_MARK(2 + D);
+    float part[P::K];
+    pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
+    publish(t, part);
+    RESIDENT_MARK(10 + D);
+  }
+  // The statistics of the held tiles' rows, one warp per tile, all the polls of a round in
+  // flight at once and before any store (run 100: drains that each polled waited an L2 round
+  // trip behind the previous drain's stores, 8 in series: a third of the stall samples). Two
+  // rounds, the first half of the tiles, then the rest: the rows of a block's early tiles are
+  // published early by every block, so their stores start while the grid's slowest blocks still
+  // land their last tiles (run 101: one round for all tiles waited ~13% of the kernel at its
+  // barrier, i.e. on the skew between blocks' read phases).
   float* tile_stats = reinterpret_cast<float*>(smem + kResidentStatsOffset);   // (mu, s)
   const int half = (K + 1) / 2;
   RingTile dr(first, C);                           // the drains' cursor: tile j
   for (int round = 0; round < 2; ++round) {
     const int j0 = round == 0 ? 0 : half, j1 = round == 0 ? half : K;   // (block-uniform)
-    // the tiles this round lands: its own (early), or all of them in round 0 (one call site:
-    // the landing inlined twice made layer_norm_resident<bf16> spill 44 B on sm_61 / sm_70)
-    const int l0 = early ? j0 : (round == 0 ? 0 : K), l1 = early ? j1 : K;
-    for (int k = l0; k < l1; ++k) land(k);
     for (int j = j0 + static_cast<int>(threadIdx.x >> 5); j < j1;
          j += static_cast<int>(blockDim.x >> 5)) {
       const RingTile mine(first + static_cast<unsigned>(j) * step, C);
