@@ -77,17 +77,6 @@ __device__ __forceinline__ void tma_store_3d(const TmaDesc* desc, unsigned int s
       : "memory");
 }
 
-// shared[dst .. dst + bytes) = global[src .. src + bytes) as one bulk copy (the TMA unit, no
-// tensor map), completing `bytes` of transaction on the mbarrier `bar` (whose expect_tx the
-// caller set): both addresses 16-byte aligned, bytes a multiple of 16. sm_90.
-__device__ __forceinline__ void bulk_load(unsigned int dst, const void* src, unsigned int bytes,
-                                          unsigned int bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
 // global[dst .. dst + bytes) += shared[src .. src + bytes) as fp32, element by element (one bulk
 // reduction, performed at L2), in this thread's open bulk group: both addresses 16-byte aligned,
 // bytes a multiple of 16. The source may be rewritten after bulk_wait_read.

@@ -566,8 +566,9 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
         const int valid = min(tile_units, units - b.chunk * tile_units);   // (ragged last tile)
         const unsigned bytes = static_cast<unsigned>(valid * sizeof(typename P::Raw));
         mbar_arrive_expect_tx(bars + 8 * k, bytes);
-        bulk_load(smem_u32(slot_of(k)), pol.row_ptr(b.row) + static_cast<long long>(b.chunk) *
-                  tile_units * P::kVec, bytes, bars + 8 * k);
+        bulk_load_1d(smem_u32(slot_of(k)),
+                     pol.row_ptr(b.row) + static_cast<long long>(b.chunk) * tile_units * P::kVec,
+                     bytes, bars + 8 * k);
         b.advance(stride, C);
       }
     }
