@@ -8,7 +8,9 @@ into gpuops' dispatch (norms._MODULE_OF) in one process:
   *_trace         the same with -DGPUOPS_RESIDENT_TRACE=256: thread 0 of each block stamps
                   %globaltimer at entry (0), copies issued (1), tile k's data there (2 + k),
                   tile k published (10 + k), round r's statistics in (18 + 2r), round r's drains
-                  issued (19 + 2r), exit (22)
+                  issued (19 + 2r), exit (22), tile 0's partial (26), the register tile's
+                  partial (27); the block's last warp: its loads issued (24), its tile 0
+                  partial (25)
 (Run 107 compared a batched landing, one exchange per round, against run 105's per-tile one with
 this script, run 108 y stored evict-first (-DGPUOPS_RING_STORE_CS, now the default), run 110 round 0
 drained before round 1 lands (-DGPUOPS_RESIDENT_EARLY=0 against it; reverted): add a variant's
@@ -42,11 +44,22 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 
 SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32))
 TRACE_BLOCKS = 256
-VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
+VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
+            # run 111's A/B: run 109's landing (layer_norm: Chan per pack, block_welford) and
+            # drains (layer_norm: a tile's second w / b group loaded when needed), and tile D's
+            # register loads issued before the slots' copies
+            "old_landing": ("-DGPUOPS_LN_LANDING_PER_PACK",),
+            "old_drain": ("-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD",),
+            "run109": ("-DGPUOPS_LN_LANDING_PER_PACK", "-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD"),
+            "xt_first": ("-DGPUOPS_RESIDENT_XT_FIRST",),
+            "xt_first_trace": ("-DGPUOPS_RESIDENT_XT_FIRST",
+                               f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}")}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",
-          22: "exit"}
+          22: "exit", 24: "last warp: loads issued", 25: "last warp: tile 0 partial",
+          26: "tile 0 partial", 27: "register tile partial"}
+WIDTH = 32
 EPS = 1e-5
 
 
@@ -62,7 +75,7 @@ def variant_module(kind: str, name: str, options) -> KernelModule:
 
 
 def summarize(tr: np.ndarray) -> dict:
-    """tr: [blocks, 24] stamps (ns; 0 where a stamp was not written)."""
+    """tr: [blocks, WIDTH] stamps (ns; 0 where a stamp was not written)."""
     t0 = tr[:, 0].min()
     out = {}
     for i, what in STAMPS.items():
@@ -84,6 +97,9 @@ def summarize(tr: np.ndarray) -> dict:
                      "gather 0 (last publish->18)": phase(last_pub, 18),
                      "drains 0 (18->19)": phase(18, 19), "gather 1 (19->20)": phase(19, 20),
                      "drains 1 (20->21)": phase(20, 21), "epoch end (21->22)": phase(21, 22),
+                     "tile 0 partial (2->26)": phase(2, 26),
+                     "tile 0 reduce+publish (26->10)": phase(26, 10),
+                     "tile 1 landing (3->11)": phase(3, 11),
                      "whole (0->22)": phase(0, 22)}
     spread = tr[:, 0][tr[:, 0] > 0]
     out["entry spread us"] = float((spread.max() - spread.min()) / 1e3)
@@ -141,7 +157,7 @@ def main():
                         if name.endswith("_trace") and rnd == 0:
                             g = loader.load(mods[(kind, name)], 0).raw.get_global(
                                 "gpuops_resident_trace")
-                            arr = cp.ndarray((TRACE_BLOCKS, 24), cp.uint64, g)
+                            arr = cp.ndarray((TRACE_BLOCKS, WIDTH), cp.uint64, g)
                             arr.fill(0)
                             graph_replay_us(fn, calls=20, replays=1)
                             torch.cuda.synchronize()

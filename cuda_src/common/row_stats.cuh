@@ -67,6 +67,51 @@ __device__ __forceinline__ MeanM2 block_welford(MeanM2 s, float* scratch) {
   return warp_welford(t);
 }
 
+// The merge of two triples of one count (a.n == b.n): Chan's update with n_a = n_b, i.e. the
+// mean of the means and m2 + d^2 * n_a / 2: no reciprocal, three operations. Symmetric in (a, b).
+__device__ __forceinline__ MeanM2 welford_merge_equal(const MeanM2& a, const MeanM2& b) {
+  const float d = b.mean - a.mean;
+  MeanM2 r;
+  r.n = a.n + b.n;
+  r.mean = 0.5f * (a.mean + b.mean);
+  r.m2 = (a.m2 + b.m2) + d * d * (0.5f * a.n);
+  return r;
+}
+
+// block_welford where every thread holds the same count and the block has a power-of-two number
+// of warps (the caller's to check; every lane gets the result, bitwise the same): a full tile of
+// the long-row plans, whose landing this keeps short (run 111: block_welford's merges, a MUFU
+// reciprocal and two branches per level, made layer_norm's landing ~3x rms_norm's block sum).
+__device__ __forceinline__ MeanM2 block_welford_equal(MeanM2 s, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    MeanM2 o;
+    o.n = s.n;
+    o.mean = __shfl_xor_sync(kFullMask, s.mean, offset);
+    o.m2 = __shfl_xor_sync(kFullMask, s.m2, offset);
+    s = welford_merge_equal(s, o);
+  }
+  __syncthreads();
+  if (lane == 0) {
+    scratch[32 + warp] = s.mean;
+    scratch[64 + warp] = s.m2;
+  }
+  __syncthreads();
+  const int w = lane & (warps - 1);    // lanes past the warps repeat them: xor stays in a group
+  MeanM2 t = {s.n, scratch[32 + w], scratch[64 + w]};
+  for (int offset = warps >> 1; offset > 0; offset >>= 1) {
+    MeanM2 o;
+    o.n = t.n;
+    o.mean = __shfl_xor_sync(kFullMask, t.mean, offset);
+    o.m2 = __shfl_xor_sync(kFullMask, t.m2, offset);
+    t = welford_merge_equal(t, o);
+  }
+  return t;
+}
+
 // K sums at once over a warp: v[k] becomes the warp's total of v[k] in every lane.
 template <int K>
 __device__ __forceinline__ void warp_sum_n(float (&v)[K]) {

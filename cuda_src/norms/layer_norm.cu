@@ -443,12 +443,42 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
     part[2] = acc.m2;
   }
 
-  // A held tile's partial, from its slot or (kRegs) from xt. Each pack: two passes over its VEC
-  // values (mean, then squared deviations), merged into the thread's triple (Chan): only one
-  // pack's values live at a time.
+  // A held tile's partial, from its slot or (kRegs) from xt ("resident"). A thread whose units
+  // are all in the row: two passes over its PACKS * VEC values (their mean, then the squared
+  // deviations from it; the second pass reads the slot again). Else each pack: two passes over its
+  // VEC values, merged into the thread's triple (Chan): only one pack's values live at a time.
   template <bool kRegs>
   __device__ __forceinline__ void partial(const Raw* src, int u0, int units,
                                           float (&part)[3]) const {
+#ifndef GPUOPS_LN_LANDING_PER_PACK
+    if (u0 + (PACKS - 1) * static_cast<int>(blockDim.x) < units) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int p = 0; p < PACKS; ++p) {
+        float f[VEC];
+        R::unpack(src[kRegs ? p : p * blockDim.x], f);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum += f[j];
+      }
+      constexpr float kCount = static_cast<float>(PACKS * VEC);
+      const float m = sum / kCount;
+      float m2 = 0.0f;
+#pragma unroll
+      for (int p = 0; p < PACKS; ++p) {
+        float f[VEC];
+        R::unpack(src[kRegs ? p : p * blockDim.x], f);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = f[j] - m;
+          m2 = fmaf(d, d, m2);
+        }
+      }
+      part[0] = kCount;
+      part[1] = m;
+      part[2] = m2;
+      return;
+    }
+#endif
     MeanM2 acc = {0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int p = 0; p < PACKS; ++p) {
@@ -473,8 +503,15 @@ struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)>
     part[2] = acc.m2;
   }
 
-  __device__ __forceinline__ void reduce(float (&part)[3], float* scratch) {
-    const MeanM2 s = block_welford(MeanM2{part[0], part[1], part[2]}, scratch);
+  // The block's triple. `full`: every thread's partial has the same count and the block a
+  // power-of-two number of warps ("resident"'s full tiles): the merges without reciprocals.
+  __device__ __forceinline__ void reduce(float (&part)[3], float* scratch, bool full = false) {
+    const MeanM2 t = {part[0], part[1], part[2]};
+#ifndef GPUOPS_LN_LANDING_PER_PACK
+    const MeanM2 s = full ? block_welford_equal(t, scratch) : block_welford(t, scratch);
+#else
+    const MeanM2 s = block_welford(t, scratch);
+#endif
     part[0] = s.n;
     part[1] = s.mean;
     part[2] = s.m2;

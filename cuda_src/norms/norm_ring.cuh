@@ -55,12 +55,13 @@
 // Experiments only (benchmarks/experiments/norms_resident_trace.py builds a module with
 // -DGPUOPS_RESIDENT_TRACE=N): thread 0 of the first N blocks of a resident launch stores
 // %globaltimer (ns, one clock for all SMs; it ticks in 256 ns steps on the H100) at the steps of
-// resident_rows (stamp indices there) and its SM id in slot 23; the experiment reads the array by
-// name (an unmangled symbol).
-__device__ unsigned long long gpuops_resident_trace[GPUOPS_RESIDENT_TRACE][24];
-#define RESIDENT_MARK(i)                                                                      \
+// resident_rows (stamp indices there) and its SM id in slot 23; RESIDENT_MARK_LAST stamps from
+// lane 0 of the block's last warp (slots 24..); the experiment reads the array by name (an
+// unmangled symbol).
+__device__ unsigned long long gpuops_resident_trace[GPUOPS_RESIDENT_TRACE][32];
+#define RESIDENT_MARK_BY(thread, i)                                                           \
   do {                                                                                        \
-    if (threadIdx.x == 0 && blockIdx.x < GPUOPS_RESIDENT_TRACE) {                             \
+    if (threadIdx.x == (thread) && blockIdx.x < GPUOPS_RESIDENT_TRACE) {                      \
       unsigned long long t_;                                                                  \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_) : : "memory");                     \
       gpuops_resident_trace[blockIdx.x][(i)] = t_;                                            \
@@ -71,8 +72,11 @@ __device__ unsigned long long gpuops_resident_trace[GPUOPS_RESIDENT_TRACE][24];
       }                                                                                       \
     }                                                                                         \
   } while (0)
+#define RESIDENT_MARK(i) RESIDENT_MARK_BY(0u, i)
+#define RESIDENT_MARK_LAST(i) RESIDENT_MARK_BY(blockDim.x - 32u, i)
 #else
 #define RESIDENT_MARK(i) do {} while (0)
+#define RESIDENT_MARK_LAST(i) do {} while (0)
 #endif
 
 namespace gpuops {
@@ -203,35 +207,42 @@ struct RingOutput {
   template <bool kCg, bool kRegs = false, bool kEvictFirst = false>
   __device__ __forceinline__ void store_tile(const Raw* slot, long long row, int u0, int units,
                                              float mu, float s) {
-    T* y_row = y + row * ys;
 #pragma unroll
     for (int p0 = 0; p0 < PACKS; p0 += G) {
       if (p0 > 0) load_group<kCg>(u0, p0, units);
+      store_group<kRegs, kEvictFirst>(slot, row, u0, p0, units, mu, s);
+    }
+  }
+
+  // Packs p0 .. p0 + G - 1 of store_tile, with the group's w (b) in wr (br).
+  template <bool kRegs, bool kEvictFirst>
+  __device__ __forceinline__ void store_group(const Raw* slot, long long row, int u0, int p0,
+                                              int units, float mu, float s) {
+    T* y_row = y + row * ys;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
-        if (unit < units) {
-          float f[VEC];
-          R::unpack(slot[kRegs ? p0 + g : (p0 + g) * blockDim.x], f);
+    for (int g = 0; g < G; ++g) {
+      const int unit = u0 + (p0 + g) * static_cast<int>(blockDim.x);
+      if (unit < units) {
+        float f[VEC];
+        R::unpack(slot[kRegs ? p0 + g : (p0 + g) * blockDim.x], f);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) f[j] = kCentered ? (f[j] - mu) * s : f[j] * s;
-          if (w != nullptr) {
-            float wf[VEC];
-            R::unpack(wr[g], wf);
+        for (int j = 0; j < VEC; ++j) f[j] = kCentered ? (f[j] - mu) * s : f[j] * s;
+        if (w != nullptr) {
+          float wf[VEC];
+          R::unpack(wr[g], wf);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
-          }
-          if (kCentered && b != nullptr) {
-            float bf[VEC];
-            R::unpack(br[kCentered ? g : 0], bf);
+          for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
+        }
+        if (kCentered && b != nullptr) {
+          float bf[VEC];
+          R::unpack(br[kCentered ? g : 0], bf);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] += bf[j];
-          }
-          if constexpr (kEvictFirst && VEC > 1) {
-            store16_evict_first(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
-          } else {
-            R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
-          }
+          for (int j = 0; j < VEC; ++j) f[j] += bf[j];
+        }
+        if constexpr (kEvictFirst && VEC > 1) {
+          store16_evict_first(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
+        } else {
+          R::store(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
         }
       }
     }
@@ -339,12 +350,14 @@ __device__ __forceinline__ void ring2_epoch_end(unsigned* state, unsigned tag) {
 
 // Tile t's partial, published: the block's reduction, then thread 0 stores its words. (The
 // words' address is formed after the reduction: live across its barriers, it cost ring2_rows a
-// register and rms_norm_ring2<bf16, 8, 4> a spill on sm_90.)
+// register and rms_norm_ring2<bf16, 8, 4> a spill on sm_90.) `full`: the tile is whole and every
+// thread's partial counts the same (P::reduce may take a cheaper merge).
 template <class P>
 __device__ __forceinline__ void ring2_publish(P& pol, unsigned long long* words,
                                               const RingTile& t, int C, unsigned tag,
-                                              float (&part)[P::K], float* scratch) {
-  pol.reduce(part, scratch);
+                                              float (&part)[P::K], float* scratch,
+                                              bool full = false) {
+  pol.reduce(part, scratch, full);
   if (threadIdx.x == 0) {
     float v[P::kWords];
     pol.words(part, v);
@@ -541,11 +554,21 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   RESIDENT_MARK(0);   // (stamps: -DGPUOPS_RESIDENT_TRACE, experiments only)
   const RingTile stride(step, C);
   auto slot_of = [&](int s) { return ring_slot<Elem, P::kVec, P::kPacks>(ring, s); };
+  // A whole tile (block-uniform) with a block of a power-of-two number of warps: every thread's
+  // partial has the same count (partial() of a thread whose units are all in the row).
+  const bool pow2_warps = ((blockDim.x >> 5) & ((blockDim.x >> 5) - 1)) == 0;
   auto publish = [&](const RingTile& t, float (&part)[P::K]) {
-    ring2_publish(pol, words, t, C, tag, part, scratch);
+    const bool full = pow2_warps && units - t.chunk * tile_units >= tile_units;
+    ring2_publish(pol, words, t, C, tag, part, scratch, full);
   };
 
   RingTile t(first, C);
+#ifdef GPUOPS_RESIDENT_XT_FIRST
+  if (K > D) {                                     // tile D's loads before the slots' copies
+    const RingTile d(first + static_cast<unsigned>(D) * step, C);
+    pol.issue(d.row, d.u0(tile_units), units);
+  }
+#endif
   // sm_90, blocks of kResidentBulkMinTiles slot tiles or more: each slot's tile as one bulk copy
   // of its valid bytes (the TMA unit; thread 0 issues them all), completing on the slot's
   // mbarrier. Run 103 against 102 (graph replay): [16, 1M] bf16 (7 slot tiles) rms_norm 31.4 ->
@@ -581,8 +604,11 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     }
     t.advance(stride, C);
   }
+#ifndef GPUOPS_RESIDENT_XT_FIRST
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
+#endif
   RESIDENT_MARK(1);
+  RESIDENT_MARK_LAST(24);
   t = RingTile(first, C);
   for (int k = 0; k < held; ++k) {                 // land and publish, in order
 #if GPUOPS_RESIDENT_BULK
@@ -592,6 +618,10 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     RESIDENT_MARK(2 + k);
     float part[P::K];
     pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
+    if (k == 0) {
+      RESIDENT_MARK(26);
+      RESIDENT_MARK_LAST(25);
+    }
     publish(t, part);
     RESIDENT_MARK(10 + k);
     t.advance(stride, C);
@@ -603,6 +633,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     RESIDENT_MARK(2 + D);
     float part[P::K];
     pol.template partial<true>(pol.xt.u, t.u0(tile_units), units, part);
+    RESIDENT_MARK(27);
     publish(t, part);
     RESIDENT_MARK(10 + D);
   }
@@ -639,6 +670,33 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     for (int j = j0; j < j1; ++j) {
       RingTile next = dr;
       next.advance(stride, C);
+#ifndef GPUOPS_RESIDENT_DRAIN_TILE_AHEAD
+      if constexpr (P::kGroup < P::kPacks) {
+      const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
+      // Group by group (G packs of w, b: P::kGroup < kPacks where registers are short, as
+      // layer_norm's two), each group's loads issued one group ahead: the tile's next group, or
+      // the next tile's first. (Loading a tile's later groups in store_tile, as the ring does,
+      // waits an L2 round trip per group.)
+#pragma unroll
+      for (int p0 = 0; p0 < P::kPacks; p0 += P::kGroup) {
+        pol.take_ahead();
+        if (p0 + P::kGroup < P::kPacks) {
+          pol.template load_group<true, true>(dr.u0(tile_units), p0 + P::kGroup, units);
+        } else if (j + 1 < K) {
+          pol.template load_group<true, true>(next.u0(tile_units), 0, units);
+        }
+        if (j < D) {
+          pol.template store_group<false, true>(slot_of(j), dr.row, dr.u0(tile_units), p0,
+                                                units, mu, s);
+        } else {
+          pol.template store_group<true, true>(pol.xt.u, dr.row, dr.u0(tile_units), p0, units,
+                                               mu, s);
+        }
+      }
+      dr = next;
+      continue;
+      }
+#endif
       pol.take_ahead();
       if (j + 1 < K) pol.template load_group<true, true>(next.u0(tile_units), 0, units);
       const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];

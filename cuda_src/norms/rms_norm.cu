@@ -347,7 +347,7 @@ struct RmsNormRing : RingOutput<T, VEC, PACKS, false, (PACKS <= 4 ? PACKS : 4)> 
     part[0] = ss;
   }
 
-  __device__ __forceinline__ void reduce(float (&part)[1], float* scratch) {
+  __device__ __forceinline__ void reduce(float (&part)[1], float* scratch, bool = false) {
     block_sum_n<1>(part, scratch);
   }
 
