@@ -45,15 +45,15 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32))
 TRACE_BLOCKS = 256
 VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
-            # run 111's A/B: run 109's landing (layer_norm: Chan per pack, block_welford) and
-            # drains (layer_norm: a tile's second w / b group loaded when needed), and tile D's
-            # register loads issued before the slots' copies
-            "old_landing": ("-DGPUOPS_LN_LANDING_PER_PACK",),
+            # run 112's A/B: run 109's drains (layer_norm: a tile's second w / b group loaded
+            # when needed); layer_norm's resident w / b in one group of 4 packs (as rms_norm);
+            # tile D's register loads spread over the landing loop (pack k after tile k)
             "old_drain": ("-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD",),
-            "run109": ("-DGPUOPS_LN_LANDING_PER_PACK", "-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD"),
-            "xt_first": ("-DGPUOPS_RESIDENT_XT_FIRST",),
-            "xt_first_trace": ("-DGPUOPS_RESIDENT_XT_FIRST",
-                               f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}")}
+            "ln_group4": ("-DGPUOPS_LN_RESIDENT_GROUP=4",),
+            "xt_spread": ("-DGPUOPS_RESIDENT_XT_SPREAD",),
+            "xt_spread_trace": ("-DGPUOPS_RESIDENT_XT_SPREAD",
+                                f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}"),
+            "xt_spread_group4": ("-DGPUOPS_RESIDENT_XT_SPREAD", "-DGPUOPS_LN_RESIDENT_GROUP=4")}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",

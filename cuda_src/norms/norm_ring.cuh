@@ -604,8 +604,18 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     }
     t.advance(stride, C);
   }
-#ifndef GPUOPS_RESIDENT_XT_FIRST
+#if !defined(GPUOPS_RESIDENT_XT_FIRST) && !defined(GPUOPS_RESIDENT_XT_SPREAD)
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
+#endif
+#ifdef GPUOPS_RESIDENT_XT_SPREAD
+  // tile D's pack k issued after tile k's landing (k < held), the rest after the loop
+  const RingTile xt_tile = t;
+  auto issue_xt_pack = [&](int k) {
+#pragma unroll
+    for (int p = 0; p < P::kPacks; ++p) {
+      if (p == k) pol.xt.load_pack(pol.row_ptr(xt_tile.row), xt_tile.u0(tile_units), units, p);
+    }
+  };
 #endif
   RESIDENT_MARK(1);
   RESIDENT_MARK_LAST(24);
@@ -624,8 +634,19 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     }
     publish(t, part);
     RESIDENT_MARK(10 + k);
+#ifdef GPUOPS_RESIDENT_XT_SPREAD
+    if (K > D) issue_xt_pack(k);
+#endif
     t.advance(stride, C);
   }
+#ifdef GPUOPS_RESIDENT_XT_SPREAD
+  if (K > D) {
+#pragma unroll
+    for (int p = 0; p < P::kPacks; ++p) {
+      if (p >= held) issue_xt_pack(p);
+    }
+  }
+#endif
   // Tile D after the loop, not in it: every build that landed it inside the loop (runs 107,
   // 110) waited there for its loads, which arrive last, before landing tile 0 (~15 us instead
   // of ~3.7 at [16, 1M] bf16; ~3 us of graph time).
