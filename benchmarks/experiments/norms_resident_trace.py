@@ -42,18 +42,20 @@ from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import loader  # noqa: E402
 from gpuops.runtime.modules import KernelModule  # noqa: E402
 
-SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32))
+SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32), ((8, 393216), dt.bfloat16))
 TRACE_BLOCKS = 256
 VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
-            # run 112's A/B: run 109's drains (layer_norm: a tile's second w / b group loaded
-            # when needed); layer_norm's resident w / b in one group of 4 packs (as rms_norm);
-            # tile D's register loads spread over the landing loop (pack k after tile k)
+            # run 113's A/B: run 109's drains (layer_norm: a tile's second w / b group loaded
+            # when needed), traced too; layer_norm's gather polling 2 words per lane per round
+            # trip (ring2's kPollBatch 1: registers of the ring kernels)
             "old_drain": ("-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD",),
-            "ln_group4": ("-DGPUOPS_LN_RESIDENT_GROUP=4",),
-            "xt_spread": ("-DGPUOPS_RESIDENT_XT_SPREAD",),
-            "xt_spread_trace": ("-DGPUOPS_RESIDENT_XT_SPREAD",
+            "old_drain_trace": ("-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD",
                                 f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}"),
-            "xt_spread_group4": ("-DGPUOPS_RESIDENT_XT_SPREAD", "-DGPUOPS_LN_RESIDENT_GROUP=4")}
+            "ln_poll2": ("-DGPUOPS_LN_RESIDENT_POLL_BATCH=2",),
+            "ln_poll2_trace": ("-DGPUOPS_LN_RESIDENT_POLL_BATCH=2",
+                               f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}"),
+            "ln_poll2_old_drain": ("-DGPUOPS_LN_RESIDENT_POLL_BATCH=2",
+                                   "-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD")}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",

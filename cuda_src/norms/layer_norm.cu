@@ -377,8 +377,8 @@ layer_norm_split(const T* x, long long x_stride, T* y, long long y_stride,
 // M2): two passes over each pack, Chan merges of the packs, of the block's threads, and of the
 // row's C tiles in a fixed order (ring: by the row's last block; ring2: by every draining warp,
 // from the published (mean, M2) words, the count being known from the chunk).
-template <class T, int VEC, int PACKS, int G = (PACKS <= 2 ? PACKS : 2)>
-struct LayerNormRing : RingOutput<T, VEC, PACKS, true, G> {
+template <class T, int VEC, int PACKS>
+struct LayerNormRing : RingOutput<T, VEC, PACKS, true, (PACKS <= 2 ? PACKS : 2)> {
   using Elem = T;
   using R = RawUnit<T, VEC>;
   using Raw = typename R::type;
@@ -592,13 +592,13 @@ layer_norm_resident(const T* x, long long x_stride, T* y, long long y_stride,
                     float eps) {
   pdl_start();
   extern __shared__ uint4 ring_smem[];
-#ifdef GPUOPS_LN_RESIDENT_GROUP
-  using Pol = LayerNormRing<T, VEC, PACKS, GPUOPS_LN_RESIDENT_GROUP>;
-#else
   using Pol = LayerNormRing<T, VEC, PACKS>;
-#endif
   Pol pol(x, x_stride, y, y_stride, w, b, mean_out, rstd_out, n, eps);
+#ifdef GPUOPS_LN_RESIDENT_POLL_BATCH
+  resident_rows<GPUOPS_LN_RESIDENT_POLL_BATCH>(
+#else
   resident_rows<Pol::kPollBatch>(
+#endif
       pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 

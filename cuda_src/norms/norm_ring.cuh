@@ -563,12 +563,6 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   };
 
   RingTile t(first, C);
-#ifdef GPUOPS_RESIDENT_XT_FIRST
-  if (K > D) {                                     // tile D's loads before the slots' copies
-    const RingTile d(first + static_cast<unsigned>(D) * step, C);
-    pol.issue(d.row, d.u0(tile_units), units);
-  }
-#endif
   // sm_90, blocks of kResidentBulkMinTiles slot tiles or more: each slot's tile as one bulk copy
   // of its valid bytes (the TMA unit; thread 0 issues them all), completing on the slot's
   // mbarrier. Run 103 against 102 (graph replay): [16, 1M] bf16 (7 slot tiles) rms_norm 31.4 ->
@@ -604,19 +598,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     }
     t.advance(stride, C);
   }
-#if !defined(GPUOPS_RESIDENT_XT_FIRST) && !defined(GPUOPS_RESIDENT_XT_SPREAD)
   if (K > D) pol.issue(t.row, t.u0(tile_units), units);   // tile D, into registers
-#endif
-#ifdef GPUOPS_RESIDENT_XT_SPREAD
-  // tile D's pack k issued after tile k's landing (k < held), the rest after the loop
-  const RingTile xt_tile = t;
-  auto issue_xt_pack = [&](int k) {
-#pragma unroll
-    for (int p = 0; p < P::kPacks; ++p) {
-      if (p == k) pol.xt.load_pack(pol.row_ptr(xt_tile.row), xt_tile.u0(tile_units), units, p);
-    }
-  };
-#endif
   RESIDENT_MARK(1);
   RESIDENT_MARK_LAST(24);
   t = RingTile(first, C);
@@ -634,19 +616,8 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     }
     publish(t, part);
     RESIDENT_MARK(10 + k);
-#ifdef GPUOPS_RESIDENT_XT_SPREAD
-    if (K > D) issue_xt_pack(k);
-#endif
     t.advance(stride, C);
   }
-#ifdef GPUOPS_RESIDENT_XT_SPREAD
-  if (K > D) {
-#pragma unroll
-    for (int p = 0; p < P::kPacks; ++p) {
-      if (p >= held) issue_xt_pack(p);
-    }
-  }
-#endif
   // Tile D after the loop, not in it: every build that landed it inside the loop (runs 107,
   // 110) waited there for its loads, which arrive last, before landing tile 0 (~15 us instead
   // of ~3.7 at [16, 1M] bf16; ~3 us of graph time).

@@ -109,12 +109,10 @@ struct RawTile {
   // Units past the row's end read as zero (+0.0: no contribution to sums).
   __device__ __forceinline__ void load(const T* row, int u0, int units) {
 #pragma unroll
-    for (int p = 0; p < PACKS; ++p) load_pack(row, u0, units, p);
-  }
-  // Pack p alone (p a compile-time constant where unrolled: u[] stays in registers).
-  __device__ __forceinline__ void load_pack(const T* row, int u0, int units, int p) {
-    const int unit = u0 + p * static_cast<int>(blockDim.x);
-    u[p] = unit < units ? R::load(row + static_cast<long long>(unit) * VEC) : R::zero();
+    for (int p = 0; p < PACKS; ++p) {
+      const int unit = u0 + p * static_cast<int>(blockDim.x);
+      u[p] = unit < units ? R::load(row + static_cast<long long>(unit) * VEC) : R::zero();
+    }
   }
 };
 
