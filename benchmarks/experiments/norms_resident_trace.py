@@ -1,7 +1,7 @@
 """Where the "resident" long-row plan's time goes (notes_norms.md, "resident": run 106 put the
 kernel ~4 us beyond its structure's floor at [16, 1M] bf16), and A/Bs of its build options.
 
-For rms_norm and layer_norm at [16, 1048576] bf16 and [8, 393216] fp32 (LONG_ROWS="resident"),
+For rms_norm and layer_norm at [16, 1048576] bf16 and [8, 393216] fp32 and bf16 (LONG_ROWS="resident"),
 the kernel built several ways, each a separate module of norm_ring.cuh's resident_rows, switched
 into gpuops' dispatch (norms._MODULE_OF) in one process:
   default         as gpuops builds it
@@ -13,8 +13,9 @@ into gpuops' dispatch (norms._MODULE_OF) in one process:
                   partial (25)
 (Run 107 compared a batched landing, one exchange per round, against run 105's per-tile one with
 this script, run 108 y stored evict-first (-DGPUOPS_RING_STORE_CS, now the default), run 110 round 0
-drained before round 1 lands (-DGPUOPS_RESIDENT_EARLY=0 against it; reverted): add a variant's
--D options to VARIANTS to A/B another build option; notes_norms.md.)
+drained before round 1 lands (-DGPUOPS_RESIDENT_EARLY=0 against it; reverted), runs 111-113
+layer_norm's landing, drains and gather and the register tile's issue order: add a variant's -D
+options to VARIANTS, and the switch to the kernel, to A/B another build option; notes_norms.md.)
 Each: max |error| against float64, CUDA-graph time per call (20 calls per graph, median of 20
 replays; the untraced builds alternate over 3 rounds, median), % of the same run's copy; for
 the traced builds, the last call of a replay: each stamp's median / p10 / p90 / max over the
@@ -44,18 +45,7 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 
 SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32), ((8, 393216), dt.bfloat16))
 TRACE_BLOCKS = 256
-VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
-            # run 113's A/B: run 109's drains (layer_norm: a tile's second w / b group loaded
-            # when needed), traced too; layer_norm's gather polling 2 words per lane per round
-            # trip (ring2's kPollBatch 1: registers of the ring kernels)
-            "old_drain": ("-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD",),
-            "old_drain_trace": ("-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD",
-                                f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}"),
-            "ln_poll2": ("-DGPUOPS_LN_RESIDENT_POLL_BATCH=2",),
-            "ln_poll2_trace": ("-DGPUOPS_LN_RESIDENT_POLL_BATCH=2",
-                               f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}"),
-            "ln_poll2_old_drain": ("-DGPUOPS_LN_RESIDENT_POLL_BATCH=2",
-                                   "-DGPUOPS_RESIDENT_DRAIN_TILE_AHEAD")}
+VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",

@@ -655,20 +655,18 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     }
     __syncthreads();
     RESIDENT_MARK(18 + 2 * round);
-    // Drain, in order; the next tile's w (b) loaded before this tile's stores, not after them.
+    // Drain, in order, group by group (G packs of w and b at a time: P::kGroup, fewer than
+    // kPacks where registers are short, as layer_norm's 2 of 4), each group's loads issued one
+    // group ahead of its stores: the tile's next group, or the next tile's first. (Run 111:
+    // -0.7 us for layer_norm [16, 1M] bf16 against loading a tile's later groups where they are
+    // used, as the ring's store_tile does; run 112: all 4 packs a tile ahead was slower.)
     // The tiles by a cursor (advance), not a division per tile: run 103's drains spent ~7% of
     // the kernel's samples in the two divisions of each step (ncu_sass_summary --phases).
     if (j0 == 0 && K > 0) pol.template load_group<true, true>(dr.u0(tile_units), 0, units);
     for (int j = j0; j < j1; ++j) {
       RingTile next = dr;
       next.advance(stride, C);
-#ifndef GPUOPS_RESIDENT_DRAIN_TILE_AHEAD
-      if constexpr (P::kGroup < P::kPacks) {
-      const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
-      // Group by group (G packs of w, b: P::kGroup < kPacks where registers are short, as
-      // layer_norm's two), each group's loads issued one group ahead: the tile's next group, or
-      // the next tile's first. (Loading a tile's later groups in store_tile, as the ring does,
-      // waits an L2 round trip per group.)
+      float mu, s;
 #pragma unroll
       for (int p0 = 0; p0 < P::kPacks; p0 += P::kGroup) {
         pol.take_ahead();
@@ -677,6 +675,14 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
         } else if (j + 1 < K) {
           pol.template load_group<true, true>(next.u0(tile_units), 0, units);
         }
+        if (p0 == 0) {
+          mu = tile_stats[2 * j];
+          s = tile_stats[2 * j + 1];
+        }
+        // y evict-first: the drains' stores then take y's own earlier lines as L2 victims, so
+        // DRAM writes y back during the drains, not during the next call's read phase (run 108,
+        // graph replay: rms_norm [16, 1M] bf16 29.8 -> 28.9 us, the trace's read phase 1 us
+        // shorter; layer_norm 37.8 -> 37.4; [8, 393216] fp32 0.1-0.2 us faster).
         if (j < D) {
           pol.template store_group<false, true>(slot_of(j), dr.row, dr.u0(tile_units), p0,
                                                 units, mu, s);
@@ -684,24 +690,6 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
           pol.template store_group<true, true>(pol.xt.u, dr.row, dr.u0(tile_units), p0, units,
                                                mu, s);
         }
-      }
-      dr = next;
-      continue;
-      }
-#endif
-      pol.take_ahead();
-      if (j + 1 < K) pol.template load_group<true, true>(next.u0(tile_units), 0, units);
-      const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
-      // y evict-first: the drains' stores then take y's own earlier lines as L2 victims, so
-      // DRAM writes y back during the drains, not during the next call's read phase (run 108,
-      // graph replay: rms_norm [16, 1M] bf16 29.8 -> 28.9 us, the trace's read phase 1 us
-      // shorter; layer_norm 37.8 -> 37.4; [8, 393216] fp32 0.1-0.2 us faster).
-      if (j < D) {
-        pol.template store_tile<true, false, true>(slot_of(j), dr.row, dr.u0(tile_units), units,
-                                                   mu, s);
-      } else {
-        pol.template store_tile<true, true, true>(pol.xt.u, dr.row, dr.u0(tile_units), units,
-                                                  mu, s);
       }
       dr = next;
     }
