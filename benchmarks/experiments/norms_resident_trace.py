@@ -45,7 +45,11 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 
 SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32), ((8, 393216), dt.bfloat16))
 TRACE_BLOCKS = 256
-VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
+VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
+            # run 115's A/B: w (b) reloaded per tile group where the block's tiles share a chunk
+            "no_shared_chunk": ("-DGPUOPS_RESIDENT_NO_SHARED_CHUNK",),
+            "no_shared_chunk_trace": ("-DGPUOPS_RESIDENT_NO_SHARED_CHUNK",
+                                      f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}")}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",

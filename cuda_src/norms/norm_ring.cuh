@@ -167,6 +167,8 @@ struct RingOutput {
   Raw br[kCentered ? G : 1];
   Raw wn[G];                           // "resident": group 0 of the next tile, loaded ahead
   Raw bn[kCentered ? G : 1];
+  Raw wt[PACKS];                       // "resident": a whole tile's w (b), loaded once where
+  Raw bt[kCentered ? PACKS : 1];       // every tile of the block has the same chunk
 
   // kCg: through L2 only (ring2: not the tile loads' path); else as the other kernels load w.
   template <bool kCg>
@@ -192,6 +194,15 @@ struct RingOutput {
       if (kCentered && b != nullptr) bd[kCentered ? g : 0] = param<kCg>(b, unit, units);
     }
   }
+  // w (b) of this thread's units of a whole tile into wt, bt.
+  __device__ __forceinline__ void load_whole(int u0, int units) {
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+      const int unit = u0 + p * static_cast<int>(blockDim.x);
+      if (w != nullptr) wt[p] = param<true>(w, unit, units);
+      if (kCentered && b != nullptr) bt[kCentered ? p : 0] = param<true>(b, unit, units);
+    }
+  }
   __device__ __forceinline__ void take_ahead() {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -210,12 +221,13 @@ struct RingOutput {
 #pragma unroll
     for (int p0 = 0; p0 < PACKS; p0 += G) {
       if (p0 > 0) load_group<kCg>(u0, p0, units);
-      store_group<kRegs, kEvictFirst>(slot, row, u0, p0, units, mu, s);
+      store_group<kRegs, kEvictFirst, false>(slot, row, u0, p0, units, mu, s);
     }
   }
 
-  // Packs p0 .. p0 + G - 1 of store_tile, with the group's w (b) in wr (br).
-  template <bool kRegs, bool kEvictFirst>
+  // Packs p0 .. p0 + G - 1 of store_tile, with the group's w (b) in wr (br), or with kWhole in
+  // wt (bt) (p0 a compile-time constant where unrolled).
+  template <bool kRegs, bool kEvictFirst, bool kWhole>
   __device__ __forceinline__ void store_group(const Raw* slot, long long row, int u0, int p0,
                                               int units, float mu, float s) {
     T* y_row = y + row * ys;
@@ -229,13 +241,13 @@ struct RingOutput {
         for (int j = 0; j < VEC; ++j) f[j] = kCentered ? (f[j] - mu) * s : f[j] * s;
         if (w != nullptr) {
           float wf[VEC];
-          R::unpack(wr[g], wf);
+          R::unpack(kWhole ? wt[p0 + g] : wr[g], wf);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) f[j] *= wf[j];
         }
         if (kCentered && b != nullptr) {
           float bf[VEC];
-          R::unpack(br[kCentered ? g : 0], bf);
+          R::unpack(kWhole ? bt[kCentered ? p0 + g : 0] : br[kCentered ? g : 0], bf);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) f[j] += bf[j];
         }
@@ -662,6 +674,30 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     // used, as the ring's store_tile does; run 112: all 4 packs a tile ahead was slower.)
     // The tiles by a cursor (advance), not a division per tile: run 103's drains spent ~7% of
     // the kernel's samples in the two divisions of each step (ncu_sass_summary --phases).
+    // Where every tile of the block has the same chunk (gridDim.x a multiple of C, as at
+    // [16, 1M] and bf16 [8, 393216]), the tiles share w (b): loaded once, for the whole tile.
+    // (sm_80+ only, the plan's speed path: below, layer_norm's 16-bit kernels spilled with it.)
+#if !defined(GPUOPS_RESIDENT_NO_SHARED_CHUNK) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+    if (stride.chunk == 0) {                       // (block-uniform)
+      if (j0 == 0 && K > 0) pol.load_whole(dr.u0(tile_units), units);
+      for (int j = j0; j < j1; ++j) {
+        const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
+#pragma unroll
+        for (int p0 = 0; p0 < P::kPacks; p0 += P::kGroup) {
+          if (j < D) {
+            pol.template store_group<false, true, true>(slot_of(j), dr.row, dr.u0(tile_units),
+                                                        p0, units, mu, s);
+          } else {
+            pol.template store_group<true, true, true>(pol.xt.u, dr.row, dr.u0(tile_units), p0,
+                                                       units, mu, s);
+          }
+        }
+        dr.advance(stride, C);
+      }
+      RESIDENT_MARK(19 + 2 * round);
+      continue;
+    }
+#endif
     if (j0 == 0 && K > 0) pol.template load_group<true, true>(dr.u0(tile_units), 0, units);
     for (int j = j0; j < j1; ++j) {
       RingTile next = dr;
@@ -684,11 +720,11 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
         // graph replay: rms_norm [16, 1M] bf16 29.8 -> 28.9 us, the trace's read phase 1 us
         // shorter; layer_norm 37.8 -> 37.4; [8, 393216] fp32 0.1-0.2 us faster).
         if (j < D) {
-          pol.template store_group<false, true>(slot_of(j), dr.row, dr.u0(tile_units), p0,
-                                                units, mu, s);
+          pol.template store_group<false, true, false>(slot_of(j), dr.row, dr.u0(tile_units),
+                                                       p0, units, mu, s);
         } else {
-          pol.template store_group<true, true>(pol.xt.u, dr.row, dr.u0(tile_units), p0, units,
-                                               mu, s);
+          pol.template store_group<true, true, false>(pol.xt.u, dr.row, dr.u0(tile_units), p0,
+                                                      units, mu, s);
         }
       }
       dr = next;
