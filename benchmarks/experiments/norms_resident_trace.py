@@ -14,7 +14,8 @@ into gpuops' dispatch (norms._MODULE_OF) in one process:
 (Run 107 compared a batched landing, one exchange per round, against run 105's per-tile one with
 this script, run 108 y stored evict-first (-DGPUOPS_RING_STORE_CS, now the default), run 110 round 0
 drained before round 1 lands (-DGPUOPS_RESIDENT_EARLY=0 against it; reverted), runs 111-113
-layer_norm's landing, drains and gather and the register tile's issue order: add a variant's -D
+layer_norm's landing, drains and gather and the register tile's issue order, run 115 w / b loaded
+once where a block's tiles share a chunk: add a variant's -D
 options to VARIANTS, and the switch to the kernel, to A/B another build option; notes_norms.md.)
 Each: max |error| against float64, CUDA-graph time per call (20 calls per graph, median of 20
 replays; the untraced builds alternate over 3 rounds, median), % of the same run's copy; for
@@ -45,11 +46,7 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 
 SHAPES = (((16, 1 << 20), dt.bfloat16), ((8, 393216), dt.float32), ((8, 393216), dt.bfloat16))
 TRACE_BLOCKS = 256
-VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",),
-            # run 115's A/B: w (b) reloaded per tile group where the block's tiles share a chunk
-            "no_shared_chunk": ("-DGPUOPS_RESIDENT_NO_SHARED_CHUNK",),
-            "no_shared_chunk_trace": ("-DGPUOPS_RESIDENT_NO_SHARED_CHUNK",
-                                      f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}")}
+VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
 STAMPS = {0: "entry", 1: "copies issued", **{2 + k: f"tile {k} there" for k in range(8)},
           **{10 + k: f"published {k}" for k in range(8)}, 18: "round 0 stats in",
           19: "round 0 drains issued", 20: "round 1 stats in", 21: "round 1 drains issued",

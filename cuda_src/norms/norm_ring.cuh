@@ -675,9 +675,11 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
     // The tiles by a cursor (advance), not a division per tile: run 103's drains spent ~7% of
     // the kernel's samples in the two divisions of each step (ncu_sass_summary --phases).
     // Where every tile of the block has the same chunk (gridDim.x a multiple of C, as at
-    // [16, 1M] and bf16 [8, 393216]), the tiles share w (b): loaded once, for the whole tile.
-    // (sm_80+ only, the plan's speed path: below, layer_norm's 16-bit kernels spilled with it.)
-#if !defined(GPUOPS_RESIDENT_NO_SHARED_CHUNK) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+    // [16, 1M] and bf16 [8, 393216]), the tiles share w (b): loaded once, for the whole tile
+    // (run 115, graph replay: [16, 1M] bf16 rms_norm 28.9 -> 27.5 us, layer_norm 33.3 -> 30.6;
+    // the drains had read 1-2x their stores' bytes of w, b from L2). sm_80+ only, the plan's
+    // speed path: below, layer_norm's 16-bit kernels spilled with it.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     if (stride.chunk == 0) {                       // (block-uniform)
       if (j0 == 0 && K > 0) pol.load_whole(dr.u0(tile_units), units);
       for (int j = j0; j < j1; ++j) {
