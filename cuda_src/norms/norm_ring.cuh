@@ -549,6 +549,22 @@ __device__ __forceinline__ void ring_copy_wait(int pending) {
 #endif
 }
 
+// A resident drain's store of tile j's packs p0 .. p0 + G - 1: from slot j, or tile D from
+// registers; kWhole: w (b) from the whole-tile arrays (resident_rows' shared-chunk drains).
+template <bool kWhole, class P>
+__device__ __forceinline__ void resident_store_group(P& pol, unsigned char* ring, int j, int D,
+                                                     const RingTile& dr, int p0, int tile_units,
+                                                     int units, float mu, float s) {
+  if (j < D) {
+    pol.template store_group<false, true, kWhole>(
+        ring_slot<typename P::Elem, P::kVec, P::kPacks>(ring, j), dr.row, dr.u0(tile_units), p0,
+        units, mu, s);
+  } else {
+    pol.template store_group<true, true, kWhole>(pol.xt.u, dr.row, dr.u0(tile_units), p0, units,
+                                                 mu, s);
+  }
+}
+
 template <int kBatch, class P>
 __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units, int C, int D,
                                               unsigned* state, unsigned char* smem) {
@@ -686,13 +702,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
         const float mu = tile_stats[2 * j], s = tile_stats[2 * j + 1];
 #pragma unroll
         for (int p0 = 0; p0 < P::kPacks; p0 += P::kGroup) {
-          if (j < D) {
-            pol.template store_group<false, true, true>(slot_of(j), dr.row, dr.u0(tile_units),
-                                                        p0, units, mu, s);
-          } else {
-            pol.template store_group<true, true, true>(pol.xt.u, dr.row, dr.u0(tile_units), p0,
-                                                       units, mu, s);
-          }
+          resident_store_group<true>(pol, ring, j, D, dr, p0, tile_units, units, mu, s);
         }
         dr.advance(stride, C);
       }
@@ -721,13 +731,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
         // DRAM writes y back during the drains, not during the next call's read phase (run 108,
         // graph replay: rms_norm [16, 1M] bf16 29.8 -> 28.9 us, the trace's read phase 1 us
         // shorter; layer_norm 37.8 -> 37.4; [8, 393216] fp32 0.1-0.2 us faster).
-        if (j < D) {
-          pol.template store_group<false, true, false>(slot_of(j), dr.row, dr.u0(tile_units),
-                                                       p0, units, mu, s);
-        } else {
-          pol.template store_group<true, true, false>(pol.xt.u, dr.row, dr.u0(tile_units), p0,
-                                                      units, mu, s);
-        }
+        resident_store_group<false>(pol, ring, j, D, dr, p0, tile_units, units, mu, s);
       }
       dr = next;
     }
