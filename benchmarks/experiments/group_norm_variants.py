@@ -18,10 +18,12 @@ forward apply order); nhwc_copy = through NCHW copies; nhwc_spread (round 2), nh
 nhwc_spread_r1/r2; auto_spread. Peers: torch eager (F.silu(F.group_norm)), Liger when installed
 (NCHW), torch.compile with --compile (slow to compile).
 
-Shapes: [2, 320, 64, 64] (the diffusion shape; --quick: this one only) and [8, 640, 64, 64] (84 MB
-in 16-bit), each NCHW and channels-last.
+Shapes (the bench's): [2, 320, 64, 64] (the diffusion shape; --quick: this one only) and
+[8, 640, 64, 64] (84 MB in 16-bit), each NCHW and channels-last; [4, 1280, 32, 32] and
+[1, 256, 256, 256] (32 groups of 1 MiB in 16-bit) NCHW only. --shapes picks some by index.
 
     python benchmarks/experiments/group_norm_variants.py [--json F] [--compile] [--quick]
+        [--shapes 0,2]
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ from gpuops.ops import group_norm as GN
 from gpuops.bench import event_pairs_ms, graph_replay_us
 
 REPS = 20
+# (NCHW shape, also timed channels-last)
+SHAPES = (((2, 320, 64, 64), True), ((8, 640, 64, 64), True), ((4, 1280, 32, 32), False),
+          ((1, 256, 256, 256), False))
 
 NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass",
                  "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
@@ -129,6 +134,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the default shape only")
+    ap.add_argument("--shapes", help="comma-separated indices into SHAPES")
     args = ap.parse_args()
     bw = copy_gbps()
     print(f"copy {bw:.0f} GB/s (read + write)", flush=True)
@@ -141,11 +147,14 @@ def main():
     def torch_gn(x, w, b):
         return F.silu(F.group_norm(x, 32, w, b))
 
-    shapes = [(2, 320, 64, 64)] + ([] if args.quick else [(8, 640, 64, 64)])
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     cases = []
-    for shape in shapes:
-        cases += [(shape, ("bfloat16", "float16", "float32"), False, NCHW_VARIANTS),
-                  (shape, ("bfloat16", "float32"), True, NHWC_VARIANTS)]
+    for shape, with_nhwc in shapes:
+        cases.append((shape, ("bfloat16", "float16", "float32"), False, NCHW_VARIANTS))
+        if with_nhwc:
+            cases.append((shape, ("bfloat16", "float32"), True, NHWC_VARIANTS))
     for shape, dtypes, nhwc, variants in cases:
         for dtype in dtypes:
             td = getattr(torch, dtype)
