@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from math import prod
 
 import numpy as np
 import pytest
@@ -705,6 +706,99 @@ def test_spread_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, rn
         assert_close(got, ref, "float32", f"{layout} cluster={cluster} {names}")
 
 
+def test_stream_plans():
+    """group_norm_stream: the smallest cluster whose slice fits a block of STREAM_THREADS, as many
+    clusters as two blocks per SM allow (at most one per group); None past 8 blocks' slices."""
+    for groups in (1, 7, 64, 256, 5000):
+        for gp in (1, 5, 100, 2688, 2689, 10240, 20480, 21504, 21505):
+            for clusters in (True, False):
+                plan = GN.plan_stream(groups, gp, 132, clusters)
+                sizes = (1, 2, 4, 8) if clusters else (1,)
+                fit = [s for s in sizes if -(-gp // s) <= GN.STREAM_MAX_PACKS]
+                if not fit:
+                    assert plan is None, (groups, gp, clusters)
+                    continue
+                s, slice_packs, threads, launched = plan
+                assert s == fit[0] and slice_packs * s >= gp > slice_packs * (s - 1) - s
+                assert threads % 32 == 0 and threads * GN.SPREAD_PACKS >= slice_packs
+                assert threads <= GN.STREAM_THREADS
+                assert launched == max(1, min(groups, 264 // s))
+    # the bench's multi-wave shapes: [8, 640, 64, 64] 16-bit and fp32, [4, 1280, 32, 32] fp32
+    assert GN.plan_stream(256, 10240, 132, True) == (4, 2560, 384, 66)
+    assert GN.plan_stream(256, 20480, 132, True) == (8, 2560, 384, 33)
+    assert GN.plan_stream(128, 10240, 132, True) == (4, 2560, 384, 66)
+    assert GN.plan_stream(32, 65536, 132, True) is None        # [1, 256, 256, 256]: 1 MiB groups
+    assert GN.plan_stream(64, 5120, 132, True, cluster=8) == (8, 640, 96, 33)
+    with pytest.raises(RuntimeError, match="cluster size 2"):
+        GN.plan_stream(64, 5120, 132, False, cluster=2)
+
+
+# (shape, groups, forced cluster size): more groups than the emulated grid's clusters (every
+# block loops), odd C / G, 1-3 spatial dims, clusters whose last slices are empty
+STREAM_CASES = [((3, 12, 8, 8), 6, None), ((2, 10, 5, 8), 5, 1), ((5, 6, 16), 3, 2),
+                ((1, 8, 4, 4, 8), 4, 4), ((2, 4, 8), 2, 4), ((4, 16, 8, 8), 4, 8),
+                ((3, 32, 24), 16, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stream_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype):
+    """group_norm_stream (no cluster and clusters of 2 / 4 / 8) on an emulated GPU of 2 SMs, so
+    that each block takes several groups in turn through its shared-memory prefetch: silu on and
+    off, weight / bias present and absent, outputs poisoned, against the float64 reference."""
+    se = SpreadEmu(monkeypatch, sms=2)
+    monkeypatch.setattr(GN, "force_path", "stream")
+    for shape, groups, cluster in STREAM_CASES:
+        monkeypatch.setattr(GN, "spread_cluster", cluster)
+        for affine, act in ((True, "silu"), (False, None), (True, None), (False, "silu")):
+            names = _spread_case(rng, se, shape, groups, dtype, affine, act, "nchw")
+            assert len(names) == 1 and names[0].startswith("gpuops::group_norm_stream<"), names
+            if cluster is not None:
+                assert names[0].endswith(f", {cluster}>"), names
+
+
+def test_stream_kernel_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, rng):
+    """As the spread kernels' test, through group_norm_stream with and without clusters: a mean
+    of 1000 against a spread of 1, and a NaN that poisons its own group only (here the groups
+    also pass through each block's prefetch buffer one after the other)."""
+    se = SpreadEmu(monkeypatch, sms=1)
+    d = dt.float32
+    monkeypatch.setattr(GN, "force_path", "stream")
+    for cluster in (1, 4):
+        monkeypatch.setattr(GN, "spread_cluster", cluster)
+        host = (rng.standard_normal((3, 8, 16, 16)) + 1000.0).astype(np.float32)
+        y, names = se.run(se.tensor(host, d), 4, None, None, None)
+        ref = GN.ref_group_norm(host.astype(np.float64), 4)
+        err = np.abs(np.asarray(y.obj).astype(np.float64) - ref)
+        assert np.all(err <= 1e-5 * np.abs(ref) + 1.5e-4), f"{names}: {err.max()}"
+        host = (rng.standard_normal((3, 8, 16, 16)) * 2 + 0.5).astype(np.float32)
+        host[1, 5, 3, 7] = np.nan                                # sample 1, group 2 (ch 4, 5)
+        y, names = se.run(se.tensor(host, d), 4, None, None, "silu")
+        got = np.asarray(y.obj).astype(np.float64)
+        nan = np.zeros(got.shape, bool)
+        nan[1, 4:6] = True
+        assert np.array_equal(np.isnan(got), nan), names
+        ref = GN.ref_group_norm(host.astype(np.float64), 4, None, None, 1e-5, "silu")
+        assert_close(got, ref, "float32", f"cluster={cluster} {names}")
+
+
+def test_auto_rule3_routes(monkeypatch, rng):
+    """AUTO_RULE = 3 on an emulated sm_90 of 4 SMs: groups that need several rounds of the grid
+    take group_norm_stream, groups that fit one wave group_norm_spread, and (on 132 SMs) 1 MiB
+    groups, whose on-chip blocks would take a whole SM over several waves, the two-pass kernels
+    (round 2's rule keeps the on-chip cluster there); results against the float64 reference."""
+    se = SpreadEmu(monkeypatch, sms=4)
+    monkeypatch.setattr(GN, "AUTO_RULE", 3)
+    for shape, groups, kernel in [((4, 16, 8, 8), 4, "stream"), ((1, 8, 8, 8), 2, "spread"),
+                                  ((3, 12, 16), 6, "stream")]:
+        names = _spread_case(rng, se, shape, groups, "bfloat16", True, "silu", "nchw")
+        assert len(names) == 1 and names[0].startswith(f"gpuops::group_norm_{kernel}<"), names
+    se = SpreadEmu(monkeypatch, sms=132)
+    for rule, name in ((3, "run_two_pass"), (2, "run_cluster")):
+        monkeypatch.setattr(GN, "AUTO_RULE", rule)
+        run = GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1)
+        assert run.__name__ == name, rule
+
+
 # ------------------------------------------------------------------------------ GPU
 
 def _randn(shape, dtype, scale=2.0, offset=0.5):
@@ -805,6 +899,48 @@ def test_gpu_spread_kernels(dtype, layout, force, monkeypatch):
                 assert y is out
                 ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
                                                              for t in wb), 1e-5, act, cl)
+                assert_close(_host(y), ref, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_stream_kernels(dtype, force, monkeypatch):
+    """group_norm_stream with its own plan and each cluster size: the bench's multi-wave shapes
+    and small odd ones (the grid of two blocks per SM takes the groups in several rounds where
+    there are more than 264 / S of them), silu on and off, weight / bias absent, outputs
+    poisoned with NaN; the launched kernel is the stream one (a spy on the kernel cache)."""
+    force("stream")
+    shapes = [((8, 640, 64, 64), 32), ((4, 1280, 32, 32), 32), ((16, 64, 8, 8), 32),
+              ((40, 12, 16, 6), 4), ((64, 10, 8, 12), 5), ((300, 48, 40), 8),
+              ((33, 24, 5, 5, 8), 3)]
+    seen = []
+    get = GN.KERNELS.get
+
+    def spy(dev, expr):
+        seen.append(expr)
+        return get(dev, expr)
+    monkeypatch.setattr(GN.KERNELS, "get", spy)
+    for cluster in (None, 1, 2, 4, 8):
+        if cluster not in (None, 1) and not _clusters():
+            continue
+        monkeypatch.setattr(GN, "spread_cluster", cluster)
+        for shape, groups in shapes:
+            x = _randn(shape, dtype)
+            group_packs = shape[1] // groups * prod(shape[2:]) * x.element_size() // 16
+            if -(-group_packs // (cluster or 8)) > GN.STREAM_MAX_PACKS:
+                continue                         # (no plan: a slice larger than one block's)
+            c = shape[1]
+            w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
+            what = f"{shape} G={groups} cluster={cluster}"
+            for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
+                seen.clear()
+                out = torch.full_like(x, float("nan"))
+                y = go.group_norm(x, groups, *wb, activation=act, out=out)
+                assert y is out
+                assert seen and all("group_norm_stream<" in e for e in seen), (what, seen)
+                ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
+                                                             for t in wb), 1e-5, act)
                 assert_close(_host(y), ref, dtype, what)
 
 

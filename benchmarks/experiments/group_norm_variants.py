@@ -13,10 +13,13 @@ reservation that keeps a second block off each SM (tests the placement hypothesi
 notes_groupnorm_copy.md round 2); twopass / twopass_fwd = the two-kernel path (reverse / old
 forward apply order); spread = group_norm_spread (round 2) with its own plan; spread_c1/2/4/8 =
 with a forced cluster size; spread_r1/r2 = with a forced number of blocks per SM; auto_spread =
-auto with AUTO_SPREAD. Channels-last: auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse /
-forward apply order); nhwc_copy = through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8,
-nhwc_spread_r1/r2; auto_spread. Peers: torch eager (F.silu(F.group_norm)), Liger when installed
-(NCHW), torch.compile with --compile (slow to compile).
+auto with AUTO_SPREAD; stream = group_norm_stream (round 3, persistent) with its own plan;
+stream_c1/2/4/8 = with a forced cluster size; auto_stream = auto with AUTO_STREAM; auto3 = auto
+with AUTO_RULE = 3. Channels-last:
+auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse / forward apply order); nhwc_copy =
+through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8, nhwc_spread_r1/r2; auto_spread.
+Peers: torch eager (F.silu(F.group_norm)), Liger when installed (NCHW), torch.compile with
+--compile (slow to compile). --variants and --no-nhwc narrow the run.
 
 Shapes (the bench's): [2, 320, 64, 64] (the diffusion shape; --quick: this one only) and
 [8, 640, 64, 64] (84 MB in 16-bit), each NCHW and channels-last; [4, 1280, 32, 32] and
@@ -46,7 +49,8 @@ SHAPES = (((2, 320, 64, 64), True), ((8, 640, 64, 64), True), ((4, 1280, 32, 32)
 
 NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass",
                  "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
-                 "spread_r1", "spread_r2", "auto_spread")
+                 "spread_r1", "spread_r2", "auto_spread", "stream", "stream_c1", "stream_c2",
+                 "stream_c4", "stream_c8", "auto_stream", "auto3")
 NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
                  "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
                  "auto_spread")
@@ -84,10 +88,11 @@ def set_variant(v):
     """The module knobs of variant v (every knob reset first)."""
     GN.force_path, GN.apply_order = None, "reverse"
     GN.AUTO_SPREAD, GN.spread_cluster, GN.spread_residency = False, None, None
+    GN.AUTO_STREAM, GN.AUTO_RULE = False, 2
     m = re.fullmatch(r"(.+)_([cr])(\d+)", v)          # spread_c4, nhwc_spread_r2, ...
     base = m.group(1) if m else v
     if base in ("onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass", "nhwc",
-                "nhwc_copy", "spread", "nhwc_spread"):
+                "nhwc_copy", "spread", "nhwc_spread", "stream"):
         GN.force_path = base
     elif base == "twopass_fwd":
         GN.force_path, GN.apply_order = "twopass", "forward"
@@ -95,6 +100,10 @@ def set_variant(v):
         GN.force_path, GN.apply_order = "nhwc", "forward"
     elif base == "auto_spread":
         GN.AUTO_SPREAD = True
+    elif base == "auto_stream":
+        GN.AUTO_STREAM = True
+    elif base == "auto3":
+        GN.AUTO_RULE = 3
     elif base != "auto":
         raise ValueError(v)
     if m and m.group(2) == "c":
@@ -135,6 +144,8 @@ def main():
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the default shape only")
     ap.add_argument("--shapes", help="comma-separated indices into SHAPES")
+    ap.add_argument("--variants", help="comma-separated: only these of the variants")
+    ap.add_argument("--no-nhwc", action="store_true", help="NCHW inputs only")
     args = ap.parse_args()
     bw = copy_gbps()
     print(f"copy {bw:.0f} GB/s (read + write)", flush=True)
@@ -153,7 +164,7 @@ def main():
     cases = []
     for shape, with_nhwc in shapes:
         cases.append((shape, ("bfloat16", "float16", "float32"), False, NCHW_VARIANTS))
-        if with_nhwc:
+        if with_nhwc and not args.no_nhwc:
             cases.append((shape, ("bfloat16", "float32"), True, NHWC_VARIANTS))
     for shape, dtypes, nhwc, variants in cases:
         for dtype in dtypes:
@@ -185,6 +196,8 @@ def main():
                     rows.append({"case": name, "variant": label, "error": str(exc)[:300]})
 
             for v in variants:
+                if args.variants and v not in args.variants.split(","):
+                    continue
                 set_variant(v)
                 try:
                     with LaunchLog() as log:

@@ -260,4 +260,29 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// 16 bytes global -> shared for kernels built for every arch: cp.async on sm_80+ (complete at
+// the copy_async_wait that covers it; copy_async_commit closes a group), below sm_80 a load and
+// a store through registers (complete at once; commit and wait are no-ops).
+template <class Raw>
+__device__ __forceinline__ void copy16_to_shared(Raw* dst, const void* src) {
+  static_assert(sizeof(Raw) == 16, "16-byte units");
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
+  *dst = *reinterpret_cast<const Raw*>(src);
+#else
+  cp_async16(smem_addr(dst), src, 16);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
+  cp_async_commit();
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait_all() {
+#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
+  cp_async_wait<0>();
+#endif
+}
+
 }  // namespace gpuops

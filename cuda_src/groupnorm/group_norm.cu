@@ -22,6 +22,7 @@
 #include "common/dtypes.cuh"
 #include "common/fastdiv.cuh"
 #include "common/group_stats.cuh"
+#include "common/mma.cuh"         // copy16_to_shared: group_norm_stream's prefetch
 #include "common/reduce.cuh"
 #include "common/vec.cuh"
 
@@ -105,9 +106,16 @@ __device__ __forceinline__ float pack_m2(const float (&f)[VEC], float mean) {
 // Exact two-pass statistics of a block's slice held in registers: packs p0 + threadIdx.x + k *
 // blockDim.x < p1 (k < PACKS); `count` elements, their mean and M2 (block_sum: every thread gets
 // them; `scratch` holds 32 floats of shared memory).
-template <class T, int PACKS>
+// after_read(sum) runs once this thread's first pass has consumed every pack it holds (sum
+// depends on them all): group_norm_stream reuses their shared-memory source from there on.
+struct NoHook {
+  __device__ __forceinline__ void operator()(float) const {}
+};
+
+template <class T, int PACKS, class Hook = NoHook>
 __device__ __forceinline__ void slice_stats(const uint4 (&raw)[PACKS], int p0, int p1,
-                                            float* scratch, int& count, float& mean, float& m2) {
+                                            float* scratch, int& count, float& mean, float& m2,
+                                            Hook after_read = Hook()) {
   using V = Vec16<T>;
   constexpr int VEC = V::size;
   const int tid = threadIdx.x, nthreads = blockDim.x;
@@ -120,6 +128,7 @@ __device__ __forceinline__ void slice_stats(const uint4 (&raw)[PACKS], int p0, i
       sum += pack_sum<VEC>(f);
     }
   }
+  after_read(sum);
   count = max(p1 - p0, 0) * VEC;
   sum = block_sum(sum, scratch);
   mean = count > 0 ? sum / static_cast<float>(count) : 0.0f;
@@ -140,12 +149,15 @@ __device__ __forceinline__ void slice_stats(const uint4 (&raw)[PACKS], int p0, i
 // lane r of warp 0 reads block r's through distributed shared memory and the warp merges them in
 // rank order (identical statistics in every block); thread 0 writes out[0] = mean, out[1] = rstd.
 // Ends with cluster_arrive (done reading the others' part): the caller must cluster_wait before
-// exiting, and __syncthreads before reading out.
-template <int CLUSTER>
+// exiting, and __syncthreads before reading out. kWaitFirst (a loop's later rounds): first the
+// cluster_wait that pairs with the previous round's arrive, so that no block overwrites its part
+// while another may still read it.
+template <int CLUSTER, bool kWaitFirst = false>
 __device__ __forceinline__ void cluster_mean_rstd(float4* part, float count, float mean, float m2,
                                                   float eps, float* out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int tid = threadIdx.x;
+  if constexpr (kWaitFirst) cluster_wait();
   if (tid == 0) *part = make_float4(count, mean, m2, 0.0f);
   cluster_sync();
   if (tid < 32) {
@@ -695,6 +707,134 @@ group_norm_spread(const T* __restrict__ x, const T* __restrict__ w, const T* __r
   if (act) spread_apply<T, 1>(raw, yg, p0, p1, ppc, cf, coef, mean);
   else spread_apply<T, 0>(raw, yg, p0, p1, ppc, cf, coef, mean);
 
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_wait();     // no block may exit while another still reads its `part`
+#endif
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Streaming NCHW kernel (round 3). Why: when the groups take several waves of one-shot blocks
+// (the on-chip and spread kernels above), each wave loads, then waits on its statistics with
+// DRAM idle, then stores, and a partial last wave leaves SMs idle (run 116: [8, 640, 64, 64] 16-bit
+// at 43.6 us against a 30.0 us copy of the same bytes). Here the grid is persistent, two blocks
+// per SM: cluster c (CLUSTER blocks, or one block) takes the groups c, c + clusters, ..., block
+// `rank` holding the same slice of each (packs [rank * slice_packs, ...), kSpreadPacks per thread
+// in registers, as group_norm_spread). While a group's statistics, SiLU and stores run, the next
+// group's slice is already on its way into shared memory (cp.async); it moves to the registers
+// when the stores have been issued. Each thread copies and reads back only its own packs, so the
+// buffer needs no barrier; it is refilled only after the thread's first statistics pass has
+// consumed every pack it read from it (slice_stats' hook: the copies are issued after an empty
+// asm that takes that pass's sum, which depends on all of them).
+// Dynamic shared memory, float4 units: [0, 10) as group_norm_spread (scratch, part, stats);
+// [10, 10 + kSpreadPacks * blockDim.x) the prefetch buffer (pack k of thread t at k * blockDim.x
+// + t); then the slice's per-channel coefficients (float2), as group_norm_spread's.
+constexpr int kStreamThreads = 384;   // 80 registers (at 448 or 512 threads ptxas spilled 4-8 B)
+
+template <class T, int CLUSTER>
+__global__ void GPUOPS_CLUSTER_DIMS(CLUSTER) __launch_bounds__(kStreamThreads, 2)
+group_norm_stream(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                  T* __restrict__ y, int groups, int cg, int group_packs, int slice_packs,
+                  int items, FastDiv ppc, float eps, int act) {
+  using V = Vec16<T>;
+  constexpr int VEC = V::size;
+  extern __shared__ float4 gn_smem[];
+  float* scratch = reinterpret_cast<float*>(gn_smem);
+  float4* part = gn_smem + 8;
+  float4* stats = gn_smem + 9;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  uint4* ahead = reinterpret_cast<uint4*>(gn_smem + kSpreadCoef);
+  float2* coef = reinterpret_cast<float2*>(gn_smem + kSpreadCoef + kSpreadPacks * nthreads);
+  int item = blockIdx.x, rank = 0;
+  const int clusters = static_cast<int>(gridDim.x) / CLUSTER;
+  if constexpr (CLUSTER > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    item = blockIdx.x / CLUSTER;
+    rank = static_cast<int>(blockIdx.x % CLUSTER);
+    if (cluster_nctarank() != CLUSTER) {
+      // not launched as clusters (see group_norm_spread): NaN over this block's slices
+      const int p0 = rank * slice_packs, p1 = min(p0 + slice_packs, group_packs);
+      for (int g = item; g < items; g += clusters) {
+        T* yg = y + static_cast<long long>(g) * group_packs * VEC;
+        for (int p = p0 + tid; p < p1; p += nthreads)
+          store16(yg + static_cast<long long>(p) * VEC, make_uint4(~0u, ~0u, ~0u, ~0u));
+      }
+      return;
+    }
+#else
+    __trap();           // never launched below sm_90 (the host checks the loaded target)
+#endif
+  }
+  if (item >= items) return;                      // (the host launches at most items clusters)
+  const int p0 = rank * slice_packs;              // the same slice of every group
+  const int p1 = min(p0 + slice_packs, group_packs);
+  const int cf = p1 > p0 ? static_cast<int>(ppc.div(static_cast<unsigned int>(p0))) : 0;
+  const int nch = p1 > p0 ? static_cast<int>(ppc.div(static_cast<unsigned int>(p1 - 1))) - cf + 1
+                          : 0;
+  uint4 raw[kSpreadPacks];
+  {
+    const T* xg = x + static_cast<long long>(item) * group_packs * VEC;
+#pragma unroll
+    for (int k = 0; k < kSpreadPacks; ++k) {
+      const int p = p0 + tid + k * nthreads;
+      if (p < p1) raw[k] = load16(xg + p * VEC);
+    }
+  }
+  for (bool first = true;; first = false) {
+    const int next = item + clusters;
+    if (!first) __syncthreads();                  // every thread's apply has read coef
+    const int c0 = (item % groups) * cg;
+    for (int i = tid; i < nch; i += nthreads)
+      coef[i] = make_float2(gn_param(w, c0 + cf + i, 1.0f), gn_param(b, c0 + cf + i, 0.0f));
+    int count;
+    float block_mean, m2;
+    slice_stats<T, kSpreadPacks>(raw, p0, p1, scratch, count, block_mean, m2, [&](float sum) {
+#ifdef __CUDACC_RTC__
+      asm volatile("" :: "f"(sum));               // every pack read: the buffer may be refilled
+#else
+      (void)sum;
+#endif
+      if (next < items) {
+        const T* xn = x + static_cast<long long>(next) * group_packs * VEC;
+#pragma unroll
+        for (int k = 0; k < kSpreadPacks; ++k) {
+          const int p = p0 + tid + k * nthreads;
+          if (p < p1) copy16_to_shared(ahead + k * nthreads + tid, xn + p * VEC);
+        }
+        copy_async_commit();
+      }
+    });
+    if constexpr (CLUSTER > 1) {         // (CLUSTER 1: block_sum gave every thread the stats)
+      if (first) {
+        cluster_mean_rstd<CLUSTER>(part, static_cast<float>(count), block_mean, m2, eps,
+                                   reinterpret_cast<float*>(stats));
+      } else {
+        cluster_mean_rstd<CLUSTER, true>(part, static_cast<float>(count), block_mean, m2, eps,
+                                         reinterpret_cast<float*>(stats));
+      }
+    }
+    float mean = block_mean, rstd;
+    if constexpr (CLUSTER > 1) {
+      __syncthreads();
+      mean = stats->x;
+      rstd = stats->y;
+    } else {
+      rstd = inv_std(m2 / static_cast<float>(count), eps);   // (block_sum: the same everywhere)
+    }
+    for (int i = tid; i < nch; i += nthreads) coef[i].x *= rstd;
+    __syncthreads();
+    T* yg = y + static_cast<long long>(item) * group_packs * VEC;
+    if (act) spread_apply<T, 1>(raw, yg, p0, p1, ppc, cf, coef, mean);
+    else spread_apply<T, 0>(raw, yg, p0, p1, ppc, cf, coef, mean);
+    if (next >= items) break;
+    item = next;
+    copy_async_wait_all();                        // this thread's copies of the next slice
+#pragma unroll
+    for (int k = 0; k < kSpreadPacks; ++k) {
+      if (p0 + tid + k * nthreads < p1) raw[k] = ahead[k * nthreads + tid];
+    }
+  }
   if constexpr (CLUSTER > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster_wait();     // no block may exit while another still reads its `part`

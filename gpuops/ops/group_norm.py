@@ -87,6 +87,8 @@ NHWC_SPREAD_PAIR_THREADS = 448      # two blocks per SM
 SPREAD_MAX_THREADS = 1024           # kSpreadThreads: one block per SM
 SPREAD_PAIR_THREADS = 512           # two blocks per SM (2 x 512 threads x 64 registers)
 MIN_SPREAD_SLICE_PACKS = 256        # one-wave clusters do not split groups below 4 KB per block
+STREAM_THREADS = 384                # kStreamThreads: group_norm_stream, two blocks per SM
+STREAM_MAX_PACKS = STREAM_THREADS * SPREAD_PACKS    # a block's slice of a group (42 KiB)
 SPREAD_COEF_OFFSET = 10 * 16        # kSpreadCoef (float4 units) in bytes
 # Channels-last inputs up to this size go through NCHW copies by default: measured (run 13,
 # [2, 64, 64, 320] bf16, 5.2 MB) 17.7 us against 29.5 us for the two-pass NHWC kernels (the
@@ -105,6 +107,15 @@ force_path: str | None = None
 # "cluster2_1sm": the old cluster2 kernel with a shared-memory reservation that keeps a second
 # block off each SM (tests the placement hypothesis of round 2 on the old code).
 AUTO_SPREAD = False
+# Round 3 (group_norm_stream, persistent, unmeasured until run 117): force_path "stream" forces it
+# (with spread_cluster as its cluster size); AUTO_STREAM makes auto take it where the groups need
+# more than one round of the grid (several waves of one-shot blocks otherwise).
+AUTO_STREAM = False
+# Auto's rule for NCHW: 2 = round 2's (the on-chip kernels wherever a group fits, else two-pass);
+# 3 = run 116's reading plus round 3: group_norm_stream where the groups need more than one
+# round of it, group_norm_spread where they fit one wave, two-pass instead of on-chip blocks that
+# take a whole SM over several waves (run 116: [1, 256, 256, 256] 16-bit 48.8 -> 43.7 us).
+AUTO_RULE = 2
 spread_cluster: int | None = None
 spread_residency: int | None = None
 # Order of the two-pass apply kernels' blocks: "reverse" (the data the stats kernel read last, so
@@ -122,6 +133,8 @@ _NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32
 _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
                            "i32", "i32", "f32", "i32", "i32")
 _SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "3I", "f32", "i32")
+_STREAM_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "3I", "f32",
+                       "i32")
 _NHWC_SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32",
                             "i32", "f32", "i32")
 
@@ -153,12 +166,13 @@ MODULE = KernelModule("norms.group_norm", "groupnorm/group_norm.cu", {
     **{_spread_expr("spread", d, s): _SPREAD_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
     **{_spread_expr("nhwc_spread", d, s): _NHWC_SPREAD_ARGS for d in dt.FLOATS
        for s in (1, *CLUSTERS)},
+    **{_spread_expr("stream", d, s): _STREAM_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
 })
 KERNELS = _copy.KernelCache(MODULE)
 # The compiled-in cluster size of each kernel (the CPU emulator runs a cluster's blocks together).
 CLUSTER_OF = {**{_onchip_expr(d, ONCHIP_PACKS, s): s for d in dt.FLOATS for s in (1, *CLUSTERS)},
-              **{_spread_expr(k, d, s): s for k in ("spread", "nhwc_spread") for d in dt.FLOATS
-                 for s in (1, *CLUSTERS)}}
+              **{_spread_expr(k, d, s): s for k in ("spread", "nhwc_spread", "stream")
+                 for d in dt.FLOATS for s in (1, *CLUSTERS)}}
 
 
 def _cdiv(a, b):
@@ -276,6 +290,25 @@ def plan_spread(groups: int, group_packs: int, sms: int, clusters: bool, cluster
     return s, _cdiv(group_packs, s), threads(s), res
 
 
+def plan_stream(groups: int, group_packs: int, sms: int, clusters: bool, cluster=None):
+    """(cluster size, slice packs, threads, clusters launched) of group_norm_stream, or None when
+    a group does not fit 8 blocks' slices. The smallest cluster size whose slice fits a block of
+    STREAM_THREADS (two per SM, each with its slice in registers and the next one in shared
+    memory); as many clusters as two blocks per SM allow, at most one per group."""
+    sizes = (1, *CLUSTERS) if clusters else (1,)
+    if cluster is not None:
+        if cluster not in sizes:
+            raise RuntimeError(f"gpuops.group_norm: cluster size {cluster} unavailable here "
+                               f"(clusters need sm_90 and kernels built for it)")
+        sizes = (cluster,)
+    for s in sizes:
+        slice_packs = _cdiv(group_packs, s)
+        if slice_packs <= STREAM_MAX_PACKS:
+            return (s, slice_packs, _round32(_cdiv(slice_packs, SPREAD_PACKS)),
+                    max(1, min(groups, 2 * sms // s)))
+    return None
+
+
 def plan_nhwc_spread(n: int, hw: int, c: int, cg: int, vec: int, sms: int, clusters: bool,
                      cluster=None, residency=None):
     """(slab channels, cluster size, rows per block, row phases R, threads, blocks per SM) of
@@ -368,9 +401,9 @@ def _smem_optin(dev) -> int:
     return int(getattr(device.device_info(dev), "max_smem_per_block_optin", 0) or 0)
 
 
-def _spread_launcher(dev, d, n, c, hw, g, act, clusters):
+def _spread_launcher(dev, d, n, c, hw, g, act, clusters, one_wave=False):
     """(run, cluster size) of group_norm_spread for contiguous aligned [n, c, hw] with hw % VEC
-    == 0, or None."""
+    == 0, or None (with one_wave also where its plan takes more than one wave)."""
     vec = 16 // d.itemsize
     cg = c // g
     groups = n * g
@@ -379,7 +412,7 @@ def _spread_launcher(dev, d, n, c, hw, g, act, clusters):
     plan = plan_spread(groups, group_packs, _copy.sm_count(dev), clusters,
                        spread_cluster if clusters or spread_cluster == 1 else None,
                        spread_residency)
-    if plan is None:
+    if plan is None or (one_wave and (plan[3] != 1 or groups * plan[0] > _copy.sm_count(dev))):
         return None
     s, slice_packs, threads, res = plan
     ppc = hw // vec
@@ -397,6 +430,34 @@ def _spread_launcher(dev, d, n, c, hw, g, act, clusters):
     return run_spread, s
 
 
+def _stream_launcher(dev, d, n, c, hw, g, act, clusters):
+    """(run, cluster size) of group_norm_stream for contiguous aligned [n, c, hw] with hw % VEC
+    == 0, or None (no plan; under auto also when the groups fit one round of the grid, where it
+    would be the spread kernel without its one-wave placement)."""
+    vec = 16 // d.itemsize
+    cg = c // g
+    items = n * g
+    group_packs = cg * hw // vec
+    plan = plan_stream(items, group_packs, _copy.sm_count(dev), clusters,
+                       spread_cluster if clusters or spread_cluster == 1 else None)
+    if plan is None or (force_path is None and plan[3] >= items):
+        return None
+    s, slice_packs, threads, launched = plan
+    ppc = hw // vec
+    needed = SPREAD_COEF_OFFSET + 16 * SPREAD_PACKS * threads + 8 * (_cdiv(slice_packs, ppc) + 1)
+    smem = spread_smem(needed, 2, _smem_optin(dev) or 48 * 1024)
+    if smem == 0:
+        return None
+    expr = _spread_expr("stream", d, s)
+    grid, block = (launched * s, 1, 1), (threads, 1, 1)
+    tail = (g, cg, group_packs, slice_packs, items, *_copy.fast_divider(ppc))
+
+    def run_stream(call, x, w, b, y, eps):
+        KERNELS.get(dev, expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b), y.ptr,
+                                      *tail, eps, act, smem=smem)
+    return run_stream, s
+
+
 def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     """run(call, x, w, b, y, eps) for x, y: contiguous [n, c, hw]."""
     vec = 16 // d.itemsize
@@ -405,8 +466,18 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     elems = cg * hw
     sms = _copy.sm_count(dev)
     aligned = aligned and hw % vec == 0
-    if aligned and (force_path == "spread" or (AUTO_SPREAD and force_path is None)):
-        got = _spread_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev))
+    rule3 = AUTO_RULE == 3 and force_path is None
+    if aligned and (force_path == "stream" or (force_path is None and (AUTO_STREAM or rule3))):
+        got = _stream_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev))
+        if got is not None:
+            run, s = got
+            if s == 1:
+                return run
+            return _with_cluster_fallback(
+                dev, run, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
+    if aligned and (force_path == "spread" or (force_path is None and (AUTO_SPREAD or rule3))):
+        got = _spread_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev),
+                               one_wave=rule3 and not AUTO_SPREAD)
         if got is not None:
             run, s = got
             if s == 1:
@@ -421,6 +492,9 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
             onchip_force = "cluster2"
         plan = plan_onchip(groups, elems // vec, sms, clusters,
                            onchip_force if clusters or onchip_force == "onchip" else None)
+        if (rule3 and plan is not None and plan[3] > ONCHIP_MAX_THREADS // 2
+                and groups * plan[0] > sms):
+            plan = None                # a whole SM per block over several waves: two-pass
         if plan is not None:
             s, slice_packs, packs, threads = plan
             expr = _onchip_expr(d, packs, s)
@@ -705,7 +779,8 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, AUTO_SPREAD, spread_cluster,
+    key = (call.device, loader.generation, force_path, apply_order, AUTO_SPREAD, AUTO_STREAM,
+           AUTO_RULE, spread_cluster,
            spread_residency, input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
