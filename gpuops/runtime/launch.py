@@ -216,6 +216,7 @@ class _CuLaunchAttribute(ctypes.Structure):
 
 
 _launch_ex = None             # cuLaunchKernelEx from libcuda, False where the driver lacks it
+_max_active_clusters = None   # cuOccupancyMaxActiveClusters, likewise
 
 
 def launch_ex_available() -> bool:
@@ -318,6 +319,32 @@ class Kernel:
         size.value = spec.size
         self._launch(self.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                      smem, stream, 0, extra)
+
+    def max_active_clusters(self, grid, block, smem: int = 0) -> int | None:
+        """How many clusters of this kernel (its compiled-in cluster size) can be resident on the
+        device at once with this launch shape (cuOccupancyMaxActiveClusters, CUDA 11.8+), or
+        None where the driver cannot say. A persistent grid of clusters larger than this runs
+        its last clusters only after others have finished (GPC placement makes it smaller than
+        SMs x blocks per SM / cluster size)."""
+        global _max_active_clusters
+        if _max_active_clusters is None:
+            try:
+                fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+                fn.argtypes = [ctypes.c_void_p] * 3
+                fn.restype = ctypes.c_int
+                _max_active_clusters = fn
+            except (OSError, AttributeError):
+                _max_active_clusters = False
+        if _max_active_clusters is False:
+            return None
+        if smem > self._smem_limit:
+            self._raise_smem_limit(smem)
+        config = ctypes.create_string_buffer(_LAUNCH_CONFIG.size)
+        _LAUNCH_CONFIG.pack_into(config, 0, grid[0], grid[1], grid[2], block[0], block[1],
+                                 block[2], smem, 0, 0, 0)
+        count = ctypes.c_int(0)
+        rc = _max_active_clusters(ctypes.addressof(count), self.ptr, ctypes.addressof(config))
+        return int(count.value) if rc == 0 and count.value > 0 else None
 
     def _launch_with_attrs(self, grid, block, stream, smem, attrs, buf, size, extra) -> None:
         config, config_addr = _ex_scratch()
