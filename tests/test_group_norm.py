@@ -332,6 +332,9 @@ def _emulated_input(arena, rng, shape, d, layout, misalign):
 def test_group_norm_on_the_emulated_kernels(monkeypatch, rng, dtype):
     d = dt.BY_NAME[dtype]
     impl = registry.get("group_norm").impl
+    # round 2's auto rule: the designs this NumPy emulator models (AUTO_RULE 3's kernels run in
+    # the C++ emulator: test_auto_rule3_routes, test_stream_kernels_on_the_cpu_emulator)
+    monkeypatch.setattr(GN, "AUTO_RULE", 2)
     with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
@@ -362,8 +365,10 @@ def test_group_norm_on_the_emulated_kernels(monkeypatch, rng, dtype):
 
 
 def test_emulated_designs(monkeypatch, rng):
-    """Which kernels each case takes (the H100 path of the benchmark shapes, scaled down)."""
+    """Which kernels each case takes under round 2's auto rule (the H100 path of the benchmark
+    shapes, scaled down; rule 3: test_auto_rule3_routes)."""
     impl = registry.get("group_norm").impl
+    monkeypatch.setattr(GN, "AUTO_RULE", 2)
     with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
@@ -642,6 +647,7 @@ def test_spread_kernels_several_waves(monkeypatch, rng, dtype):
         se = SpreadEmu(monkeypatch, arch=arch, sms=sms,
                        optin=227 * 1024 if arch >= 90 else 48 * 1024)
         monkeypatch.setattr(GN, "AUTO_SPREAD", True)
+        monkeypatch.setattr(GN, "AUTO_RULE", 2)         # (rule 3 takes the stream kernel first)
         monkeypatch.setattr(GN, "force_path", None)
         for shape, groups, layout in [((4, 16, 32, 32), 4, "nchw"), ((2, 4, 64, 64), 1, "nchw"),
                                       ((3, 64, 16, 16), 8, "nhwc"), ((2, 32, 8, 40), 4, "strided")]:
@@ -797,6 +803,11 @@ def test_auto_rule3_routes(monkeypatch, rng):
         monkeypatch.setattr(GN, "AUTO_RULE", rule)
         run = GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1)
         assert run.__name__ == name, rule
+    # the stream kernel only where a group fits one block ([16, 640, 32, 32] 16-bit); with
+    # clusters ([8, 640, 64, 64], clusters of 4) the one-shot on-chip clusters stay
+    monkeypatch.setattr(GN, "AUTO_RULE", 3)
+    assert GN._nchw_launcher(0, dt.bfloat16, 16, 640, 1024, 32, True, 1).__name__ == "run_stream"
+    assert GN._nchw_launcher(0, dt.bfloat16, 8, 640, 4096, 32, True, 1).__name__ == "run_cluster"
 
 
 # ------------------------------------------------------------------------------ GPU

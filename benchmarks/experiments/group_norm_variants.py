@@ -14,8 +14,8 @@ notes_groupnorm_copy.md round 2); twopass / twopass_fwd = the two-kernel path (r
 forward apply order); spread = group_norm_spread (round 2) with its own plan; spread_c1/2/4/8 =
 with a forced cluster size; spread_r1/r2 = with a forced number of blocks per SM; auto_spread =
 auto with AUTO_SPREAD; stream = group_norm_stream (round 3, persistent) with its own plan;
-stream_c1/2/4/8 = with a forced cluster size; stream_n<k> = at most k clusters; auto_stream = auto with AUTO_STREAM; auto3 = auto
-with AUTO_RULE = 3. Channels-last:
+stream_c1/2/4/8 = with a forced cluster size; stream_n<k> = at most k clusters; auto_stream = auto with AUTO_STREAM; auto3 / auto2
+= auto with AUTO_RULE = 3 (the default) / 2 (round 2's). Channels-last:
 auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse / forward apply order); nhwc_copy =
 through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8, nhwc_spread_r1/r2; auto_spread.
 Peers: torch eager (F.silu(F.group_norm)), Liger when installed (NCHW), torch.compile with
@@ -45,12 +45,13 @@ from gpuops.bench import event_pairs_ms, graph_replay_us
 REPS = 20
 # (NCHW shape, also timed channels-last)
 SHAPES = (((2, 320, 64, 64), True), ((8, 640, 64, 64), True), ((4, 1280, 32, 32), False),
-          ((1, 256, 256, 256), False))
+          ((1, 256, 256, 256), False), ((16, 640, 32, 32), False))
 
 NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass",
                  "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
                  "spread_r1", "spread_r2", "auto_spread", "stream", "stream_c1", "stream_c2",
-                 "stream_c4", "stream_c8", "auto_stream", "auto3")
+                 "stream_c4", "stream_c8", "stream_n16", "stream_n32", "stream_n48",
+                 "auto_stream", "auto3", "auto2")
 NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
                  "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
                  "auto_spread")
@@ -88,7 +89,7 @@ def set_variant(v):
     """The module knobs of variant v (every knob reset first)."""
     GN.force_path, GN.apply_order = None, "reverse"
     GN.AUTO_SPREAD, GN.spread_cluster, GN.spread_residency = False, None, None
-    GN.AUTO_STREAM, GN.AUTO_RULE, GN.stream_clusters = False, 2, None
+    GN.AUTO_STREAM, GN.AUTO_RULE, GN.stream_clusters = False, 3, None
     m = re.fullmatch(r"(.+)_([crn])(\d+)", v)         # spread_c4, nhwc_spread_r2, stream_n32 ...
     base = m.group(1) if m else v
     if base in ("onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass", "nhwc",
@@ -104,6 +105,8 @@ def set_variant(v):
         GN.AUTO_STREAM = True
     elif base == "auto3":
         GN.AUTO_RULE = 3
+    elif base == "auto2":
+        GN.AUTO_RULE = 2
     elif base != "auto":
         raise ValueError(v)
     if m and m.group(2) == "c":
@@ -128,6 +131,9 @@ class LaunchLog:
             def __init__(self, k, expr):
                 self.k, self.expr = k, expr
 
+            def __getattr__(self, name):      # (max_active_clusters, ...: the plan asks)
+                return getattr(self.k, name)
+
             def launch(self, grid, block, stream, *args, smem=0):
                 log.append(f"{self.expr.split('::')[-1]} {grid[0]}x{block[0]}"
                            f"{f' smem {smem // 1024}K' if smem else ''}")
@@ -138,6 +144,20 @@ class LaunchLog:
     def __exit__(self, *exc):
         GN.KERNELS.get = self._get
         return False
+
+
+def resident_clusters(x, td):
+    """cuOccupancyMaxActiveClusters of group_norm_stream at each cluster size, as launched (384
+    threads, two blocks per SM's shared-memory reservation)."""
+    dev = torch.cuda.current_device()
+    d = {torch.bfloat16: GN.dt.bfloat16, torch.float16: GN.dt.float16,
+         torch.float32: GN.dt.float32}[td]
+    smem = GN.spread_smem(16 * (10 + GN.SPREAD_PACKS * 384) + 64, 2, GN._smem_optin(dev))
+    got = []
+    for s in (2, 4, 8):
+        k = GN.KERNELS.get(dev, GN._spread_expr("stream", d, s))
+        got.append(f"S={s}: {k.max_active_clusters((264, 1, 1), (384, 1, 1), smem)}")
+    return f"resident stream clusters (384 threads, smem {smem // 1024}K): " + ", ".join(got)
 
 
 def main():
@@ -197,6 +217,8 @@ def main():
                           flush=True)
                     rows.append({"case": name, "variant": label, "error": str(exc)[:300]})
 
+            if any(v.startswith("stream") for v in variants):
+                print("  " + resident_clusters(x, td), flush=True)
             for v in variants:
                 if args.variants and v not in args.variants.split(","):
                     continue

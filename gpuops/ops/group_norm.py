@@ -37,18 +37,20 @@ channels: 16-byte packs, or single elements when C or the pointers are not 16-by
 are normalized through NCHW copies, and so are inputs of at most NHWC_COPY_MAX_BYTES (measured
 faster at the diffusion shape).
 
-Auto on sm_90 (NCHW, measured in run 13): when every group's blocks fit one wave, the smallest
-cluster that holds a group (16-bit [2, 320, 64, 64]: one block per group; fp32: clusters of 2).
-
-Round 2 (unmeasured; selectable with ``force_path`` = "spread" / "nhwc_spread", auto with
-``AUTO_SPREAD``): ``group_norm_spread`` (NCHW) and ``group_norm_nhwc_spread`` (channels-last),
-one launch reading x once, the grid and a shared-memory reservation sized so that the blocks
-occupy all SMs (one block per SM in one wave, two per SM over several waves), clusters of up to 8
-blocks per group (NCHW) or per (sample, slab of whole groups) (channels-last) exchanging their
-statistics through distributed shared memory; exact two-pass statistics. They run on every arch
-(clusters only on sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a
-multiple of 16 bytes; anything else goes to the kernels above. See
-benchmarks/notes_groupnorm_copy.md, round 2.
+Auto (NCHW, ``AUTO_RULE`` = 3, measured in runs 116-119; benchmarks/notes_groupnorm_copy.md):
+* ``group_norm_spread`` where the groups fit one wave (one block per SM, clusters of up to 8
+  blocks per group on sm_90): 16-bit [2, 320, 64, 64] 7.4 us against 8.4 for the on-chip kernel;
+* ``group_norm_stream`` where a group fits one block (<= 42 KiB) and there are more groups than
+  one round of its persistent grid (two blocks per SM; each block's next group is copied into
+  shared memory while the current one is normalized): 16-bit [16, 640, 32, 32] 15.6 us against
+  18.7; with clusters it measured slower than the one-shot clusters, so auto does not use it there;
+* the on-chip kernels otherwise, except that blocks which would take a whole SM over several
+  waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
+* two passes for what fits none of these.
+``AUTO_RULE`` = 2 keeps round 2's rule (on chip wherever a group fits; A/B timing). The spread and
+stream kernels run on every arch (clusters only on sm_90) and take 16-byte aligned inputs with hw
+(NCHW) or C (channels-last) a multiple of 16 bytes; ``force_path`` = "spread" / "nhwc_spread" /
+"stream" forces them, ``spread_cluster`` sets their cluster size (A/B timing).
 """
 from __future__ import annotations
 
@@ -100,22 +102,25 @@ NHWC_COPY_MAX_BYTES = 16 << 20
 # "cluster4" / "cluster8", "twopass" (NCHW), "nhwc" (channels-last two-pass kernels, at any
 # size), "nhwc_copy" (channels-last through NCHW copies).
 force_path: str | None = None
-# Round 2 (group_norm_spread / group_norm_nhwc_spread, unmeasured): force_path "spread" (NCHW) /
-# "nhwc_spread" (channels-last) forces them; AUTO_SPREAD makes auto take them wherever they
-# apply (to be switched on after the lead's A/B run: benchmarks/notes_groupnorm_copy.md, round 2).
+# Round 2 (group_norm_spread / group_norm_nhwc_spread; measured in run 116): force_path "spread"
+# (NCHW) / "nhwc_spread" (channels-last) forces them; AUTO_SPREAD makes auto take them wherever
+# they apply (A/B; AUTO_RULE 3 takes spread where it won, one wave).
 # spread_cluster / spread_residency override their plan's cluster size / blocks per SM (A/B).
 # "cluster2_1sm": the old cluster2 kernel with a shared-memory reservation that keeps a second
 # block off each SM (tests the placement hypothesis of round 2 on the old code).
 AUTO_SPREAD = False
-# Round 3 (group_norm_stream, persistent, unmeasured until run 117): force_path "stream" forces it
-# (with spread_cluster as its cluster size); AUTO_STREAM makes auto take it where the groups need
-# more than one round of the grid (several waves of one-shot blocks otherwise).
+# Round 3 (group_norm_stream, persistent; runs 117-119): force_path "stream" forces it (with
+# spread_cluster as its cluster size); AUTO_STREAM makes auto take it where the groups need more
+# than one round of the grid, also with clusters (A/B; AUTO_RULE 3 only without clusters).
 AUTO_STREAM = False
 # Auto's rule for NCHW: 2 = round 2's (the on-chip kernels wherever a group fits, else two-pass);
-# 3 = run 116's reading plus round 3: group_norm_stream where the groups need more than one
-# round of it, group_norm_spread where they fit one wave, two-pass instead of on-chip blocks that
-# take a whole SM over several waves (run 116: [1, 256, 256, 256] 16-bit 48.8 -> 43.7 us).
-AUTO_RULE = 2
+# 3 (default since run 119) = group_norm_stream where a group fits one block and the groups need
+# more than one round of the grid, group_norm_spread where they fit one wave, two-pass instead of
+# on-chip blocks that take a whole SM over several waves, else round 2's. Measured in runs
+# 116-119 (benchmarks/notes_groupnorm_copy.md, "Round 3"): never slower than rule 2, and 11-16%
+# faster at [2, 320, 64, 64] and [4, 1280, 32, 32] 16-bit (spread), [16, 640, 32, 32] 16-bit
+# (stream) and [1, 256, 256, 256] 16-bit (two-pass).
+AUTO_RULE = 3
 # group_norm_stream launches at most this many clusters (A/B; None: as many as are co-resident)
 stream_clusters: int | None = None
 spread_cluster: int | None = None
@@ -442,7 +447,11 @@ def _stream_launcher(dev, d, n, c, hw, g, act, clusters):
     group_packs = cg * hw // vec
     plan = plan_stream(items, group_packs, _copy.sm_count(dev), clusters,
                        spread_cluster if clusters or spread_cluster == 1 else None)
-    if plan is None or (force_path is None and plan[3] >= items):
+    if plan is None or (force_path is None and (plan[3] >= items or plan[0] > 1)):
+        # auto: only where the grid takes the groups in several rounds, and only without
+        # clusters (runs 117-119: with clusters of 4 / 8 it was slower than the one-shot
+        # clusters, [8, 640, 64, 64] bf16 54.2 vs 43.5 us; without, faster: [16, 640, 32, 32]
+        # 16-bit 15.6 vs 18.7 us)
         return None
     s, slice_packs, threads, launched = plan
     ppc = hw // vec
