@@ -789,9 +789,10 @@ def test_stream_kernel_statistics_are_stable_and_nan_stays_in_its_group(monkeypa
 
 def test_auto_rule3_routes(monkeypatch, rng):
     """AUTO_RULE = 3 on an emulated sm_90 of 4 SMs: groups that need several rounds of the grid
-    take group_norm_stream, groups that fit one wave group_norm_spread, and (on 132 SMs) 1 MiB
-    groups, whose on-chip blocks would take a whole SM over several waves, the two-pass kernels
-    (round 2's rule keeps the on-chip cluster there); results against the float64 reference."""
+    take group_norm_stream, groups that fit one wave group_norm_spread, small channels-last
+    inputs group_norm_nhwc_spread with two blocks per SM, and (on 132 SMs) 1 MiB groups, whose
+    on-chip blocks would take a whole SM over several waves, the two-pass kernels (round 2's rule
+    keeps the on-chip cluster there); results against the float64 reference."""
     se = SpreadEmu(monkeypatch, sms=4)
     monkeypatch.setattr(GN, "AUTO_RULE", 3)
     for shape, groups, kernel in [((4, 16, 8, 8), 4, "stream"), ((1, 8, 8, 8), 2, "spread"),
@@ -803,6 +804,17 @@ def test_auto_rule3_routes(monkeypatch, rng):
         monkeypatch.setattr(GN, "AUTO_RULE", rule)
         run = GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1)
         assert run.__name__ == name, rule
+    # small channels-last inputs: the channels-last spread kernel with two blocks per SM
+    se = SpreadEmu(monkeypatch, sms=4)
+    monkeypatch.setattr(GN, "AUTO_RULE", 3)
+    for dtype in ("bfloat16", "float32"):
+        names = _spread_case(rng, se, (2, 40, 5, 7), 4, dtype, True, "silu", "nhwc")
+        assert names == [f"gpuops::group_norm_nhwc_spread<{dt.BY_NAME[dtype].ctype}, 1>"], names
+    assert GN.plan_nhwc_spread(2, 4096, 320, 10, 8, 132, True, pair=True) == (
+        40, 8, 512, 89, 448, 2)                      # run 116's nhwc_spread_r2 at the bench shape
+    assert GN.plan_nhwc_spread(2, 4096, 320, 10, 4, 132, True, pair=True) == (
+        20, 8, 512, 89, 448, 2)                      # fp32: run 116's nhwc_spread_c8
+    se = SpreadEmu(monkeypatch, sms=132)
     # the stream kernel only where a group fits one block ([16, 640, 32, 32] 16-bit); with
     # clusters ([8, 640, 64, 64], clusters of 4) the one-shot on-chip clusters stay
     monkeypatch.setattr(GN, "AUTO_RULE", 3)

@@ -54,7 +54,7 @@ NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2
                  "auto_stream", "auto3", "auto2")
 NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
                  "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
-                 "auto_spread")
+                 "auto_spread", "auto2")
 
 
 def graph_us(fn, reps=REPS, replays=20):

@@ -252,7 +252,7 @@ def _round32(n):
     return max(32, _cdiv(n, 32) * 32)
 
 
-def _spread_cluster(items, sms, clusters, fits, min_ok, cluster, residency):
+def _spread_cluster(items, sms, clusters, fits, min_ok, cluster, residency, pair=False):
     """(cluster size, blocks per SM) of the spread kernels, or None. ``fits(S, residency)``: the
     block of cluster size S fits the threads allowed at that residency; ``min_ok(S)``: the slice
     is worth splitting S ways.
@@ -260,14 +260,15 @@ def _spread_cluster(items, sms, clusters, fits, min_ok, cluster, residency):
     One wave when it fits (the largest S with items * S <= SMs): one block per SM, so the grid
     covers the most SMs. Otherwise several waves: the smallest S whose block fits beside another
     (two per SM: one loads while the other computes); failing that the smallest that fits
-    alone."""
+    alone. ``pair``: the two-per-SM choice even where one wave would fit."""
     sizes = (1, *CLUSTERS) if clusters else (1,)
     if cluster is not None:
         if cluster not in sizes:
             raise RuntimeError(f"gpuops.group_norm: cluster size {cluster} unavailable here "
                                f"(clusters need sm_90 and kernels built for it)")
         return cluster, residency or (1 if items * cluster <= sms else 2)
-    one_wave = [s for s in sizes if items * s <= sms and fits(s, 1) and (s == 1 or min_ok(s))]
+    one_wave = [] if pair else [s for s in sizes
+                                if items * s <= sms and fits(s, 1) and (s == 1 or min_ok(s))]
     if one_wave:
         return one_wave[-1], residency or 1
     for res in (2, 1):
@@ -317,7 +318,7 @@ def plan_stream(groups: int, group_packs: int, sms: int, clusters: bool, cluster
 
 
 def plan_nhwc_spread(n: int, hw: int, c: int, cg: int, vec: int, sms: int, clusters: bool,
-                     cluster=None, residency=None):
+                     cluster=None, residency=None, pair=False):
     """(slab channels, cluster size, rows per block, row phases R, threads, blocks per SM) of
     group_norm_nhwc_spread, or None. Slab = lcm(C/G, 16-byte units): the narrowest whole-group
     slab of 16-byte columns; one item = (sample, slab), its rows split over a cluster. Threads =
@@ -336,7 +337,8 @@ def plan_nhwc_spread(n: int, hw: int, c: int, cg: int, vec: int, sms: int, clust
         return (rpb, r, threads) if threads <= max_threads else None
 
     got = _spread_cluster(n * (c // sc), sms, clusters, fit,
-                          lambda s: _cdiv(hw, s) * p >= MIN_SPREAD_SLICE_PACKS, cluster, residency)
+                          lambda s: _cdiv(hw, s) * p >= MIN_SPREAD_SLICE_PACKS, cluster, residency,
+                          pair)
     shape = got and fit(*got)
     if not shape:
         return None
@@ -550,13 +552,14 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     return run_two_pass
 
 
-def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters):
-    """group_norm_nhwc_spread for contiguous aligned [n, hw, c] with c % VEC == 0, or None."""
+def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters, pair=False):
+    """group_norm_nhwc_spread for contiguous aligned [n, hw, c] with c % VEC == 0, or None
+    (``pair``: plan_nhwc_spread's two-blocks-per-SM choice)."""
     vec = 16 // d.itemsize
     cg = c // g
     plan = plan_nhwc_spread(n, hw, c, cg, vec, _copy.sm_count(dev), clusters,
                             spread_cluster if clusters or spread_cluster == 1 else None,
-                            spread_residency)
+                            spread_residency, pair)
     if plan is None:
         return None
     sc, s, rpb, rphases, threads, res = plan
@@ -577,7 +580,7 @@ def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters):
     if s == 1:
         return run_nhwc_spread
     return _with_cluster_fallback(dev, run_nhwc_spread,
-                                  _nhwc_spread_launcher(dev, d, n, c, hw, g, act, False)
+                                  _nhwc_spread_launcher(dev, d, n, c, hw, g, act, False, pair)
                                   or _nhwc_two_pass_or_copy(dev, d, n, c, hw, g, act))
 
 
@@ -594,6 +597,15 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     if (spread and aligned and c % vec == 0
             and (force_path == "nhwc_spread" or (AUTO_SPREAD and force_path is None))):
         run = _nhwc_spread_launcher(dev, d, n, c, hw, g, act, _clusters_available(dev))
+        if run is not None:
+            return run
+    if (spread and aligned and c % vec == 0 and AUTO_RULE == 3 and force_path is None
+            and n * hw * c * d.itemsize <= NHWC_COPY_MAX_BYTES):
+        # small inputs: the spread kernel with two blocks of <= 448 threads per SM (run 116,
+        # [2, 64, 64, 320]: bf16 12.5 us against 16.5 through NCHW copies, fp32 18.2 against
+        # 25.0; its one-wave plan of 640-896 threads measured 19.6 / 21.7)
+        run = _nhwc_spread_launcher(dev, d, n, c, hw, g, act, _clusters_available(dev),
+                                    pair=True)
         if run is not None:
             return run
     if not (aligned and c % vec == 0):
