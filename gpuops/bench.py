@@ -392,6 +392,19 @@ def _errors(out, ref):
 _compiled: dict = {}
 
 
+def _allow_recompiles(torch) -> None:
+    """One torch.compile peer per op serves every shape and dtype the bench times, a recompile
+    each (dynamic=False). Past dynamo's recompile limit (8 by default) the compiled function runs
+    eager without an error, and the "torch.compile" rows would time torch eager (seen in run
+    117's experiment): raise the limits for this benchmarking process."""
+    cfg = torch._dynamo.config
+    for name, at_least in (("recompile_limit", 1024), ("cache_size_limit", 1024),
+                           ("accumulated_recompile_limit", 1 << 16),
+                           ("accumulated_cache_size_limit", 1 << 16)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), at_least))
+
+
 def _peers(spec, fw, compile_peer: bool) -> dict:
     """name -> callable(*args, **kwargs) of every peer available here."""
     peers = {}
@@ -402,6 +415,7 @@ def _peers(spec, fw, compile_peer: bool) -> dict:
         if compile_peer and spec.compile_peer:
             key = id(spec)
             if key not in _compiled:
+                _allow_recompiles(fw.torch)
                 _compiled[key] = fw.torch.compile(spec.torch_fn, dynamic=False)
             peers["torch.compile"] = _compiled[key]
     if spec.extra_peers is not None:

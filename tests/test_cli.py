@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,25 @@ def test_bench_tolerance_allows_only_the_storage_rounding_floor():
     assert bench._within_tolerance(bench._errors(normal.astype(np.float16).astype(np.float64),
                                                  normal)[0], dt.float16,
                                    normal.astype(np.float16), normal)
+
+
+def test_bench_compile_peer_recompiles_past_dynamos_default_limit():
+    """The bench's one torch.compile peer per op is called at every shape and dtype; past dynamo's
+    recompile limit (8) it would run eager and its rows would time torch eager. _peers raises the
+    limit: 12 shapes through one compiled function stay 12 compiled graphs (CPU: inductor)."""
+    torch = pytest.importorskip("torch")
+    from gpuops import bench  # noqa: PLC0415
+    from gpuops.bench_spec import BenchSpec  # noqa: PLC0415
+
+    def twice(x):
+        return x * 2 + 1
+
+    spec = BenchSpec(make_inputs=None, torch_fn=twice, default_shape=lambda d: (4,),
+                     compile_peer=True)
+    fw = types.SimpleNamespace(torch=torch)
+    compiled = bench._peers(spec, fw, compile_peer=True)["torch.compile"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for n in range(1, 13):
+        assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 3.0))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 12

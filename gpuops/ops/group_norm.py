@@ -790,7 +790,8 @@ MAX_CACHED_PLANS = 4096
                           default_shape=lambda d: (2, 320, 64, 64), compile_peer=True,
                           extra_peers=_liger_group_norm,
                           extra_shapes=((8, 640, 64, 64), (4, 1280, 32, 32), (2, 64, 64, 320),
-                                        (8, 64, 64, 640), (1, 256, 256, 256))))
+                                        (8, 64, 64, 640), (1, 256, 256, 256),
+                                        (16, 640, 32, 32))))
 def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5, activation: str | None = None,
                channels_last: bool = False, *, out: Tensor | None = None) -> Tensor:
