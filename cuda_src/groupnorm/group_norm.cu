@@ -611,6 +611,20 @@ __device__ __forceinline__ void silu_pack(float (&f)[VEC]) {
 // reservation that keeps other blocks off the SM).
 constexpr int kSpreadCoef = 10;
 
+// A cluster kernel that finds itself launched without clusters (the host never does that; a
+// driver might): NaN over packs [p0, p1) of groups g0, g0 + step, ... < items, a visible failure
+// that leaves the context usable (no barrier, no __trap).
+template <class T>
+__device__ __forceinline__ void poison_slices(T* __restrict__ y, int g0, int step, int items,
+                                              int group_packs, int p0, int p1) {
+  constexpr int VEC = Vec16<T>::size;
+  for (int g = g0; g < items; g += step) {
+    T* yg = y + static_cast<long long>(g) * group_packs * VEC;
+    for (int p = p0 + static_cast<int>(threadIdx.x); p < p1; p += blockDim.x)
+      store16(yg + static_cast<long long>(p) * VEC, make_uint4(~0u, ~0u, ~0u, ~0u));
+  }
+}
+
 template <class T, int ACT>
 __device__ __forceinline__ void spread_apply(const uint4 (&raw)[kSpreadPacks], T* __restrict__ yg,
                                              int p0, int p1, const FastDiv& ppc, int cf,
@@ -654,13 +668,8 @@ group_norm_spread(const T* __restrict__ x, const T* __restrict__ w, const T* __r
     group = blockIdx.x / CLUSTER;
     rank = static_cast<int>(blockIdx.x % CLUSTER);
     if (cluster_nctarank() != CLUSTER) {
-      // Not launched as clusters of CLUSTER blocks: NaN over this block's slice (a visible
-      // failure that leaves the context usable), no barrier.
-      const int p0 = static_cast<int>(blockIdx.x % CLUSTER) * slice_packs;
-      const int p1 = min(p0 + slice_packs, group_packs);
-      T* yg = y + static_cast<long long>(group) * group_packs * VEC;
-      for (int p = p0 + tid; p < p1; p += nthreads)
-        store16(yg + static_cast<long long>(p) * VEC, make_uint4(~0u, ~0u, ~0u, ~0u));
+      const int p0 = rank * slice_packs;
+      poison_slices(y, group, 1, group + 1, group_packs, p0, min(p0 + slice_packs, group_packs));
       return;
     }
 #else
@@ -753,13 +762,8 @@ group_norm_stream(const T* __restrict__ x, const T* __restrict__ w, const T* __r
     item = blockIdx.x / CLUSTER;
     rank = static_cast<int>(blockIdx.x % CLUSTER);
     if (cluster_nctarank() != CLUSTER) {
-      // not launched as clusters (see group_norm_spread): NaN over this block's slices
-      const int p0 = rank * slice_packs, p1 = min(p0 + slice_packs, group_packs);
-      for (int g = item; g < items; g += clusters) {
-        T* yg = y + static_cast<long long>(g) * group_packs * VEC;
-        for (int p = p0 + tid; p < p1; p += nthreads)
-          store16(yg + static_cast<long long>(p) * VEC, make_uint4(~0u, ~0u, ~0u, ~0u));
-      }
+      const int p0 = rank * slice_packs;
+      poison_slices(y, item, clusters, items, group_packs, p0, min(p0 + slice_packs, group_packs));
       return;
     }
 #else

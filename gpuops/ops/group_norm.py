@@ -406,6 +406,13 @@ def _with_cluster_fallback(dev, run, fallback):
     return run_cluster
 
 
+def _unless_clusters_refused(dev, got, refit):
+    """got = (run, cluster size): run itself without clusters, else run until the driver refuses
+    a cluster launch and refit() (the plan without clusters) from then on."""
+    run, s = got
+    return run if s == 1 else _with_cluster_fallback(dev, run, refit())
+
+
 def _smem_optin(dev) -> int:
     return int(getattr(device.device_info(dev), "max_smem_per_block_optin", 0) or 0)
 
@@ -494,20 +501,14 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     if aligned and (force_path == "stream" or (force_path is None and (AUTO_STREAM or rule3))):
         got = _stream_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev))
         if got is not None:
-            run, s = got
-            if s == 1:
-                return run
-            return _with_cluster_fallback(
-                dev, run, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
+            return _unless_clusters_refused(dev, got, lambda: _nchw_launcher(
+                dev, d, n, c, hw, g, aligned, act, clusters=False))
     if aligned and (force_path == "spread" or (force_path is None and (AUTO_SPREAD or rule3))):
         got = _spread_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev),
                                one_wave=rule3 and not AUTO_SPREAD)
         if got is not None:
-            run, s = got
-            if s == 1:
-                return run
-            return _with_cluster_fallback(
-                dev, run, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
+            return _unless_clusters_refused(dev, got, lambda: _nchw_launcher(
+                dev, d, n, c, hw, g, aligned, act, clusters=False))
     if aligned and force_path != "twopass":
         clusters = clusters and force_path != "onchip" and _clusters_available(dev)
         onchip_force = force_path if force_path in ("onchip", "cluster2", "cluster4",

@@ -219,18 +219,24 @@ _launch_ex = None             # cuLaunchKernelEx from libcuda, False where the d
 _max_active_clusters = None   # cuOccupancyMaxActiveClusters, likewise
 
 
+def _driver_function(name: str, nargs: int):
+    """libcuda's entry point `name` (all arguments pointers or handles, CUresult returned), or
+    False where the driver lacks it."""
+    try:
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_void_p] * nargs
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def launch_ex_available() -> bool:
     """Whether the driver has cuLaunchKernelEx (CUDA 11.8+), the entry point for launches with
     attributes. Without it Kernel.launch ignores attributes (plain cuLaunchKernel)."""
     global _launch_ex
     if _launch_ex is None:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            fn.argtypes = [ctypes.c_void_p] * 4
-            fn.restype = ctypes.c_int
-            _launch_ex = fn
-        except (OSError, AttributeError):
-            _launch_ex = False
+        _launch_ex = _driver_function("cuLaunchKernelEx", 4)
     return _launch_ex is not False
 
 
@@ -328,13 +334,7 @@ class Kernel:
         SMs x blocks per SM / cluster size)."""
         global _max_active_clusters
         if _max_active_clusters is None:
-            try:
-                fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-                fn.argtypes = [ctypes.c_void_p] * 3
-                fn.restype = ctypes.c_int
-                _max_active_clusters = fn
-            except (OSError, AttributeError):
-                _max_active_clusters = False
+            _max_active_clusters = _driver_function("cuOccupancyMaxActiveClusters", 3)
         if _max_active_clusters is False:
             return None
         if smem > self._smem_limit:
