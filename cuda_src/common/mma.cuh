@@ -260,16 +260,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-// 16 bytes global -> shared for kernels built for every arch: cp.async on sm_80+ (complete at
-// the copy_async_wait that covers it; copy_async_commit closes a group), below sm_80 a load and
-// a store through registers (complete at once; commit and wait are no-ops).
+// 16 bytes global -> shared for kernels built for every arch (norms' resident plan,
+// group_norm_stream): cp.async on sm_80+ (complete at the copy_async_wait that covers it;
+// copy_async_commit closes a group), below sm_80 a load and a store through registers (complete
+// at once; commit and wait are no-ops). !in: the 16 bytes are zero-filled, nothing is read.
 template <class Raw>
-__device__ __forceinline__ void copy16_to_shared(Raw* dst, const void* src) {
+__device__ __forceinline__ void copy16_to_shared(Raw* dst, const void* src, bool in = true) {
   static_assert(sizeof(Raw) == 16, "16-byte units");
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
-  *dst = *reinterpret_cast<const Raw*>(src);
+  *dst = in ? *reinterpret_cast<const Raw*>(src) : Raw{};
 #else
-  cp_async16(smem_addr(dst), src, 16);
+  cp_async16(smem_addr(dst), src, in ? 16 : 0);
 #endif
 }
 
@@ -279,9 +280,20 @@ __device__ __forceinline__ void copy_async_commit() {
 #endif
 }
 
-__device__ __forceinline__ void copy_async_wait_all() {
+// Waits until at most `pending` of this thread's committed copy groups are outstanding (the
+// instruction takes an immediate: pending 0 .. 6, larger waits for at most 7).
+__device__ __forceinline__ void copy_async_wait(int pending) {
 #if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
-  cp_async_wait<0>();
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
 #endif
 }
 

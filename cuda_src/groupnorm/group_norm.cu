@@ -833,7 +833,7 @@ group_norm_stream(const T* __restrict__ x, const T* __restrict__ w, const T* __r
     else spread_apply<T, 0>(raw, yg, p0, p1, ppc, cf, coef, mean);
     if (next >= items) break;
     item = next;
-    copy_async_wait_all();                        // this thread's copies of the next slice
+    copy_async_wait(0);                            // this thread's copies of the next slice
 #pragma unroll
     for (int k = 0; k < kSpreadPacks; ++k) {
       if (p0 + tid + k * nthreads < p1) raw[k] = ahead[k * nthreads + tid];

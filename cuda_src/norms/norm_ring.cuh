@@ -508,7 +508,9 @@ __device__ __forceinline__ void ring2_rows(P& pol, long long rows, int units, in
 // registers issue() loaded).
 
 // Copies this thread's units of a tile (PACKS of them, 16 bytes each) into its part of `slot`;
-// units past the row's end are zero-filled (src-size 0: nothing read).
+// units past the row's end are zero-filled (nothing read). Complete at the copy_async_wait
+// (common/mma.cuh) that covers the group copy_async_commit closes; pending < 7 there =
+// norms.py RESIDENT_MAX_DEPTH.
 template <class T, int VEC, int PACKS>
 __device__ __forceinline__ void ring_copy_async(typename RawUnit<T, VEC>::type* slot,
                                                 const T* row, int u0, int units) {
@@ -518,35 +520,8 @@ __device__ __forceinline__ void ring_copy_async(typename RawUnit<T, VEC>::type* 
     const int unit = u0 + p * static_cast<int>(blockDim.x);
     const bool in = unit < units;
     const T* src = row + (in ? static_cast<long long>(unit) * VEC : 0);
-#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ < 800
-    slot[p * blockDim.x] = in ? RawUnit<T, VEC>::load(src) : RawUnit<T, VEC>::zero();
-#else
-    cp_async16(smem_addr(slot + p * blockDim.x), src, in ? 16 : 0);
-#endif
+    copy16_to_shared(slot + p * blockDim.x, src, in);
   }
-}
-
-__device__ __forceinline__ void ring_copy_commit() {
-#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
-  cp_async_commit();
-#endif
-}
-
-// Waits until at most `pending` of this thread's committed copy groups are outstanding (the
-// instruction takes an immediate; pending < 7 = norms.py RESIDENT_MAX_DEPTH).
-__device__ __forceinline__ void ring_copy_wait(int pending) {
-#if !defined(__CUDACC_RTC__) || __CUDA_ARCH__ >= 800
-  switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<7>(); break;
-  }
-#endif
 }
 
 // A resident drain's store of tile j's packs p0 .. p0 + G - 1: from slot j, or tile D from
@@ -622,7 +597,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
   for (int k = 0; k < held; ++k) {                 // every copy in flight at once
     if (!bulk) {
       pol.issue_async(slot_of(k), t.row, t.u0(tile_units), units);
-      ring_copy_commit();
+      copy_async_commit();
     }
     t.advance(stride, C);
   }
@@ -634,7 +609,7 @@ __device__ __forceinline__ void resident_rows(P& pol, long long rows, int units,
 #if GPUOPS_RESIDENT_BULK
     if (bulk) mbar_wait(bars + 8 * k, 0);
 #endif
-    if (!bulk) ring_copy_wait(held - 1 - k);
+    if (!bulk) copy_async_wait(held - 1 - k);
     RESIDENT_MARK(2 + k);
     float part[P::K];
     pol.template partial<false>(slot_of(k), t.u0(tile_units), units, part);
