@@ -822,6 +822,146 @@ def test_auto_rule3_routes(monkeypatch, rng):
     assert GN._nchw_launcher(0, dt.bfloat16, 8, 640, 4096, 32, True, 1).__name__ == "run_cluster"
 
 
+# ------------------------------------------------------------------------------ resident (round 4)
+
+class ResidentEmu(SpreadEmu):
+    """SpreadEmu with group_norm_resident (its own module) emulated too: every block of a launch
+    at once (the blocks poll for each other's published statistics), the occupancy calculator
+    replaced by one block per SM, and one ring2 state buffer kept across launches, as on the GPU
+    (each launch must ignore the words of the launches before it)."""
+
+    def __init__(self, monkeypatch, sms=4, optin=227 * 1024):
+        super().__init__(monkeypatch, sms=sms, optin=optin)
+        lib, index = self.emu.build(GN.RESIDENT_MODULE, self.arch * 10)
+
+        def get(_dev, expr):
+            return self.emu.EmuKernel(lib, index[expr], GN.RESIDENT_MODULE.kernels[expr], expr)
+        monkeypatch.setattr(GN.RESIDENT_KERNELS, "get", get)
+        monkeypatch.setattr(GN.RESIDENT_KERNELS, "target_arch", lambda _dev: self.arch)
+        monkeypatch.setattr(GN._norms, "device", GN.device)
+        monkeypatch.setattr(GN._norms, "_resident_per_sm", lambda kernel, threads, smem: 1)
+        self.state = np.zeros(1 << 16, np.uint32)
+
+        def ring2_state(call, words):
+            assert GN._norms.RING2_HEADER_WORDS + 2 * words <= self.state.size
+            return self.state.ctypes.data
+        monkeypatch.setattr(GN._norms, "ring2_state", ring2_state)
+        self.concurrent = True       # (False for kernels with static shared memory: onchip)
+
+    def run(self, *args, **kw):
+        self.emu.Device.concurrent = self.concurrent
+        try:
+            return super().run(*args, **kw)
+        finally:
+            self.emu.Device.concurrent = False
+
+
+# (shape, groups, shared memory per block): groups split into several tiles (C > 1) with a ragged
+# last tile, channel boundaries inside tiles and packs of a tile in different channels, blocks
+# holding D + 1 tiles (the last in registers) where the shared memory allows only D = 2 slots,
+# whole groups in one tile (C = 1), one channel per group, 1 and 3 spatial dims; a case that does
+# not fit (the forced path falls back to auto's kernels).
+RESIDENT_CASES = [((2, 6, 40, 136), 3, 48 * 1024), ((1, 4, 64, 64), 2, 227 * 1024),
+                  ((3, 8, 8, 8), 4, 227 * 1024), ((2, 4, 2048), 4, 40 * 1024),
+                  ((1, 6, 4, 8, 24), 2, 227 * 1024), ((2, 4, 128, 130), 2, 48 * 1024)]
+
+
+def _resident_plan(shape, groups, dtype, sms):
+    d = dt.BY_NAME[dtype]
+    vec = 16 // d.itemsize
+    elems = shape[1] // groups * prod(shape[2:])
+    ring = GN._norms.fit_ring_plan(None, GN._norms.LAYER_NORM, vec, elems, d.itemsize, 0,
+                                   "resident")
+    return ring, GN._norms.ring_grid(ring, shape[0] * groups)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_resident_kernel_on_the_cpu_emulator(monkeypatch, rng, dtype):
+    """group_norm_resident forced, on an emulated sm_90 of 4 SMs (per-thread cp.async copies; the
+    bulk copies are sm_90 GPU code): silu on and off, weight / bias present and absent, outputs
+    poisoned, against the float64 reference; several launches on one ring2 state; in place."""
+    seen_split = seen_regs = False
+    for shape, groups, optin in RESIDENT_CASES:
+        se = ResidentEmu(monkeypatch, optin=optin)
+        monkeypatch.setattr(GN, "force_path", "resident")
+        ring, grid = _resident_plan(shape, groups, dtype, se.dev.sms)
+        if grid is None:            # (fp32 [2, 4, 128, 130]: 9 tiles a group, 3 per block at most)
+            se.concurrent = False
+            names = _spread_case(rng, se, shape, groups, dtype, True, "silu", "nchw")
+            assert not any("resident" in n for n in names), names
+            continue
+        tiles = shape[0] * groups * ring.C
+        seen_split |= ring.C > 1
+        seen_regs |= -(-tiles // grid) == ring.depth + 1
+        for affine, act in ((True, "silu"), (False, None), (True, None), (False, "silu")):
+            names = _spread_case(rng, se, shape, groups, dtype, affine, act, "nchw")
+            assert names == [GN._resident_expr(dt.BY_NAME[dtype])], names
+        d = dt.BY_NAME[dtype]
+        host = (rng.standard_normal(shape) * 3 - 1).astype(np_storage(d))
+        x = se.tensor(host.copy(), d)
+        se.emu.Device.launches = []
+        se.emu.Device.concurrent = True
+        try:
+            y = se.impl(se.dev.call("group_norm", d), x, groups, None, None, 1e-5, "silu", False,
+                        out=x)
+        finally:
+            se.emu.Device.concurrent = False
+        assert y is x and len(se.emu.Device.launches) == 1
+        ref = GN.ref_group_norm(host.astype(np.float64), groups, activation="silu")
+        assert_close(np.asarray(x.obj).astype(np.float64), ref, dtype, f"in place {shape}")
+    assert seen_split and seen_regs
+
+
+def test_resident_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, rng):
+    """As the spread kernels' test, through group_norm_resident with groups split over tiles of
+    several blocks: a mean of 1000 against a spread of 1, and a NaN that poisons its own group."""
+    se = ResidentEmu(monkeypatch, optin=48 * 1024)
+    monkeypatch.setattr(GN, "force_path", "resident")
+    d = dt.float32
+    shape = (2, 8, 48, 64)
+    ring, _ = _resident_plan(shape, 4, "float32", 4)
+    assert ring.C > 1
+    host = (rng.standard_normal(shape) + 1000.0).astype(np.float32)
+    y, names = se.run(se.tensor(host, d), 4, None, None, None)
+    ref = GN.ref_group_norm(host.astype(np.float64), 4)
+    err = np.abs(np.asarray(y.obj).astype(np.float64) - ref)
+    assert np.all(err <= 1e-5 * np.abs(ref) + 1.5e-4), f"{names}: {err.max()}"
+    host = (rng.standard_normal(shape) * 2 + 0.5).astype(np.float32)
+    host[1, 5, 3, 7] = np.nan                                    # sample 1, group 2 (ch 4, 5)
+    y, names = se.run(se.tensor(host, d), 4, None, None, "silu")
+    got = np.asarray(y.obj).astype(np.float64)
+    nan = np.zeros(got.shape, bool)
+    nan[1, 4:6] = True
+    assert np.array_equal(np.isnan(got), nan), names
+    ref = GN.ref_group_norm(host.astype(np.float64), 4, None, None, 1e-5, "silu")
+    assert_close(got, ref, "float32", f"{names}")
+
+
+def test_resident_plan_and_routes(monkeypatch, rng):
+    """On 132 SMs of 227 KiB: the VAE shape's 16-bit groups fit on chip (32 tiles of 32 KiB per
+    group, 7 slots and one register tile per block, 128 blocks); its fp32 groups (67 MB) do
+    not, so "resident" falls back to auto's plan there; AUTO_RESIDENT takes it where it fits and
+    only where the module copies asynchronously (sm_80+)."""
+    se = ResidentEmu(monkeypatch, sms=132)
+    ring, grid = _resident_plan((1, 256, 256, 256), 32, "bfloat16", 132)
+    assert (ring.threads, ring.C, ring.depth, grid) == (512, 32, 7, 128)
+    assert _resident_plan((1, 256, 256, 256), 32, "float32", 132)[1] is None
+    monkeypatch.setattr(GN, "force_path", "resident")
+    assert GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1).__name__ == \
+        "run_resident"
+    assert GN._nchw_launcher(0, dt.float32, 1, 256, 65536, 32, True, 1).__name__ != \
+        "run_resident"
+    assert GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, False, 1).__name__ != \
+        "run_resident"                                     # (unaligned: no 16-byte units)
+    monkeypatch.setattr(GN, "force_path", None)
+    monkeypatch.setattr(GN, "AUTO_RESIDENT", True)
+    assert GN._nchw_launcher(0, dt.float32, 4, 1280, 1024, 32, True, 1).__name__ == \
+        "run_resident"
+    monkeypatch.setattr(GN.RESIDENT_KERNELS, "target_arch", lambda _dev: 61)
+    assert GN._nchw_launcher(0, dt.float32, 4, 1280, 1024, 32, True, 1).__name__ != \
+        "run_resident"
+
+
 # ------------------------------------------------------------------------------ GPU
 
 def _randn(shape, dtype, scale=2.0, offset=0.5):
@@ -965,6 +1105,64 @@ def test_gpu_stream_kernels(dtype, force, monkeypatch):
                 ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
                                                              for t in wb), 1e-5, act)
                 assert_close(_host(y), ref, dtype, what)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_resident_kernel(dtype, force, monkeypatch):
+    """group_norm_resident forced: the VAE shape (its 32 groups of 1 MiB held on chip in 16-bit;
+    fp32, 67 MB, does not fit and takes auto's plan), the bench's smaller shapes and odd ones,
+    silu on and off, weight / bias absent, outputs poisoned with NaN, in place; then a CUDA graph
+    replayed on new data (each replay a new epoch of the ring2 state's words)."""
+    force("resident")
+    monkeypatch.setattr(GN, "_plans", {})
+    made = []
+    build = GN._resident_launcher
+
+    def spy(*args):
+        run = build(*args)
+        made.append(run is not None)
+        return run
+    monkeypatch.setattr(GN, "_resident_launcher", spy)
+    dev = torch.cuda.current_device()
+    big = torch.cuda.get_device_properties(dev).multi_processor_count >= 128 and \
+        GN._smem_optin(dev) >= 227 * 1024
+    shapes = [((1, 256, 256, 256), 32), ((4, 1280, 32, 32), 32), ((2, 320, 64, 64), 32),
+              ((16, 640, 32, 32), 32), ((3, 12, 16, 8), 4), ((2, 6, 40, 136), 3),
+              ((1, 24, 5, 5, 8), 3), ((2, 64, 1, 1000), 32)]
+    for shape, groups in shapes:
+        x = _randn(shape, dtype)
+        c = shape[1]
+        w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
+        made.clear()
+        for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
+            out = torch.full_like(x, float("nan"))
+            y = go.group_norm(x, groups, *wb, activation=act, out=out)
+            assert y is out
+            ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
+                                                         for t in wb), 1e-5, act)
+            assert_close(_host(y), ref, dtype, f"{shape} G={groups} act={act}")
+        assert made and len(set(made)) == 1, made
+        if x.numel() * x.element_size() <= 1 << 20:
+            assert made[0], shape                          # (small: on chip on any GPU)
+        elif big:                                          # (an H100: 33 MB of shared memory)
+            assert made[0] == (x.numel() * x.element_size() <= 32 << 20), shape
+        ref = GN.ref_group_norm(_host(x), groups, activation="silu")
+        y = go.group_norm(x, groups, activation="silu", out=x)          # in place
+        assert y is x
+        assert_close(_host(x), ref, dtype, f"in place {shape}")
+    x = _randn((4, 1280, 32, 32), dtype)
+    go.group_norm(x, 32, activation="silu")                 # (warm-up outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.group_norm(x, 32, activation="silu")
+    for _ in range(3):
+        x.copy_(_randn((4, 1280, 32, 32), dtype))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(_host(y), GN.ref_group_norm(_host(x), 32, activation="silu"), dtype, "graph")
 
 
 @gpu

@@ -351,7 +351,7 @@ def _ring_schedule(rows, C, grid, depth):
 
 
 def test_ring_grid_keeps_blocks_progressing():
-    """_ring_grid: at most `capacity` blocks (all resident), at most as many as tiles, tiles
+    """ring_grid: at most `capacity` blocks (all resident), at most as many as tiles, tiles
     spread evenly, and no block holding more than `depth` tiles of a row; under that rule the
     protocol finishes for every shape (replayed), and breaking it can deadlock."""
     for C in (1, 2, 3, 7, 24, 64, 130):
@@ -359,7 +359,7 @@ def test_ring_grid_keeps_blocks_progressing():
             for depth in (2, 3, 8):
                 for rows in (1, 2, 3, 16, 40):
                     ring = N.RingPlan(None, 512, 4, C, depth, 0, capacity)
-                    grid = N._ring_grid(ring, rows)
+                    grid = N.ring_grid(ring, rows)
                     tiles = rows * C
                     if grid is None:            # the evenly spread grid would break the rule
                         per_block = -(-tiles // capacity)
@@ -372,14 +372,14 @@ def test_ring_grid_keeps_blocks_progressing():
                         assert _ring_schedule(rows, C, grid, depth), (C, capacity, depth, rows)
     assert not _ring_schedule(2, 10, 4, 2)        # 3 tiles of a row in a block, 2 slots
     ring = N.RingPlan(None, 512, 4, 24, 3, 0, 8)
-    assert N._ring_grid(ring, 1) == 8                            # 3 tiles of the row per block
-    assert N._ring_grid(N.RingPlan(None, 512, 4, 25, 3, 0, 8), 1) is None             # 4
+    assert N.ring_grid(ring, 1) == 8                            # 3 tiles of the row per block
+    assert N.ring_grid(N.RingPlan(None, 512, 4, 25, 3, 0, 8), 1) is None             # 4
     assert _ring_schedule(1, 24, 8, 3) and not _ring_schedule(1, 25, 8, 3)
     # tile indices are 32-bit in the kernels (norm_ring.cuh, RingTile): 2^31 tiles or more run
     # the split plans
     ring = N.RingPlan(None, 512, 4, 64, 8, 0, 264)
-    assert N._ring_grid(ring, (1 << 31) // 64 - 1) is not None
-    assert N._ring_grid(ring, (1 << 31) // 64) is None
+    assert N.ring_grid(ring, (1 << 31) // 64 - 1) is not None
+    assert N.ring_grid(ring, (1 << 31) // 64) is None
 
 
 # ---------------------------------------------------------------- launches with a recording loader
@@ -477,7 +477,7 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
     for op in ("layer_norm", "rms_norm", "add_rms_norm"):
         vec = 16 // dtype.itemsize if n % (16 // dtype.itemsize) == 0 else 1
         res_plan = N._ring_plan(op, dtype, vec, n, 0, "resident")
-        resident = N._ring_grid(res_plan, rows)
+        resident = N.ring_grid(res_plan, rows)
         # "resident" without a resident kernel or with too many tiles: "auto"'s plan; "auto"
         # takes "resident" wherever it fits (the fake device: cc 90)
         plan = "auto" if long_rows == "resident" and resident is None else long_rows
@@ -875,13 +875,13 @@ def _emu_check_all(dev, x, w, b, r, dtype, what):
 
 def _ring_launches(x, dtype):
     """(ring launches, all launches) that _emu_check_all makes on x: an op whose ring plan
-    breaks _ring_grid's rule (too many tiles of a row per block: add_rms_norm's tiles are half
+    breaks ring_grid's rule (too many tiles of a row per block: add_rms_norm's tiles are half
     as long) takes two launches instead."""
     d = dt.BY_NAME[dtype]
     vec = _vec_width_of(x, d)
     ring = total = 0
     for kind in ("layer_norm", "layer_norm", "rms_norm", "rms_norm", "add_rms_norm"):
-        fits = N._ring_grid(N._ring_plan(kind, d, vec, x.shape[-1], 0), x.shape[0]) is not None
+        fits = N.ring_grid(N._ring_plan(kind, d, vec, x.shape[-1], 0), x.shape[0]) is not None
         ring += fits
         total += 1 if fits else 2
     return ring, total
@@ -965,7 +965,7 @@ def test_emulated_long_rows_resident(emulated, dtype, depth, rng, monkeypatch):
         else:
             x = emu.strided(x, layout)
         ring = N._ring_plan("rms_norm", d, vec, n, 0, "resident")
-        grid = N._ring_grid(ring, rows)
+        grid = N.ring_grid(ring, rows)
         assert (ring.C, ring.depth) == (C, depth)
         if layout != "offset":          # (offset rows run single elements: no resident kernel)
             assert (grid is not None) == fits
@@ -1763,7 +1763,7 @@ def test_gpu_ring_on_this_device(monkeypatch):
             ring2 = N._ring_plan(kind, d, vec, 1 << 20, dev, "ring2")
             assert ring2 is not None and ring2.depth >= 2 and ring2.capacity >= info.sm_count
             assert ring.smem <= max(48 * 1024, info.max_smem_per_block_optin)
-            grid = N._ring_grid(ring, 16)
+            grid = N.ring_grid(ring, 16)
             assert grid is not None and grid <= ring.capacity
     # "auto" at the bench shapes of notes_norms.md
     # (resident where the rows fit on chip and the module runs cp.async (run 102); else run
@@ -1778,27 +1778,27 @@ def test_gpu_ring_on_this_device(monkeypatch):
                 plan = N._plan(kind, d, vec, n, dev)
                 chosen = N._long_rows_ring(kind, plan, d, vec, n, rows, dev)
                 r2 = N._ring_plan(kind, d, vec, n, dev, "ring2")
-                one_tile = rows * r2.C <= N._ring_grid(r2, rows)
+                one_tile = rows * r2.C <= N.ring_grid(r2, rows)
                 want = "ring2" if one_tile or (kind != "layer_norm" and r2.C <= 64) else "ring"
                 res = N._ring_plan(kind, d, vec, n, dev, "resident")
-                res_grid = N._ring_grid(res, rows)
-                if res_grid is not None and N._copies_async(N._MODULE_OF[kind], dev):
+                res_grid = N.ring_grid(res, rows)
+                if res_grid is not None and N.copies_async(N._MODULE_OF[kind], dev):
                     want = "resident"
                 assert chosen is not None and chosen[0].variant == want, (kind, d, n)
                 seen.add(want)
     if info.sm_count >= 100:           # an H100-sized grid: every plan occurs; the resident plan
         # ([16, 1M] bf16, [8, 393216]) on sm_80+ builds
-        assert seen == ({"ring", "ring2", "resident"} if N._copies_async(N.RMS_NORM_MODULE, dev)
+        assert seen == ({"ring", "ring2", "resident"} if N.copies_async(N.RMS_NORM_MODULE, dev)
                         else {"ring", "ring2"})
     # "resident" at [16, 2^20] bf16: the rows fit in an H100's shared memory (+ a register tile)
     for kind in ("layer_norm", "rms_norm"):
         res = N._ring_plan(kind, dt.bfloat16, 8, 1 << 20, dev, "resident")
         assert res is not None and res.capacity >= info.sm_count
         if info.sm_count >= 128 and info.max_smem_per_block_optin >= 227 * 1024:
-            grid = N._ring_grid(res, 16)
+            grid = N.ring_grid(res, 16)
             assert res.depth == 7 and grid == 128 and 16 * res.C == grid * (res.depth + 1)
     ring = N._ring_plan("rms_norm", dt.bfloat16, 8, 1 << 20, dev)
-    grid = N._ring_grid(ring, 16)
+    grid = N.ring_grid(ring, 16)
     if ring.capacity * ring.depth < 16 * ring.C:
         assert -(-16 * ring.C // grid) > ring.depth         # K > D: slots are reused
     # resident's bulk copies (sm_90, 4+ slot tiles per block) with a ragged last tile per row:
@@ -1806,7 +1806,7 @@ def test_gpu_ring_on_this_device(monkeypatch):
     ragged = (16, (1 << 20) - 8)
     chosen = N._long_rows_ring("rms_norm", N._plan("rms_norm", dt.bfloat16, 8, ragged[1], dev),
                                dt.bfloat16, 8, ragged[1], ragged[0], dev)
-    if N._copies_async(N.RMS_NORM_MODULE, dev):
+    if N.copies_async(N.RMS_NORM_MODULE, dev):
         res, grid = chosen
         assert res.variant == "resident" and min(res.depth, 16 * res.C // grid) >= 4
         assert (ragged[1] // 8) % (res.threads * res.packs) != 0          # a ragged last tile

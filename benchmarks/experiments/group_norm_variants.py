@@ -14,8 +14,10 @@ notes_groupnorm_copy.md round 2); twopass / twopass_fwd = the two-kernel path (r
 forward apply order); spread = group_norm_spread (round 2) with its own plan; spread_c1/2/4/8 =
 with a forced cluster size; spread_r1/r2 = with a forced number of blocks per SM; auto_spread =
 auto with AUTO_SPREAD; stream = group_norm_stream (round 3, persistent) with its own plan;
-stream_c1/2/4/8 = with a forced cluster size; stream_n<k> = at most k clusters; auto_stream = auto with AUTO_STREAM; auto3 / auto2
-= auto with AUTO_RULE = 3 (the default) / 2 (round 2's). Channels-last:
+stream_c1/2/4/8 = with a forced cluster size; stream_n<k> = at most k clusters; auto_stream = auto
+with AUTO_STREAM; auto3 / auto2 = auto with AUTO_RULE = 3 (the default) / 2 (round 2's); resident
+= group_norm_resident (round 4: the input held on chip over the whole grid, where it fits; else
+auto's plan) and auto_resident = auto with AUTO_RESIDENT. Channels-last:
 auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse / forward apply order); nhwc_copy =
 through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8, nhwc_spread_r1/r2; auto_spread.
 Peers: torch eager (F.silu(F.group_norm)), Liger when installed (NCHW), torch.compile with
@@ -51,7 +53,7 @@ NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2
                  "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
                  "spread_r1", "spread_r2", "auto_spread", "stream", "stream_c1", "stream_c2",
                  "stream_c4", "stream_c8", "stream_n16", "stream_n32", "stream_n48",
-                 "auto_stream", "auto3", "auto2")
+                 "auto_stream", "auto3", "auto2", "resident", "auto_resident")
 NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
                  "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
                  "auto_spread", "auto2")
@@ -90,10 +92,11 @@ def set_variant(v):
     GN.force_path, GN.apply_order = None, "reverse"
     GN.AUTO_SPREAD, GN.spread_cluster, GN.spread_residency = False, None, None
     GN.AUTO_STREAM, GN.AUTO_RULE, GN.stream_clusters = False, 3, None
+    GN.AUTO_RESIDENT = False
     m = re.fullmatch(r"(.+)_([crn])(\d+)", v)         # spread_c4, nhwc_spread_r2, stream_n32 ...
     base = m.group(1) if m else v
     if base in ("onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass", "nhwc",
-                "nhwc_copy", "spread", "nhwc_spread", "stream"):
+                "nhwc_copy", "spread", "nhwc_spread", "stream", "resident"):
         GN.force_path = base
     elif base == "twopass_fwd":
         GN.force_path, GN.apply_order = "twopass", "forward"
@@ -103,6 +106,8 @@ def set_variant(v):
         GN.AUTO_SPREAD = True
     elif base == "auto_stream":
         GN.AUTO_STREAM = True
+    elif base == "auto_resident":
+        GN.AUTO_RESIDENT = True
     elif base == "auto3":
         GN.AUTO_RULE = 3
     elif base == "auto2":
@@ -123,6 +128,7 @@ class LaunchLog:
     def __init__(self):
         self.launches = []
         self._get = GN.KERNELS.get
+        self._get_resident = GN.RESIDENT_KERNELS.get
 
     def __enter__(self):
         log, get = self.launches, self._get
@@ -139,10 +145,13 @@ class LaunchLog:
                            f"{f' smem {smem // 1024}K' if smem else ''}")
                 return self.k.launch(grid, block, stream, *args, smem=smem)
         GN.KERNELS.get = lambda dev, expr: Spy(get(dev, expr), expr)
+        get_resident = self._get_resident
+        GN.RESIDENT_KERNELS.get = lambda dev, expr: Spy(get_resident(dev, expr), expr)
         return self
 
     def __exit__(self, *exc):
         GN.KERNELS.get = self._get
+        GN.RESIDENT_KERNELS.get = self._get_resident
         return False
 
 

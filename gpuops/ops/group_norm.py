@@ -62,6 +62,7 @@ import numpy as np
 from gpuops import dtypes as dt
 from gpuops.bench_spec import BenchSpec
 from gpuops.ops import copy as _copy
+from gpuops.ops import norms as _norms
 from gpuops.registry import register
 from gpuops.runtime import device, loader
 from gpuops.runtime.launch import ArgSpec
@@ -121,6 +122,10 @@ AUTO_STREAM = False
 # faster at [2, 320, 64, 64] and [4, 1280, 32, 32] 16-bit (spread), [16, 640, 32, 32] 16-bit
 # (stream) and [1, 256, 256, 256] 16-bit (two-pass).
 AUTO_RULE = 3
+# Round 4 (group_norm_resident, groupnorm/group_norm_resident.cu: the norms' "resident" plan, x
+# held on chip across the whole grid): force_path "resident" forces it where the input fits;
+# AUTO_RESIDENT makes auto take it wherever it fits (A/B, off until measured).
+AUTO_RESIDENT = False
 # group_norm_stream launches at most this many clusters (A/B; None: as many as are co-resident)
 stream_clusters: int | None = None
 spread_cluster: int | None = None
@@ -142,6 +147,8 @@ _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32
 _SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "3I", "f32", "i32")
 _STREAM_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "3I", "f32",
                        "i32")
+_RESIDENT_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
+                         "i32", "3I", "f32", "i32")
 _NHWC_SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32",
                             "i32", "f32", "i32")
 
@@ -176,6 +183,17 @@ MODULE = KernelModule("norms.group_norm", "groupnorm/group_norm.cu", {
     **{_spread_expr("stream", d, s): _STREAM_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
 })
 KERNELS = _copy.KernelCache(MODULE)
+
+
+def _resident_expr(d):
+    return f"gpuops::group_norm_resident<{d.ctype}, {16 // d.itemsize}, " \
+           f"{_norms.ring_packs(_norms.LAYER_NORM, 16 // d.itemsize)}>"
+
+
+# A module of its own: it builds on the norms' ring headers (norms/layer_norm_ring.cuh).
+RESIDENT_MODULE = KernelModule("norms.group_norm_resident", "groupnorm/group_norm_resident.cu",
+                               {_resident_expr(d): _RESIDENT_ARGS for d in dt.FLOATS})
+RESIDENT_KERNELS = _copy.KernelCache(RESIDENT_MODULE)
 # The compiled-in cluster size of each kernel (the CPU emulator runs a cluster's blocks together).
 CLUSTER_OF = {**{_onchip_expr(d, ONCHIP_PACKS, s): s for d in dt.FLOATS for s in (1, *CLUSTERS)},
               **{_spread_expr(k, d, s): s for k in ("spread", "nhwc_spread", "stream")
@@ -413,6 +431,12 @@ def _unless_clusters_refused(dev, got, refit):
     return run if s == 1 else _with_cluster_fallback(dev, run, refit())
 
 
+def _copy_async(dev) -> bool:
+    """Whether the resident kernel runs cp.async here (built for sm_80+: GPUOPS_ARCH=61 on an
+    H100 loads Pascal PTX, whose copies are plain loads and stores: correct, not a speed path)."""
+    return RESIDENT_KERNELS.target_arch(dev) >= 80
+
+
 def _smem_optin(dev) -> int:
     return int(getattr(device.device_info(dev), "max_smem_per_block_optin", 0) or 0)
 
@@ -489,6 +513,31 @@ def _stream_launcher(dev, d, n, c, hw, g, act, clusters):
     return run_stream, s
 
 
+
+def _resident_launcher(dev, d, n, c, hw, g, act):
+    """run of group_norm_resident for contiguous aligned [n, c, hw] with hw % VEC == 0, or None
+    where the input does not fit on chip (every tile of the grid held at once: norms.py
+    fit_ring_plan / ring_grid with layer_norm's tiles)."""
+    vec = 16 // d.itemsize
+    cg = c // g
+    rows, elems = n * g, cg * hw
+    kernel = RESIDENT_KERNELS.get(dev, _resident_expr(d))
+    ring = _norms.fit_ring_plan(kernel, _norms.LAYER_NORM, vec, elems, d.itemsize, dev,
+                                "resident")
+    grid = _norms.ring_grid(ring, rows)
+    if grid is None:
+        return None
+    grid, block = (grid, 1, 1), (ring.threads, 1, 1)
+    tail = (rows, elems, ring.C, ring.depth, g, cg, *_copy.fast_divider(hw // vec))
+    words = rows * ring.C * 2
+
+    def run_resident(call, x, w, b, y, eps):
+        state = _norms.ring2_state(call, words)
+        kernel.launch(grid, block, call.stream, x.ptr, y.ptr, _ptr(w), _ptr(b), state, *tail,
+                      eps, act, smem=ring.smem)
+    return run_resident
+
+
 def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     """run(call, x, w, b, y, eps) for x, y: contiguous [n, c, hw]."""
     vec = 16 // d.itemsize
@@ -498,6 +547,11 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     sms = _copy.sm_count(dev)
     aligned = aligned and hw % vec == 0
     rule3 = AUTO_RULE == 3 and force_path is None
+    if aligned and (force_path == "resident" or (force_path is None and AUTO_RESIDENT
+                                                 and _copy_async(dev))):
+        run = _resident_launcher(dev, d, n, c, hw, g, act)
+        if run is not None:
+            return run
     if aligned and (force_path == "stream" or (force_path is None and (AUTO_STREAM or rule3))):
         got = _stream_launcher(dev, d, n, c, hw, g, act, clusters and _clusters_available(dev))
         if got is not None:
@@ -816,7 +870,7 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
     key = (call.device, loader.generation, force_path, apply_order, AUTO_SPREAD, AUTO_STREAM,
-           AUTO_RULE, stream_clusters, spread_cluster,
+           AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster,
            spread_residency, input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),

@@ -509,15 +509,21 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
     hit = _plans.get(key)
     if hit is not None and hit[0] is kind:
         return hit[1]
-    info = device.device_info(dev)
-    plan = None
     kernel = loader.load(_MODULE_OF[kind_name], dev).kernel(exprs[(dtype, vec)])
+    plan = fit_ring_plan(kernel, kind, vec, n, dtype.itemsize, dev, variant)
+    _plans[key] = (kind, plan)
+    return plan
+
+
+def fit_ring_plan(kernel, kind: Kind, vec: int, n: int, itemsize: int, dev: int,
+                  variant: str = "ring"):
+    """The RingPlan of `kernel` (a ring kernel with `kind`'s tiles) for rows of n, or None where
+    no block of 2+ slots fits (see _ring_plan; also group_norm's resident kernel)."""
+    info = device.device_info(dev)
     limit = max(48 * 1024, info.max_smem_per_block_optin)
     tries = [kind.ring_threads] + [t for t in (256, 128) if t < kind.ring_threads]
     for max_threads in tries:
-        if plan is not None:
-            break
-        threads, packs, C, tile_bytes = ring_shape(kind, vec, n, dtype.itemsize, max_threads)
+        threads, packs, C, tile_bytes = ring_shape(kind, vec, n, itemsize, max_threads)
         for per_sm in (1,) if variant == "resident" else (2, 1):
             top = RING_MAX_DEPTH if variant != "resident" else min(RING_MAX_DEPTH,
                                                                      RESIDENT_MAX_DEPTH)
@@ -527,16 +533,12 @@ def _ring_plan(kind_name: str, dtype, vec: int, n: int, dev: int, variant: str =
                     continue
                 fit = _resident_per_sm(kernel, threads, smem)
                 if fit >= per_sm:
-                    plan = RingPlan(kernel, threads, packs, C, depth, smem, fit * info.sm_count,
+                    return RingPlan(kernel, threads, packs, C, depth, smem, fit * info.sm_count,
                                     kind, variant)
-                    break
-            if plan is not None:
-                break
-    _plans[key] = (kind, plan)
-    return plan
+    return None
 
 
-def _ring_grid(ring, rows: int):
+def ring_grid(ring, rows: int):
     """Blocks of a ring launch over `rows` rows, or None when it cannot run: at most `capacity`
     (all resident), tiles spread evenly, no block holding more than `depth` tiles of one row
     (norm_ring.cuh: forward progress; "resident": no block holding more than depth + 1 tiles in
@@ -607,7 +609,7 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     return hit
 
 
-def _copies_async(module, dev: int) -> bool:
+def copies_async(module, dev: int) -> bool:
     """Whether `module` runs cp.async here: built for sm_80+ (GPUOPS_ARCH=61 on an H100 loads
     Pascal PTX, whose "resident" copies are plain loads and stores: correct, not a speed path)."""
     target = getattr(loader.load(module, dev), "target", None)
@@ -623,9 +625,9 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
         return None
     variant = LONG_ROWS
     if variant == "resident" or (variant == "auto" and vec > 1
-                                 and _copies_async(_MODULE_OF[kind_name], dev)):
+                                 and copies_async(_MODULE_OF[kind_name], dev)):
         ring = _ring_plan(kind_name, dtype, vec, n, dev, "resident")
-        grid = _ring_grid(ring, rows)
+        grid = ring_grid(ring, rows)
         if grid is not None:
             return ring, grid
         variant = "auto"          # (no resident kernel here, or the rows do not fit on chip)
@@ -633,12 +635,12 @@ def _long_rows_ring(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: i
         variant = "ring"
         if vec > 1:
             ring = _ring_plan(kind_name, dtype, vec, n, dev, "ring2")
-            grid = _ring_grid(ring, rows)
+            grid = ring_grid(ring, rows)
             if grid is not None and (rows * ring.C <= grid or (
                     kind_name != "layer_norm" and ring.C <= AUTO_RING2_MAX_C)):
                 return ring, grid
     ring = _ring_plan(kind_name, dtype, vec, n, dev, variant)
-    grid = _ring_grid(ring, rows)
+    grid = ring_grid(ring, rows)
     return None if grid is None else (ring, grid)
 
 
@@ -651,7 +653,7 @@ _ring2_retired: list = []
 RING2_HEADER_WORDS = 4       # uint32s before the 64-bit words (16 bytes: keeps them aligned)
 
 
-def _ring2_state(call, words: int) -> int:
+def ring2_state(call, words: int) -> int:
     """Address of a ring2 state buffer with room for `words` 64-bit words, for launches on
     call.stream. A new buffer is zeroed on that stream (inside a capture, the graph zeroes it
     on every replay: equally valid, as the zero state is a valid state between launches)."""
@@ -854,7 +856,7 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
     ring = _long_rows_ring("layer_norm", plan, dtype, vec, n, rows, call.device)
     if ring is not None and ring[0].variant != "ring":
         ring, grid = ring
-        state = _ring2_state(call, rows * ring.C * 2)
+        state = ring2_state(call, rows * ring.C * 2)
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, y.ptr, ys,
                            _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), state, rows, n, ring.C,
                            ring.depth, eps, smem=ring.smem)
@@ -911,7 +913,7 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
     ring = _long_rows_ring(kind, plan, dtype, vec, n, rows, call.device)
     if ring is not None and ring[0].variant != "ring":
         ring, grid = ring
-        state = _ring2_state(call, rows * ring.C)
+        state = ring2_state(call, rows * ring.C)
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
                            rs, y.ptr, ys, _ptr(h), hs, _ptr(w), _ptr(rstd), state, rows, n,
                            ring.C, ring.depth, eps, smem=ring.smem)
