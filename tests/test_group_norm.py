@@ -942,7 +942,7 @@ def test_resident_plan_and_routes(monkeypatch, rng):
     group, 7 slots and one register tile per block, 128 blocks); its fp32 groups (67 MB) do
     not, so "resident" falls back to auto's plan there; AUTO_RESIDENT takes it where it fits and
     only where the module copies asynchronously (sm_80+)."""
-    se = ResidentEmu(monkeypatch, sms=132)
+    ResidentEmu(monkeypatch, sms=132)               # (patches the plan's device and kernels)
     ring, grid = _resident_plan((1, 256, 256, 256), 32, "bfloat16", 132)
     assert (ring.threads, ring.C, ring.depth, grid) == (512, 32, 7, 128)
     assert _resident_plan((1, 256, 256, 256), 32, "float32", 132)[1] is None
