@@ -426,6 +426,7 @@ def test_refused_cluster_launch_falls_back(monkeypatch, rng):
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
         monkeypatch.setattr(GN, "_clusters_refused", {})
+        monkeypatch.setattr(GN, "AUTO_RULE", 3)     # (this NumPy emulator has no resident kernel)
 
         def refuse(*args):
             raise RuntimeError("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
@@ -518,7 +519,7 @@ def _f32(v):
 
 
 def _rcp_newton_model(d):
-    """rcp_newton of group_norm.cu in float32 steps (each fma rounded once, as on the GPU)."""
+    """rcp_newton of common/activations.cuh in float32 steps (each fma rounded once, as on the GPU)."""
     d = np.asarray(d, np.float32)
     r = (np.int32(0x7EF311C3) - d.view(np.int32)).view(np.float32)
     for _ in range(3):
@@ -940,8 +941,8 @@ def test_resident_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, 
 def test_resident_plan_and_routes(monkeypatch, rng):
     """On 132 SMs of 227 KiB: the VAE shape's 16-bit groups fit on chip (32 tiles of 32 KiB per
     group, 7 slots and one register tile per block, 128 blocks); its fp32 groups (67 MB) do
-    not, so "resident" falls back to auto's plan there; AUTO_RESIDENT takes it where it fits and
-    only where the module copies asynchronously (sm_80+)."""
+    not, so "resident" falls back to auto's plan there; auto (rule 4) takes it where no spread or
+    stream plan does and it fits, and only where the module copies asynchronously (sm_80+)."""
     ResidentEmu(monkeypatch, sms=132)               # (patches the plan's device and kernels)
     ring, grid = _resident_plan((1, 256, 256, 256), 32, "bfloat16", 132)
     assert (ring.threads, ring.C, ring.depth, grid) == (512, 32, 7, 128)
@@ -954,8 +955,20 @@ def test_resident_plan_and_routes(monkeypatch, rng):
     assert GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, False, 1).__name__ != \
         "run_resident"                                     # (unaligned: no 16-byte units)
     monkeypatch.setattr(GN, "force_path", None)
-    monkeypatch.setattr(GN, "AUTO_RESIDENT", True)
-    assert GN._nchw_launcher(0, dt.float32, 4, 1280, 1024, 32, True, 1).__name__ == \
+    # rule 4 (the default): resident where neither one-wave spread nor multi-round stream plans
+    # exist and the input fits; rule 3 keeps the two-pass / on-chip kernels there
+    assert GN.AUTO_RULE == 4
+    for args, name in [((dt.bfloat16, 1, 256, 65536), "run_resident"),
+                       ((dt.float32, 4, 1280, 1024), "run_resident"),
+                       ((dt.float32, 1, 256, 65536), "run_two_pass"),     # (67 MB: no fit)
+                       ((dt.bfloat16, 2, 320, 4096), "run_cluster"),      # (spread, 2 / group)
+                       ((dt.bfloat16, 16, 640, 1024), "run_stream")]:
+        assert GN._nchw_launcher(0, *args, 32, True, 1).__name__ == name, args
+    monkeypatch.setattr(GN, "AUTO_RULE", 3)
+    assert GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1).__name__ == \
+        "run_two_pass"
+    monkeypatch.setattr(GN, "AUTO_RESIDENT", True)                # (before spread and stream)
+    assert GN._nchw_launcher(0, dt.bfloat16, 2, 320, 4096, 32, True, 1).__name__ == \
         "run_resident"
     monkeypatch.setattr(GN.RESIDENT_KERNELS, "target_arch", lambda _dev: 61)
     assert GN._nchw_launcher(0, dt.float32, 4, 1280, 1024, 32, True, 1).__name__ != \

@@ -15,7 +15,8 @@ forward apply order); spread = group_norm_spread (round 2) with its own plan; sp
 with a forced cluster size; spread_r1/r2 = with a forced number of blocks per SM; auto_spread =
 auto with AUTO_SPREAD; stream = group_norm_stream (round 3, persistent) with its own plan;
 stream_c1/2/4/8 = with a forced cluster size; stream_n<k> = at most k clusters; auto_stream = auto
-with AUTO_STREAM; auto3 / auto2 = auto with AUTO_RULE = 3 (the default) / 2 (round 2's); resident
+with AUTO_STREAM; auto4 / auto3 / auto2 = auto with AUTO_RULE = 4 (the default since run 124) /
+3 / 2 (round 2's); resident
 = group_norm_resident (round 4: the input held on chip over the whole grid, where it fits; else
 auto's plan) and auto_resident = auto with AUTO_RESIDENT. Channels-last:
 auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse / forward apply order); nhwc_copy =
@@ -53,7 +54,7 @@ NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2
                  "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
                  "spread_r1", "spread_r2", "auto_spread", "stream", "stream_c1", "stream_c2",
                  "stream_c4", "stream_c8", "stream_n16", "stream_n32", "stream_n48",
-                 "auto_stream", "auto3", "auto2", "resident", "auto_resident")
+                 "auto_stream", "auto4", "auto3", "auto2", "resident", "auto_resident")
 NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
                  "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
                  "auto_spread", "auto2")
@@ -91,7 +92,7 @@ def set_variant(v):
     """The module knobs of variant v (every knob reset first)."""
     GN.force_path, GN.apply_order = None, "reverse"
     GN.AUTO_SPREAD, GN.spread_cluster, GN.spread_residency = False, None, None
-    GN.AUTO_STREAM, GN.AUTO_RULE, GN.stream_clusters = False, 3, None
+    GN.AUTO_STREAM, GN.AUTO_RULE, GN.stream_clusters = False, 4, None
     GN.AUTO_RESIDENT = False
     m = re.fullmatch(r"(.+)_([crn])(\d+)", v)         # spread_c4, nhwc_spread_r2, stream_n32 ...
     base = m.group(1) if m else v
@@ -108,6 +109,8 @@ def set_variant(v):
         GN.AUTO_STREAM = True
     elif base == "auto_resident":
         GN.AUTO_RESIDENT = True
+    elif base == "auto4":
+        GN.AUTO_RULE = 4
     elif base == "auto3":
         GN.AUTO_RULE = 3
     elif base == "auto2":

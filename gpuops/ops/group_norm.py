@@ -120,11 +120,15 @@ AUTO_STREAM = False
 # on-chip blocks that take a whole SM over several waves, else round 2's. Measured in runs
 # 116-119 (benchmarks/notes_groupnorm_copy.md, "Round 3"): never slower than rule 2, and 11-16%
 # faster at [2, 320, 64, 64] and [4, 1280, 32, 32] 16-bit (spread), [16, 640, 32, 32] 16-bit
-# (stream) and [1, 256, 256, 256] 16-bit (two-pass).
-AUTO_RULE = 3
+# (stream) and [1, 256, 256, 256] 16-bit (two-pass). 4 (default since run 124) = rule 3 with
+# group_norm_resident (round 4) taking the place of the on-chip and two-pass kernels wherever the
+# input fits on chip (AUTO_RESIDENT below).
+AUTO_RULE = 4
 # Round 4 (group_norm_resident, groupnorm/group_norm_resident.cu: the norms' "resident" plan, x
 # held on chip across the whole grid): force_path "resident" forces it where the input fits;
-# AUTO_RESIDENT makes auto take it wherever it fits (A/B, off until measured).
+# AUTO_RESIDENT makes auto take it wherever it fits, also before the spread and stream kernels
+# (A/B; run 124: slower there, e.g. [2, 320, 64, 64] bf16 10.9 vs 7.5 us, [16, 640, 32, 32] bf16
+# 25.0 vs 15.3: its drains all run at the end of the launch, one 512-thread block per SM).
 AUTO_RESIDENT = False
 # group_norm_stream launches at most this many clusters (A/B; None: as many as are co-resident)
 stream_clusters: int | None = None
@@ -546,7 +550,7 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     elems = cg * hw
     sms = _copy.sm_count(dev)
     aligned = aligned and hw % vec == 0
-    rule3 = AUTO_RULE == 3 and force_path is None
+    rule3 = AUTO_RULE in (3, 4) and force_path is None
     if aligned and (force_path == "resident" or (force_path is None and AUTO_RESIDENT
                                                  and _copy_async(dev))):
         run = _resident_launcher(dev, d, n, c, hw, g, act)
@@ -563,6 +567,14 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
         if got is not None:
             return _unless_clusters_refused(dev, got, lambda: _nchw_launcher(
                 dev, d, n, c, hw, g, aligned, act, clusters=False))
+    if aligned and AUTO_RULE == 4 and force_path is None and _copy_async(dev):
+        # rule 4: where neither a one-wave spread nor a multi-round stream plan exists, the
+        # input held on chip by the resident kernel when it fits (run 124: [1, 256, 256, 256]
+        # 16-bit 43.4 -> 34.7 us, [4, 1280, 32, 32] fp32 22.9 -> 15.3; where spread or stream
+        # run it measured slower: 7.5 -> 10.9 us at [2, 320, 64, 64] bf16)
+        run = _resident_launcher(dev, d, n, c, hw, g, act)
+        if run is not None:
+            return run
     if aligned and force_path != "twopass":
         clusters = clusters and force_path != "onchip" and _clusters_available(dev)
         onchip_force = force_path if force_path in ("onchip", "cluster2", "cluster4",
@@ -654,7 +666,7 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
         run = _nhwc_spread_launcher(dev, d, n, c, hw, g, act, _clusters_available(dev))
         if run is not None:
             return run
-    if (spread and aligned and c % vec == 0 and AUTO_RULE == 3 and force_path is None
+    if (spread and aligned and c % vec == 0 and AUTO_RULE in (3, 4) and force_path is None
             and n * hw * c * d.itemsize <= NHWC_COPY_MAX_BYTES):
         # small inputs: the spread kernel with two blocks of <= 448 threads per SM (run 116,
         # [2, 64, 64, 320]: bf16 12.5 us against 16.5 through NCHW copies, fp32 18.2 against
