@@ -4,9 +4,11 @@ group_norm's kernel.
 
 Variants, each a separate build of groupnorm/group_norm_resident.cu switched into gpuops'
 dispatch (group_norm.RESIDENT_KERNELS) with force_path = "resident":
-  default         as gpuops builds it (SiLU by silu_pack: some reciprocals on the FMA pipe)
-  silu_mufu       -DGPUOPS_GN_RESIDENT_SILU_MUFU: every SiLU reciprocal by MUFU.RCP (run 124's)
+  default         as gpuops builds it
   default_trace   -DGPUOPS_RESIDENT_TRACE=256: %globaltimer stamps per block and phase
+(Run 125 also A/B'd a build whose SiLU took group_norm.cu's silu_pack against silu_f: 0.7 us
+slower at [1, 256, 256, 256] bf16, equal elsewhere; add a variant's -D options to VARIANTS, and
+the switch to the kernel, to A/B another build option.)
 Shapes: [1, 256, 256, 256] bf16 (the VAE's; 33.5 MB on chip), [4, 1280, 32, 32] fp32 and bf16,
 [2, 320, 64, 64] bf16; each with SiLU and without. Each: max |error| against float64, CUDA-graph
 time per call (20 calls per graph, median of 20 replays; the untraced builds alternate over 3
@@ -41,8 +43,7 @@ from norms_resident_trace import TRACE_BLOCKS, WIDTH, summarize  # noqa: E402
 
 SHAPES = (((1, 256, 256, 256), torch.bfloat16), ((4, 1280, 32, 32), torch.float32),
           ((4, 1280, 32, 32), torch.bfloat16), ((2, 320, 64, 64), torch.bfloat16))
-VARIANTS = {"default": (), "silu_mufu": ("-DGPUOPS_GN_RESIDENT_SILU_MUFU=1",),
-            "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
+VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
 
 
 def variant_module(name, options) -> KernelModule:

@@ -560,12 +560,44 @@ __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
 //  * y = (x - mean) * (rstd * w) + b: one FADD more than torch's x * scale + (b - mean * scale),
 //    whose rounding of mean * scale costs ~ulp(mean) / std relative (4e-3 at mean / std = 3e4);
 //  * SiLU takes some of its reciprocals from Newton-Raphson on the FMA pipe instead of MUFU, which
-//    balances the two pipes (silu_pack, common/activations.cuh);
+//    balances the two pipes (silu_pack);
 //  * everything the cluster's other blocks read lives in dynamic shared memory (the CPU emulator
 //    gives each block its own).
 
 constexpr int kSpreadPacks = 7;       // 16-byte packs per thread (NCHW; 8 spill at 64 registers)
 constexpr int kSpreadThreads = 1024;
+
+// 1 / d for 1 <= d <= 2^126 on the FMA pipe: a bit-trick seed (relative error < 0.13) and three
+// Newton-Raphson steps (error squared each: < 4e-8, plus rounding).
+__device__ __forceinline__ float rcp_newton(float d) {
+  float r = __int_as_float(0x7ef311c3 - __float_as_int(d));
+#pragma unroll
+  for (int i = 0; i < 3; ++i) {
+    const float e = fmaf(-d, r, 1.0f);
+    r = fmaf(r, e, r);
+  }
+  return r;
+}
+
+// silu_f with the reciprocal by rcp_newton: 1 + 2^t > 2^126 gives 0, as rcp.approx.ftz does
+// (so -inf -> NaN and v << 0 -> -0, as torch); NaN stays NaN.
+__device__ __forceinline__ float silu_newton(float v) {
+  const float t = -1.4426950408889634f * v;
+  const float r = rcp_newton(1.0f + fast_exp2(t));
+  return v * (t > 126.0f ? 0.0f : r);
+}
+
+// SiLU of a pack, some reciprocals by Newton-Raphson instead of MUFU.RCP. Per warp and element a
+// MUFU op occupies its pipe for 8 clocks, an issue slot 1; silu_f issues 5 instructions (2 of
+// them MUFU), silu_newton 13 (1 MUFU), and the pack's unpack / scale / store add ~5 per element.
+// 16-bit (8 per pack): 3 Newton elements give ~13 issue clocks and 13 MUFU clocks per element
+// (all MUFU: 16 MUFU-bound; half and half: 14.4 issue-bound); fp32 (4 per pack): 1 of 4, ~14.5.
+template <int VEC>
+__device__ __forceinline__ void silu_pack(float (&f)[VEC]) {
+  constexpr unsigned int newton = VEC == 8 ? 0x49u : 0x2u;   // elements {0, 3, 6} / {1}
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) f[j] = ((newton >> j) & 1u) ? silu_newton(f[j]) : silu_f(f[j]);
+}
 
 // NCHW. Block `rank` of group `group` holds packs [rank * slice_packs, ... + slice_packs) of the
 // group's group_packs 16-byte packs (hw % VEC == 0: a pack lies in one channel), kSpreadPacks per

@@ -12,9 +12,9 @@
 // merges); only the output side differs: the affine parameters are per channel, c = group's
 // first channel + unit / (hw / VEC) (hw % VEC == 0, so a 16-byte unit never straddles two
 // channels), read where used (the channel's two values stay in L1 across a tile's units). SiLU
-// by silu_pack (common/activations.cuh: some reciprocals on the FMA pipe): every block drains at
-// the end of the launch, and with two MUFU ops per element the VAE shape's 16.7M elements alone
-// keep the H100's MUFU pipes busy ~9 us.
+// by silu_f (two MUFU ops): group_norm.cu's silu_pack, which moves some reciprocals to the FMA
+// pipe, measured 0.7 us slower at [1, 256, 256, 256] bf16 (run 125: the drains are issue-bound,
+// not MUFU-bound, and Newton's steps add instructions).
 #include "norms/layer_norm_ring.cuh"
 #include "common/activations.cuh"
 #include "common/fastdiv.cuh"
@@ -68,15 +68,10 @@ struct GroupNormResident : LayerNormRing<T, VEC, PACKS> {
         float f[VEC];
         R::unpack(slot[kRegs ? p0 + g : (p0 + g) * blockDim.x], f);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - mu, a, sh);
-#ifdef GPUOPS_GN_RESIDENT_SILU_MUFU       // (experiments: every reciprocal by MUFU.RCP)
-        if (act) {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) f[j] = silu_f(f[j]);
+        for (int j = 0; j < VEC; ++j) {
+          const float v = fmaf(f[j] - mu, a, sh);
+          f[j] = act ? silu_f(v) : v;
         }
-#else
-        if (act) silu_pack<VEC>(f);
-#endif
         if constexpr (kEvictFirst && VEC > 1) {
           store16_evict_first(y_row + static_cast<long long>(unit) * VEC, R::pack(f));
         } else {
