@@ -1,7 +1,7 @@
 """GroupNorm forward with a fused activation (the diffusion U-Net ResNet block's GroupNorm + SiLU).
 
-Kernels: cuda_src/groupnorm/group_norm.cu. fp32 math and statistics for fp32/fp16/bf16 storage;
-statistics are numerically stable everywhere (exact two-pass over registers, Welford, and Chan's
+Kernels: cuda_src/groupnorm/group_norm.cu and group_norm_resident.cu. fp32 math and statistics
+for fp32/fp16/bf16 storage; statistics are numerically stable everywhere (exact two-pass over registers, Welford, and Chan's
 merge of partial (n, mean, M2); never E[x^2] - E[x]^2).
 
 Layouts (how the kernel is chosen, all without a copy of the input):
@@ -37,17 +37,26 @@ channels: 16-byte packs, or single elements when C or the pointers are not 16-by
 are normalized through NCHW copies, and so are inputs of at most NHWC_COPY_MAX_BYTES (measured
 faster at the diffusion shape).
 
-Auto (NCHW, ``AUTO_RULE`` = 3, measured in runs 116-119; benchmarks/notes_groupnorm_copy.md):
+Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupnorm_copy.md):
 * ``group_norm_spread`` where the groups fit one wave (one block per SM, clusters of up to 8
   blocks per group on sm_90): 16-bit [2, 320, 64, 64] 7.4 us against 8.4 for the on-chip kernel;
 * ``group_norm_stream`` where a group fits one block (<= 42 KiB) and there are more groups than
   one round of its persistent grid (two blocks per SM; each block's next group is copied into
   shared memory while the current one is normalized): 16-bit [16, 640, 32, 32] 15.6 us against
   18.7; with clusters it measured slower than the one-shot clusters, so auto does not use it there;
+* ``group_norm_resident`` (``AUTO_RULE`` = 4, the default since run 124; its own module,
+  groupnorm/group_norm_resident.cu) where neither of those applies and the whole input fits in
+  the grid's shared memory (~32 MiB on an H100): the norms' "resident" plan, every group split
+  into tiles over one 512-thread block per SM, x read once into shared memory, the groups'
+  statistics exchanged between blocks, y written once: 16-bit [1, 256, 256, 256] 35.0 us against
+  43.8 for the two-pass kernels (torch.compile 42.2-43.6), fp32 [4, 1280, 32, 32] 15.3 against
+  22.8 (compile 23.1), runs 124-126; needs sm_80+ kernels (cp.async) for auto, runs anywhere
+  when forced (``force_path`` = "resident");
 * the on-chip kernels otherwise, except that blocks which would take a whole SM over several
   waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
-* two passes for what fits none of these.
-``AUTO_RULE`` = 2 keeps round 2's rule (on chip wherever a group fits; A/B timing). The spread and
+* two passes for what fits none of these (fp32 [1, 256, 256, 256], 67 MB: 85.9 us against
+  torch.compile's 73.8).
+``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever a group fits; A/B timing). The spread and
 stream kernels run on every arch (clusters only on sm_90) and take 16-byte aligned inputs with hw
 (NCHW) or C (channels-last) a multiple of 16 bytes; ``force_path`` = "spread" / "nhwc_spread" /
 "stream" forces them, ``spread_cluster`` sets their cluster size (A/B timing).
