@@ -763,29 +763,36 @@ def test_stream_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype):
                 assert names[0].endswith(f", {cluster}>"), names
 
 
+def _stable_and_nan_in_its_group(se, shape, rng, what=""):
+    """Through se's forced kernel, [N >= 2, 8, ...] fp32 in 4 groups: (1) a mean of 1000 against a
+    spread of 1 (exact two-pass statistics: what is left is fp32's rounding of the mean); (2) a
+    NaN (sample 1, channel 5: group 2) that poisons its own group only, through SiLU."""
+    d = dt.float32
+    host = (rng.standard_normal(shape) + 1000.0).astype(np.float32)
+    y, names = se.run(se.tensor(host, d), 4, None, None, None)
+    ref = GN.ref_group_norm(host.astype(np.float64), 4)
+    err = np.abs(np.asarray(y.obj).astype(np.float64) - ref)
+    assert np.all(err <= 1e-5 * np.abs(ref) + 1.5e-4), f"{what} {names}: {err.max()}"
+    host = (rng.standard_normal(shape) * 2 + 0.5).astype(np.float32)
+    host[1, 5, 3, 7] = np.nan                                    # sample 1, group 2 (ch 4, 5)
+    y, names = se.run(se.tensor(host, d), 4, None, None, "silu")
+    got = np.asarray(y.obj).astype(np.float64)
+    nan = np.zeros(got.shape, bool)
+    nan[1, 4:6] = True
+    assert np.array_equal(np.isnan(got), nan), names
+    ref = GN.ref_group_norm(host.astype(np.float64), 4, None, None, 1e-5, "silu")
+    assert_close(got, ref, "float32", f"{what} {names}")
+
+
 def test_stream_kernel_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, rng):
     """As the spread kernels' test, through group_norm_stream with and without clusters: a mean
     of 1000 against a spread of 1, and a NaN that poisons its own group only (here the groups
     also pass through each block's prefetch buffer one after the other)."""
     se = SpreadEmu(monkeypatch, sms=1)
-    d = dt.float32
     monkeypatch.setattr(GN, "force_path", "stream")
     for cluster in (1, 4):
         monkeypatch.setattr(GN, "spread_cluster", cluster)
-        host = (rng.standard_normal((3, 8, 16, 16)) + 1000.0).astype(np.float32)
-        y, names = se.run(se.tensor(host, d), 4, None, None, None)
-        ref = GN.ref_group_norm(host.astype(np.float64), 4)
-        err = np.abs(np.asarray(y.obj).astype(np.float64) - ref)
-        assert np.all(err <= 1e-5 * np.abs(ref) + 1.5e-4), f"{names}: {err.max()}"
-        host = (rng.standard_normal((3, 8, 16, 16)) * 2 + 0.5).astype(np.float32)
-        host[1, 5, 3, 7] = np.nan                                # sample 1, group 2 (ch 4, 5)
-        y, names = se.run(se.tensor(host, d), 4, None, None, "silu")
-        got = np.asarray(y.obj).astype(np.float64)
-        nan = np.zeros(got.shape, bool)
-        nan[1, 4:6] = True
-        assert np.array_equal(np.isnan(got), nan), names
-        ref = GN.ref_group_norm(host.astype(np.float64), 4, None, None, 1e-5, "silu")
-        assert_close(got, ref, "float32", f"cluster={cluster} {names}")
+        _stable_and_nan_in_its_group(se, (3, 8, 16, 16), rng, f"cluster={cluster}")
 
 
 def test_auto_rule3_routes(monkeypatch, rng):
@@ -918,24 +925,10 @@ def test_resident_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, 
     several blocks: a mean of 1000 against a spread of 1, and a NaN that poisons its own group."""
     se = ResidentEmu(monkeypatch, optin=48 * 1024)
     monkeypatch.setattr(GN, "force_path", "resident")
-    d = dt.float32
     shape = (2, 8, 48, 64)
     ring, _ = _resident_plan(shape, 4, "float32", 4)
     assert ring.C > 1
-    host = (rng.standard_normal(shape) + 1000.0).astype(np.float32)
-    y, names = se.run(se.tensor(host, d), 4, None, None, None)
-    ref = GN.ref_group_norm(host.astype(np.float64), 4)
-    err = np.abs(np.asarray(y.obj).astype(np.float64) - ref)
-    assert np.all(err <= 1e-5 * np.abs(ref) + 1.5e-4), f"{names}: {err.max()}"
-    host = (rng.standard_normal(shape) * 2 + 0.5).astype(np.float32)
-    host[1, 5, 3, 7] = np.nan                                    # sample 1, group 2 (ch 4, 5)
-    y, names = se.run(se.tensor(host, d), 4, None, None, "silu")
-    got = np.asarray(y.obj).astype(np.float64)
-    nan = np.zeros(got.shape, bool)
-    nan[1, 4:6] = True
-    assert np.array_equal(np.isnan(got), nan), names
-    ref = GN.ref_group_norm(host.astype(np.float64), 4, None, None, 1e-5, "silu")
-    assert_close(got, ref, "float32", f"{names}")
+    _stable_and_nan_in_its_group(se, shape, rng)
 
 
 def test_resident_plan_and_routes(monkeypatch, rng):

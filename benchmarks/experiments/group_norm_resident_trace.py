@@ -28,8 +28,6 @@ from pathlib import Path
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402,N812
 
@@ -37,9 +35,8 @@ import gpuops as go  # noqa: E402
 from gpuops.bench import graph_replay_us  # noqa: E402
 from gpuops.ops import copy as _copy  # noqa: E402
 from gpuops.ops import group_norm as GN  # noqa: E402
-from gpuops.runtime import loader  # noqa: E402
 from gpuops.runtime.modules import KernelModule  # noqa: E402
-from norms_resident_trace import TRACE_BLOCKS, WIDTH, summarize  # noqa: E402
+from norms_resident_trace import TRACE_BLOCKS, read_trace, summarize  # noqa: E402
 
 SHAPES = (((1, 256, 256, 256), torch.bfloat16), ((4, 1280, 32, 32), torch.float32),
           ((4, 1280, 32, 32), torch.bfloat16), ((2, 320, 64, 64), torch.bfloat16))
@@ -83,15 +80,8 @@ def main():
                                   flush=True)
                         times.setdefault(name, []).append(graph_replay_us(fn))
                         if name.endswith("_trace") and rnd == 0:
-                            g = loader.load(mod, 0).raw.get_global("gpuops_resident_trace")
-                            arr = cp.ndarray((TRACE_BLOCKS, WIDTH), cp.uint64, g)
-                            arr.fill(0)
-                            graph_replay_us(fn, calls=20, replays=1)
-                            torch.cuda.synchronize()
-                            tr = arr.get().astype(np.float64)
-                            tr = tr[tr[:, 0] > 0]
                             key = f"{tuple(shape)} {td} act={act}"
-                            summary = summarize(tr)
+                            summary = summarize(read_trace(mod, fn))
                             res["traces"][key] = summary
                             print(f"trace {key}:", flush=True)
                             for what, v in summary.items():

@@ -99,6 +99,18 @@ def summarize(tr: np.ndarray) -> dict:
     return out
 
 
+def read_trace(module, fn) -> np.ndarray:
+    """[blocks, WIDTH] stamps of the last call of one graph replay of fn (20 calls), as written
+    by `module` (a -DGPUOPS_RESIDENT_TRACE build), blocks that wrote none dropped."""
+    g = loader.load(module, 0).raw.get_global("gpuops_resident_trace")
+    arr = cp.ndarray((TRACE_BLOCKS, WIDTH), cp.uint64, g)
+    arr.fill(0)
+    graph_replay_us(fn, calls=20, replays=1)
+    torch.cuda.synchronize()
+    tr = arr.get().astype(np.float64)
+    return tr[tr[:, 0] > 0]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
@@ -148,15 +160,7 @@ def main():
                                                     variant=name, max_err=err, launch=desc))
                         times.setdefault(name, []).append(graph_replay_us(fn))
                         if name.endswith("_trace") and rnd == 0:
-                            g = loader.load(mods[(kind, name)], 0).raw.get_global(
-                                "gpuops_resident_trace")
-                            arr = cp.ndarray((TRACE_BLOCKS, WIDTH), cp.uint64, g)
-                            arr.fill(0)
-                            graph_replay_us(fn, calls=20, replays=1)
-                            torch.cuda.synchronize()
-                            tr = arr.get().astype(np.float64)
-                            tr = tr[tr[:, 0] > 0]
-                            summary = summarize(tr)
+                            summary = summarize(read_trace(mods[(kind, name)], fn))
                             key = f"{kind} {shape} {d.name} {name}"
                             res["traces"][key] = summary
                             print(f"trace {key}:", flush=True)
