@@ -845,7 +845,7 @@ class ResidentEmu(SpreadEmu):
         def get(_dev, expr):
             return self.emu.EmuKernel(lib, index[expr], GN.RESIDENT_MODULE.kernels[expr], expr)
         monkeypatch.setattr(GN.RESIDENT_KERNELS, "get", get)
-        monkeypatch.setattr(GN.RESIDENT_KERNELS, "target_arch", lambda _dev: self.arch)
+        monkeypatch.setattr(GN._norms, "copies_async", lambda _module, _dev: self.arch >= 80)
         monkeypatch.setattr(GN._norms, "device", GN.device)
         monkeypatch.setattr(GN._norms, "_resident_per_sm", lambda kernel, threads, smem: 1)
         self.state = np.zeros(1 << 16, np.uint32)
@@ -963,7 +963,7 @@ def test_resident_plan_and_routes(monkeypatch, rng):
     monkeypatch.setattr(GN, "AUTO_RESIDENT", True)                # (before spread and stream)
     assert GN._nchw_launcher(0, dt.bfloat16, 2, 320, 4096, 32, True, 1).__name__ == \
         "run_resident"
-    monkeypatch.setattr(GN.RESIDENT_KERNELS, "target_arch", lambda _dev: 61)
+    monkeypatch.setattr(GN._norms, "copies_async", lambda _module, _dev: False)   # (compute_61)
     assert GN._nchw_launcher(0, dt.float32, 4, 1280, 1024, 32, True, 1).__name__ != \
         "run_resident"
 

@@ -1,8 +1,8 @@
 """GroupNorm forward with a fused activation (the diffusion U-Net ResNet block's GroupNorm + SiLU).
 
 Kernels: cuda_src/groupnorm/group_norm.cu and group_norm_resident.cu. fp32 math and statistics
-for fp32/fp16/bf16 storage; statistics are numerically stable everywhere (exact two-pass over registers, Welford, and Chan's
-merge of partial (n, mean, M2); never E[x^2] - E[x]^2).
+for fp32/fp16/bf16 storage; statistics are numerically stable everywhere (exact two-pass over
+registers, Welford, and Chan's merge of partial (n, mean, M2); never E[x^2] - E[x]^2).
 
 Layouts (how the kernel is chosen, all without a copy of the input):
 
@@ -56,10 +56,11 @@ Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupn
   waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
 * two passes for what fits none of these (fp32 [1, 256, 256, 256], 67 MB: 85.9 us against
   torch.compile's 73.8).
-``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever a group fits; A/B timing). The spread and
-stream kernels run on every arch (clusters only on sm_90) and take 16-byte aligned inputs with hw
-(NCHW) or C (channels-last) a multiple of 16 bytes; ``force_path`` = "spread" / "nhwc_spread" /
-"stream" forces them, ``spread_cluster`` sets their cluster size (A/B timing).
+``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever
+a group fits; A/B timing). The spread and stream kernels run on every arch (clusters only on
+sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a multiple of 16
+bytes; ``force_path`` = "spread" / "nhwc_spread" / "stream" forces them, ``spread_cluster`` sets
+their cluster size (A/B timing).
 """
 from __future__ import annotations
 
@@ -444,12 +445,6 @@ def _unless_clusters_refused(dev, got, refit):
     return run if s == 1 else _with_cluster_fallback(dev, run, refit())
 
 
-def _copy_async(dev) -> bool:
-    """Whether the resident kernel runs cp.async here (built for sm_80+: GPUOPS_ARCH=61 on an
-    H100 loads Pascal PTX, whose copies are plain loads and stores: correct, not a speed path)."""
-    return RESIDENT_KERNELS.target_arch(dev) >= 80
-
-
 def _smem_optin(dev) -> int:
     return int(getattr(device.device_info(dev), "max_smem_per_block_optin", 0) or 0)
 
@@ -526,7 +521,6 @@ def _stream_launcher(dev, d, n, c, hw, g, act, clusters):
     return run_stream, s
 
 
-
 def _resident_launcher(dev, d, n, c, hw, g, act):
     """run of group_norm_resident for contiguous aligned [n, c, hw] with hw % VEC == 0, or None
     where the input does not fit on chip (every tile of the grid held at once: norms.py
@@ -560,8 +554,9 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     sms = _copy.sm_count(dev)
     aligned = aligned and hw % vec == 0
     rule3 = AUTO_RULE in (3, 4) and force_path is None
-    if aligned and (force_path == "resident" or (force_path is None and AUTO_RESIDENT
-                                                 and _copy_async(dev))):
+    # (auto takes the resident kernel only where it copies asynchronously: built for sm_80+)
+    if aligned and (force_path == "resident" or (
+            force_path is None and AUTO_RESIDENT and _norms.copies_async(RESIDENT_MODULE, dev))):
         run = _resident_launcher(dev, d, n, c, hw, g, act)
         if run is not None:
             return run
@@ -576,7 +571,8 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
         if got is not None:
             return _unless_clusters_refused(dev, got, lambda: _nchw_launcher(
                 dev, d, n, c, hw, g, aligned, act, clusters=False))
-    if aligned and AUTO_RULE == 4 and force_path is None and _copy_async(dev):
+    if (aligned and AUTO_RULE == 4 and force_path is None and not AUTO_RESIDENT
+            and _norms.copies_async(RESIDENT_MODULE, dev)):
         # rule 4: where neither a one-wave spread nor a multi-round stream plan exists, the
         # input held on chip by the resident kernel when it fits (run 124: [1, 256, 256, 256]
         # 16-bit 43.4 -> 34.7 us, [4, 1280, 32, 32] fp32 22.9 -> 15.3; where spread or stream
