@@ -164,6 +164,12 @@ class GroupNormEmulator(Emulator):
         y = (vals - mean) * rstd * wv + bv
         return y / (1 + np.exp(-y)) if act else y
 
+    @staticmethod
+    def _check_keep(keep):
+        """A two-pass stats kernel's L2 keep fraction (l2_policy_keep): 0 (off) or in (0, 1]."""
+        assert isinstance(keep, float) and 0.0 <= keep <= 1.0, keep
+        return keep
+
     def _part(self, part, i):
         return tuple(self._f(part, dt.float32, 4 * i + np.arange(3)))
 
@@ -200,8 +206,9 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nchw_stats(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, part, group_units, chunk_units, chunks = args
+        x, part, group_units, chunk_units, chunks, keep = args
         assert block[0] == GN.TWO_PASS_THREADS and (vec == 1 or x % 16 == 0)
+        self.l2_keep = self._check_keep(keep)
         for blk in range(grid[0]):
             g, chunk = divmod(blk, chunks)
             u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
@@ -210,9 +217,11 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nchw_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act, rev = args
+        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act, rev, \
+            keep = args
         assert vec == 1 or (x % 16 == 0 and y % 16 == 0 and hw % vec == 0)
-        assert rev in (0, 1)
+        assert rev in (0, 1) and keep == self.l2_keep, "the pair's L2 hints disagree"
+
         for blk in _apply_blocks(grid[0], rev):
             g, chunk = divmod(blk, chunks)
             st = (0.0, 0.0, 0.0)
@@ -221,6 +230,54 @@ class GroupNormEmulator(Emulator):
             u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
             offs = g * group_units * vec + (u[:, None] * vec + np.arange(vec)).reshape(-1)
             c = (g % groups) * cg + np.repeat(u * vec // hw, vec)
+            self.arena.store(y, d, offs, self._affine(self._f(x, d, offs), st[1],
+                                                      1 / np.sqrt(st[2] / st[0] + eps), w, b, d,
+                                                      c, act))
+
+    def k_group_norm_nchw_stats2(self, targs, grid, block, args, smem):
+        """Shifted sums per thread (its first unit's mean as the shift), as the kernel forms
+        them, then Chan merges over the block's threads."""
+        d, vec = GN_DTYPES[targs[0]], int(targs[1])
+        x, part, group_units, chunk_units, chunks, keep = args
+        nth = block[0]
+        assert nth == GN.TWO_PASS_THREADS and (vec == 1 or x % 16 == 0)
+        assert grid[0] % chunks == 0 and chunk_units * (chunks - 1) < group_units
+        self.l2_keep = self._check_keep(keep)
+        for blk in range(grid[0]):
+            g, chunk = divmod(blk, chunks)
+            u0, u1 = chunk * chunk_units, min((chunk + 1) * chunk_units, group_units)
+            st = (0.0, 0.0, 0.0)
+            for t in range(nth):
+                u = np.arange(u0 + t, u1, nth)
+                if len(u) == 0:
+                    continue
+                vals = self._f(x, d, g * group_units * vec + (u[:, None] * vec + np.arange(vec)))
+                shift = vals[0].mean()
+                dv = vals.reshape(-1) - shift
+                n, s1, s2 = float(dv.size), dv.sum(), (dv * dv).sum()
+                m = s1 / n
+                st = _merge(st, (n, shift + m, max(s2 - s1 * m, 0.0)))
+            self.arena.store(part, dt.float32, 4 * blk + np.arange(4), [*st, 0.0])
+
+    def k_group_norm_nchw_apply2(self, targs, grid, block, args, smem):
+        d, vec = GN_DTYPES[targs[0]], int(targs[1])
+        x, w, b, y, part, cg, groups, group_units, tiles, chunks, eps, act, rev, keep, mul, \
+            shift = args
+        assert vec == 1 or (x % 16 == 0 and y % 16 == 0)
+        assert rev in (0, 1) and keep == self.l2_keep, "the pair's L2 hints disagree"
+        tile_units = block[0] * GN.UNROLL
+        assert grid[0] % tiles == 0 and tiles == -(-group_units // tile_units)
+        for blk in _apply_blocks(grid[0], rev):
+            g, tile = divmod(blk, tiles)
+            st = (0.0, 0.0, 0.0)
+            for i in range(chunks):
+                st = _merge(st, self._part(part, g * chunks + i))
+            assert st[0] == group_units * vec, "a group's partials do not add up"
+            u = np.arange(tile * tile_units, min((tile + 1) * tile_units, group_units))
+            offs = g * group_units * vec + (u[:, None] * vec + np.arange(vec)).reshape(-1)
+            e = (u * vec).astype(np.uint64)            # the kernel's multiply-shift divider
+            within = ((((e * mul) >> np.uint64(32)) + e) >> np.uint64(shift)).astype(np.int64)
+            c = (g % groups) * cg + np.repeat(within, vec)
             self.arena.store(y, d, offs, self._affine(self._f(x, d, offs), st[1],
                                                       1 / np.sqrt(st[2] / st[0] + eps), w, b, d,
                                                       c, act))
@@ -242,7 +299,8 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nhwc_stats(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, part, hw, c, cg, sc, slabs, tiles, tile_rows = args
+        x, part, hw, c, cg, sc, slabs, tiles, tile_rows, keep = args
+        self.l2_keep = self._check_keep(keep)
         bd, p, kg = block[0], sc // vec, sc // cg
         assert smem >= 2 * bd * vec * 4 and sc % vec == 0 and sc % cg == 0 and c == sc * slabs
         assert vec == 1 or (x % 16 == 0 and c % vec == 0)
@@ -271,9 +329,10 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nhwc_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act, rev = args
+        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act, rev, keep = args
         bd, p, kg = block[0], sc // vec, sc // cg
         assert smem >= 8 * kg and rev in (0, 1)
+        assert keep == self.l2_keep, "the pair's L2 hints disagree"
         for blk in _apply_blocks(grid[0], rev):
             n, slab, tile, rows, rs, _, offs, v = self._nhwc_block(
                 x, d, blk, slabs, tiles, tile_rows, hw, c, sc, bd, p)
@@ -394,14 +453,17 @@ def test_emulated_designs(monkeypatch, rng):
         GN._plans.clear()                      # (the threshold is not part of the plans' key)
         assert kernels((2, 16, 8, 8), 4, "strided_nhwc") == ["group_norm_nhwc_stats",
                                                            "group_norm_nhwc_apply"]
-        assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
+        assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats2", "group_norm_nchw_apply2"]
 
 
+@pytest.mark.parametrize("design", [1, 2])
 @pytest.mark.parametrize("order", ["forward", "reverse"])
-def test_emulated_apply_orders(monkeypatch, rng, order):
-    """Both block orders of the two-pass apply kernels cover every block once (A/B knob)."""
+def test_emulated_apply_orders(monkeypatch, rng, order, design):
+    """Both block orders of the two-pass apply kernels cover every block once (A/B knob), with
+    either NCHW pair (TWO_PASS_DESIGN, A/B knob)."""
     impl = registry.get("group_norm").impl
     monkeypatch.setattr(GN, "apply_order", order)
+    monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
     with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
@@ -418,6 +480,47 @@ def test_emulated_apply_orders(monkeypatch, rng, order):
                                     channels_last=layout == "nhwc")
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref,
                                        **TOL64["float16"])
+
+
+@pytest.mark.parametrize("design", [1, 2])
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_two_pass_l2_hints(monkeypatch, rng, share, design):
+    """The two-pass pairs (NCHW and channels-last) keep L2_KEEP of the L2's bytes of x for the
+    apply kernel: both kernels get min(1, L2_KEEP * L2 / x bytes), or 0 with the hints off."""
+    impl = registry.get("group_norm").impl
+    monkeypatch.setattr(GN, "L2_KEEP", share)
+    monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
+    l2 = 64 * 1024
+    with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
+        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
+            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms,
+                                                          l2_bytes=l2)))
+        for shape, groups, layout, force in [((1, 8, 64, 64), 2, "nchw", "twopass"),
+                                             ((2, 8, 8, 320), 32, "nhwc", "nhwc"),
+                                             ((1, 2, 16, 16), 2, "nchw", "twopass")]:
+            monkeypatch.setattr(GN, "force_path", force)
+            emu.arena.top = 0
+            host, x = _emulated_input(emu.arena, rng, shape, dt.float16, layout, 0)
+            emu.launches.clear()
+            y = impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
+                     layout == "nhwc")
+            x_bytes = 2 * int(np.prod(shape))
+            want = min(1.0, share * l2 / x_bytes)
+            assert emu.l2_keep == pytest.approx(want, rel=1e-6), (shape, emu.l2_keep)
+            assert (want == 1.0) == (x_bytes <= share * l2) or share == 0
+            ref = GN.ref_group_norm(host.astype(np.float64), groups, activation="silu",
+                                    channels_last=layout == "nhwc")
+            np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref,
+                                       **TOL64["float16"])
+
+
+def test_l2_keep_fraction(monkeypatch):
+    monkeypatch.setattr(GN, "L2_KEEP", 0.5)
+    assert GN.l2_keep_fraction(67 << 20, 50 << 20) == pytest.approx(25 / 67)
+    assert GN.l2_keep_fraction(10 << 20, 50 << 20) == 1.0
+    assert GN.l2_keep_fraction(10 << 20, 0) == 0.0          # L2 size unknown: no hints
+    monkeypatch.setattr(GN, "L2_KEEP", 0.0)
+    assert GN.l2_keep_fraction(67 << 20, 50 << 20) == 0.0
 
 
 def test_refused_cluster_launch_falls_back(monkeypatch, rng):
@@ -440,8 +543,8 @@ def test_refused_cluster_launch_falls_back(monkeypatch, rng):
                     contextlib.nullcontext():
                 y = impl(FakeCall(emu.arena, "group_norm"), x, 1, None, None, 1e-5, "silu", False)
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref, **TOL64["float16"])
-            assert [n for n, *_ in emu.launches[-2:]] == ["group_norm_nchw_stats",
-                                                          "group_norm_nchw_apply"]
+            assert [n for n, *_ in emu.launches[-2:]] == ["group_norm_nchw_stats2",
+                                                          "group_norm_nchw_apply2"]
         assert len(emu.launches) == 2        # the second call does not try clusters again
 
 
@@ -795,6 +898,27 @@ def test_stream_kernel_statistics_are_stable_and_nan_stays_in_its_group(monkeypa
         _stable_and_nan_in_its_group(se, (3, 8, 16, 16), rng, f"cluster={cluster}")
 
 
+@pytest.mark.parametrize("design", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_pass_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype, design):
+    """The NCHW two-pass pairs' own code (TWO_PASS_DESIGN 1 and 2) on the C++ emulation: several
+    chunks and apply tiles per group (4 SMs), channel boundaries inside tiles, 16-byte and
+    one-element units (hw not a multiple of 16 bytes), affine and SiLU on and off; in fp32 also a
+    mean of 1000 against a spread of 1, and a NaN that stays in its group."""
+    se = SpreadEmu(monkeypatch, sms=4)
+    monkeypatch.setattr(GN, "force_path", "twopass")
+    monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
+    for shape, groups in [((1, 8, 64, 64), 2), ((2, 6, 20, 40), 3), ((1, 4, 7, 7), 2),
+                          ((2, 3, 96, 65), 1)]:
+        for affine, act in ((True, "silu"), (False, None)):
+            names = _spread_case(rng, se, shape, groups, dtype, affine, act, "nchw")
+            suffix = "2" if design == 2 else ""
+            assert [n.split("<")[0] for n in names] == [
+                f"gpuops::group_norm_nchw_stats{suffix}", f"gpuops::group_norm_nchw_apply{suffix}"]
+    if dtype == "float32":
+        _stable_and_nan_in_its_group(se, (2, 8, 40, 40), rng, f"design {design}")
+
+
 def test_auto_rule3_routes(monkeypatch, rng):
     """AUTO_RULE = 3 on an emulated sm_90 of 4 SMs: groups that need several rounds of the grid
     take group_norm_stream, groups that fit one wave group_norm_spread, small channels-last
@@ -808,7 +932,7 @@ def test_auto_rule3_routes(monkeypatch, rng):
         names = _spread_case(rng, se, shape, groups, "bfloat16", True, "silu", "nchw")
         assert len(names) == 1 and names[0].startswith(f"gpuops::group_norm_{kernel}<"), names
     se = SpreadEmu(monkeypatch, sms=132)
-    for rule, name in ((3, "run_two_pass"), (2, "run_cluster")):
+    for rule, name in ((3, "run_two_pass2"), (2, "run_cluster")):
         monkeypatch.setattr(GN, "AUTO_RULE", rule)
         run = GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1)
         assert run.__name__ == name, rule
@@ -953,13 +1077,13 @@ def test_resident_plan_and_routes(monkeypatch, rng):
     assert GN.AUTO_RULE == 4
     for args, name in [((dt.bfloat16, 1, 256, 65536), "run_resident"),
                        ((dt.float32, 4, 1280, 1024), "run_resident"),
-                       ((dt.float32, 1, 256, 65536), "run_two_pass"),     # (67 MB: no fit)
+                       ((dt.float32, 1, 256, 65536), "run_two_pass2"),    # (67 MB: no fit)
                        ((dt.bfloat16, 2, 320, 4096), "run_cluster"),      # (spread, 2 / group)
                        ((dt.bfloat16, 16, 640, 1024), "run_stream")]:
         assert GN._nchw_launcher(0, *args, 32, True, 1).__name__ == name, args
     monkeypatch.setattr(GN, "AUTO_RULE", 3)
     assert GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1).__name__ == \
-        "run_two_pass"
+        "run_two_pass2"
     monkeypatch.setattr(GN, "AUTO_RESIDENT", True)                # (before spread and stream)
     assert GN._nchw_launcher(0, dt.bfloat16, 2, 320, 4096, 32, True, 1).__name__ == \
         "run_resident"

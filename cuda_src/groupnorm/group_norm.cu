@@ -47,6 +47,9 @@ struct Unit {
   static_assert(VEC == Vec16<T>::size, "a unit is one element or one 16-byte pack");
   using Raw = uint4;
   static __device__ __forceinline__ Raw load(const T* p) { return load16(p); }
+  static __device__ __forceinline__ Raw load(const T* p, L2Policy policy) {
+    return load16_policy(p, policy);
+  }
   static __device__ __forceinline__ void store(T* p, const Raw& r) { store16(p, r); }
   static __device__ __forceinline__ void unpack(const Raw& r, float (&f)[VEC]) {
     Vec16<T>::unpack(r, f);
@@ -58,6 +61,7 @@ template <class T>
 struct Unit<T, 1> {
   using Raw = T;
   static __device__ __forceinline__ Raw load(const T* p) { return *p; }
+  static __device__ __forceinline__ Raw load(const T* p, L2Policy) { return *p; }
   static __device__ __forceinline__ void store(T* p, const Raw& r) { *p = r; }
   static __device__ __forceinline__ void unpack(const Raw& r, float (&f)[1]) { f[0] = to_float(r); }
   static __device__ __forceinline__ Raw pack(const float (&f)[1]) { return from_float<T>(f[0]); }
@@ -291,6 +295,9 @@ group_norm_onchip_cluster(
 // Two-pass NCHW kernels. A group is group_units units of VEC elements (VEC = 16 bytes when hw and
 // the pointers allow it, else 1), cut into `chunks` chunks of chunk_units; block b handles chunk
 // b % chunks of group b / chunks in both kernels. part[b] = (n, mean, M2, 0) of that chunk.
+// l2_keep (both designs' pairs, NCHW and channels-last): the fraction of x's lines the stats
+// kernel keeps in L2 for the apply kernel's read (common/vec.cuh l2_policy_keep; the host sizes
+// it to a share of the L2), 0 for none (the default priority in both kernels).
 
 constexpr int kTwoPassThreads = 256;
 constexpr int kUnroll = 4;   // units loaded before any is used: bytes in flight per thread
@@ -298,9 +305,10 @@ constexpr int kUnroll = 4;   // units loaded before any is used: bytes in flight
 template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_stats(
     const T* __restrict__ x, float4* __restrict__ part, int group_units, int chunk_units,
-    int chunks) {
+    int chunks, float l2_keep) {
   using U = Unit<T, VEC>;
   __shared__ float4 scratch[32];
+  const L2Policy policy = l2_policy_keep(l2_keep);
   const int group = blockIdx.x / chunks, chunk = blockIdx.x - group * chunks;
   const T* xg = x + static_cast<long long>(group) * group_units * VEC;
   const int u0 = chunk * chunk_units;
@@ -311,7 +319,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_stats(
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
+      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
@@ -349,9 +357,10 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int hw, int cg, int groups, int group_units,
-    int chunk_units, int chunks, float eps, int act, int reverse) {
+    int chunk_units, int chunks, float eps, int act, int reverse, float l2_keep) {
   using U = Unit<T, VEC>;
   __shared__ float stats[2];
+  const L2Policy policy = l2_policy_last_use(l2_keep > 0.0f);
   const int blk = apply_block(reverse);
   const int group = blk / chunks, chunk = blk - group * chunks;
   if (threadIdx.x < 32) {
@@ -374,7 +383,7 @@ __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
+      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
@@ -390,6 +399,132 @@ __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
         for (int j = 0; j < VEC; ++j) f[j] = gn_act(fmaf(f[j] - mean, a, s), act);
         U::store(yg + static_cast<long long>(uk) * VEC, U::pack(f));
       }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Two-pass NCHW kernels, second design (TWO_PASS_DESIGN = 2 on the host; run 127 measured the
+// first pair at 32.7 + 52.5 us where Inductor's kernels take 24.7 + 40.9, fp32 [1, 256, 256, 256]).
+//  * stats2: the same chunks and partials as group_norm_nchw_stats, but kStatsUnroll units in
+//    flight per thread and shifted sums instead of a Chan merge (and its division) per unit: a
+//    thread sums d = x - s and d * d, s the mean of its first unit, then forms (n, mean, M2) once.
+//    The shift removes any common offset, and the cancellation left in M2 = S2 - S1^2 / n is
+//    bounded by the thread's own spread around one of its own units.
+//  * apply2: one tile of kTwoPassThreads * kUnroll units per block (many short blocks, as a
+//    pointwise kernel: no loop), its loads issued before the block merges its group's partials
+//    (sm_70+) so that their latency hides the merge; a unit's channel by a multiply-shift divider.
+
+constexpr int kStatsUnroll = 8;
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(kTwoPassThreads, 4) group_norm_nchw_stats2(
+    const T* __restrict__ x, float4* __restrict__ part, int group_units, int chunk_units,
+    int chunks, float l2_keep) {
+  using U = Unit<T, VEC>;
+  __shared__ float4 scratch[32];
+  const L2Policy policy = l2_policy_keep(l2_keep);
+  const int group = blockIdx.x / chunks, chunk = blockIdx.x - group * chunks;
+  const T* xg = x + static_cast<long long>(group) * group_units * VEC;
+  const int u0 = chunk * chunk_units;
+  const int u1 = min(u0 + chunk_units, group_units);
+  float shift = 0.0f, s1 = 0.0f, s2 = 0.0f;
+  int count = 0;
+  for (int u = u0 + threadIdx.x; u < u1; u += kStatsUnroll * kTwoPassThreads) {
+    typename U::Raw raw[kStatsUnroll];
+#pragma unroll
+    for (int k = 0; k < kStatsUnroll; ++k) {
+      const int uk = u + k * kTwoPassThreads;
+      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
+    }
+    if (count == 0) {                    // the first iteration: raw[0] exists (u < u1)
+      float f[VEC];
+      U::unpack(raw[0], f);
+      float m = 0.0f;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) m += f[j];
+      shift = m * (1.0f / VEC);
+    }
+#pragma unroll
+    for (int k = 0; k < kStatsUnroll; ++k) {
+      if (u + k * kTwoPassThreads < u1) {
+        float f[VEC];
+        U::unpack(raw[k], f);
+        float a = 0.0f, q = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float d = f[j] - shift;
+          a += d;
+          q = fmaf(d, d, q);
+        }
+        s1 += a;
+        s2 += q;
+        count += VEC;
+      }
+    }
+  }
+  MeanM2 st = {static_cast<float>(count), 0.0f, 0.0f};
+  if (count > 0) {
+    const float m = s1 / st.n;
+    st.mean = shift + m;
+    st.m2 = fmaxf(fmaf(-s1, m, s2), 0.0f);
+  }
+  st = block_merge_to_thread0(st, scratch);
+  if (threadIdx.x == 0) part[blockIdx.x] = make_float4(st.n, st.mean, st.m2, 0.0f);
+}
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply2(
+    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
+    const float4* __restrict__ part, int cg, int groups, int group_units, int tiles, int chunks,
+    float eps, int act, int reverse, float l2_keep, unsigned int hw_mul, unsigned int hw_shift) {
+  using U = Unit<T, VEC>;
+  __shared__ float stats[2];
+  const L2Policy policy = l2_policy_last_use(l2_keep > 0.0f);
+  const int blk = apply_block(reverse);
+  const int group = blk / tiles, tile = blk - group * tiles;
+  const long long base = static_cast<long long>(group) * group_units * VEC;
+  const T* xg = x + base;
+  T* yg = y + base;
+  const int u = tile * (kTwoPassThreads * kUnroll) + threadIdx.x;
+  typename U::Raw raw[kUnroll];
+  auto load_tile = [&]() {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int uk = u + k * kTwoPassThreads;
+      if (uk < group_units) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
+    }
+  };
+#if __CUDA_ARCH__ >= 700
+  load_tile();
+#endif
+  if (threadIdx.x < 32) {
+    const MeanM2 st = warp_merge_partials(part + static_cast<long long>(group) * chunks, chunks);
+    if (threadIdx.x == 0) {
+      stats[0] = st.mean;
+      stats[1] = inv_std(st.m2 / st.n, eps);
+    }
+  }
+  __syncthreads();
+#if __CUDA_ARCH__ < 700
+  load_tile();   // (sm_61: ptxas spilled the tile held across the merge's division)
+#endif
+  const float mean = stats[0], rstd = stats[1];
+  const FastDiv per_channel = {0u, hw_mul, hw_shift};   // element index in the group -> channel
+  const int c0 = (group % groups) * cg;
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const int uk = u + k * kTwoPassThreads;
+    if (uk < group_units) {
+      // VEC > 1 only when hw % VEC == 0: a unit lies in one channel
+      const int c = c0 + static_cast<int>(per_channel.div(static_cast<unsigned int>(uk * VEC)));
+      const float a = rstd * gn_param(w, c, 1.0f);
+      const float s = gn_param(b, c, 0.0f);
+      float f[VEC];
+      U::unpack(raw[k], f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[j] = gn_act(fmaf(f[j] - mean, a, s), act);
+      U::store(yg + static_cast<long long>(uk) * VEC, U::pack(f));
     }
   }
 }
@@ -412,8 +547,9 @@ __device__ __forceinline__ float phase_rows(int rows, int ty, int rs) {
 template <class T, int VEC>
 __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_stats(
     const T* __restrict__ x, float4* __restrict__ part, int hw, int c, int cg, int sc, int slabs,
-    int tiles, int tile_rows) {
+    int tiles, int tile_rows, float l2_keep) {
   using U = Unit<T, VEC>;
+  const L2Policy policy = l2_policy_keep(l2_keep);
   extern __shared__ float4 smem4[];
   float* s_mean = reinterpret_cast<float*>(smem4);   // [RS][sc]: per channel and row phase
   float* s_m2 = s_mean + blockDim.x * VEC;
@@ -436,7 +572,9 @@ __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_stats(
     typename U::Raw raw[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      if (r + i * rs < rows) raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step);
+      if (r + i * rs < rows) {
+        raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step, policy);
+      }
     }
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
@@ -485,9 +623,10 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int hw, int c, int cg, int sc, int slabs, int tiles,
-    int tile_rows, float eps, int act, int reverse) {
+    int tile_rows, float eps, int act, int reverse, float l2_keep) {
   using U = Unit<T, VEC>;
   extern __shared__ float4 smem4[];
+  const L2Policy policy = l2_policy_last_use(l2_keep > 0.0f);
   float* s_mean = reinterpret_cast<float*>(smem4);   // [kg]
   const int kg = sc / cg;
   float* s_rstd = s_mean + kg;
@@ -531,7 +670,7 @@ __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
     typename U::Raw raw[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      if (r + i * rs < rows) raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step);
+      if (r + i * rs < rows) raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step, policy);
     }
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {

@@ -148,16 +148,28 @@ spread_residency: int | None = None
 # still in L2, first) or "forward" (the stats kernel's order: over data larger than L2, LRU
 # evicts each line just before the apply pass needs it). Part of the plans' key (A/B timing).
 apply_order: str = "reverse"
+# The two-pass pairs (NCHW and channels-last) read x twice. Their stats kernel marks a fraction of
+# x's lines evict_last so that about L2_KEEP of the L2's bytes of x survive until the apply
+# kernel reads them (which marks them evict_first); 0 turns the hints off (A/B; part of the plans'
+# key). sm_80+ (common/vec.cuh l2_policy_keep); a no-op on older GPUs.
+L2_KEEP = 0.25
+# The NCHW two-pass pair: 2 = group_norm_nchw_stats2 / _apply2 (shifted sums, 8 units in flight
+# per thread; one tile per apply block), 1 = the first pair (A/B; part of the plans' key).
+TWO_PASS_DESIGN = 2
+STATS_UNROLL = 8                    # kStatsUnroll
+STATS_BLOCKS_PER_SM = 4             # stats2's launch bound: its grid stays within one wave
 
 ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
 
 _ONCHIP_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "f32", "i32")
-_NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32")
+_NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "f32")
 _NCHW_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "f32", "i32", "i32")
-_NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
+                           "i32", "f32", "i32", "i32", "f32")
+_NCHW_APPLY2_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
+                            "f32", "i32", "i32", "f32", "u32", "u32")
+_NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32")
 _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "i32", "f32", "i32", "i32")
+                           "i32", "i32", "f32", "i32", "i32", "f32")
 _SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "3I", "f32", "i32")
 _STREAM_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "3I", "f32",
                        "i32")
@@ -189,6 +201,8 @@ MODULE = KernelModule("norms.group_norm", "groupnorm/group_norm.cu", {
     **{_onchip_expr(d, ONCHIP_PACKS, s): _ONCHIP_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
     **{_expr("nchw_stats", d, v): _NCHW_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nchw_apply", d, v): _NCHW_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
+    **{_expr("nchw_stats2", d, v): _NCHW_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
+    **{_expr("nchw_apply2", d, v): _NCHW_APPLY2_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nhwc_stats", d, v): _NHWC_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nhwc_apply", d, v): _NHWC_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_spread_expr("spread", d, s): _SPREAD_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
@@ -238,6 +252,16 @@ def _refuse_clusters(dev, exc):
 
 # ---------------------------------------------------------------------------------------------
 # Plans: which kernel and launch shape. Pure functions of sizes (tests check them on the CPU).
+
+def plan_two_pass2(groups: int, group_units: int, sms: int):
+    """(chunks per group, chunk units) of group_norm_nchw_stats2: at most STATS_BLOCKS_PER_SM
+    blocks per SM in all (one wave at its launch bound) unless the groups alone take more, and
+    no chunk shorter than one round of loads."""
+    per_round = TWO_PASS_THREADS * STATS_UNROLL
+    chunks = max(1, min((STATS_BLOCKS_PER_SM * sms) // groups, _cdiv(group_units, per_round)))
+    chunk_units = _cdiv(group_units, chunks)
+    return _cdiv(group_units, chunk_units), chunk_units
+
 
 def plan_onchip(groups: int, group_packs: int, sms: int, clusters: bool, force=None):
     """(cluster size, slice packs, packs per thread, threads) of the on-chip kernel, or None when
@@ -386,6 +410,18 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
     if optin < 96 * 1024:              # small shared memories (Pascal): no reservation
         return needed
     return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
+
+
+def l2_keep_fraction(x_bytes: int, l2_bytes: int) -> float:
+    """The fraction of x's lines a two-pass stats kernel keeps in L2 (L2_KEEP): all of them while
+    x is at most that share of the L2, else the share's worth; 0.0 with the hints off."""
+    if L2_KEEP <= 0 or l2_bytes <= 0 or x_bytes <= 0:
+        return 0.0
+    return min(1.0, L2_KEEP * l2_bytes / x_bytes)
+
+
+def _l2_keep(dev, x_bytes: int) -> float:
+    return l2_keep_fraction(x_bytes, int(getattr(device.device_info(dev), "l2_bytes", 0) or 0))
 
 
 def plan_two_pass(groups: int, group_units: int, sms: int):
@@ -608,20 +644,47 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
                 dev, run_onchip, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
     v = vec if aligned else 1
     group_units = elems // v
+    if TWO_PASS_DESIGN == 2:
+        return _two_pass2_launcher(dev, d, v, n, c, hw, g, act)
     chunks, chunk_units = plan_two_pass(groups, group_units, sms)
     stats_expr, apply_expr = _expr("nchw_stats", d, v), _expr("nchw_apply", d, v)
     grid, block = (groups * chunks, 1, 1), (TWO_PASS_THREADS, 1, 1)
     part_len = groups * chunks * 4
     apply_tail = (hw, cg, g, group_units, chunk_units, chunks)
     reverse = int(apply_order == "reverse")
+    keep = _l2_keep(dev, n * c * hw * d.itemsize)
 
     def run_two_pass(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr,
-                                            group_units, chunk_units, chunks)
+                                            group_units, chunk_units, chunks, keep)
         KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *apply_tail, eps, act, reverse)
+                                            y.ptr, part.ptr, *apply_tail, eps, act, reverse, keep)
     return run_two_pass
+
+
+def _two_pass2_launcher(dev, d, v, n, c, hw, g, act):
+    """group_norm_nchw_stats2 + _apply2 for contiguous [n, c, hw] (units of v elements)."""
+    cg = c // g
+    groups, group_units = n * g, cg * hw // v
+    chunks, chunk_units = plan_two_pass2(groups, group_units, _copy.sm_count(dev))
+    tiles = _cdiv(group_units, TWO_PASS_THREADS * UNROLL)
+    stats_expr, apply_expr = _expr("nchw_stats2", d, v), _expr("nchw_apply2", d, v)
+    block = (TWO_PASS_THREADS, 1, 1)
+    part_len = groups * chunks * 4
+    apply_tail = (cg, g, group_units, tiles, chunks)
+    reverse = int(apply_order == "reverse")
+    keep = _l2_keep(dev, n * c * hw * d.itemsize)
+    per_channel = _copy.fast_divider(hw)[1:]        # (mul, shift)
+
+    def run_two_pass2(call, x, w, b, y, eps):
+        part = call.empty((part_len,), dt.float32)
+        KERNELS.get(dev, stats_expr).launch((groups * chunks, 1, 1), block, call.stream, x.ptr,
+                                            part.ptr, group_units, chunk_units, chunks, keep)
+        KERNELS.get(dev, apply_expr).launch((groups * tiles, 1, 1), block, call.stream, x.ptr,
+                                            _ptr(w), _ptr(b), y.ptr, part.ptr, *apply_tail, eps,
+                                            act, reverse, keep, *per_channel)
+    return run_two_pass2
 
 
 def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters, pair=False):
@@ -695,13 +758,14 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     tail = (hw, c, cg, sc, slabs, tiles, tile_rows)
     stats_smem, apply_smem = 2 * threads * vec * 4, 2 * (sc // cg) * 4
     reverse = int(apply_order == "reverse")
+    keep = _l2_keep(dev, n * hw * c * d.itemsize)
 
     def run_nhwc(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr, *tail,
-                                            smem=stats_smem)
+                                            keep, smem=stats_smem)
         KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *tail, eps, act, reverse,
+                                            y.ptr, part.ptr, *tail, eps, act, reverse, keep,
                                             smem=apply_smem)
     return run_nhwc
 
@@ -886,8 +950,9 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, AUTO_SPREAD, AUTO_STREAM,
-           AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster,
+    key = (call.device, loader.generation, force_path, apply_order, L2_KEEP, TWO_PASS_DESIGN,
+           AUTO_SPREAD,
+           AUTO_STREAM, AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster,
            spread_residency, input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),

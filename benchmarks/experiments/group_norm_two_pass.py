@@ -1,0 +1,173 @@
+"""group_norm's two-pass kernel pairs (NCHW and channels-last) over inputs larger than what L2 keeps
+between their two reads of x, with and without L2 eviction hints (group_norm.L2_KEEP): the stats
+kernel marks a fraction of x's lines evict_last so that about L2_KEEP of the L2's bytes of x
+survive until the apply kernel reads them (common/vec.cuh l2_policy_keep).
+
+Per case (shape, dtype, layout, path) and variant (L2_KEEP = 0 (off), 0.15 ... 0.6 with the
+default NCHW pair; "d1:<keep>": the first NCHW pair (TWO_PASS_DESIGN 1; channels-last: the same
+kernels as "<keep>"); "fwd": the default keep with the old forward apply order; "auto": the
+default plan, whatever kernel it picks):
+  - max |error| against float64 (torch's group_norm + SiLU in float64, fresh random data);
+  - graph replay time per call (20 calls per graph, median of 20 replays; the variants alternate
+    over 3 rounds, median of the rounds), as % of a copy of the same bytes in the same method;
+  - per-kernel device time (torch.profiler over 10 eager calls after warm-up): what the stats and
+    apply kernels each take (first pair without hints, default pair without and with the default
+    keep), and torch.compile's kernels.
+Peers in the same run: torch eager, torch.compile (dynamic=False), the copy x -> y (x.clone()).
+
+    python benchmarks/experiments/group_norm_two_pass.py [--json F] [--cases 0,2] [--no-compile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402,N812
+
+import gpuops as go  # noqa: E402
+from gpuops.bench import graph_replay_us  # noqa: E402
+from gpuops.ops import group_norm as GN  # noqa: E402
+
+# (shape as NCHW, dtype, channels_last, force_path for the keep variants)
+CASES = (((1, 256, 256, 256), "float32", False, "twopass"),     # auto: two-pass (67 MB)
+         ((1, 256, 256, 256), "bfloat16", False, "twopass"),    # auto: resident (33.5 MB)
+         ((8, 640, 64, 64), "float32", False, "twopass"),       # auto: stream / spread (84 MB)
+         ((16, 640, 32, 32), "float32", False, "twopass"),      # 42 MB
+         ((8, 640, 64, 64), "bfloat16", True, "nhwc"),          # auto: nhwc two-pass (42 MB)
+         ((8, 640, 64, 64), "float32", True, "nhwc"))           # 84 MB
+KEEPS = (0.0, 0.15, 0.25, 0.4, 0.6)
+DEFAULT_KEEP = GN.L2_KEEP
+DEFAULT_DESIGN = GN.TWO_PASS_DESIGN
+ROUNDS = 3
+
+
+def torch_gn(x, w, b):
+    return F.silu(F.group_norm(x, 32, w, b))
+
+
+def set_variant(force, v):
+    """v: "auto" (the default plan), "fwd" (forward apply order), "<keep>" (L2_KEEP = keep, the
+    default NCHW pair), "d1:<keep>" (the first NCHW pair, TWO_PASS_DESIGN 1, with that keep)."""
+    GN.force_path, GN.apply_order, GN.L2_KEEP = force, "reverse", DEFAULT_KEEP
+    GN.TWO_PASS_DESIGN = DEFAULT_DESIGN
+    if v == "auto":
+        GN.force_path = None
+    elif v == "fwd":
+        GN.apply_order = "forward"
+    elif v.startswith("d1:"):
+        GN.TWO_PASS_DESIGN, GN.L2_KEEP = 1, float(v[3:])
+    else:
+        GN.L2_KEEP = float(v)
+
+
+def kernel_times(fn, calls=10):
+    """{kernel name: mean device us per call} over `calls` eager calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.events():
+        if (e.device_type == torch.autograd.DeviceType.CUDA and "memset" not in e.name.lower()
+                and "memcpy" not in e.name.lower()):
+            out[e.name[:90]] += e.time_range.elapsed_us() / calls
+    return dict(out)
+
+
+def run_case(shape, dtype, cl, force, variants, res, compile_peer):
+    td = getattr(torch, dtype)
+    torch.manual_seed(len(res["rows"]))
+    x = torch.randn(shape, device="cuda", dtype=td)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(shape[1], device="cuda", dtype=td)
+    b = torch.randn(shape[1], device="cuda", dtype=td)
+    ref = torch_gn(x.double(), w.double(), b.double())
+    xb = x.numel() * x.element_size()
+    name = f"{tuple(shape)} {dtype}{' channels_last' if cl else ''}"
+    print(f"\n{name}: x {xb / 1e6:.1f} MB; keep fraction at the default "
+          f"{GN.l2_keep_fraction(xb, res['l2_bytes']):.3f}", flush=True)
+
+    def call():
+        return go.group_norm(x, 32, w, b, activation="silu")
+    fns = {}
+    for v in variants:
+        set_variant(force, v)
+        y = call()
+        y.fill_(float("nan"))                      # poisoned, then recomputed
+        y = go.group_norm(x, 32, w, b, activation="silu", out=y)
+        err = (y.double() - ref).abs().max().item()
+        tol = 2e-4 if dtype == "float32" else 0.1
+        print(f"  {v:<8} max |err| {err:.2e}{'' if err <= tol else '  WRONG'}", flush=True)
+        if not err <= tol:
+            res["rows"].append(dict(case=name, variant=v, error=err))
+            continue
+        fns[v] = (force, v)
+    peers = {"torch": lambda: torch_gn(x, w, b), "copy x": lambda: x.clone()}
+    if compile_peer:
+        torch._dynamo.reset()
+        cfn = torch.compile(torch_gn, dynamic=False)
+        cfn(x, w, b)
+        peers["torch.compile"] = lambda: cfn(x, w, b)
+    times = defaultdict(list)
+    for _ in range(ROUNDS):
+        for v, (force_v, vv) in fns.items():
+            set_variant(force_v, vv)
+            times[v].append(graph_replay_us(call, calls=20, replays=20))
+        for p, fn in peers.items():
+            times[p].append(graph_replay_us(fn, calls=20, replays=20))
+    copy_us = statistics.median(times["copy x"])
+    for v, ts in times.items():
+        t = statistics.median(ts)
+        print(f"  {v:<14} {t:7.1f} us  {100 * copy_us / t:5.1f}% of copy  "
+              f"(rounds {', '.join(f'{u:.1f}' for u in ts)})", flush=True)
+        res["rows"].append(dict(case=name, variant=v, us=t, rounds=ts,
+                                pct_copy=100 * copy_us / t))
+    kt = {}
+    for v in ("d1:0.0", "0.0", str(DEFAULT_KEEP)):
+        if v in fns:
+            set_variant(*fns[v])
+            kt[f"keep {v}"] = kernel_times(call)
+    if "torch.compile" in peers:
+        kt["torch.compile"] = kernel_times(peers["torch.compile"])
+    for label, ks in kt.items():
+        print(f"  kernels, {label}: " + "; ".join(
+            f"{k.split('(')[0][-48:]} {t:.1f}" for k, t in ks.items()), flush=True)
+    res["kernels"][name] = kt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    cases = CASES if not args.cases else [CASES[int(i)] for i in args.cases.split(",")]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"L2 {l2 / 2**20:.0f} MiB; default L2_KEEP {DEFAULT_KEEP}", flush=True)
+    res = dict(l2_bytes=l2, default_keep=DEFAULT_KEEP, default_design=DEFAULT_DESIGN, rows=[],
+               kernels={})
+    variants = ["auto", "d1:0.0", "d1:0.25", *[str(k) for k in KEEPS], "fwd"]
+    try:
+        for shape, dtype, cl, force in cases:
+            run_case(shape, dtype, cl, force, variants, res, not args.no_compile)
+            torch.cuda.empty_cache()
+    finally:
+        set_variant(None, "auto")
+        GN.force_path = None
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
