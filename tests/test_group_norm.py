@@ -485,10 +485,12 @@ def test_emulated_apply_orders(monkeypatch, rng, order, design):
 @pytest.mark.parametrize("design", [1, 2])
 @pytest.mark.parametrize("share", [0.0, 0.5])
 def test_two_pass_l2_hints(monkeypatch, rng, share, design):
-    """The two-pass pairs (NCHW and channels-last) keep L2_KEEP of the L2's bytes of x for the
-    apply kernel: both kernels get min(1, L2_KEEP * L2 / x bytes), or 0 with the hints off."""
+    """The two-pass pairs keep L2_KEEP (NCHW) / L2_KEEP_NHWC (channels-last) of the L2's bytes of
+    x for the apply kernel: both kernels get min(1, share * L2 / x bytes), or 0 with the hints
+    off."""
     impl = registry.get("group_norm").impl
     monkeypatch.setattr(GN, "L2_KEEP", share)
+    monkeypatch.setattr(GN, "L2_KEEP_NHWC", share / 2)
     monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
     l2 = 64 * 1024
     with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
@@ -505,9 +507,10 @@ def test_two_pass_l2_hints(monkeypatch, rng, share, design):
             y = impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
                      layout == "nhwc")
             x_bytes = 2 * int(np.prod(shape))
-            want = min(1.0, share * l2 / x_bytes)
+            kind_share = share / 2 if layout == "nhwc" else share    # (L2_KEEP_NHWC)
+            want = min(1.0, kind_share * l2 / x_bytes)
             assert emu.l2_keep == pytest.approx(want, rel=1e-6), (shape, emu.l2_keep)
-            assert (want == 1.0) == (x_bytes <= share * l2) or share == 0
+            assert (want == 1.0) == (x_bytes <= kind_share * l2) or share == 0
             ref = GN.ref_group_norm(host.astype(np.float64), groups, activation="silu",
                                     channels_last=layout == "nhwc")
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref,
@@ -519,6 +522,7 @@ def test_l2_keep_fraction(monkeypatch):
     assert GN.l2_keep_fraction(67 << 20, 50 << 20) == pytest.approx(25 / 67)
     assert GN.l2_keep_fraction(10 << 20, 50 << 20) == 1.0
     assert GN.l2_keep_fraction(10 << 20, 0) == 0.0          # L2 size unknown: no hints
+    assert GN.l2_keep_fraction(100 << 20, 50 << 20, 0.4) == pytest.approx(0.2)
     monkeypatch.setattr(GN, "L2_KEEP", 0.0)
     assert GN.l2_keep_fraction(67 << 20, 50 << 20) == 0.0
 

@@ -42,7 +42,7 @@ CASES = (((1, 256, 256, 256), "float32", False, "twopass"),     # auto: two-pass
          ((8, 640, 64, 64), "bfloat16", True, "nhwc"),          # auto: nhwc two-pass (42 MB)
          ((8, 640, 64, 64), "float32", True, "nhwc"))           # 84 MB
 KEEPS = (0.0, 0.15, 0.25, 0.4, 0.6)
-DEFAULT_KEEP = GN.L2_KEEP
+DEFAULT_KEEP, DEFAULT_KEEP_NHWC = GN.L2_KEEP, GN.L2_KEEP_NHWC
 DEFAULT_DESIGN = GN.TWO_PASS_DESIGN
 ROUNDS = 3
 
@@ -52,9 +52,11 @@ def torch_gn(x, w, b):
 
 
 def set_variant(force, v):
-    """v: "auto" (the default plan), "fwd" (forward apply order), "<keep>" (L2_KEEP = keep, the
-    default NCHW pair), "d1:<keep>" (the first NCHW pair, TWO_PASS_DESIGN 1, with that keep)."""
-    GN.force_path, GN.apply_order, GN.L2_KEEP = force, "reverse", DEFAULT_KEEP
+    """v: "auto" (the default plan), "fwd" (forward apply order), "<keep>" (L2_KEEP and
+    L2_KEEP_NHWC = keep; the default NCHW pair), "d1:<keep>" (the first NCHW pair,
+    TWO_PASS_DESIGN 1, with that keep)."""
+    GN.force_path, GN.apply_order = force, "reverse"
+    GN.L2_KEEP, GN.L2_KEEP_NHWC = DEFAULT_KEEP, DEFAULT_KEEP_NHWC
     GN.TWO_PASS_DESIGN = DEFAULT_DESIGN
     if v == "auto":
         GN.force_path = None
@@ -62,8 +64,8 @@ def set_variant(force, v):
         GN.apply_order = "forward"
     elif v.startswith("d1:"):
         GN.TWO_PASS_DESIGN, GN.L2_KEEP = 1, float(v[3:])
-    else:
-        GN.L2_KEEP = float(v)
+    else:                                  # (NCHW and channels-last alike)
+        GN.L2_KEEP = GN.L2_KEEP_NHWC = float(v)
 
 
 def kernel_times(fn, calls=10):

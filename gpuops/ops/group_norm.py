@@ -54,8 +54,11 @@ Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupn
   when forced (``force_path`` = "resident");
 * the on-chip kernels otherwise, except that blocks which would take a whole SM over several
   waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
-* two passes for what fits none of these (fp32 [1, 256, 256, 256], 67 MB: 85.9 us against
-  torch.compile's 73.8).
+* two passes for what fits none of these (``TWO_PASS_DESIGN`` = 2 since run 128: shifted-sum
+  statistics with 8 units in flight per thread, then one tile per apply block, as a pointwise
+  kernel; the stats kernel keeps ``L2_KEEP`` of the L2's bytes of x for the apply kernel by
+  eviction hints): fp32 [1, 256, 256, 256], 67 MB, 71.9 us against 85.7 for the first pair and
+  torch.compile's 68.5 (run 128).
 ``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever
 a group fits; A/B timing). The spread and stream kernels run on every arch (clusters only on
 sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a multiple of 16
@@ -151,8 +154,13 @@ apply_order: str = "reverse"
 # The two-pass pairs (NCHW and channels-last) read x twice. Their stats kernel marks a fraction of
 # x's lines evict_last so that about L2_KEEP of the L2's bytes of x survive until the apply
 # kernel reads them (which marks them evict_first); 0 turns the hints off (A/B; part of the plans'
-# key). sm_80+ (common/vec.cuh l2_policy_keep); a no-op on older GPUs.
+# key). sm_80+ (common/vec.cuh l2_policy_keep); a no-op on older GPUs. Runs 127-128: 86.0 ->
+# 80.7 us with the first NCHW pair at fp32 [1, 256, 256, 256], within +-1% with design 2 (best
+# at 0.15-0.25).
 L2_KEEP = 0.25
+# The same for the channels-last pair: 0, measured slower with hints (run 128, [8, 64, 64, 640]:
+# bf16 63.8 -> 64.4 us at 0.25, fp32 114.5 -> 115.9).
+L2_KEEP_NHWC = 0.0
 # The NCHW two-pass pair: 2 = group_norm_nchw_stats2 / _apply2 (shifted sums, 8 units in flight
 # per thread; one tile per apply block), 1 = the first pair (A/B; part of the plans' key).
 TWO_PASS_DESIGN = 2
@@ -412,16 +420,19 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
     return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
 
 
-def l2_keep_fraction(x_bytes: int, l2_bytes: int) -> float:
-    """The fraction of x's lines a two-pass stats kernel keeps in L2 (L2_KEEP): all of them while
-    x is at most that share of the L2, else the share's worth; 0.0 with the hints off."""
-    if L2_KEEP <= 0 or l2_bytes <= 0 or x_bytes <= 0:
+def l2_keep_fraction(x_bytes: int, l2_bytes: int, share: float | None = None) -> float:
+    """The fraction of x's lines a two-pass stats kernel keeps in L2 for `share` (default
+    L2_KEEP) of the L2: all of them while x is at most that share, else the share's worth; 0.0
+    with the hints off."""
+    share = L2_KEEP if share is None else share
+    if share <= 0 or l2_bytes <= 0 or x_bytes <= 0:
         return 0.0
-    return min(1.0, L2_KEEP * l2_bytes / x_bytes)
+    return min(1.0, share * l2_bytes / x_bytes)
 
 
-def _l2_keep(dev, x_bytes: int) -> float:
-    return l2_keep_fraction(x_bytes, int(getattr(device.device_info(dev), "l2_bytes", 0) or 0))
+def _l2_keep(dev, x_bytes: int, share: float) -> float:
+    return l2_keep_fraction(x_bytes, int(getattr(device.device_info(dev), "l2_bytes", 0) or 0),
+                            share)
 
 
 def plan_two_pass(groups: int, group_units: int, sms: int):
@@ -652,7 +663,7 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     part_len = groups * chunks * 4
     apply_tail = (hw, cg, g, group_units, chunk_units, chunks)
     reverse = int(apply_order == "reverse")
-    keep = _l2_keep(dev, n * c * hw * d.itemsize)
+    keep = _l2_keep(dev, n * c * hw * d.itemsize, L2_KEEP)
 
     def run_two_pass(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
@@ -674,7 +685,7 @@ def _two_pass2_launcher(dev, d, v, n, c, hw, g, act):
     part_len = groups * chunks * 4
     apply_tail = (cg, g, group_units, tiles, chunks)
     reverse = int(apply_order == "reverse")
-    keep = _l2_keep(dev, n * c * hw * d.itemsize)
+    keep = _l2_keep(dev, n * c * hw * d.itemsize, L2_KEEP)
     per_channel = _copy.fast_divider(hw)[1:]        # (mul, shift)
 
     def run_two_pass2(call, x, w, b, y, eps):
@@ -758,7 +769,7 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     tail = (hw, c, cg, sc, slabs, tiles, tile_rows)
     stats_smem, apply_smem = 2 * threads * vec * 4, 2 * (sc // cg) * 4
     reverse = int(apply_order == "reverse")
-    keep = _l2_keep(dev, n * hw * c * d.itemsize)
+    keep = _l2_keep(dev, n * hw * c * d.itemsize, L2_KEEP_NHWC)
 
     def run_nhwc(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
@@ -950,7 +961,8 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, L2_KEEP, TWO_PASS_DESIGN,
+    key = (call.device, loader.generation, force_path, apply_order, L2_KEEP, L2_KEEP_NHWC,
+           TWO_PASS_DESIGN,
            AUTO_SPREAD,
            AUTO_STREAM, AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster,
            spread_residency, input.dtype, tuple(input.shape),
