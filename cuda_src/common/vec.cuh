@@ -108,12 +108,13 @@ __device__ __forceinline__ void store16_evict_first(T* p, const uint4& v) {
 // those survive until the second read, which marks them evict_first (read for the last time: the
 // L2's next victims, so that kept lines do not crowd later kernels' data out). The hardware picks
 // the fraction's lines, like a CUDA access policy window's hitRatio.
+// (-DGPUOPS_NO_L2_HINTS: plain loads everywhere; an experiment's A/B build option)
 using L2Policy = unsigned long long;
 
 // keep in (0, 1]: the fraction of lines kept (evict_last); 0: the default priority (evict_normal)
 __device__ __forceinline__ L2Policy l2_policy_keep(float keep) {
   L2Policy p = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(GPUOPS_NO_L2_HINTS)
   if (keep > 0.0f) {
     asm("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, %1;"
         : "=l"(p) : "f"(fminf(keep, 1.0f)));
@@ -127,7 +128,7 @@ __device__ __forceinline__ L2Policy l2_policy_keep(float keep) {
 // evict_first for every line when `on` (the second read of kept data), else evict_normal
 __device__ __forceinline__ L2Policy l2_policy_last_use(bool on) {
   L2Policy p = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(GPUOPS_NO_L2_HINTS)
   if (on) {
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
   } else {
@@ -141,7 +142,7 @@ __device__ __forceinline__ L2Policy l2_policy_last_use(bool on) {
 // kernel reads it, or, in place, only by the thread that read it, after its read)
 template <class T>
 __device__ __forceinline__ uint4 load16_policy(const T* p, L2Policy policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(GPUOPS_NO_L2_HINTS)
   uint4 v;
   asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));

@@ -51,6 +51,9 @@ struct Unit {
     return load16_policy(p, policy);
   }
   static __device__ __forceinline__ void store(T* p, const Raw& r) { store16(p, r); }
+  static __device__ __forceinline__ void store_evict_first(T* p, const Raw& r) {
+    store16_evict_first(p, r);
+  }
   static __device__ __forceinline__ void unpack(const Raw& r, float (&f)[VEC]) {
     Vec16<T>::unpack(r, f);
   }
@@ -63,6 +66,7 @@ struct Unit<T, 1> {
   static __device__ __forceinline__ Raw load(const T* p) { return *p; }
   static __device__ __forceinline__ Raw load(const T* p, L2Policy) { return *p; }
   static __device__ __forceinline__ void store(T* p, const Raw& r) { *p = r; }
+  static __device__ __forceinline__ void store_evict_first(T* p, const Raw& r) { *p = r; }
   static __device__ __forceinline__ void unpack(const Raw& r, float (&f)[1]) { f[0] = to_float(r); }
   static __device__ __forceinline__ Raw pack(const float (&f)[1]) { return from_float<T>(f[0]); }
 };
@@ -524,7 +528,11 @@ __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply2(
       U::unpack(raw[k], f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] = gn_act(fmaf(f[j] - mean, a, s), act);
+#ifdef GPUOPS_GN_APPLY_STORE_CS   // (an experiment's A/B build option: y evict-first)
+      U::store_evict_first(yg + static_cast<long long>(uk) * VEC, U::pack(f));
+#else
       U::store(yg + static_cast<long long>(uk) * VEC, U::pack(f));
+#endif
     }
   }
 }

@@ -166,6 +166,9 @@ L2_KEEP_NHWC = 0.0
 TWO_PASS_DESIGN = 2
 STATS_UNROLL = 8                    # kStatsUnroll
 STATS_BLOCKS_PER_SM = 4             # stats2's launch bound: its grid stays within one wave
+# stats2's chunks of exactly this many rounds of loads, over as many waves as that takes (A/B;
+# None: the one-wave plan above)
+STATS_CHUNK_ROUNDS: int | None = None
 
 ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
 
@@ -267,6 +270,8 @@ def plan_two_pass2(groups: int, group_units: int, sms: int):
     no chunk shorter than one round of loads."""
     per_round = TWO_PASS_THREADS * STATS_UNROLL
     chunks = max(1, min((STATS_BLOCKS_PER_SM * sms) // groups, _cdiv(group_units, per_round)))
+    if STATS_CHUNK_ROUNDS:
+        chunks = _cdiv(group_units, STATS_CHUNK_ROUNDS * per_round)
     chunk_units = _cdiv(group_units, chunks)
     return _cdiv(group_units, chunk_units), chunk_units
 
@@ -962,10 +967,9 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
     key = (call.device, loader.generation, force_path, apply_order, L2_KEEP, L2_KEEP_NHWC,
-           TWO_PASS_DESIGN,
-           AUTO_SPREAD,
-           AUTO_STREAM, AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster,
-           spread_residency, input.dtype, tuple(input.shape),
+           TWO_PASS_DESIGN, STATS_BLOCKS_PER_SM, STATS_CHUNK_ROUNDS, AUTO_SPREAD, AUTO_STREAM,
+           AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster, spread_residency,
+           input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
            None if bias is None else (tuple(bias.shape), bias.contiguous),
