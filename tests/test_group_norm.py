@@ -164,12 +164,6 @@ class GroupNormEmulator(Emulator):
         y = (vals - mean) * rstd * wv + bv
         return y / (1 + np.exp(-y)) if act else y
 
-    @staticmethod
-    def _check_keep(keep):
-        """A two-pass stats kernel's L2 keep fraction (l2_policy_keep): 0 (off) or in (0, 1]."""
-        assert isinstance(keep, float) and 0.0 <= keep <= 1.0, keep
-        return keep
-
     def _part(self, part, i):
         return tuple(self._f(part, dt.float32, 4 * i + np.arange(3)))
 
@@ -206,9 +200,8 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nchw_stats(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, part, group_units, chunk_units, chunks, keep = args
+        x, part, group_units, chunk_units, chunks = args
         assert block[0] == GN.TWO_PASS_THREADS and (vec == 1 or x % 16 == 0)
-        self.l2_keep = self._check_keep(keep)
         for blk in range(grid[0]):
             g, chunk = divmod(blk, chunks)
             u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
@@ -217,11 +210,9 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nchw_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act, rev, \
-            keep = args
+        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act, rev = args
         assert vec == 1 or (x % 16 == 0 and y % 16 == 0 and hw % vec == 0)
-        assert rev in (0, 1) and keep == self.l2_keep, "the pair's L2 hints disagree"
-
+        assert rev in (0, 1)
         for blk in _apply_blocks(grid[0], rev):
             g, chunk = divmod(blk, chunks)
             st = (0.0, 0.0, 0.0)
@@ -238,11 +229,10 @@ class GroupNormEmulator(Emulator):
         """Shifted sums per thread (its first unit's mean as the shift), as the kernel forms
         them, then Chan merges over the block's threads."""
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, part, group_units, chunk_units, chunks, keep = args
+        x, part, group_units, chunk_units, chunks = args
         nth = block[0]
         assert nth == GN.TWO_PASS_THREADS and (vec == 1 or x % 16 == 0)
         assert grid[0] % chunks == 0 and chunk_units * (chunks - 1) < group_units
-        self.l2_keep = self._check_keep(keep)
         for blk in range(grid[0]):
             g, chunk = divmod(blk, chunks)
             u0, u1 = chunk * chunk_units, min((chunk + 1) * chunk_units, group_units)
@@ -261,10 +251,9 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nchw_apply2(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, cg, groups, group_units, tiles, chunks, eps, act, rev, keep, mul, \
-            shift = args
+        x, w, b, y, part, cg, groups, group_units, tiles, chunks, eps, act, rev, mul, shift = args
         assert vec == 1 or (x % 16 == 0 and y % 16 == 0)
-        assert rev in (0, 1) and keep == self.l2_keep, "the pair's L2 hints disagree"
+        assert rev in (0, 1)
         tile_units = block[0] * GN.UNROLL
         assert grid[0] % tiles == 0 and tiles == -(-group_units // tile_units)
         for blk in _apply_blocks(grid[0], rev):
@@ -299,8 +288,7 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nhwc_stats(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, part, hw, c, cg, sc, slabs, tiles, tile_rows, keep = args
-        self.l2_keep = self._check_keep(keep)
+        x, part, hw, c, cg, sc, slabs, tiles, tile_rows = args
         bd, p, kg = block[0], sc // vec, sc // cg
         assert smem >= 2 * bd * vec * 4 and sc % vec == 0 and sc % cg == 0 and c == sc * slabs
         assert vec == 1 or (x % 16 == 0 and c % vec == 0)
@@ -329,10 +317,9 @@ class GroupNormEmulator(Emulator):
 
     def k_group_norm_nhwc_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act, rev, keep = args
+        x, w, b, y, part, hw, c, cg, sc, slabs, tiles, tile_rows, eps, act, rev = args
         bd, p, kg = block[0], sc // vec, sc // cg
         assert smem >= 8 * kg and rev in (0, 1)
-        assert keep == self.l2_keep, "the pair's L2 hints disagree"
         for blk in _apply_blocks(grid[0], rev):
             n, slab, tile, rows, rs, _, offs, v = self._nhwc_block(
                 x, d, blk, slabs, tiles, tile_rows, hw, c, sc, bd, p)
@@ -480,51 +467,6 @@ def test_emulated_apply_orders(monkeypatch, rng, order, design):
                                     channels_last=layout == "nhwc")
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref,
                                        **TOL64["float16"])
-
-
-@pytest.mark.parametrize("design", [1, 2])
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_two_pass_l2_hints(monkeypatch, rng, share, design):
-    """The two-pass pairs keep L2_KEEP (NCHW) / L2_KEEP_NHWC (channels-last) of the L2's bytes of
-    x for the apply kernel: both kernels get min(1, share * L2 / x bytes), or 0 with the hints
-    off."""
-    impl = registry.get("group_norm").impl
-    monkeypatch.setattr(GN, "L2_KEEP", share)
-    monkeypatch.setattr(GN, "L2_KEEP_NHWC", share / 2)
-    monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
-    l2 = 64 * 1024
-    with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
-        monkeypatch.setattr(GN, "device", types.SimpleNamespace(
-            device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms,
-                                                          l2_bytes=l2)))
-        for shape, groups, layout, force in [((1, 8, 64, 64), 2, "nchw", "twopass"),
-                                             ((2, 8, 8, 320), 32, "nhwc", "nhwc"),
-                                             ((1, 2, 16, 16), 2, "nchw", "twopass")]:
-            monkeypatch.setattr(GN, "force_path", force)
-            emu.arena.top = 0
-            host, x = _emulated_input(emu.arena, rng, shape, dt.float16, layout, 0)
-            emu.launches.clear()
-            y = impl(FakeCall(emu.arena, "group_norm"), x, groups, None, None, 1e-5, "silu",
-                     layout == "nhwc")
-            x_bytes = 2 * int(np.prod(shape))
-            kind_share = share / 2 if layout == "nhwc" else share    # (L2_KEEP_NHWC)
-            want = min(1.0, kind_share * l2 / x_bytes)
-            assert emu.l2_keep == pytest.approx(want, rel=1e-6), (shape, emu.l2_keep)
-            assert (want == 1.0) == (x_bytes <= kind_share * l2) or share == 0
-            ref = GN.ref_group_norm(host.astype(np.float64), groups, activation="silu",
-                                    channels_last=layout == "nhwc")
-            np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref,
-                                       **TOL64["float16"])
-
-
-def test_l2_keep_fraction(monkeypatch):
-    monkeypatch.setattr(GN, "L2_KEEP", 0.5)
-    assert GN.l2_keep_fraction(67 << 20, 50 << 20) == pytest.approx(25 / 67)
-    assert GN.l2_keep_fraction(10 << 20, 50 << 20) == 1.0
-    assert GN.l2_keep_fraction(10 << 20, 0) == 0.0          # L2 size unknown: no hints
-    assert GN.l2_keep_fraction(100 << 20, 50 << 20, 0.4) == pytest.approx(0.2)
-    monkeypatch.setattr(GN, "L2_KEEP", 0.0)
-    assert GN.l2_keep_fraction(67 << 20, 50 << 20) == 0.0
 
 
 def test_refused_cluster_launch_falls_back(monkeypatch, rng):

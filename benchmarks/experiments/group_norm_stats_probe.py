@@ -11,8 +11,8 @@ alternate over 3 rounds, median of the rounds):
       copy then stats (x.clone() before each stats launch: 67 MB of dirty lines first),
       sum (torch.sum(x): a read-only pass over the same bytes), copy (x.clone());
   - whole calls, default plan, under build variants of the stats2 / apply2 kernels:
-      default, plain (-DGPUOPS_NO_L2_HINTS: plain loads), ycs (-DGPUOPS_GN_APPLY_STORE_CS:
-      apply stores y evict-first), plain_ycs;
+      default, ycs (-DGPUOPS_GN_APPLY_STORE_CS: apply stores y evict-first) (run 129 also had
+      builds with and without L2 eviction hints on x, since removed: commit 7ed5729);
   - whole calls under host variants: rounds1 / rounds2 / rounds4 (STATS_CHUNK_ROUNDS: chunks of
       that many rounds of loads, many waves), bps2 / bps3 (STATS_BLOCKS_PER_SM);
   - torch.compile, the peer.
@@ -44,9 +44,7 @@ from group_norm_two_pass import kernel_times, torch_gn  # noqa: E402
 
 CASES = (((1, 256, 256, 256), "float32"), ((8, 640, 64, 64), "float32"),
          ((1, 256, 256, 256), "bfloat16"))
-BUILDS = {"default": (), "plain": ("-DGPUOPS_NO_L2_HINTS",),
-          "ycs": ("-DGPUOPS_GN_APPLY_STORE_CS",),
-          "plain_ycs": ("-DGPUOPS_NO_L2_HINTS", "-DGPUOPS_GN_APPLY_STORE_CS")}
+BUILDS = {"default": (), "ycs": ("-DGPUOPS_GN_APPLY_STORE_CS",)}
 HOST = {"rounds1": ("STATS_CHUNK_ROUNDS", 1), "rounds2": ("STATS_CHUNK_ROUNDS", 2),
         "rounds4": ("STATS_CHUNK_ROUNDS", 4), "bps2": ("STATS_BLOCKS_PER_SM", 2),
         "bps3": ("STATS_BLOCKS_PER_SM", 3)}

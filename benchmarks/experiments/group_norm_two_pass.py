@@ -1,19 +1,17 @@
-"""group_norm's two-pass kernel pairs (NCHW and channels-last) over inputs larger than what L2 keeps
-between their two reads of x, with and without L2 eviction hints (group_norm.L2_KEEP): the stats
-kernel marks a fraction of x's lines evict_last so that about L2_KEEP of the L2's bytes of x
-survive until the apply kernel reads them (common/vec.cuh l2_policy_keep).
+"""group_norm's two-pass kernel pairs (NCHW and channels-last) at inputs larger than the chip
+holds, each NCHW design side by side (group_norm.TWO_PASS_DESIGN), with per-kernel times.
 
-Per case (shape, dtype, layout, path) and variant (L2_KEEP = 0 (off), 0.15 ... 0.6 with the
-default NCHW pair; "d1:<keep>": the first NCHW pair (TWO_PASS_DESIGN 1; channels-last: the same
-kernels as "<keep>"); "fwd": the default keep with the old forward apply order; "auto": the
-default plan, whatever kernel it picks):
-  - max |error| against float64 (torch's group_norm + SiLU in float64, fresh random data);
+Per case (shape, dtype, layout, forced path) and variant ("d1" / "d2": TWO_PASS_DESIGN 1 / 2;
+"fwd": the default design with the old forward apply order; "auto": the default plan, whatever
+kernel it picks; channels-last: one pair, so d1 = d2):
+  - max |error| against float64 (torch's group_norm + SiLU in float64, fresh random data,
+    outputs poisoned);
   - graph replay time per call (20 calls per graph, median of 20 replays; the variants alternate
     over 3 rounds, median of the rounds), as % of a copy of the same bytes in the same method;
-  - per-kernel device time (torch.profiler over 10 eager calls after warm-up): what the stats and
-    apply kernels each take (first pair without hints, default pair without and with the default
-    keep), and torch.compile's kernels.
+  - per-kernel device time (torch.profiler over 10 eager calls after warm-up) of d1, d2 and
+    torch.compile's kernels.
 Peers in the same run: torch eager, torch.compile (dynamic=False), the copy x -> y (x.clone()).
+(Runs 127-128 ran this script's earlier form, which also swept L2 eviction hints: commit f6b1cd9.)
 
     python benchmarks/experiments/group_norm_two_pass.py [--json F] [--cases 0,2] [--no-compile]
 """
@@ -34,15 +32,13 @@ import gpuops as go  # noqa: E402
 from gpuops.bench import graph_replay_us  # noqa: E402
 from gpuops.ops import group_norm as GN  # noqa: E402
 
-# (shape as NCHW, dtype, channels_last, force_path for the keep variants)
+# (shape as NCHW, dtype, channels_last, forced path of the d1 / d2 / fwd variants)
 CASES = (((1, 256, 256, 256), "float32", False, "twopass"),     # auto: two-pass (67 MB)
          ((1, 256, 256, 256), "bfloat16", False, "twopass"),    # auto: resident (33.5 MB)
          ((8, 640, 64, 64), "float32", False, "twopass"),       # auto: stream / spread (84 MB)
          ((16, 640, 32, 32), "float32", False, "twopass"),      # 42 MB
          ((8, 640, 64, 64), "bfloat16", True, "nhwc"),          # auto: nhwc two-pass (42 MB)
          ((8, 640, 64, 64), "float32", True, "nhwc"))           # 84 MB
-KEEPS = (0.0, 0.15, 0.25, 0.4, 0.6)
-DEFAULT_KEEP, DEFAULT_KEEP_NHWC = GN.L2_KEEP, GN.L2_KEEP_NHWC
 DEFAULT_DESIGN = GN.TWO_PASS_DESIGN
 ROUNDS = 3
 
@@ -52,20 +48,14 @@ def torch_gn(x, w, b):
 
 
 def set_variant(force, v):
-    """v: "auto" (the default plan), "fwd" (forward apply order), "<keep>" (L2_KEEP and
-    L2_KEEP_NHWC = keep; the default NCHW pair), "d1:<keep>" (the first NCHW pair,
-    TWO_PASS_DESIGN 1, with that keep)."""
-    GN.force_path, GN.apply_order = force, "reverse"
-    GN.L2_KEEP, GN.L2_KEEP_NHWC = DEFAULT_KEEP, DEFAULT_KEEP_NHWC
-    GN.TWO_PASS_DESIGN = DEFAULT_DESIGN
+    """v: "auto" (the default plan), "fwd" (forward apply order), "d1" / "d2" (TWO_PASS_DESIGN)."""
+    GN.force_path, GN.apply_order, GN.TWO_PASS_DESIGN = force, "reverse", DEFAULT_DESIGN
     if v == "auto":
         GN.force_path = None
     elif v == "fwd":
         GN.apply_order = "forward"
-    elif v.startswith("d1:"):
-        GN.TWO_PASS_DESIGN, GN.L2_KEEP = 1, float(v[3:])
-    else:                                  # (NCHW and channels-last alike)
-        GN.L2_KEEP = GN.L2_KEEP_NHWC = float(v)
+    else:
+        GN.TWO_PASS_DESIGN = int(v[1:])
 
 
 def kernel_times(fn, calls=10):
@@ -96,8 +86,7 @@ def run_case(shape, dtype, cl, force, variants, res, compile_peer):
     ref = torch_gn(x.double(), w.double(), b.double())
     xb = x.numel() * x.element_size()
     name = f"{tuple(shape)} {dtype}{' channels_last' if cl else ''}"
-    print(f"\n{name}: x {xb / 1e6:.1f} MB; keep fraction at the default "
-          f"{GN.l2_keep_fraction(xb, res['l2_bytes']):.3f}", flush=True)
+    print(f"\n{name}: x {xb / 1e6:.1f} MB", flush=True)
 
     def call():
         return go.group_norm(x, 32, w, b, activation="silu")
@@ -135,10 +124,10 @@ def run_case(shape, dtype, cl, force, variants, res, compile_peer):
         res["rows"].append(dict(case=name, variant=v, us=t, rounds=ts,
                                 pct_copy=100 * copy_us / t))
     kt = {}
-    for v in ("d1:0.0", "0.0", str(DEFAULT_KEEP)):
+    for v in ("d1", "d2"):
         if v in fns:
             set_variant(*fns[v])
-            kt[f"keep {v}"] = kernel_times(call)
+            kt[v] = kernel_times(call)
     if "torch.compile" in peers:
         kt["torch.compile"] = kernel_times(peers["torch.compile"])
     for label, ks in kt.items():
@@ -155,10 +144,9 @@ def main():
     args = ap.parse_args()
     cases = CASES if not args.cases else [CASES[int(i)] for i in args.cases.split(",")]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"L2 {l2 / 2**20:.0f} MiB; default L2_KEEP {DEFAULT_KEEP}", flush=True)
-    res = dict(l2_bytes=l2, default_keep=DEFAULT_KEEP, default_design=DEFAULT_DESIGN, rows=[],
-               kernels={})
-    variants = ["auto", "d1:0.0", "d1:0.25", *[str(k) for k in KEEPS], "fwd"]
+    print(f"L2 {l2 / 2**20:.0f} MiB; default TWO_PASS_DESIGN {DEFAULT_DESIGN}", flush=True)
+    res = dict(l2_bytes=l2, default_design=DEFAULT_DESIGN, rows=[], kernels={})
+    variants = ["auto", "d1", "d2", "fwd"]
     try:
         for shape, dtype, cl, force in cases:
             run_case(shape, dtype, cl, force, variants, res, not args.no_compile)

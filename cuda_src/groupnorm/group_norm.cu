@@ -47,9 +47,6 @@ struct Unit {
   static_assert(VEC == Vec16<T>::size, "a unit is one element or one 16-byte pack");
   using Raw = uint4;
   static __device__ __forceinline__ Raw load(const T* p) { return load16(p); }
-  static __device__ __forceinline__ Raw load(const T* p, L2Policy policy) {
-    return load16_policy(p, policy);
-  }
   static __device__ __forceinline__ void store(T* p, const Raw& r) { store16(p, r); }
   static __device__ __forceinline__ void store_evict_first(T* p, const Raw& r) {
     store16_evict_first(p, r);
@@ -64,7 +61,6 @@ template <class T>
 struct Unit<T, 1> {
   using Raw = T;
   static __device__ __forceinline__ Raw load(const T* p) { return *p; }
-  static __device__ __forceinline__ Raw load(const T* p, L2Policy) { return *p; }
   static __device__ __forceinline__ void store(T* p, const Raw& r) { *p = r; }
   static __device__ __forceinline__ void store_evict_first(T* p, const Raw& r) { *p = r; }
   static __device__ __forceinline__ void unpack(const Raw& r, float (&f)[1]) { f[0] = to_float(r); }
@@ -299,9 +295,6 @@ group_norm_onchip_cluster(
 // Two-pass NCHW kernels. A group is group_units units of VEC elements (VEC = 16 bytes when hw and
 // the pointers allow it, else 1), cut into `chunks` chunks of chunk_units; block b handles chunk
 // b % chunks of group b / chunks in both kernels. part[b] = (n, mean, M2, 0) of that chunk.
-// l2_keep (both designs' pairs, NCHW and channels-last): the fraction of x's lines the stats
-// kernel keeps in L2 for the apply kernel's read (common/vec.cuh l2_policy_keep; the host sizes
-// it to a share of the L2), 0 for none (the default priority in both kernels).
 
 constexpr int kTwoPassThreads = 256;
 constexpr int kUnroll = 4;   // units loaded before any is used: bytes in flight per thread
@@ -309,10 +302,9 @@ constexpr int kUnroll = 4;   // units loaded before any is used: bytes in flight
 template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_stats(
     const T* __restrict__ x, float4* __restrict__ part, int group_units, int chunk_units,
-    int chunks, float l2_keep) {
+    int chunks) {
   using U = Unit<T, VEC>;
   __shared__ float4 scratch[32];
-  const L2Policy policy = l2_policy_keep(l2_keep);
   const int group = blockIdx.x / chunks, chunk = blockIdx.x - group * chunks;
   const T* xg = x + static_cast<long long>(group) * group_units * VEC;
   const int u0 = chunk * chunk_units;
@@ -323,7 +315,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_stats(
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
+      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
@@ -361,10 +353,9 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int hw, int cg, int groups, int group_units,
-    int chunk_units, int chunks, float eps, int act, int reverse, float l2_keep) {
+    int chunk_units, int chunks, float eps, int act, int reverse) {
   using U = Unit<T, VEC>;
   __shared__ float stats[2];
-  const L2Policy policy = l2_policy_last_use(l2_keep > 0.0f);
   const int blk = apply_block(reverse);
   const int group = blk / chunks, chunk = blk - group * chunks;
   if (threadIdx.x < 32) {
@@ -387,7 +378,7 @@ __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
+      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
@@ -409,7 +400,8 @@ __global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
 
 // ------------------------------------------------------------------------------------------------
 // Two-pass NCHW kernels, second design (TWO_PASS_DESIGN = 2 on the host; run 127 measured the
-// first pair at 32.7 + 52.5 us where Inductor's kernels take 24.7 + 40.9, fp32 [1, 256, 256, 256]).
+// first pair at 32.7 + 52.5 us where Inductor's kernels take 24.7 + 40.9, fp32 [1, 256, 256, 256];
+// run 129: 28.9 + 39.0).
 //  * stats2: the same chunks and partials as group_norm_nchw_stats, but kStatsUnroll units in
 //    flight per thread and shifted sums instead of a Chan merge (and its division) per unit: a
 //    thread sums d = x - s and d * d, s the mean of its first unit, then forms (n, mean, M2) once.
@@ -424,10 +416,9 @@ constexpr int kStatsUnroll = 8;
 template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads, 4) group_norm_nchw_stats2(
     const T* __restrict__ x, float4* __restrict__ part, int group_units, int chunk_units,
-    int chunks, float l2_keep) {
+    int chunks) {
   using U = Unit<T, VEC>;
   __shared__ float4 scratch[32];
-  const L2Policy policy = l2_policy_keep(l2_keep);
   const int group = blockIdx.x / chunks, chunk = blockIdx.x - group * chunks;
   const T* xg = x + static_cast<long long>(group) * group_units * VEC;
   const int u0 = chunk * chunk_units;
@@ -439,7 +430,7 @@ __global__ void __launch_bounds__(kTwoPassThreads, 4) group_norm_nchw_stats2(
 #pragma unroll
     for (int k = 0; k < kStatsUnroll; ++k) {
       const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
+      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
     }
     if (count == 0) {                    // the first iteration: raw[0] exists (u < u1)
       float f[VEC];
@@ -481,10 +472,9 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply2(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int cg, int groups, int group_units, int tiles, int chunks,
-    float eps, int act, int reverse, float l2_keep, unsigned int hw_mul, unsigned int hw_shift) {
+    float eps, int act, int reverse, unsigned int hw_mul, unsigned int hw_shift) {
   using U = Unit<T, VEC>;
   __shared__ float stats[2];
-  const L2Policy policy = l2_policy_last_use(l2_keep > 0.0f);
   const int blk = apply_block(reverse);
   const int group = blk / tiles, tile = blk - group * tiles;
   const long long base = static_cast<long long>(group) * group_units * VEC;
@@ -496,7 +486,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply2(
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int uk = u + k * kTwoPassThreads;
-      if (uk < group_units) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC, policy);
+      if (uk < group_units) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
     }
   };
 #if __CUDA_ARCH__ >= 700
@@ -528,7 +518,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply2(
       U::unpack(raw[k], f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] = gn_act(fmaf(f[j] - mean, a, s), act);
-#ifdef GPUOPS_GN_APPLY_STORE_CS   // (an experiment's A/B build option: y evict-first)
+#ifdef GPUOPS_GN_APPLY_STORE_CS   // (A/B build option, group_norm_stats_probe.py: y evict-first)
       U::store_evict_first(yg + static_cast<long long>(uk) * VEC, U::pack(f));
 #else
       U::store(yg + static_cast<long long>(uk) * VEC, U::pack(f));
@@ -555,9 +545,8 @@ __device__ __forceinline__ float phase_rows(int rows, int ty, int rs) {
 template <class T, int VEC>
 __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_stats(
     const T* __restrict__ x, float4* __restrict__ part, int hw, int c, int cg, int sc, int slabs,
-    int tiles, int tile_rows, float l2_keep) {
+    int tiles, int tile_rows) {
   using U = Unit<T, VEC>;
-  const L2Policy policy = l2_policy_keep(l2_keep);
   extern __shared__ float4 smem4[];
   float* s_mean = reinterpret_cast<float*>(smem4);   // [RS][sc]: per channel and row phase
   float* s_m2 = s_mean + blockDim.x * VEC;
@@ -581,7 +570,7 @@ __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_stats(
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
       if (r + i * rs < rows) {
-        raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step, policy);
+        raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step);
       }
     }
 #pragma unroll
@@ -631,10 +620,9 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int hw, int c, int cg, int sc, int slabs, int tiles,
-    int tile_rows, float eps, int act, int reverse, float l2_keep) {
+    int tile_rows, float eps, int act, int reverse) {
   using U = Unit<T, VEC>;
   extern __shared__ float4 smem4[];
-  const L2Policy policy = l2_policy_last_use(l2_keep > 0.0f);
   float* s_mean = reinterpret_cast<float*>(smem4);   // [kg]
   const int kg = sc / cg;
   float* s_rstd = s_mean + kg;
@@ -678,7 +666,7 @@ __global__ void __launch_bounds__(kNhwcMaxThreads, 1) group_norm_nhwc_apply(
     typename U::Raw raw[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      if (r + i * rs < rows) raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step, policy);
+      if (r + i * rs < rows) raw[i] = U::load(xp + (static_cast<long long>(k) + i) * step);
     }
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {

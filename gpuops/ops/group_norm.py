@@ -56,9 +56,8 @@ Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupn
   waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
 * two passes for what fits none of these (``TWO_PASS_DESIGN`` = 2 since run 128: shifted-sum
   statistics with 8 units in flight per thread, then one tile per apply block, as a pointwise
-  kernel; the stats kernel keeps ``L2_KEEP`` of the L2's bytes of x for the apply kernel by
-  eviction hints): fp32 [1, 256, 256, 256], 67 MB, 71.9 us against 85.7 for the first pair and
-  torch.compile's 68.5 (run 128).
+  kernel): fp32 [1, 256, 256, 256], 67 MB, 68.1 us against 85.7 for the first pair and
+  torch.compile's 70.7 (run 129; L2 eviction hints measured slower, runs 127-129).
 ``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever
 a group fits; A/B timing). The spread and stream kernels run on every arch (clusters only on
 sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a multiple of 16
@@ -151,18 +150,11 @@ spread_residency: int | None = None
 # still in L2, first) or "forward" (the stats kernel's order: over data larger than L2, LRU
 # evicts each line just before the apply pass needs it). Part of the plans' key (A/B timing).
 apply_order: str = "reverse"
-# The two-pass pairs (NCHW and channels-last) read x twice. Their stats kernel marks a fraction of
-# x's lines evict_last so that about L2_KEEP of the L2's bytes of x survive until the apply
-# kernel reads them (which marks them evict_first); 0 turns the hints off (A/B; part of the plans'
-# key). sm_80+ (common/vec.cuh l2_policy_keep); a no-op on older GPUs. Runs 127-128: 86.0 ->
-# 80.7 us with the first NCHW pair at fp32 [1, 256, 256, 256], within +-1% with design 2 (best
-# at 0.15-0.25).
-L2_KEEP = 0.25
-# The same for the channels-last pair: 0, measured slower with hints (run 128, [8, 64, 64, 640]:
-# bf16 63.8 -> 64.4 us at 0.25, fp32 114.5 -> 115.9).
-L2_KEEP_NHWC = 0.0
 # The NCHW two-pass pair: 2 = group_norm_nchw_stats2 / _apply2 (shifted sums, 8 units in flight
 # per thread; one tile per apply block), 1 = the first pair (A/B; part of the plans' key).
+# Tried and removed (runs 127-129): L2 eviction hints on x (a fraction kept evict_last by the
+# stats kernel, evict_first in the apply kernel): plain loads measured faster at every size, e.g.
+# fp32 [1, 256, 256, 256] 68.1 us against 72.1 with the best keep (notes_groupnorm_copy.md).
 TWO_PASS_DESIGN = 2
 STATS_UNROLL = 8                    # kStatsUnroll
 STATS_BLOCKS_PER_SM = 4             # stats2's launch bound: its grid stays within one wave
@@ -173,14 +165,14 @@ STATS_CHUNK_ROUNDS: int | None = None
 ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
 
 _ONCHIP_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "f32", "i32")
-_NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "f32")
+_NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32")
 _NCHW_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "f32", "i32", "i32", "f32")
+                           "i32", "f32", "i32", "i32")
 _NCHW_APPLY2_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                            "f32", "i32", "i32", "f32", "u32", "u32")
-_NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "f32")
+                            "f32", "i32", "i32", "u32", "u32")
+_NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
 _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "i32", "f32", "i32", "i32", "f32")
+                           "i32", "i32", "f32", "i32", "i32")
 _SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "3I", "f32", "i32")
 _STREAM_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "3I", "f32",
                        "i32")
@@ -425,21 +417,6 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
     return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
 
 
-def l2_keep_fraction(x_bytes: int, l2_bytes: int, share: float | None = None) -> float:
-    """The fraction of x's lines a two-pass stats kernel keeps in L2 for `share` (default
-    L2_KEEP) of the L2: all of them while x is at most that share, else the share's worth; 0.0
-    with the hints off."""
-    share = L2_KEEP if share is None else share
-    if share <= 0 or l2_bytes <= 0 or x_bytes <= 0:
-        return 0.0
-    return min(1.0, share * l2_bytes / x_bytes)
-
-
-def _l2_keep(dev, x_bytes: int, share: float) -> float:
-    return l2_keep_fraction(x_bytes, int(getattr(device.device_info(dev), "l2_bytes", 0) or 0),
-                            share)
-
-
 def plan_two_pass(groups: int, group_units: int, sms: int):
     """(chunks per group, chunk units) of the two-pass NCHW kernels."""
     chunks = max(1, min(_cdiv(BLOCKS_PER_SM * sms, groups),
@@ -668,14 +645,13 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     part_len = groups * chunks * 4
     apply_tail = (hw, cg, g, group_units, chunk_units, chunks)
     reverse = int(apply_order == "reverse")
-    keep = _l2_keep(dev, n * c * hw * d.itemsize, L2_KEEP)
 
     def run_two_pass(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr,
-                                            group_units, chunk_units, chunks, keep)
+                                            group_units, chunk_units, chunks)
         KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *apply_tail, eps, act, reverse, keep)
+                                            y.ptr, part.ptr, *apply_tail, eps, act, reverse)
     return run_two_pass
 
 
@@ -690,16 +666,15 @@ def _two_pass2_launcher(dev, d, v, n, c, hw, g, act):
     part_len = groups * chunks * 4
     apply_tail = (cg, g, group_units, tiles, chunks)
     reverse = int(apply_order == "reverse")
-    keep = _l2_keep(dev, n * c * hw * d.itemsize, L2_KEEP)
     per_channel = _copy.fast_divider(hw)[1:]        # (mul, shift)
 
     def run_two_pass2(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch((groups * chunks, 1, 1), block, call.stream, x.ptr,
-                                            part.ptr, group_units, chunk_units, chunks, keep)
+                                            part.ptr, group_units, chunk_units, chunks)
         KERNELS.get(dev, apply_expr).launch((groups * tiles, 1, 1), block, call.stream, x.ptr,
                                             _ptr(w), _ptr(b), y.ptr, part.ptr, *apply_tail, eps,
-                                            act, reverse, keep, *per_channel)
+                                            act, reverse, *per_channel)
     return run_two_pass2
 
 
@@ -774,14 +749,13 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     tail = (hw, c, cg, sc, slabs, tiles, tile_rows)
     stats_smem, apply_smem = 2 * threads * vec * 4, 2 * (sc // cg) * 4
     reverse = int(apply_order == "reverse")
-    keep = _l2_keep(dev, n * hw * c * d.itemsize, L2_KEEP_NHWC)
 
     def run_nhwc(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr, *tail,
-                                            keep, smem=stats_smem)
+                                            smem=stats_smem)
         KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *tail, eps, act, reverse, keep,
+                                            y.ptr, part.ptr, *tail, eps, act, reverse,
                                             smem=apply_smem)
     return run_nhwc
 
@@ -966,8 +940,7 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, L2_KEEP, L2_KEEP_NHWC,
-           TWO_PASS_DESIGN, STATS_BLOCKS_PER_SM, STATS_CHUNK_ROUNDS, AUTO_SPREAD, AUTO_STREAM,
+    key = (call.device, loader.generation, force_path, apply_order, TWO_PASS_DESIGN, STATS_BLOCKS_PER_SM, STATS_CHUNK_ROUNDS, AUTO_SPREAD, AUTO_STREAM,
            AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster, spread_residency,
            input.dtype, tuple(input.shape),
            tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),

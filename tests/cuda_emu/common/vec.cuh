@@ -52,13 +52,4 @@ template <class T> inline void store16(T* p, const uint4& v) {
 }
 template <class T> inline void store16_evict_first(T* p, const uint4& v) { store16(p, v); }
 
-// L2 eviction hints: no cache here; the policy is a value the loads ignore
-using L2Policy = unsigned long long;
-inline L2Policy l2_policy_keep(float keep) {
-  if (!(keep >= 0.0f && keep <= 1.0f)) emu::fail("l2_policy_keep: keep outside [0, 1]");
-  return keep > 0.0f ? 1 : 0;
-}
-inline L2Policy l2_policy_last_use(bool on) { return on ? 2 : 0; }
-template <class T> inline uint4 load16_policy(const T* p, L2Policy) { return load16(p); }
-
 }  // namespace gpuops
