@@ -844,16 +844,18 @@ def test_stream_kernel_statistics_are_stable_and_nan_stays_in_its_group(monkeypa
         _stable_and_nan_in_its_group(se, (3, 8, 16, 16), rng, f"cluster={cluster}")
 
 
-@pytest.mark.parametrize("design", [1, 2])
+@pytest.mark.parametrize("design,rounds", [(1, None), (2, 1), (2, None)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_two_pass_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype, design):
-    """The NCHW two-pass pairs' own code (TWO_PASS_DESIGN 1 and 2) on the C++ emulation: several
-    chunks and apply tiles per group (4 SMs), channel boundaries inside tiles, 16-byte and
-    one-element units (hw not a multiple of 16 bytes), affine and SiLU on and off; in fp32 also a
-    mean of 1000 against a spread of 1, and a NaN that stays in its group."""
+def test_two_pass_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype, design, rounds):
+    """The NCHW two-pass pairs' own code (TWO_PASS_DESIGN 1 and 2; design 2 with chunks of one
+    round and with the one-wave plan) on the C++ emulation: several chunks and apply tiles per
+    group (4 SMs), channel boundaries inside tiles, 16-byte and one-element units (hw not a
+    multiple of 16 bytes), affine and SiLU on and off; in fp32 also a mean of 1000 against a
+    spread of 1, and a NaN that stays in its group."""
     se = SpreadEmu(monkeypatch, sms=4)
     monkeypatch.setattr(GN, "force_path", "twopass")
     monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
+    monkeypatch.setattr(GN, "STATS_CHUNK_ROUNDS", rounds)
     for shape, groups in [((1, 8, 64, 64), 2), ((2, 6, 20, 40), 3), ((1, 4, 7, 7), 2),
                           ((2, 3, 96, 65), 1)]:
         for affine, act in ((True, "silu"), (False, None)):
@@ -863,6 +865,29 @@ def test_two_pass_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype, design):
                 f"gpuops::group_norm_nchw_stats{suffix}", f"gpuops::group_norm_nchw_apply{suffix}"]
     if dtype == "float32":
         _stable_and_nan_in_its_group(se, (2, 8, 40, 40), rng, f"design {design}")
+
+
+def test_two_pass2_plans(monkeypatch):
+    """group_norm_nchw_stats2's chunks cover each group exactly: chunks of STATS_CHUNK_ROUNDS
+    rounds (at most STATS_MAX_CHUNKS per group), or with None one wave of at most
+    STATS_BLOCKS_PER_SM blocks per SM unless the groups alone take more."""
+    per_round = GN.TWO_PASS_THREADS * GN.STATS_UNROLL
+    for rounds in (None, 1, 2):
+        monkeypatch.setattr(GN, "STATS_CHUNK_ROUNDS", rounds)
+        for groups in (1, 3, 32, 256, 5000):
+            for gu in (1, 100, per_round, per_round + 1, 131072, 10 ** 7):
+                chunks, cu = GN.plan_two_pass2(groups, gu, 132)
+                assert chunks >= 1 and (chunks - 1) * cu < gu <= chunks * cu, (rounds, groups, gu)
+                if rounds:
+                    assert chunks <= GN.STATS_MAX_CHUNKS
+                    assert cu == -(-gu // chunks)
+                    if chunks < GN.STATS_MAX_CHUNKS:
+                        assert cu <= rounds * per_round
+                else:
+                    assert groups * chunks <= max(groups, GN.STATS_BLOCKS_PER_SM * 132)
+                    assert chunks == 1 or cu >= per_round // 2
+    monkeypatch.setattr(GN, "STATS_CHUNK_ROUNDS", 1)
+    assert GN.plan_two_pass2(32, 131072, 132) == (64, 2048)     # fp32 [1, 256, 256, 256]
 
 
 def test_auto_rule3_routes(monkeypatch, rng):

@@ -13,8 +13,10 @@ alternate over 3 rounds, median of the rounds):
   - whole calls, default plan, under build variants of the stats2 / apply2 kernels:
       default, ycs (-DGPUOPS_GN_APPLY_STORE_CS: apply stores y evict-first) (run 129 also had
       builds with and without L2 eviction hints on x, since removed: commit 7ed5729);
-  - whole calls under host variants: rounds1 / rounds2 / rounds4 (STATS_CHUNK_ROUNDS: chunks of
-      that many rounds of loads, many waves), bps2 / bps3 (STATS_BLOCKS_PER_SM);
+  - whole calls under host variants: onewave (STATS_CHUNK_ROUNDS = None: one wave of at most
+      STATS_BLOCKS_PER_SM blocks per SM, the default before run 131), rounds2 / rounds4 (chunks of
+      that many rounds of loads; the default is 1); runs 129-130 also timed 2 and 3 blocks per
+      SM in one wave (slower);
   - torch.compile, the peer.
 Per-kernel device time (torch.profiler, 10 eager calls) for the build variants and compile.
 Every whole-call variant checked against float64 first (outputs poisoned).
@@ -45,9 +47,8 @@ from group_norm_two_pass import kernel_times, torch_gn  # noqa: E402
 CASES = (((1, 256, 256, 256), "float32"), ((8, 640, 64, 64), "float32"),
          ((1, 256, 256, 256), "bfloat16"))
 BUILDS = {"default": (), "ycs": ("-DGPUOPS_GN_APPLY_STORE_CS",)}
-HOST = {"rounds1": ("STATS_CHUNK_ROUNDS", 1), "rounds2": ("STATS_CHUNK_ROUNDS", 2),
-        "rounds4": ("STATS_CHUNK_ROUNDS", 4), "bps2": ("STATS_BLOCKS_PER_SM", 2),
-        "bps3": ("STATS_BLOCKS_PER_SM", 3)}
+HOST = {"onewave": ("STATS_CHUNK_ROUNDS", None), "rounds2": ("STATS_CHUNK_ROUNDS", 2),
+        "rounds4": ("STATS_CHUNK_ROUNDS", 4)}
 ROUNDS = 3
 
 

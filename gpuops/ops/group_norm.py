@@ -157,10 +157,14 @@ apply_order: str = "reverse"
 # fp32 [1, 256, 256, 256] 68.1 us against 72.1 with the best keep (notes_groupnorm_copy.md).
 TWO_PASS_DESIGN = 2
 STATS_UNROLL = 8                    # kStatsUnroll
-STATS_BLOCKS_PER_SM = 4             # stats2's launch bound: its grid stays within one wave
-# stats2's chunks of exactly this many rounds of loads, over as many waves as that takes (A/B;
-# None: the one-wave plan above)
-STATS_CHUNK_ROUNDS: int | None = None
+STATS_BLOCKS_PER_SM = 4             # stats2's launch bound
+# stats2's chunks: this many rounds of loads each (STATS_UNROLL units per thread a round), over
+# as many waves as that takes, but at most STATS_MAX_CHUNKS per group (every apply block merges
+# its group's partials). None: one wave of at most STATS_BLOCKS_PER_SM blocks per SM (A/B). Run
+# 130: 1 round against one wave, fp32 [1, 256, 256, 256] 72.5 -> 70.3 us, fp32 [8, 640, 64, 64]
+# 90.4 -> 86.3, bf16 [1, 256, 256, 256] 35.5 -> 33.7.
+STATS_CHUNK_ROUNDS: int | None = 1
+STATS_MAX_CHUNKS = 64
 
 ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
 
@@ -257,13 +261,16 @@ def _refuse_clusters(dev, exc):
 # Plans: which kernel and launch shape. Pure functions of sizes (tests check them on the CPU).
 
 def plan_two_pass2(groups: int, group_units: int, sms: int):
-    """(chunks per group, chunk units) of group_norm_nchw_stats2: at most STATS_BLOCKS_PER_SM
-    blocks per SM in all (one wave at its launch bound) unless the groups alone take more, and
-    no chunk shorter than one round of loads."""
+    """(chunks per group, chunk units) of group_norm_nchw_stats2: chunks of STATS_CHUNK_ROUNDS
+    rounds of loads, at most STATS_MAX_CHUNKS per group; with STATS_CHUNK_ROUNDS = None at most
+    STATS_BLOCKS_PER_SM blocks per SM in all (one wave at its launch bound) unless the groups
+    alone take more, and no chunk shorter than one round."""
     per_round = TWO_PASS_THREADS * STATS_UNROLL
-    chunks = max(1, min((STATS_BLOCKS_PER_SM * sms) // groups, _cdiv(group_units, per_round)))
     if STATS_CHUNK_ROUNDS:
-        chunks = _cdiv(group_units, STATS_CHUNK_ROUNDS * per_round)
+        chunks = min(STATS_MAX_CHUNKS, _cdiv(group_units, STATS_CHUNK_ROUNDS * per_round))
+    else:
+        chunks = max(1, min((STATS_BLOCKS_PER_SM * sms) // groups,
+                            _cdiv(group_units, per_round)))
     chunk_units = _cdiv(group_units, chunks)
     return _cdiv(group_units, chunk_units), chunk_units
 
@@ -940,10 +947,11 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, TWO_PASS_DESIGN, STATS_BLOCKS_PER_SM, STATS_CHUNK_ROUNDS, AUTO_SPREAD, AUTO_STREAM,
+    key = (call.device, loader.generation, force_path, apply_order, TWO_PASS_DESIGN,
+           STATS_BLOCKS_PER_SM, STATS_CHUNK_ROUNDS, STATS_MAX_CHUNKS, AUTO_SPREAD, AUTO_STREAM,
            AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster, spread_residency,
-           input.dtype, tuple(input.shape),
-           tuple(input.strides), input.ptr % 16 == 0, num_groups, act, bool(channels_last),
+           input.dtype, tuple(input.shape), tuple(input.strides), input.ptr % 16 == 0,
+           num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
            None if bias is None else (tuple(bias.shape), bias.contiguous),
            None if out is None else (tuple(out.shape), tuple(out.strides), out.ptr % 16 == 0))
