@@ -56,8 +56,8 @@ Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupn
   waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
 * two passes for what fits none of these (``TWO_PASS_DESIGN`` = 2 since run 128: shifted-sum
   statistics with 8 units in flight per thread, then one tile per apply block, as a pointwise
-  kernel): fp32 [1, 256, 256, 256], 67 MB, 68.1 us against 85.7 for the first pair and
-  torch.compile's 70.7 (run 129; L2 eviction hints measured slower, runs 127-129).
+  kernel): fp32 [1, 256, 256, 256], 67 MB, 70.0 us against 86.4 for the first pair and
+  torch.compile's 72.6 (run 131; L2 eviction hints measured slower, runs 127-129).
 ``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever
 a group fits; A/B timing). The spread and stream kernels run on every arch (clusters only on
 sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a multiple of 16
