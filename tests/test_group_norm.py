@@ -199,33 +199,6 @@ class GroupNormEmulator(Emulator):
         self._onchip(targs, grid, block, args, int(targs[2]))
 
     def k_group_norm_nchw_stats(self, targs, grid, block, args, smem):
-        d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, part, group_units, chunk_units, chunks = args
-        assert block[0] == GN.TWO_PASS_THREADS and (vec == 1 or x % 16 == 0)
-        for blk in range(grid[0]):
-            g, chunk = divmod(blk, chunks)
-            u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
-            vals = self._f(x, d, g * group_units * vec + (u[:, None] * vec + np.arange(vec)))
-            self.arena.store(part, dt.float32, 4 * blk + np.arange(4), [*_stats(vals), 0.0])
-
-    def k_group_norm_nchw_apply(self, targs, grid, block, args, smem):
-        d, vec = GN_DTYPES[targs[0]], int(targs[1])
-        x, w, b, y, part, hw, cg, groups, group_units, chunk_units, chunks, eps, act, rev = args
-        assert vec == 1 or (x % 16 == 0 and y % 16 == 0 and hw % vec == 0)
-        assert rev in (0, 1)
-        for blk in _apply_blocks(grid[0], rev):
-            g, chunk = divmod(blk, chunks)
-            st = (0.0, 0.0, 0.0)
-            for i in range(chunks):
-                st = _merge(st, self._part(part, g * chunks + i))
-            u = np.arange(chunk * chunk_units, min((chunk + 1) * chunk_units, group_units))
-            offs = g * group_units * vec + (u[:, None] * vec + np.arange(vec)).reshape(-1)
-            c = (g % groups) * cg + np.repeat(u * vec // hw, vec)
-            self.arena.store(y, d, offs, self._affine(self._f(x, d, offs), st[1],
-                                                      1 / np.sqrt(st[2] / st[0] + eps), w, b, d,
-                                                      c, act))
-
-    def k_group_norm_nchw_stats2(self, targs, grid, block, args, smem):
         """Shifted sums per thread (its first unit's mean as the shift), as the kernel forms
         them, then Chan merges over the block's threads."""
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
@@ -249,7 +222,7 @@ class GroupNormEmulator(Emulator):
                 st = _merge(st, (n, shift + m, max(s2 - s1 * m, 0.0)))
             self.arena.store(part, dt.float32, 4 * blk + np.arange(4), [*st, 0.0])
 
-    def k_group_norm_nchw_apply2(self, targs, grid, block, args, smem):
+    def k_group_norm_nchw_apply(self, targs, grid, block, args, smem):
         d, vec = GN_DTYPES[targs[0]], int(targs[1])
         x, w, b, y, part, cg, groups, group_units, tiles, chunks, eps, act, rev, mul, shift = args
         assert vec == 1 or (x % 16 == 0 and y % 16 == 0)
@@ -440,17 +413,14 @@ def test_emulated_designs(monkeypatch, rng):
         GN._plans.clear()                      # (the threshold is not part of the plans' key)
         assert kernels((2, 16, 8, 8), 4, "strided_nhwc") == ["group_norm_nhwc_stats",
                                                            "group_norm_nhwc_apply"]
-        assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats2", "group_norm_nchw_apply2"]
+        assert kernels((1, 4, 7, 7), 2) == ["group_norm_nchw_stats", "group_norm_nchw_apply"]
 
 
-@pytest.mark.parametrize("design", [1, 2])
 @pytest.mark.parametrize("order", ["forward", "reverse"])
-def test_emulated_apply_orders(monkeypatch, rng, order, design):
-    """Both block orders of the two-pass apply kernels cover every block once (A/B knob), with
-    either NCHW pair (TWO_PASS_DESIGN, A/B knob)."""
+def test_emulated_apply_orders(monkeypatch, rng, order):
+    """Both block orders of the two-pass apply kernels cover every block once (A/B knob)."""
     impl = registry.get("group_norm").impl
     monkeypatch.setattr(GN, "apply_order", order)
-    monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
     with emulated(monkeypatch, GroupNormEmulator, arena_bytes=1 << 26) as emu:
         monkeypatch.setattr(GN, "device", types.SimpleNamespace(
             device_info=lambda dev: types.SimpleNamespace(cc=emu.cc, sm_count=emu.sms)))
@@ -489,8 +459,8 @@ def test_refused_cluster_launch_falls_back(monkeypatch, rng):
                     contextlib.nullcontext():
                 y = impl(FakeCall(emu.arena, "group_norm"), x, 1, None, None, 1e-5, "silu", False)
             np.testing.assert_allclose(emu.arena.read(y).astype(np.float64), ref, **TOL64["float16"])
-            assert [n for n, *_ in emu.launches[-2:]] == ["group_norm_nchw_stats2",
-                                                          "group_norm_nchw_apply2"]
+            assert [n for n, *_ in emu.launches[-2:]] == ["group_norm_nchw_stats",
+                                                          "group_norm_nchw_apply"]
         assert len(emu.launches) == 2        # the second call does not try clusters again
 
 
@@ -849,31 +819,28 @@ def test_stream_kernel_statistics_are_stable_and_nan_stays_in_its_group(monkeypa
         _stable_and_nan_in_its_group(se, (3, 8, 16, 16), rng, f"cluster={cluster}")
 
 
-@pytest.mark.parametrize("design,rounds", [(1, None), (2, 1), (2, None)])
+@pytest.mark.parametrize("rounds", [1, None])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_two_pass_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype, design, rounds):
-    """The NCHW two-pass pairs' own code (TWO_PASS_DESIGN 1 and 2; design 2 with chunks of one
-    round and with the one-wave plan) on the C++ emulation: several chunks and apply tiles per
-    group (4 SMs), channel boundaries inside tiles, 16-byte and one-element units (hw not a
-    multiple of 16 bytes), affine and SiLU on and off; in fp32 also a mean of 1000 against a
-    spread of 1, and a NaN that stays in its group."""
+def test_two_pass_kernels_on_the_cpu_emulator(monkeypatch, rng, dtype, rounds):
+    """The NCHW two-pass kernels' own code (stats chunks of one round, and the one-wave plan) on
+    the C++ emulation: several chunks and apply tiles per group (4 SMs), channel boundaries inside
+    tiles, 16-byte and one-element units (hw not a multiple of 16 bytes), affine and SiLU on and
+    off; in fp32 also a mean of 1000 against a spread of 1, and a NaN that stays in its group."""
     se = SpreadEmu(monkeypatch, sms=4)
     monkeypatch.setattr(GN, "force_path", "twopass")
-    monkeypatch.setattr(GN, "TWO_PASS_DESIGN", design)
     monkeypatch.setattr(GN, "STATS_CHUNK_ROUNDS", rounds)
     for shape, groups in [((1, 8, 64, 64), 2), ((2, 6, 20, 40), 3), ((1, 4, 7, 7), 2),
                           ((2, 3, 96, 65), 1)]:
         for affine, act in ((True, "silu"), (False, None)):
             names = _spread_case(rng, se, shape, groups, dtype, affine, act, "nchw")
-            suffix = "2" if design == 2 else ""
-            assert [n.split("<")[0] for n in names] == [
-                f"gpuops::group_norm_nchw_stats{suffix}", f"gpuops::group_norm_nchw_apply{suffix}"]
+            assert [n.split("<")[0] for n in names] == ["gpuops::group_norm_nchw_stats",
+                                                        "gpuops::group_norm_nchw_apply"]
     if dtype == "float32":
-        _stable_and_nan_in_its_group(se, (2, 8, 40, 40), rng, f"design {design}")
+        _stable_and_nan_in_its_group(se, (2, 8, 40, 40), rng, f"rounds {rounds}")
 
 
-def test_two_pass2_plans(monkeypatch):
-    """group_norm_nchw_stats2's chunks cover each group exactly: chunks of STATS_CHUNK_ROUNDS
+def test_two_pass_stats_plans(monkeypatch):
+    """group_norm_nchw_stats' chunks cover each group exactly: chunks of STATS_CHUNK_ROUNDS
     rounds (at most STATS_MAX_CHUNKS per group), or with None one wave of at most
     STATS_BLOCKS_PER_SM blocks per SM unless the groups alone take more."""
     per_round = GN.TWO_PASS_THREADS * GN.STATS_UNROLL
@@ -881,7 +848,7 @@ def test_two_pass2_plans(monkeypatch):
         monkeypatch.setattr(GN, "STATS_CHUNK_ROUNDS", rounds)
         for groups in (1, 3, 32, 256, 5000):
             for gu in (1, 100, per_round, per_round + 1, 131072, 10 ** 7):
-                chunks, cu = GN.plan_two_pass2(groups, gu, 132)
+                chunks, cu = GN.plan_two_pass(groups, gu, 132)
                 assert chunks >= 1 and (chunks - 1) * cu < gu <= chunks * cu, (rounds, groups, gu)
                 if rounds:
                     assert chunks <= GN.STATS_MAX_CHUNKS
@@ -892,7 +859,7 @@ def test_two_pass2_plans(monkeypatch):
                     assert groups * chunks <= max(groups, GN.STATS_BLOCKS_PER_SM * 132)
                     assert chunks == 1 or cu >= per_round // 2
     monkeypatch.setattr(GN, "STATS_CHUNK_ROUNDS", 1)
-    assert GN.plan_two_pass2(32, 131072, 132) == (64, 2048)     # fp32 [1, 256, 256, 256]
+    assert GN.plan_two_pass(32, 131072, 132) == (64, 2048)     # fp32 [1, 256, 256, 256]
 
 
 def test_auto_rule3_routes(monkeypatch, rng):
@@ -908,7 +875,7 @@ def test_auto_rule3_routes(monkeypatch, rng):
         names = _spread_case(rng, se, shape, groups, "bfloat16", True, "silu", "nchw")
         assert len(names) == 1 and names[0].startswith(f"gpuops::group_norm_{kernel}<"), names
     se = SpreadEmu(monkeypatch, sms=132)
-    for rule, name in ((3, "run_two_pass2"), (2, "run_cluster")):
+    for rule, name in ((3, "run_two_pass"), (2, "run_cluster")):
         monkeypatch.setattr(GN, "AUTO_RULE", rule)
         run = GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1)
         assert run.__name__ == name, rule
@@ -1053,13 +1020,13 @@ def test_resident_plan_and_routes(monkeypatch, rng):
     assert GN.AUTO_RULE == 4
     for args, name in [((dt.bfloat16, 1, 256, 65536), "run_resident"),
                        ((dt.float32, 4, 1280, 1024), "run_resident"),
-                       ((dt.float32, 1, 256, 65536), "run_two_pass2"),    # (67 MB: no fit)
+                       ((dt.float32, 1, 256, 65536), "run_two_pass"),    # (67 MB: no fit)
                        ((dt.bfloat16, 2, 320, 4096), "run_cluster"),      # (spread, 2 / group)
                        ((dt.bfloat16, 16, 640, 1024), "run_stream")]:
         assert GN._nchw_launcher(0, *args, 32, True, 1).__name__ == name, args
     monkeypatch.setattr(GN, "AUTO_RULE", 3)
     assert GN._nchw_launcher(0, dt.bfloat16, 1, 256, 65536, 32, True, 1).__name__ == \
-        "run_two_pass2"
+        "run_two_pass"
     monkeypatch.setattr(GN, "AUTO_RESIDENT", True)                # (before spread and stream)
     assert GN._nchw_launcher(0, dt.bfloat16, 2, 320, 4096, 32, True, 1).__name__ == \
         "run_resident"

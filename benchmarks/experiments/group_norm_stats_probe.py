@@ -1,4 +1,4 @@
-"""Where the NCHW two-pass stats kernel's time goes (group_norm_nchw_stats2; run 128: 31.3 us at
+"""Where the NCHW two-pass stats kernel's time goes (group_norm_nchw_stats; run 128: 31.3 us at
 fp32 [1, 256, 256, 256], 67 MB, where Inductor's reduction takes 24.8 and a read-only pass would
 take ~21): its own speed, or the write-back of the y lines the previous call's apply kernel left
 dirty in L2?
@@ -10,7 +10,7 @@ alternate over 3 rounds, median of the rounds):
       apply alone (20 apply launches),
       copy then stats (x.clone() before each stats launch: 67 MB of dirty lines first),
       sum (torch.sum(x): a read-only pass over the same bytes), copy (x.clone());
-  - whole calls, default plan, under build variants of the stats2 / apply2 kernels:
+  - whole calls, default plan, under build variants of the NCHW stats / apply kernels:
       default, ycs (-DGPUOPS_GN_APPLY_STORE_CS: apply stores y evict-first) (run 129 also had
       builds with and without L2 eviction hints on x, since removed: commit 7ed5729);
   - whole calls under host variants: onewave (STATS_CHUNK_ROUNDS = None: one wave of at most
@@ -54,7 +54,7 @@ ROUNDS = 3
 
 def build_caches():
     """{build name: KernelCache} of module variants with the two-pass design-2 kernels only."""
-    exprs = {e: s for e, s in GN.MODULE.kernels.items() if "nchw_stats2" in e or "nchw_apply2" in e}
+    exprs = {e: s for e, s in GN.MODULE.kernels.items() if "nchw_stats<" in e or "nchw_apply<" in e}
     out = {"default": GN.KERNELS}
     for name, opts in BUILDS.items():
         if opts:

@@ -1,17 +1,18 @@
 """group_norm's two-pass kernel pairs (NCHW and channels-last) at inputs larger than the chip
-holds, each NCHW design side by side (group_norm.TWO_PASS_DESIGN), with per-kernel times.
+holds, beside auto's plan and torch.compile, with per-kernel times.
 
-Per case (shape, dtype, layout, forced path) and variant ("d1" / "d2": TWO_PASS_DESIGN 1 / 2;
-"fwd": the default design with the old forward apply order; "auto": the default plan, whatever
-kernel it picks; channels-last: one pair, so d1 = d2):
+Per case (shape, dtype, layout, forced path) and variant ("twopass": the forced two-pass pair;
+"fwd": the same with the old forward apply order; "auto": the default plan, whatever kernel it
+picks):
   - max |error| against float64 (torch's group_norm + SiLU in float64, fresh random data,
     outputs poisoned);
   - graph replay time per call (20 calls per graph, median of 20 replays; the variants alternate
     over 3 rounds, median of the rounds), as % of a copy of the same bytes in the same method;
-  - per-kernel device time (torch.profiler over 10 eager calls after warm-up) of d1, d2 and
+  - per-kernel device time (torch.profiler over 10 eager calls after warm-up) of the pair and of
     torch.compile's kernels.
 Peers in the same run: torch eager, torch.compile (dynamic=False), the copy x -> y (x.clone()).
-(Runs 127-128 ran this script's earlier form, which also swept L2 eviction hints: commit f6b1cd9.)
+(Runs 127-128 ran this script's earlier form, which also swept L2 eviction hints: commit f6b1cd9;
+runs 130-131 one with "d1" / "d2", an earlier NCHW pair and this one: commit 5e37897.)
 
     python benchmarks/experiments/group_norm_two_pass.py [--json F] [--cases 0,2] [--no-compile]
 """
@@ -32,14 +33,13 @@ import gpuops as go  # noqa: E402
 from gpuops.bench import graph_replay_us  # noqa: E402
 from gpuops.ops import group_norm as GN  # noqa: E402
 
-# (shape as NCHW, dtype, channels_last, forced path of the d1 / d2 / fwd variants)
+# (shape as NCHW, dtype, channels_last, forced path of the twopass / fwd variants)
 CASES = (((1, 256, 256, 256), "float32", False, "twopass"),     # auto: two-pass (67 MB)
          ((1, 256, 256, 256), "bfloat16", False, "twopass"),    # auto: resident (33.5 MB)
          ((8, 640, 64, 64), "float32", False, "twopass"),       # auto: stream / spread (84 MB)
          ((16, 640, 32, 32), "float32", False, "twopass"),      # 42 MB
          ((8, 640, 64, 64), "bfloat16", True, "nhwc"),          # auto: nhwc two-pass (42 MB)
          ((8, 640, 64, 64), "float32", True, "nhwc"))           # 84 MB
-DEFAULT_DESIGN = GN.TWO_PASS_DESIGN
 ROUNDS = 3
 
 
@@ -48,14 +48,12 @@ def torch_gn(x, w, b):
 
 
 def set_variant(force, v):
-    """v: "auto" (the default plan), "fwd" (forward apply order), "d1" / "d2" (TWO_PASS_DESIGN)."""
-    GN.force_path, GN.apply_order, GN.TWO_PASS_DESIGN = force, "reverse", DEFAULT_DESIGN
+    """v: "auto" (the default plan), "twopass" (the forced pair), "fwd" (forward apply order)."""
+    GN.force_path, GN.apply_order = force, "reverse"
     if v == "auto":
         GN.force_path = None
     elif v == "fwd":
         GN.apply_order = "forward"
-    else:
-        GN.TWO_PASS_DESIGN = int(v[1:])
 
 
 def kernel_times(fn, calls=10):
@@ -124,7 +122,7 @@ def run_case(shape, dtype, cl, force, variants, res, compile_peer):
         res["rows"].append(dict(case=name, variant=v, us=t, rounds=ts,
                                 pct_copy=100 * copy_us / t))
     kt = {}
-    for v in ("d1", "d2"):
+    for v in ("twopass",):
         if v in fns:
             set_variant(*fns[v])
             kt[v] = kernel_times(call)
@@ -144,9 +142,9 @@ def main():
     args = ap.parse_args()
     cases = CASES if not args.cases else [CASES[int(i)] for i in args.cases.split(",")]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"L2 {l2 / 2**20:.0f} MiB; default TWO_PASS_DESIGN {DEFAULT_DESIGN}", flush=True)
-    res = dict(l2_bytes=l2, default_design=DEFAULT_DESIGN, rows=[], kernels={})
-    variants = ["auto", "d1", "d2", "fwd"]
+    print(f"L2 {l2 / 2**20:.0f} MiB", flush=True)
+    res = dict(l2_bytes=l2, rows=[], kernels={})
+    variants = ["auto", "twopass", "fwd"]
     try:
         for shape, dtype, cl, force in cases:
             run_case(shape, dtype, cl, force, variants, res, not args.no_compile)

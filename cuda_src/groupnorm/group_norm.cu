@@ -293,45 +293,25 @@ group_norm_onchip_cluster(
 
 // ------------------------------------------------------------------------------------------------
 // Two-pass NCHW kernels. A group is group_units units of VEC elements (VEC = 16 bytes when hw and
-// the pointers allow it, else 1), cut into `chunks` chunks of chunk_units; block b handles chunk
-// b % chunks of group b / chunks in both kernels. part[b] = (n, mean, M2, 0) of that chunk.
+// the pointers allow it, else 1). The stats kernel cuts it into `chunks` chunks of chunk_units
+// (block b: chunk b % chunks of group b / chunks; part[b] = (n, mean, M2, 0) of that chunk); the
+// apply kernel into tiles of kTwoPassThreads * kUnroll units (block b: tile b % tiles of group
+// b / tiles), each merging its group's partials first. Runs 127-131 (fp32 [1, 256, 256, 256]:
+// 86.4 -> 70.0 us against an earlier pair of these kernels, torch.compile 72.6):
+//  * stats: kStatsUnroll units in flight per thread, and shifted sums instead of a Chan merge (and
+//    its division) per unit: a thread sums d = x - s and d * d, s the mean of its first unit, then
+//    forms (n, mean, M2) once. The shift removes any common offset, and the cancellation left in
+//    M2 = S2 - S1^2 / n is bounded by the thread's own spread around one of its own units. Chunks
+//    of one round of loads each, over many waves (the host's plan).
+//  * apply: one tile per block (many short blocks, as a pointwise kernel: no loop), its loads
+//    issued before the block merges its group's partials (sm_70+) so that their latency hides the
+//    merge; a unit's channel by a multiply-shift divider.
 
 constexpr int kTwoPassThreads = 256;
 constexpr int kUnroll = 4;   // units loaded before any is used: bytes in flight per thread
 
-template <class T, int VEC>
-__global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_stats(
-    const T* __restrict__ x, float4* __restrict__ part, int group_units, int chunk_units,
-    int chunks) {
-  using U = Unit<T, VEC>;
-  __shared__ float4 scratch[32];
-  const int group = blockIdx.x / chunks, chunk = blockIdx.x - group * chunks;
-  const T* xg = x + static_cast<long long>(group) * group_units * VEC;
-  const int u0 = chunk * chunk_units;
-  const int u1 = min(u0 + chunk_units, group_units);
-  MeanM2 st = {0.0f, 0.0f, 0.0f};
-  for (int u = u0 + threadIdx.x; u < u1; u += kUnroll * kTwoPassThreads) {
-    typename U::Raw raw[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
-    }
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      if (u + k * kTwoPassThreads < u1) {
-        float f[VEC];
-        U::unpack(raw[k], f);
-        merge_unit<VEC>(st, f);
-      }
-    }
-  }
-  st = block_merge_to_thread0(st, scratch);
-  if (threadIdx.x == 0) part[blockIdx.x] = make_float4(st.n, st.mean, st.m2, 0.0f);
-}
-
-// The data block of an apply kernel (the same numbering as its stats kernel's blocks). reverse:
-// the last block's data first. Blocks start roughly in index order, so the stats kernel leaves the
+// The data block of an apply kernel (data blocks numbered in memory order, as its stats kernel's
+// blocks are). reverse: the last block's data first. Blocks start roughly in index order, so the stats kernel leaves the
 // highest-numbered blocks' data in L2, least recently used first evicted: a forward apply pass
 // over data larger than L2 evicts each line just before it is needed (no hits at all), a reverse
 // pass reads the most recently cached lines first.
@@ -349,72 +329,10 @@ __device__ __forceinline__ MeanM2 warp_merge_partials(const float4* __restrict__
   return warp_merge(st);
 }
 
-template <class T, int VEC>
-__global__ void __launch_bounds__(kTwoPassThreads, 2) group_norm_nchw_apply(
-    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
-    const float4* __restrict__ part, int hw, int cg, int groups, int group_units,
-    int chunk_units, int chunks, float eps, int act, int reverse) {
-  using U = Unit<T, VEC>;
-  __shared__ float stats[2];
-  const int blk = apply_block(reverse);
-  const int group = blk / chunks, chunk = blk - group * chunks;
-  if (threadIdx.x < 32) {
-    const MeanM2 st = warp_merge_partials(part + static_cast<long long>(group) * chunks, chunks);
-    if (threadIdx.x == 0) {
-      stats[0] = st.mean;
-      stats[1] = inv_std(st.m2 / st.n, eps);
-    }
-  }
-  __syncthreads();
-  const float mean = stats[0], rstd = stats[1];
-  const long long base = static_cast<long long>(group) * group_units * VEC;
-  const T* xg = x + base;
-  T* yg = y + base;
-  const int c0 = (group % groups) * cg;
-  const int u0 = chunk * chunk_units;
-  const int u1 = min(u0 + chunk_units, group_units);
-  for (int u = u0 + threadIdx.x; u < u1; u += kUnroll * kTwoPassThreads) {
-    typename U::Raw raw[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) raw[k] = U::load(xg + static_cast<long long>(uk) * VEC);
-    }
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int uk = u + k * kTwoPassThreads;
-      if (uk < u1) {
-        // VEC > 1 only when hw % VEC == 0: a unit lies in one channel
-        const int c = c0 + (uk * VEC) / hw;
-        const float a = rstd * gn_param(w, c, 1.0f);
-        const float s = gn_param(b, c, 0.0f);
-        float f[VEC];
-        U::unpack(raw[k], f);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = gn_act(fmaf(f[j] - mean, a, s), act);
-        U::store(yg + static_cast<long long>(uk) * VEC, U::pack(f));
-      }
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Two-pass NCHW kernels, second design (TWO_PASS_DESIGN = 2 on the host; run 127 measured the
-// first pair at 32.7 + 52.5 us where Inductor's kernels take 24.7 + 40.9, fp32 [1, 256, 256, 256];
-// run 129: 28.9 + 39.0).
-//  * stats2: the same chunks and partials as group_norm_nchw_stats, but kStatsUnroll units in
-//    flight per thread and shifted sums instead of a Chan merge (and its division) per unit: a
-//    thread sums d = x - s and d * d, s the mean of its first unit, then forms (n, mean, M2) once.
-//    The shift removes any common offset, and the cancellation left in M2 = S2 - S1^2 / n is
-//    bounded by the thread's own spread around one of its own units.
-//  * apply2: one tile of kTwoPassThreads * kUnroll units per block (many short blocks, as a
-//    pointwise kernel: no loop), its loads issued before the block merges its group's partials
-//    (sm_70+) so that their latency hides the merge; a unit's channel by a multiply-shift divider.
-
 constexpr int kStatsUnroll = 8;
 
 template <class T, int VEC>
-__global__ void __launch_bounds__(kTwoPassThreads, 4) group_norm_nchw_stats2(
+__global__ void __launch_bounds__(kTwoPassThreads, 4) group_norm_nchw_stats(
     const T* __restrict__ x, float4* __restrict__ part, int group_units, int chunk_units,
     int chunks) {
   using U = Unit<T, VEC>;
@@ -469,7 +387,7 @@ __global__ void __launch_bounds__(kTwoPassThreads, 4) group_norm_nchw_stats2(
 }
 
 template <class T, int VEC>
-__global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply2(
+__global__ void __launch_bounds__(kTwoPassThreads) group_norm_nchw_apply(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
     const float4* __restrict__ part, int cg, int groups, int group_units, int tiles, int chunks,
     float eps, int act, int reverse, unsigned int hw_mul, unsigned int hw_shift) {

@@ -54,9 +54,9 @@ Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupn
   when forced (``force_path`` = "resident");
 * the on-chip kernels otherwise, except that blocks which would take a whole SM over several
   waves give way to the two-pass kernels (16-bit [1, 256, 256, 256] 43.7 us against 48.9);
-* two passes for what fits none of these (``TWO_PASS_DESIGN`` = 2 since run 128: shifted-sum
-  statistics with 8 units in flight per thread, then one tile per apply block, as a pointwise
-  kernel): fp32 [1, 256, 256, 256], 67 MB, 70.0 us against 86.4 for the first pair and
+* two passes for what fits none of these (shifted-sum statistics with 8 units in flight per
+  thread in chunks of one round, then one tile per apply block, as a pointwise kernel): fp32
+  [1, 256, 256, 256], 67 MB, 70.0 us against 86.4 for an earlier pair of kernels and
   torch.compile's 72.6 (run 131; L2 eviction hints measured slower, runs 127-129).
 ``AUTO_RULE`` = 3 is rule 4 without the resident kernel, 2 keeps round 2's rule (on chip wherever
 a group fits; A/B timing). The spread and stream kernels run on every arch (clusters only on
@@ -89,8 +89,8 @@ CLUSTER_SLICE_PACKS = 4096          # slice per block when clusters split groups
 #                                     2-3 blocks share an SM's registers
 MIN_SLICE_PACKS = 128               # no cluster splits into slices smaller than 2 KiB
 TWO_PASS_THREADS = 256              # kTwoPassThreads
-UNROLL = 4                          # kUnroll
-BLOCKS_PER_SM = 4                   # grid target of the two-pass kernels
+UNROLL = 4                          # kUnroll: an NCHW apply tile is TWO_PASS_THREADS * UNROLL units
+BLOCKS_PER_SM = 4                   # grid target of the channels-last two-pass kernels
 NHWC_ROW_THREADS = 256              # threads of a channels-last block when a slab row is narrow
 NHWC_MAX_THREADS = 512              # kNhwcMaxThreads
 NHWC_SMEM_LIMIT = 32 * 1024         # per-channel statistics of one block (stats kernel)
@@ -150,19 +150,18 @@ spread_residency: int | None = None
 # still in L2, first) or "forward" (the stats kernel's order: over data larger than L2, LRU
 # evicts each line just before the apply pass needs it). Part of the plans' key (A/B timing).
 apply_order: str = "reverse"
-# The NCHW two-pass pair: 2 = group_norm_nchw_stats2 / _apply2 (shifted sums, 8 units in flight
-# per thread; one tile per apply block), 1 = the first pair (A/B; part of the plans' key).
-# Tried and removed (runs 127-129): L2 eviction hints on x (a fraction kept evict_last by the
-# stats kernel, evict_first in the apply kernel): plain loads measured faster at every size, e.g.
-# fp32 [1, 256, 256, 256] 68.1 us against 72.1 with the best keep (notes_groupnorm_copy.md).
-TWO_PASS_DESIGN = 2
+# The NCHW two-pass pair (runs 127-131, notes_groupnorm_copy.md "Round 5" on): an earlier pair
+# (Chan merges per unit, 4 units in flight; a grid-stride apply) measured 86.4 us at fp32
+# [1, 256, 256, 256] against these kernels' 70.0 and was removed. Also tried and removed: L2
+# eviction hints on x (a fraction kept evict_last by the stats kernel, evict_first in the apply
+# kernel): plain loads measured faster at every size (68.1 against 72.1 us with the best keep).
 STATS_UNROLL = 8                    # kStatsUnroll
-STATS_BLOCKS_PER_SM = 4             # stats2's launch bound
-# stats2's chunks: this many rounds of loads each (STATS_UNROLL units per thread a round), over
-# as many waves as that takes, but at most STATS_MAX_CHUNKS per group (every apply block merges
-# its group's partials). None: one wave of at most STATS_BLOCKS_PER_SM blocks per SM (A/B). Run
-# 130: 1 round against one wave, fp32 [1, 256, 256, 256] 72.5 -> 70.3 us, fp32 [8, 640, 64, 64]
-# 90.4 -> 86.3, bf16 [1, 256, 256, 256] 35.5 -> 33.7.
+STATS_BLOCKS_PER_SM = 4             # the NCHW stats kernel's launch bound
+# The NCHW stats kernel's chunks: this many rounds of loads each (STATS_UNROLL units per thread a
+# round), over as many waves as that takes, but at most STATS_MAX_CHUNKS per group (every apply
+# block merges its group's partials). None: one wave of at most STATS_BLOCKS_PER_SM blocks per SM
+# (A/B). Run 130: 1 round against one wave, fp32 [1, 256, 256, 256] 72.5 -> 70.3 us, fp32
+# [8, 640, 64, 64] 90.4 -> 86.3, bf16 [1, 256, 256, 256] 35.5 -> 33.7.
 STATS_CHUNK_ROUNDS: int | None = 1
 STATS_MAX_CHUNKS = 64
 
@@ -171,9 +170,7 @@ ACTIVATIONS = {None: 0, "none": 0, "identity": 0, "silu": 1}
 _ONCHIP_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "f32", "i32")
 _NCHW_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32")
 _NCHW_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                           "i32", "f32", "i32", "i32")
-_NCHW_APPLY2_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
-                            "f32", "i32", "i32", "u32", "u32")
+                           "f32", "i32", "i32", "u32", "u32")
 _NHWC_STATS_ARGS = ArgSpec("ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "i32")
 _NHWC_APPLY_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
                            "i32", "i32", "f32", "i32", "i32")
@@ -208,8 +205,6 @@ MODULE = KernelModule("norms.group_norm", "groupnorm/group_norm.cu", {
     **{_onchip_expr(d, ONCHIP_PACKS, s): _ONCHIP_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
     **{_expr("nchw_stats", d, v): _NCHW_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nchw_apply", d, v): _NCHW_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
-    **{_expr("nchw_stats2", d, v): _NCHW_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
-    **{_expr("nchw_apply2", d, v): _NCHW_APPLY2_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nhwc_stats", d, v): _NHWC_STATS_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_expr("nhwc_apply", d, v): _NHWC_APPLY_ARGS for d in dt.FLOATS for v in _vecs(d)},
     **{_spread_expr("spread", d, s): _SPREAD_ARGS for d in dt.FLOATS for s in (1, *CLUSTERS)},
@@ -260,8 +255,8 @@ def _refuse_clusters(dev, exc):
 # ---------------------------------------------------------------------------------------------
 # Plans: which kernel and launch shape. Pure functions of sizes (tests check them on the CPU).
 
-def plan_two_pass2(groups: int, group_units: int, sms: int):
-    """(chunks per group, chunk units) of group_norm_nchw_stats2: chunks of STATS_CHUNK_ROUNDS
+def plan_two_pass(groups: int, group_units: int, sms: int):
+    """(chunks per group, chunk units) of group_norm_nchw_stats: chunks of STATS_CHUNK_ROUNDS
     rounds of loads, at most STATS_MAX_CHUNKS per group; with STATS_CHUNK_ROUNDS = None at most
     STATS_BLOCKS_PER_SM blocks per SM in all (one wave at its launch bound) unless the groups
     alone take more, and no chunk shorter than one round."""
@@ -422,14 +417,6 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
     if optin < 96 * 1024:              # small shared memories (Pascal): no reservation
         return needed
     return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
-
-
-def plan_two_pass(groups: int, group_units: int, sms: int):
-    """(chunks per group, chunk units) of the two-pass NCHW kernels."""
-    chunks = max(1, min(_cdiv(BLOCKS_PER_SM * sms, groups),
-                        _cdiv(group_units, TWO_PASS_THREADS * UNROLL)))
-    chunk_units = _cdiv(group_units, chunks)
-    return _cdiv(group_units, chunk_units), chunk_units
 
 
 def plan_nhwc(n: int, hw: int, c: int, cg: int, vec: int, itemsize: int, sms: int):
@@ -644,45 +631,23 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
                 dev, run_onchip, _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=False))
     v = vec if aligned else 1
     group_units = elems // v
-    if TWO_PASS_DESIGN == 2:
-        return _two_pass2_launcher(dev, d, v, n, c, hw, g, act)
     chunks, chunk_units = plan_two_pass(groups, group_units, sms)
-    stats_expr, apply_expr = _expr("nchw_stats", d, v), _expr("nchw_apply", d, v)
-    grid, block = (groups * chunks, 1, 1), (TWO_PASS_THREADS, 1, 1)
-    part_len = groups * chunks * 4
-    apply_tail = (hw, cg, g, group_units, chunk_units, chunks)
-    reverse = int(apply_order == "reverse")
-
-    def run_two_pass(call, x, w, b, y, eps):
-        part = call.empty((part_len,), dt.float32)
-        KERNELS.get(dev, stats_expr).launch(grid, block, call.stream, x.ptr, part.ptr,
-                                            group_units, chunk_units, chunks)
-        KERNELS.get(dev, apply_expr).launch(grid, block, call.stream, x.ptr, _ptr(w), _ptr(b),
-                                            y.ptr, part.ptr, *apply_tail, eps, act, reverse)
-    return run_two_pass
-
-
-def _two_pass2_launcher(dev, d, v, n, c, hw, g, act):
-    """group_norm_nchw_stats2 + _apply2 for contiguous [n, c, hw] (units of v elements)."""
-    cg = c // g
-    groups, group_units = n * g, cg * hw // v
-    chunks, chunk_units = plan_two_pass2(groups, group_units, _copy.sm_count(dev))
     tiles = _cdiv(group_units, TWO_PASS_THREADS * UNROLL)
-    stats_expr, apply_expr = _expr("nchw_stats2", d, v), _expr("nchw_apply2", d, v)
+    stats_expr, apply_expr = _expr("nchw_stats", d, v), _expr("nchw_apply", d, v)
     block = (TWO_PASS_THREADS, 1, 1)
     part_len = groups * chunks * 4
     apply_tail = (cg, g, group_units, tiles, chunks)
     reverse = int(apply_order == "reverse")
-    per_channel = _copy.fast_divider(hw)[1:]        # (mul, shift)
+    per_channel = _copy.fast_divider(hw)[1:]        # (mul, shift): element in group -> channel
 
-    def run_two_pass2(call, x, w, b, y, eps):
+    def run_two_pass(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
         KERNELS.get(dev, stats_expr).launch((groups * chunks, 1, 1), block, call.stream, x.ptr,
                                             part.ptr, group_units, chunk_units, chunks)
         KERNELS.get(dev, apply_expr).launch((groups * tiles, 1, 1), block, call.stream, x.ptr,
                                             _ptr(w), _ptr(b), y.ptr, part.ptr, *apply_tail, eps,
                                             act, reverse, *per_channel)
-    return run_two_pass2
+    return run_two_pass
 
 
 def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters, pair=False):
@@ -947,9 +912,9 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
     act = _check_activation(activation)
     if type(num_groups) is not int:
         num_groups = _num_groups(num_groups)
-    key = (call.device, loader.generation, force_path, apply_order, TWO_PASS_DESIGN,
-           STATS_BLOCKS_PER_SM, STATS_CHUNK_ROUNDS, STATS_MAX_CHUNKS, AUTO_SPREAD, AUTO_STREAM,
-           AUTO_RULE, AUTO_RESIDENT, stream_clusters, spread_cluster, spread_residency,
+    key = (call.device, loader.generation, force_path, apply_order, STATS_BLOCKS_PER_SM,
+           STATS_CHUNK_ROUNDS, STATS_MAX_CHUNKS, AUTO_SPREAD, AUTO_STREAM, AUTO_RULE,
+           AUTO_RESIDENT, stream_clusters, spread_cluster, spread_residency,
            input.dtype, tuple(input.shape), tuple(input.strides), input.ptr % 16 == 0,
            num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
