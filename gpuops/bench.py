@@ -257,9 +257,9 @@ def back_to_back_us(fn, calls=200, loops=5, warmup=20):
     return best
 
 
-def kernel_us(fn, calls=50):
-    """(GPU microseconds of the kernels of one call of fn, kernels per call): CUPTI kernel
-    records of ``calls`` eager calls through torch.profiler (memcpy / memset records left out)."""
+def _kernel_records(fn, calls):
+    """[(kernel name, GPU us)] of ``calls`` eager calls of fn: CUPTI kernel records through
+    torch.profiler (memcpy / memset records left out)."""
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
     fn()
@@ -268,9 +268,25 @@ def kernel_us(fn, calls=50):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    return sum(e.time_range.elapsed_us() for e in kernels) / calls, len(kernels) / calls
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+
+
+def kernel_us(fn, calls=50):
+    """(GPU microseconds of the kernels of one call of fn, kernels per call), from the CUPTI kernel
+    records of ``calls`` eager calls."""
+    records = _kernel_records(fn, calls)
+    return sum(us for _, us in records) / calls, len(records) / calls
+
+
+def kernel_times_us(fn, calls=10) -> dict:
+    """{kernel name: GPU microseconds per call of fn}, from the CUPTI kernel records of ``calls``
+    eager calls: which kernel of a multi-kernel op takes the time."""
+    out: dict = {}
+    for name, us in _kernel_records(fn, calls):
+        out[name] = out.get(name, 0.0) + us / calls
+    return out
 
 
 def graph_and_body_rows(variants: dict, calls=50, replays=20, rounds=3, width=30):

@@ -123,3 +123,13 @@ def test_bench_compile_peer_recompiles_past_dynamos_default_limit():
     for n in range(1, 13):
         assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 3.0))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 12
+
+
+def test_kernel_time_breakdown_per_call(monkeypatch):
+    """gpuops.bench.kernel_times_us / kernel_us turn the profiler's kernel records of `calls`
+    calls into per-call microseconds: per kernel name, and in total with kernels per call."""
+    import gpuops.bench as B  # noqa: PLC0415
+    records = [("stats", 30.0), ("apply", 40.0), ("stats", 32.0), ("apply", 42.0)]
+    monkeypatch.setattr(B, "_kernel_records", lambda fn, calls: records)
+    assert B.kernel_times_us(None, calls=2) == {"stats": 31.0, "apply": 41.0}
+    assert B.kernel_us(None, calls=2) == (72.0, 2.0)

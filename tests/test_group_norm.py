@@ -788,8 +788,8 @@ def _stable_and_nan_in_its_group(se, shape, rng, what=""):
     (thread, warp, block, grid), each rounding it by up to half an ulp: at most 8 ulps of 1000
     allowed (25 seeds measured up to 2.3 for the resident kernel, 1.3 for the two-pass ones; an
     earlier bound of 2.5 ulps failed one seed in ~7); statistics by sum and sum of squares would
-    be off by 1e-2 or more; (2) a NaN (sample 1, channel 5: group 2) that poisons its own group only,
-    through SiLU."""
+    be off by 1e-2 or more; (2) a NaN (sample 1, channel 5: group 2) that poisons its own group
+    only, through SiLU."""
     d = dt.float32
     host = (rng.standard_normal(shape) + 1000.0).astype(np.float32)
     y, names = se.run(se.tensor(host, d), 4, None, None, None)
@@ -1020,7 +1020,7 @@ def test_resident_plan_and_routes(monkeypatch, rng):
     assert GN.AUTO_RULE == 4
     for args, name in [((dt.bfloat16, 1, 256, 65536), "run_resident"),
                        ((dt.float32, 4, 1280, 1024), "run_resident"),
-                       ((dt.float32, 1, 256, 65536), "run_two_pass"),    # (67 MB: no fit)
+                       ((dt.float32, 1, 256, 65536), "run_two_pass"),     # (67 MB: no fit)
                        ((dt.bfloat16, 2, 320, 4096), "run_cluster"),      # (spread, 2 / group)
                        ((dt.bfloat16, 16, 640, 1024), "run_stream")]:
         assert GN._nchw_launcher(0, *args, 32, True, 1).__name__ == name, args

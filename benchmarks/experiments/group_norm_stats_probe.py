@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -38,18 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import graph_replay_us  # noqa: E402
 from gpuops.ops import copy as _copy  # noqa: E402
 from gpuops.ops import group_norm as GN  # noqa: E402
 from gpuops.runtime.modules import KernelModule  # noqa: E402
-from group_norm_two_pass import kernel_times, torch_gn  # noqa: E402
+from group_norm_two_pass import (kernel_times, print_kernels, report, time_rounds,  # noqa: E402
+                                 torch_gn)
 
 CASES = (((1, 256, 256, 256), "float32"), ((8, 640, 64, 64), "float32"),
          ((1, 256, 256, 256), "bfloat16"))
 BUILDS = {"default": (), "ycs": ("-DGPUOPS_GN_APPLY_STORE_CS",)}
 HOST = {"onewave": ("STATS_CHUNK_ROUNDS", None), "rounds2": ("STATS_CHUNK_ROUNDS", 2),
         "rounds4": ("STATS_CHUNK_ROUNDS", 4)}
-ROUNDS = 3
 
 
 def build_caches():
@@ -151,19 +148,9 @@ def run_case(shape, dtype, caches, res, compile_peer, defaults):
         cfn = torch.compile(torch_gn, dynamic=False)
         cfn(x, w, b)
         rows["torch.compile"] = lambda: cfn(x, w, b)
-    times = defaultdict(list)
-    for _ in range(ROUNDS):
-        for v in variants:
-            setup(v)
-            times[v].append(graph_replay_us(call, calls=20, replays=20))
-        setup("default")
-        for r, fn in rows.items():
-            times[r].append(graph_replay_us(fn, calls=20, replays=20))
-    for v, ts in times.items():
-        t = statistics.median(ts)
-        print(f"  {v:<16} {t:7.1f} us  (rounds {', '.join(f'{u:.1f}' for u in ts)})",
-              flush=True)
-        res["rows"].append(dict(case=name, variant=v, us=t, rounds=ts))
+    entries = {v: (lambda v=v: setup(v), call) for v in variants}
+    entries.update({r: (lambda: setup("default"), fn) for r, fn in rows.items()})
+    report(res, name, time_rounds(entries), width=16)
     kt = {}
     for v in [c for c in caches if c in variants]:
         setup(v)
@@ -171,9 +158,7 @@ def run_case(shape, dtype, caches, res, compile_peer, defaults):
     setup("default")
     if "torch.compile" in rows:
         kt["torch.compile"] = kernel_times(rows["torch.compile"])
-    for label, ks in kt.items():
-        print(f"  kernels, {label}: " + "; ".join(
-            f"{k.split('(')[0][-40:]} {t:.1f}" for k, t in ks.items()), flush=True)
+    print_kernels(kt, width=40)
     res["kernels"][name] = kt
 
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402,N812
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import graph_replay_us  # noqa: E402
+from gpuops.bench import graph_replay_us, kernel_times_us  # noqa: E402
 from gpuops.ops import group_norm as GN  # noqa: E402
 
 # (shape as NCHW, dtype, channels_last, forced path of the twopass / fwd variants)
@@ -57,20 +57,38 @@ def set_variant(force, v):
 
 
 def kernel_times(fn, calls=10):
-    """{kernel name: mean device us per call} over `calls` eager calls (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = defaultdict(float)
-    for e in prof.events():
-        if (e.device_type == torch.autograd.DeviceType.CUDA and "memset" not in e.name.lower()
-                and "memcpy" not in e.name.lower()):
-            out[e.name[:90]] += e.time_range.elapsed_us() / calls
-    return dict(out)
+    """{kernel name (90 characters): mean device us per call} over `calls` eager calls."""
+    return {k[:90]: t for k, t in kernel_times_us(fn, calls).items()}
+
+
+def time_rounds(entries: dict, rounds=ROUNDS) -> dict:
+    """{name: [graph replay us per call, one per round]} of entries {name: (prepare, fn)}: each
+    round times every entry once (prepare() first), so that the variants alternate."""
+    times = defaultdict(list)
+    for _ in range(rounds):
+        for name, (prepare, fn) in entries.items():
+            prepare()
+            times[name].append(graph_replay_us(fn, calls=20, replays=20))
+    return times
+
+
+def report(res, case, times, copy_us=None, width=14):
+    """Print each entry's median over the rounds (and % of copy_us) and add the rows to res."""
+    for v, ts in times.items():
+        t = statistics.median(ts)
+        pct = f"  {100 * copy_us / t:5.1f}% of copy" if copy_us else ""
+        print(f"  {v:<{width}} {t:7.1f} us{pct}  (rounds {', '.join(f'{u:.1f}' for u in ts)})",
+              flush=True)
+        row = dict(case=case, variant=v, us=t, rounds=ts)
+        if copy_us:
+            row["pct_copy"] = 100 * copy_us / t
+        res["rows"].append(row)
+
+
+def print_kernels(kt: dict, width=48):
+    for label, ks in kt.items():
+        print(f"  kernels, {label}: " + "; ".join(
+            f"{k.split('(')[0][-width:]} {t:.1f}" for k, t in ks.items()), flush=True)
 
 
 def run_case(shape, dtype, cl, force, variants, res, compile_peer):
@@ -107,20 +125,10 @@ def run_case(shape, dtype, cl, force, variants, res, compile_peer):
         cfn = torch.compile(torch_gn, dynamic=False)
         cfn(x, w, b)
         peers["torch.compile"] = lambda: cfn(x, w, b)
-    times = defaultdict(list)
-    for _ in range(ROUNDS):
-        for v, (force_v, vv) in fns.items():
-            set_variant(force_v, vv)
-            times[v].append(graph_replay_us(call, calls=20, replays=20))
-        for p, fn in peers.items():
-            times[p].append(graph_replay_us(fn, calls=20, replays=20))
-    copy_us = statistics.median(times["copy x"])
-    for v, ts in times.items():
-        t = statistics.median(ts)
-        print(f"  {v:<14} {t:7.1f} us  {100 * copy_us / t:5.1f}% of copy  "
-              f"(rounds {', '.join(f'{u:.1f}' for u in ts)})", flush=True)
-        res["rows"].append(dict(case=name, variant=v, us=t, rounds=ts,
-                                pct_copy=100 * copy_us / t))
+    entries = {v: (lambda fv=fv: set_variant(*fv), call) for v, fv in fns.items()}
+    entries.update({p: (lambda: None, fn) for p, fn in peers.items()})
+    times = time_rounds(entries)
+    report(res, name, times, statistics.median(times["copy x"]))
     kt = {}
     for v in ("twopass",):
         if v in fns:
@@ -128,9 +136,7 @@ def run_case(shape, dtype, cl, force, variants, res, compile_peer):
             kt[v] = kernel_times(call)
     if "torch.compile" in peers:
         kt["torch.compile"] = kernel_times(peers["torch.compile"])
-    for label, ks in kt.items():
-        print(f"  kernels, {label}: " + "; ".join(
-            f"{k.split('(')[0][-48:]} {t:.1f}" for k, t in ks.items()), flush=True)
+    print_kernels(kt)
     res["kernels"][name] = kt
 
 
