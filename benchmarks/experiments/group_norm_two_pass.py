@@ -15,6 +15,7 @@ Peers in the same run: torch eager, torch.compile (dynamic=False), the copy x ->
 runs 130-131 one with "d1" / "d2", an earlier NCHW pair and this one: commit 5e37897.)
 
     python benchmarks/experiments/group_norm_two_pass.py [--json F] [--cases 0,2] [--no-compile]
+        [--shapes 1x256x224x224:bfloat16,4x1280x32x32:float32]   (NCHW shapes instead of CASES)
 """
 from __future__ import annotations
 
@@ -145,8 +146,13 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated NxCxHxW:dtype NCHW cases (forced path: twopass)")
     args = ap.parse_args()
     cases = CASES if not args.cases else [CASES[int(i)] for i in args.cases.split(",")]
+    if args.shapes:
+        cases = [(tuple(int(n) for n in dims.split("x")), dtype, False, "twopass")
+                 for dims, dtype in (item.split(":") for item in args.shapes.split(","))]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"L2 {l2 / 2**20:.0f} MiB", flush=True)
     res = dict(l2_bytes=l2, rows=[], kernels={})
