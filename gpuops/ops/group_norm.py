@@ -255,21 +255,6 @@ def _refuse_clusters(dev, exc):
 # ---------------------------------------------------------------------------------------------
 # Plans: which kernel and launch shape. Pure functions of sizes (tests check them on the CPU).
 
-def plan_two_pass(groups: int, group_units: int, sms: int):
-    """(chunks per group, chunk units) of group_norm_nchw_stats: chunks of STATS_CHUNK_ROUNDS
-    rounds of loads, at most STATS_MAX_CHUNKS per group; with STATS_CHUNK_ROUNDS = None at most
-    STATS_BLOCKS_PER_SM blocks per SM in all (one wave at its launch bound) unless the groups
-    alone take more, and no chunk shorter than one round."""
-    per_round = TWO_PASS_THREADS * STATS_UNROLL
-    if STATS_CHUNK_ROUNDS:
-        chunks = min(STATS_MAX_CHUNKS, _cdiv(group_units, STATS_CHUNK_ROUNDS * per_round))
-    else:
-        chunks = max(1, min((STATS_BLOCKS_PER_SM * sms) // groups,
-                            _cdiv(group_units, per_round)))
-    chunk_units = _cdiv(group_units, chunks)
-    return _cdiv(group_units, chunk_units), chunk_units
-
-
 def plan_onchip(groups: int, group_packs: int, sms: int, clusters: bool, force=None):
     """(cluster size, slice packs, packs per thread, threads) of the on-chip kernel, or None when
     the group does not fit on chip."""
@@ -417,6 +402,21 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
     if optin < 96 * 1024:              # small shared memories (Pascal): no reservation
         return needed
     return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
+
+
+def plan_two_pass(groups: int, group_units: int, sms: int):
+    """(chunks per group, chunk units) of group_norm_nchw_stats: chunks of STATS_CHUNK_ROUNDS
+    rounds of loads, at most STATS_MAX_CHUNKS per group; with STATS_CHUNK_ROUNDS = None at most
+    STATS_BLOCKS_PER_SM blocks per SM in all (one wave at its launch bound) unless the groups
+    alone take more, and no chunk shorter than one round."""
+    per_round = TWO_PASS_THREADS * STATS_UNROLL
+    if STATS_CHUNK_ROUNDS:
+        chunks = min(STATS_MAX_CHUNKS, _cdiv(group_units, STATS_CHUNK_ROUNDS * per_round))
+    else:
+        chunks = max(1, min((STATS_BLOCKS_PER_SM * sms) // groups,
+                            _cdiv(group_units, per_round)))
+    chunk_units = _cdiv(group_units, chunks)
+    return _cdiv(group_units, chunk_units), chunk_units
 
 
 def plan_nhwc(n: int, hw: int, c: int, cg: int, vec: int, itemsize: int, sms: int):
@@ -634,6 +634,7 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     chunks, chunk_units = plan_two_pass(groups, group_units, sms)
     tiles = _cdiv(group_units, TWO_PASS_THREADS * UNROLL)
     stats_expr, apply_expr = _expr("nchw_stats", d, v), _expr("nchw_apply", d, v)
+    stats_grid, apply_grid = (groups * chunks, 1, 1), (groups * tiles, 1, 1)
     block = (TWO_PASS_THREADS, 1, 1)
     part_len = groups * chunks * 4
     apply_tail = (cg, g, group_units, tiles, chunks)
@@ -642,11 +643,11 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
 
     def run_two_pass(call, x, w, b, y, eps):
         part = call.empty((part_len,), dt.float32)
-        KERNELS.get(dev, stats_expr).launch((groups * chunks, 1, 1), block, call.stream, x.ptr,
-                                            part.ptr, group_units, chunk_units, chunks)
-        KERNELS.get(dev, apply_expr).launch((groups * tiles, 1, 1), block, call.stream, x.ptr,
-                                            _ptr(w), _ptr(b), y.ptr, part.ptr, *apply_tail, eps,
-                                            act, reverse, *per_channel)
+        KERNELS.get(dev, stats_expr).launch(stats_grid, block, call.stream, x.ptr, part.ptr,
+                                            group_units, chunk_units, chunks)
+        KERNELS.get(dev, apply_expr).launch(apply_grid, block, call.stream, x.ptr, _ptr(w),
+                                            _ptr(b), y.ptr, part.ptr, *apply_tail, eps, act,
+                                            reverse, *per_channel)
     return run_two_pass
 
 
