@@ -23,6 +23,7 @@ for K > 4096.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import re
 import types
@@ -289,7 +290,22 @@ def test_decode_plans():
     assert G._l1_split(8, 4096, 4, 1, 0) == (2, 2048)
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
-    assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma", "warp_tiled"}
+    assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma", "warp_tiled", "gemv_l2_prefetch",
+                           "gemv_ahead", "gemv_rows"}
+    # equal fill: the larger block up to two waves, the smaller beyond (non-dual; runs 138-139);
+    # forced rows give that NT; AHEAD 2 only past two waves
+    assert G._gemv_mma_plan(132, 6144, 2048, 1, False) == (2, 1, 0)       # fill decides
+    assert G._gemv_mma_plan(132, 2048, 6144, 1, False) == (4, 4, 1536)    # tie, one wave
+    assert G._gemv_mma_plan(132, 4096, 4096, 1, False) == (4, 2, 2048)
+    assert G._gemv_mma_plan(132, 151936, 2048, 1, False) == (2, 1, 0)     # tie, 24 waves
+    assert G._gemv_mma_plan(132, 2048, 6144, 1, True) == (1, 3, 2048)     # dual: first listed
+    assert G._gemv_mma_plan(132, 6144, 2048, 1, False, 8) == (1, 1, 0)
+    with pytest.raises(ValueError, match="gemv_rows"):
+        G._gemv_mma_plan(132, 6144, 2048, 1, True, 32)
+    assert G._gemv_mma_ahead("auto", 9496, 396) == 2 and G._gemv_mma_ahead("auto", 384, 396) == 0
+    assert G._gemv_mma_ahead("auto", 792, 396) == 0 and G._gemv_mma_ahead(2, 384, 396) == 2
+    with pytest.raises(ValueError, match="gemv_ahead"):
+        G._gemv_mma_ahead(4, 384, 396)
 
 
 class _Info:
@@ -923,7 +939,7 @@ class _Emu:
     def __init__(self, monkeypatch, sms=4, cc=90, smem=232448):
         self.dev = emu.Device(sms=sms)
         self.launched = []
-        libs = {}
+        libs = self.libs = {}
 
         def get(module, expr, _device):
             if module.name not in libs:
@@ -1098,17 +1114,22 @@ def test_emulated_gemv_mma_pipe(case, monkeypatch, rng):
 
 @needs_emu
 @needs_torch
-@pytest.mark.parametrize("plan", ["balanced", "legacy"])
-def test_emulated_gemv_and_gemv_mma(plan, monkeypatch, rng):
+@pytest.mark.parametrize("plan,ahead,rows", [("balanced", 0, "auto"), ("balanced", 2, 8),
+                                             ("legacy", "auto", "auto")])
+def test_emulated_gemv_and_gemv_mma(plan, ahead, rows, monkeypatch, rng):
     """The decode kernels of the 'balanced' and 'legacy' plans in the emulator: gemv_mma (both
-    block sizes, split-K with gemv_splitk_reduce, dual), the SIMT gemv (K- and N-contiguous B,
+    block sizes and 8-row blocks, split-K with gemv_splitk_reduce, dual; weight loads one step or
+    AHEAD steps at a time, with steps left over and partial row blocks), the SIMT gemv (K- and
+    N-contiguous B,
     MT = 1, 4, 16, fp32 and bf16), odd shapes and K tails."""
     e = _Emu(monkeypatch, sms=2)
     monkeypatch.setitem(G.PLAN, "decode", plan)
+    monkeypatch.setitem(G.PLAN, "gemv_ahead", ahead)
+    monkeypatch.setitem(G.PLAN, "gemv_rows", rows)
     for f, M, N, K in (("bfloat16", 2, 77, 300), ("bfloat16", 16, 40, 4100),
                        ("float16", 9, 150, 2056), ("float32", 1, 70, 333),
                        ("float32", 4, 33, 1030), ("float32", 16, 20, 2100),
-                       ("bfloat16", 1, 90, 1000)):
+                       ("bfloat16", 1, 90, 1000), ("bfloat16", 5, 48, 3328)):
         x, w = e.arr(_emu_rand(rng, (M, K)), f), e.arr(_emu_rand(rng, (N, K)), f)
         out = e.run("matmul", f, x, w.T)
         _check(_cpu(out), _cpu(x), _cpu(w).T, f, what=f"{plan} {f} {(M, N, K)} linear")
@@ -1122,6 +1143,63 @@ def test_emulated_gemv_and_gemv_mma(plan, monkeypatch, rng):
     names = " ".join(e.launched)
     for kernel in ("gemv_mma<", "gemv_splitk_reduce", "gemv_kcontig", "gemv_ncontig"):
         assert kernel in names, kernel
+
+
+@needs_emu
+@needs_torch
+def test_emulated_gemv_weight_prefetch_ranges(monkeypatch, rng):
+    """PLAN['gemv_l2_prefetch']: what the K-contiguous GEMV kernels ask into L2 before the PDL wait
+    (the emulator records every l2_prefetch_bulk) is 16-byte aligned, 16-byte multiple pieces of
+    the weights' rows, none past its row, none twice, together every row but < 16 bytes per split
+    (SIMT gemv at M = 1 and 4, gemv_mma, its dual form, split-K, rows longer than K whose ends
+    are not 16-byte multiples); nothing where the rows are not 16-byte aligned, and nothing with
+    the plan off."""
+    e = _Emu(monkeypatch, sms=2)
+    cases = (("float32", 1, 70, 1032, 0, False, True), ("float32", 4, 33, 2056, 0, False, True),
+             ("bfloat16", 2, 90, 2056, 0, False, True), ("float16", 16, 40, 4096, 0, False, True),
+             ("bfloat16", 3, 30, 3000, 0, True, True), ("bfloat16", 2, 40, 2050, 14, False, True),
+             ("float32", 1, 20, 1027, 5, False, True), ("bfloat16", 2, 50, 4100, 0, False, False))
+    for f, M, N, K, pad, dual, aligned in cases:
+        x = e.arr(_emu_rand(rng, (M, K)), f)
+        ws = [e.arr(_emu_rand(rng, (N, K + pad)), f)[:, :K] for _ in range(2 if dual else 1)]
+        for on in (False, True):
+            monkeypatch.setitem(G.PLAN, "gemv_l2_prefetch", on)
+            for lib, _ in e.libs.values():
+                lib.emu_prefetch_clear()
+            if dual:
+                out = e.run("swiglu_linear", f, x, ws[0].T, b2=ws[1].T)
+                _check(_cpu(out), _cpu(x), _cpu(ws[0]).T, f, b2=_cpu(ws[1]).T, what=f"{f} dual")
+            else:
+                out = e.run("matmul", f, x, ws[0].T)
+                _check(_cpu(out), _cpu(x), _cpu(ws[0]).T, f, what=f"{f} {(M, N, K)}")
+            ranges = []
+            for lib, _ in e.libs.values():
+                if hasattr(lib, "emu_prefetch_count"):
+                    a, n = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+                    for i in range(lib.emu_prefetch_count()):
+                        lib.emu_prefetch_range(ctypes.c_longlong(i), ctypes.byref(a),
+                                               ctypes.byref(n))
+                        ranges.append((a.value, n.value))
+            what = f"{f} {(M, N, K)} dual={dual} prefetch={on}"
+            if not (on and aligned):
+                assert ranges == [], what
+                continue
+            row_bytes, stride = K * ws[0].itemsize, ws[0].strides[0]
+            per_row = {}
+            for addr, n in ranges:
+                assert addr % 16 == 0 and n % 16 == 0 and n > 0, what
+                w = next((w for w in ws if w.ctypes.data <= addr < w.ctypes.data + N * stride),
+                         None)
+                assert w is not None, f"{what}: {addr:#x} is in no weight"
+                row, start = divmod(addr - w.ctypes.data, stride)
+                assert start + n <= row_bytes, f"{what}: past the end of row {row}"
+                per_row.setdefault((id(w), row), []).append((start, start + n))
+            assert len(per_row) == N * len(ws), what
+            for key, pieces in per_row.items():
+                pieces.sort()
+                assert all(a[1] <= b[0] for a, b in zip(pieces, pieces[1:])), f"{what}: overlap"
+                covered = sum(b - a for a, b in pieces)
+                assert row_bytes - covered < 16 * len(pieces), f"{what}: row {key[1]} short"
 
 
 def test_gemv_pipe_plans():
@@ -1536,6 +1614,43 @@ def test_gpu_decode_plans(plan, dtype, monkeypatch):
             w2 = _randn((N, K), dtype)
             _check(go.swiglu_linear(xs, w, w2), xs, w.T, dtype, b2=w2.T,
                    what=f"{plan} swiglu {dtype} {(M, N, K)}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_decode_ahead_and_prefetch(dtype, monkeypatch):
+    """PLAN['gemv_ahead'] (gemv_mma's weight loads of several steps issued together) and
+    PLAN['gemv_l2_prefetch'] (each block's weight rows, or their first bytes, asked into L2 before
+    the PDL wait, sm_90) change no bit: M = 1 (SIMT gemv), 2..16 (gemv_mma on sm_80+), split-K
+    with its reduce, SwiGLU, K not a multiple of 8, steps left over after the whole groups, rows
+    past N, batched weights; the first configuration against the float64 reference, every other
+    equal to it, outputs poisoned."""
+    monkeypatch.setenv("GPUOPS_DEBUG_POISON", "1")
+    configs = ((0, False), (0, True), (2, False), ("auto", False), (2, True), (2, 1024))
+    for M, N, K in ((1, 6144, 2048), (2, 2048, 6144), (4, 1000, 4097), (16, 4096, 4096),
+                    (13, 77, 3000), (1, 300, 1001), (8, 520, 2312)):
+        x, w, w2 = _randn((M, K), dtype), _randn((N, K), dtype), _randn((N, K), dtype)
+        xs = (x.float() * K ** -0.25).to(x.dtype)      # silu(x w) * (x w2) inside fp16's range
+        got = []
+        for ahead, prefetch in configs:
+            monkeypatch.setitem(G.PLAN, "gemv_ahead", ahead)
+            monkeypatch.setitem(G.PLAN, "gemv_l2_prefetch", prefetch)
+            got.append([go.linear(x, w)] + ([go.swiglu_linear(xs, w, w2)]
+                                            if dtype != "float32" else []))
+        _check(got[0][0], x, w.T, dtype, what=f"{dtype} {(M, N, K)}")
+        if dtype != "float32":
+            _check(got[0][1], xs, w.T, dtype, b2=w2.T, what=f"swiglu {(M, N, K)}")
+        for cfg, outs in zip(configs[1:], got[1:]):
+            for a, b in zip(got[0], outs):
+                assert torch.equal(a, b), f"{dtype} {(M, N, K)}: {cfg} changed the result"
+    xb, wb = _randn((3, 5, 1000), dtype), _randn((3, 300, 1000), dtype)
+    _check(go.matmul(xb, wb.transpose(-1, -2)), xb, wb.transpose(-1, -2), dtype,
+           what=f"ahead 2, prefetch 1024, batched {dtype}")
+    for bad in (100, 65536, -256, 1.5):
+        monkeypatch.setitem(G.PLAN, "gemv_l2_prefetch", bad)
+        with pytest.raises(ValueError, match="gemv_l2_prefetch"):
+            go.linear(x, w)
 
 
 @gpu

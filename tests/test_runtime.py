@@ -178,8 +178,11 @@ def test_kernel_argspecs_match_the_ptx_signatures(full_bundle):
 
 # A memory access in PTX: ld / st / atom / red / cp.async / prefetch in any state space but the
 # kernel's parameters, shared memory, local memory and the constant bank (a generic ld.u32 counts:
-# it may reach global memory).
-_PTX_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:ld|st|atom|red|cp\.async|cp\.reduce\.async|prefetch"
+# it may reach global memory). Prefetches into L2 only (prefetch[.global].L2, cp.async.bulk.
+# prefetch.L2: common/pdl.cuh's l2_prefetch_bulk) are not accesses: they return nothing and change
+# no value, and L2 is coherent for every SM, so they may come before griddepcontrol.wait.
+_PTX_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?(?!cp\.async\.bulk\.prefetch\.L2\.|prefetch(?:\.global)?\.L2\b)"
+                         r"(?:ld|st|atom|red|cp\.async|cp\.reduce\.async|prefetch"
                          r"|multimem)\.(?!param|shared|local|const)", re.M)
 
 
@@ -205,6 +208,11 @@ def test_ptx_access_scanner():
     assert first is not None and body.index("griddepcontrol.wait") < first.start()
     assert _PTX_ACCESS.search("\tst.shared.u32 [a], %r1;\n\tld.const.u32 %r2, [c];") is None
     assert _PTX_ACCESS.search("\tld.u32 %r2, [%rd4];") is not None        # generic
+    for hint in ("cp.async.bulk.prefetch.L2.global [%rd2], %r3;", "prefetch.global.L2 [%rd2];",
+                 "@%p2 prefetch.global.L2::evict_last [%rd2];"):
+        assert _PTX_ACCESS.search("\t" + hint) is None, hint
+    for access in ("prefetch.global.L1 [%rd2];", "cp.async.bulk.global.shared::cta [%rd2], [%r1], 16;"):
+        assert _PTX_ACCESS.search("\t" + access) is not None, access
     bodies = ptx_entry_bodies(".visible .entry _Z1kv(\n.param .u64 a\n)\n{\n{ inner }\nret;\n}\n"
                               ".visible .entry _Z1jv()\n{\nret;\n}")
     assert set(bodies) == {"_Z1kv", "_Z1jv"} and "inner" in bodies["_Z1kv"]
@@ -221,7 +229,8 @@ def test_pdl_modules_wait_before_their_first_memory_access():
     modules = [m for m in all_modules() if m.pdl]
     assert {m.name for m in modules} >= {"norms.layer_norm", "norms.rms_norm", "norms.backward",
                                           "softmax.rows", "softmax.split", "softmax.cols",
-                                          "rotary.rope", "rotary.qk_norm_rope"}
+                                          "rotary.rope", "rotary.qk_norm_rope",
+                                          "gemm.gemv_f32", "gemm.gemv_mma_bf16"}
     for m in modules:
         one_each = {}
         for expr in m.kernels:                    # one instantiation per kernel template
@@ -615,10 +624,11 @@ def test_loaded_modules_report_their_origin_and_target():
     assert m.load_seconds >= 0
 
 
-def _pdl_chain(go, x, xl, w, wl, b, qw, kw, cos, sin):
+def _pdl_chain(go, x, xl, w, wl, b, qw, kw, cos, sin, wg, wb1, wb2):
     """Ops of the pdl=True modules, each reading the one before (a kernel that did not wait for
     its predecessor would read a stale or poisoned input): whole rows, split / ring rows, the
-    two-launch softmax, a backward with its weight-grad launch, pointwise, rotary."""
+    two-launch softmax, a backward with its weight-grad launch, pointwise, rotary, decode GEMVs
+    (SIMT split-K with its reduce launch; tensor-core gemv_mma, one into the next)."""
     n = x.shape[-1]
     h1 = go.rms_norm(x, (n,), w)
     h2 = go.layer_norm(h1, (n,), w, b)
@@ -634,7 +644,10 @@ def _pdl_chain(go, x, xl, w, wl, b, qw, kw, cos, sin):
     l1 = go.rms_norm(xl, (nl,), wl)
     l2 = go.layer_norm(l1, (nl,), wl)
     l3 = go.log_softmax(l2, -1)
-    return h1, h2, h3, h4, h5, res, y, dx, dw, qr, kr, qn, kn, l1, l2, l3
+    g1 = go.linear(h2[:4], wg)                       # fp32 M = 4: gemv_kcontig split-K + reduce
+    g2 = go.linear(go.rms_norm(h3[:8], (n,), w).to(wb1.dtype), wb1)    # bf16: gemv_mma
+    g3 = go.linear(g2, wb2)
+    return h1, h2, h3, h4, h5, res, y, dx, dw, qr, kr, qn, kn, l1, l2, l3, g1, g2, g3
 
 
 @pytest.mark.gpu
@@ -653,9 +666,13 @@ def test_pdl_chains_equal_stream_order(monkeypatch):
     ang = randn(64, 64)
     args = (randn(128, 2048), randn(4, 262144), randn(2048), randn(262144), randn(2048),
             randn(128), randn(128), torch.cat([ang.cos(), ang.cos()], -1),
-            torch.cat([ang.sin(), ang.sin()], -1))
+            torch.cat([ang.sin(), ang.sin()], -1), randn(512, 2048) / 45,
+            (randn(1024, 2048) / 45).bfloat16(), (randn(2048, 1024) / 32).bfloat16())
+    # the decode GEMVs' L2 prefetch ahead of the wait: on under PDL, off in stream order
+    from gpuops.ops import gemm as gemm_ops
 
     def run(pdl: str):
+        monkeypatch.setitem(gemm_ops.PLAN, "gemv_l2_prefetch", pdl == "1")
         monkeypatch.setenv("GPUOPS_PDL", pdl)
         config.refresh()
         eager = _pdl_chain(go, *args)
@@ -678,7 +695,7 @@ def test_pdl_chains_equal_stream_order(monkeypatch):
     finally:
         monkeypatch.delenv("GPUOPS_PDL")
         config.refresh()
-    names = "h1 h2 h3 h4 h5 res y dx dw qr kr qn kn l1 l2 l3".split()
+    names = "h1 h2 h3 h4 h5 res y dx dw qr kr qn kn l1 l2 l3 g1 g2 g3".split()
     for name, a, b, c, d in zip(names, on_eager, on_graph, off_eager, off_graph):
         assert torch.isfinite(c).all(), name
         for label, t in (("PDL eager", a), ("PDL graph", b), ("graph", d)):

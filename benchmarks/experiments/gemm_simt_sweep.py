@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -33,12 +34,13 @@ import torch.nn.functional as F  # noqa: E402,N812
 import gpuops as go  # noqa: E402
 from gpuops.bench import capture_graph, events_ms  # noqa: E402
 from gpuops.ops import gemm as G  # noqa: E402
+from gpuops.runtime import config  # noqa: E402
 
 ROWS: list = []
 FAILURES: dict = {}
 GEMM_SHAPES = ((4096, 4096, 4096), (2048, 2048, 2048), (8192, 8192, 4096))
 DECODE_SHAPES = ((6144, 2048), (2048, 6144), (151936, 2048))   # weight [N, K]
-DECODE_M = (2, 4, 8, 16)
+DECODE_M = (1, 2, 4, 8, 16)
 GRAPH_CALLS = 20
 # max |out - ref| / max |ref| a configuration may show before it counts as wrong (fp32 SIMT
 # against cuBLAS fp32: ~1e-6 at K = 4096; bf16 outputs: rounding 2^-8 of the largest value)
@@ -77,6 +79,52 @@ class plan_set:   # noqa: N801
 
     def __exit__(self, *exc):
         G.PLAN[self.key] = self.old
+
+
+class decode_variant:   # noqa: N801
+    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN]' for a block: PLAN['decode'] =
+    PLAN; GPUOPS_PDL on with '+pdl' (else off); PLAN['gemv_l2_prefetch'] True with '+prefetch', N
+    bytes per row with '+prefetchN' (else off); PLAN['gemv_ahead'] = N or 'auto' with '+aN' /
+    '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else 'auto')."""
+
+    def __init__(self, spec):
+        plan, *opts = spec.split("+")
+        self.plan, self.pdl, self.prefetch, self.ahead, self.rows = plan, False, False, 0, "auto"
+        ok = plan in G.DECODE_PLANS
+        for o in opts:
+            if o == "pdl":
+                self.pdl = True
+            elif o.startswith("prefetch"):
+                self.prefetch = int(o[8:]) if o[8:].isdigit() else (o == "prefetch")
+                ok = ok and self.prefetch is not False
+            elif o == "aauto":
+                self.ahead = "auto"
+            elif o[:1] == "a" and o[1:].isdigit() and int(o[1:]) in G.GEMV_MMA_AHEAD:
+                self.ahead = int(o[1:])
+            elif o[:1] == "r" and o[1:] in ("8", "16", "32"):
+                self.rows = int(o[1:])
+            else:
+                ok = False
+        if not ok:
+            raise SystemExit(f"bad decode variant {spec!r}: PLAN[+pdl][+prefetch[N]][+aN|+aauto]"
+                             f"[+rN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} for a, "
+                             "8 / 16 / 32 for r")
+
+    def __enter__(self):
+        self.old = (dict(G.PLAN), os.environ.get("GPUOPS_PDL"))
+        G.PLAN["decode"], G.PLAN["gemv_l2_prefetch"] = self.plan, self.prefetch
+        G.PLAN["gemv_ahead"], G.PLAN["gemv_rows"] = self.ahead, self.rows
+        os.environ["GPUOPS_PDL"] = "1" if self.pdl else "0"
+        config.refresh()
+
+    def __exit__(self, *exc):
+        G.PLAN.clear()
+        G.PLAN.update(self.old[0])
+        if self.old[1] is None:
+            os.environ.pop("GPUOPS_PDL", None)
+        else:
+            os.environ["GPUOPS_PDL"] = self.old[1]
+        config.refresh()
 
 
 def rel_err(out, ref):
@@ -127,10 +175,11 @@ def copy_gbps():
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-def decode_kernel(plan, M, N, K):
-    """What gpuops launches for a bf16 linear of this shape under `plan` (for the record)."""
-    if plan is None:
+def decode_kernel(variant, M, N, K):
+    """What gpuops launches for a bf16 linear of this shape under `variant` (for the record)."""
+    if variant is None:
         return "cuBLAS / torch"
+    plan = variant.split("+")[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if M == 1:
         return "gemv (SIMT)"
@@ -141,8 +190,10 @@ def decode_kernel(plan, M, N, K):
             return f"gemv_mma_pipe NT={nt} U={u} {minb}/SM grid={gx}"
     if plan == "legacy":
         return "gemv_mma NT=4 (legacy split)" if M > 4 else "gemv (SIMT)"
-    nt, splits, _ = G._gemv_mma_plan(sms, N, K, 1, False)
-    return f"gemv_mma NT={nt} splits={splits}"
+    v = decode_variant(variant)
+    nt, splits, _ = G._gemv_mma_plan(sms, N, K, 1, False, v.rows)
+    ahead = G._gemv_mma_ahead(v.ahead, G._cdiv(N, 8 * nt) * splits, G.GEMV_MMA_NT[False][nt] * sms)
+    return f"gemv_mma NT={nt} AHEAD={ahead} splits={splits}"
 
 
 def decode_part(plans, big_copy):
@@ -172,7 +223,7 @@ def decode_part(plans, big_copy):
                         err = rel_err(F.linear(xs[0], ws[0]), ref)
                         ms = graph_ms_per_call(fn, GRAPH_CALLS)
                     else:
-                        with plan_set("decode", plan):
+                        with decode_variant(plan):
                             err = rel_err(go.linear(xs[0], ws[0]), ref)
                             if not err <= DECODE_TOL:
                                 raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
@@ -214,8 +265,18 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--parts", default="gemm,decode")
     ap.add_argument("--configs", default=",".join(G.WARP_TILED_CONFIGS))
-    ap.add_argument("--plans", default=",".join(G.DECODE_PLANS))
+    ap.add_argument("--plans", default=",".join(G.DECODE_PLANS),
+                    help="decode variants, PLAN[+pdl][+prefetch[N]][+aN] each (e.g. "
+                         "balanced+pdl+a4, balanced+pdl+prefetch1024)")
+    ap.add_argument("--decode-shapes", default=None,
+                    help="weights NxK,... (default: 6144x2048,2048x6144,151936x2048)")
     args = ap.parse_args()
+    if args.decode_shapes:
+        global DECODE_SHAPES
+        DECODE_SHAPES = tuple(tuple(int(v) for v in sh.split("x"))
+                              for sh in args.decode_shapes.split(","))
+    for spec in args.plans.split(","):
+        decode_variant(spec)                      # rejects a bad spec before any GPU work
     t0 = time.time()
     parts = args.parts.split(",")
     big_copy = copy_gbps()

@@ -25,9 +25,25 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// A hint that [p, p + bytes) will be read soon: the SM's bulk-copy unit asks DRAM for those lines
+// into L2 (sm_90+: cp.async.bulk.prefetch.L2; p and bytes multiples of 16), without waiting and
+// without registers or shared memory; elsewhere nothing. The one memory operation a kernel may
+// issue before pdl_wait(): it returns nothing to the thread and changes no value, and L2 is the
+// point of coherence of global memory for every SM, so a line fetched early is updated in L2 by a
+// write of the previous kernel like any other (the thread's own loads, after the wait, read that
+// value). Lets a PDL secondary start its DRAM reads while its predecessor is still finishing.
+__device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // The first statement of every kernel of a module declared with pdl=True (gpuops.runtime.modules;
-// the launcher then makes each launch a PDL secondary on sm_90+). The wait comes before any load or
-// store: the previous kernel may write what this one reads, or still read memory that this one's
+// the launcher then makes each launch a PDL secondary on sm_90+), l2_prefetch_bulk hints aside.
+// The wait comes before any load or store: the previous kernel may write what this one reads, or still read memory that this one's
 // outputs reuse. The trigger right after it lets the next kernel's blocks be scheduled into slots
 // this grid leaves free (they wait in their own pdl_start); it completes only once every block of
 // this grid has executed it, so a multi-wave grid releases its successor during its last wave.

@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kGvThreads, MT >= 4 ? 2 : 4) gemv_kcontig(Gemm
   const T* bsrc[kNB];
   bsrc[0] = static_cast<const T*>(p.b) + o.b;
   if constexpr (DUAL) bsrc[kNB - 1] = static_cast<const T*>(p.b2) + o.b;
+  prefetch_weight_rows<T, kNB>(bsrc, p, n0, kR, ks, ke, tid);
+  pdl_start();
 
   float acc[kV];
 #pragma unroll
@@ -216,6 +218,7 @@ __global__ void __launch_bounds__(kGvThreads, MT >= 4 ? 2 : 4) gemv_ncontig(Gemm
   const long long ncols = p.N - n;
   const T* xrow = static_cast<const T*>(p.a) + o.a + (lane < M ? lane : 0) * p.a_sm;
   const T* b = static_cast<const T*>(p.b) + o.b + n * p.b_sn;
+  pdl_start();
 
   float acc[MT][kCols];
 #pragma unroll
@@ -292,6 +295,7 @@ __global__ void __launch_bounds__(kGvThreads, MT >= 4 ? 2 : 4) gemv_ncontig(Gemm
 // epilogue (or silu(gate) * up for the dual kernel, whose workspace holds both products).
 template <class T>
 __global__ void __launch_bounds__(256) gemv_splitk_reduce(GemmArgs p) {
+  pdl_start();
   const long long i = blockIdx.x * 256ll + threadIdx.x;
   const long long mn = p.M * p.N;
   if (i >= p.batch * mn) return;

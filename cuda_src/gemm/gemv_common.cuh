@@ -2,6 +2,7 @@
 // gather of 16 bytes at the edges and for strided operands, and the split-K workspace layout.
 #pragma once
 #include "gemm/gemm_common.cuh"
+#include "common/pdl.cuh"
 
 namespace gpuops {
 namespace gemm {
@@ -38,6 +39,30 @@ __device__ __forceinline__ uint4 gather16(const T* p, long long step, long long 
   for (int j = 0; j < kVec; ++j)
     if (j < n) w[j / kPer] |= raw_bits(p[j * step]) << (32 / kPer * (j % kPer));
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The flag (GemmArgs::flags) that asks the K-contiguous GEMV kernels to prefetch their weight
+// slice into L2 before pdl_start (host: PLAN['gemv_l2_prefetch']); flags bits 8..15: the bytes of
+// each row's slice to prefetch / 256 (0: all of it).
+constexpr int kWPrefetch = 64;
+
+// Before pdl_start(): rows [n0, n0 + rows) of each weight w[d] over k [ks, ke), one bulk L2
+// prefetch per row (threads 0 .. NB * rows - 1; K contiguous and 16-byte aligned rows: the kBVec
+// case). A decode GEMV reads each weight byte once and nothing it computes decides which, so the
+// whole slice of a block can be asked for at once, before the wait: a PDL secondary's DRAM reads
+// then start while the previous kernel finishes, and every SM has its blocks' slices in flight
+// from the start instead of one step per warp. sm_90+ (elsewhere l2_prefetch_bulk is nothing).
+template <class T, int NB>
+__device__ __forceinline__ void prefetch_weight_rows(const T* const (&w)[NB], const GemmArgs& p,
+                                                     long long n0, int rows, long long ks,
+                                                     long long ke, int tid) {
+  if (!(p.flags & kWPrefetch) || !(p.flags & kBVec) || tid >= NB * rows) return;
+  const long long n = n0 + tid % rows;
+  const unsigned int head = ((unsigned int)p.flags >> 8 & 255u) * 256u;   // 0: the whole slice
+  unsigned int bytes = (unsigned int)((ke - ks) * (long long)sizeof(T)) & ~15u;
+  if (head != 0u && bytes > head) bytes = head;
+  const T* base = tid < rows ? w[0] : w[NB - 1];   // a select: an index by tid would go to the stack
+  if (n < p.N && ke > ks && bytes != 0u) l2_prefetch_bulk(base + n * p.b_sn + ks, bytes);
 }
 
 // Where a split's partial sums go: ws[((split * nb + d) * batch + z) * M * N + m * N + n].

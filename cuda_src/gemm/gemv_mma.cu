@@ -14,6 +14,10 @@
 // fp32 workspace as in gemv.cu. NT is a template parameter so that the host can pick the block
 // size whose block count fills whole waves (blocks are long: a partly empty last wave idles
 // SMs for a whole block's time): blocks of <= 16 weight rows in all fit 3 per SM, bigger ones 2.
+// AHEAD > 0: where a block's rows are all inside N and the weight is vector-readable, a warp
+// issues the weight loads of AHEAD whole steps before their multiplications (the edge and gather
+// branches of the general loop keep the compiler from hoisting the next step's loads above an
+// mma, so that loop has one step, NT x 512 bytes, in flight per warp).
 //
 // gemv_mma_pipe (PLAN['decode'] = 'pipe' / 'pipe_deep') is the same tensor-core step arranged for
 // more loads in flight; see its comment below.
@@ -25,7 +29,7 @@ namespace gemm {
 
 constexpr int kGmThreads = 256, kGmWarps = 8;
 
-template <class T, int NT, bool DUAL>
+template <class T, int NT, int AHEAD, bool DUAL>
 __global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) gemv_mma(GemmArgs p) {
 #if __CUDA_ARCH__ >= 800
   constexpr int kNB = DUAL ? 2 : 1;
@@ -45,6 +49,13 @@ __global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) 
   const bool lo_row = g < p.M, hi_row = g + 8 < p.M;
   const T* x_lo = static_cast<const T*>(p.a) + o.a + g * p.a_sm;
   const T* x_hi = static_cast<const T*>(p.a) + o.a + (g + 8) * p.a_sm;
+  {
+    const T* w0[kNB];
+    w0[0] = static_cast<const T*>(p.b) + o.b;
+    if constexpr (DUAL) w0[kNB - 1] = static_cast<const T*>(p.b2) + o.b;
+    prefetch_weight_rows<T, kNB>(w0, p, n0, kRows, ks, ke, tid);
+  }
+  pdl_start();
   const T* wrow[kNB][kNT];
   bool wok[kNT];
 #pragma unroll
@@ -63,24 +74,14 @@ __global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) 
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[d][j][c] = 0.0f;
 
-#pragma unroll 2
-  for (long long k0 = ks + warp * 32; k0 < ke; k0 += kGmWarps * 32) {
-    const long long k = k0 + 8 * t;
-    const long long nk = ke - k;                    // may be <= 0 in the last chunk
+  // one step: the rows of A at k .. k + 7 (zeros past nk), multiplied with the weight packs w
+  auto mma_step = [&](long long k, long long nk, const uint4 (&w)[kNB][kNT]) {
     const bool full = nk >= 8;
     uint4 xl = make_uint4(0u, 0u, 0u, 0u), xh = xl;
     if (lo_row) xl = (x_vec && full) ? load_cached16(x_lo + k)
                                      : gather16(x_lo + k * p.a_sk, p.a_sk, nk);
     if (hi_row) xh = (x_vec && full) ? load_cached16(x_hi + k)
                                      : gather16(x_hi + k * p.a_sk, p.a_sk, nk);
-    uint4 w[kNB][kNT];
-#pragma unroll
-    for (int d = 0; d < kNB; ++d)
-#pragma unroll
-      for (int j = 0; j < kNT; ++j)
-        w[d][j] = (wok[j] && w_vec && full) ? load_stream16(wrow[d][j] + k)
-                                            : gather16(wrow[d][j] + k * p.b_sk, p.b_sk,
-                                                        wok[j] ? nk : 0);
     const unsigned int a0[4] = {xl.x, xh.x, xl.y, xh.y};   // step 0: words 0, 1
     const unsigned int a1[4] = {xl.z, xh.z, xl.w, xh.w};   // step 1: words 2, 3
 #pragma unroll
@@ -90,6 +91,46 @@ __global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) 
         Mma<T>::run(acc[d][j], a0, w[d][j].x, w[d][j].y);
         Mma<T>::run(acc[d][j], a1, w[d][j].z, w[d][j].w);
       }
+  };
+
+  long long k0 = ks + warp * 32;
+  if constexpr (AHEAD > 0) {
+    // Whole steps of a block whose weight rows are all inside N and vector-readable: AHEAD steps'
+    // weight loads issued together before their multiplications (branch-free, so they stay
+    // ahead), AHEAD x NT x 512 bytes in flight per warp instead of one step's.
+    if (w_vec && n0 + kRows <= p.N) {
+      for (; k0 + 256ll * (AHEAD - 1) + 32 <= ke; k0 += 256ll * AHEAD) {
+        uint4 w[AHEAD][kNB][kNT];
+#pragma unroll
+        for (int u = 0; u < AHEAD; ++u)
+#pragma unroll
+          for (int d = 0; d < kNB; ++d)
+#pragma unroll
+            for (int j = 0; j < kNT; ++j)
+              w[u][d][j] = load_stream16(wrow[d][j] + k0 + 256ll * u + 8 * t);
+#pragma unroll
+        for (int u = 0; u < AHEAD; ++u) {
+          const long long k = k0 + 256ll * u + 8 * t;
+          mma_step(k, ke - k, w[u]);
+        }
+      }
+    }
+  }
+  // the rest (and every step of other blocks): each pack loaded or gathered with its own limits
+#pragma unroll 2
+  for (; k0 < ke; k0 += kGmWarps * 32) {
+    const long long k = k0 + 8 * t;
+    const long long nk = ke - k;                    // may be <= 0 in the last chunk
+    const bool full = nk >= 8;
+    uint4 w[kNB][kNT];
+#pragma unroll
+    for (int d = 0; d < kNB; ++d)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+        w[d][j] = (wok[j] && w_vec && full) ? load_stream16(wrow[d][j] + k)
+                                            : gather16(wrow[d][j] + k * p.b_sk, p.b_sk,
+                                                        wok[j] ? nk : 0);
+    mma_step(k, nk, w);
   }
 
 #pragma unroll
@@ -191,6 +232,7 @@ __global__ void __launch_bounds__(kGmThreads, MINB) gemv_mma_pipe(GemmArgs p) {
   const T* wbase[kNB];
   wbase[0] = static_cast<const T*>(p.b) + o.b;
   if constexpr (DUAL) wbase[kNB - 1] = static_cast<const T*>(p.b2) + o.b;
+  pdl_start();
 
   const int tiles = (int)((p.N + kRows - 1) / kRows);       // the host keeps this < 2^31
   const int my_tiles = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;

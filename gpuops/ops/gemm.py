@@ -4,13 +4,15 @@ Kernels (cuda_src/gemm/*.cu, one file per step of the ladder, each opening with 
 ``naive`` -> ``smem_tiled`` -> ``register_tiled_vec4`` -> ``warp_tiled`` (the best fp32 SIMT kernel,
 default for fp32 and for fp16/bf16 before sm_80) -> ``mma`` (tensor cores via mma.sync, sm_80+,
 default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arch) and ``gemv_mma``
-(tensor cores, sm_80+), which stream the weight once with 16-byte loads; ``int8_dp4a`` for
+(tensor cores, sm_80+), which stream the weight once with 16-byte loads and are programmatic
+dependent launches on sm_90 (their launch and ramp under the previous kernel's tail); ``int8_dp4a`` for
 int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA from a warp-specialized,
 persistent pipeline; operands TMA can describe, see ``_wgmma_operand``). ``variant=None`` picks
 ``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU). Tuning switches
 (``PLAN`` below): ``warp_tiled``'s tile configuration (``WARP_TILED_CONFIGS``), and the decode
 plan, whose 'pipe' / 'pipe_deep' run ``gemv_mma_pipe`` (persistent, a ring of weight loads in
-flight per warp) for gemv_mma's calls.
+flight per warp) for gemv_mma's calls, gemv_mma's block size, steps of loads ahead and an L2
+prefetch of the weight before the PDL wait.
 
 Conventions: torch.matmul shapes (1-D operands, broadcast batch dims), any strides (transposed
 views are read in place: every kernel takes both the M/N-contiguous and the K-contiguous layout;
@@ -68,8 +70,10 @@ SMEM_TILED = KernelModule("gemm.smem_tiled", "gemm/smem_tiled.cu",
 _SHORT = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.int8: "s8"}
 
 
-def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None):
+def _per_dtype(variant, source, kernels_of, dtypes=_FLOATS, archs=None, pdl=False):
     kw = {"archs": archs} if archs else {}
+    if pdl:
+        kw["pdl"] = True
     return {d: KernelModule(f"gemm.{variant}_{_SHORT[d]}", source, kernels_of(d), **kw)
             for d in dtypes}
 
@@ -140,14 +144,21 @@ GEMV = _per_dtype("gemv", "gemm/gemv.cu", lambda d: {
     **{_kname("gemv_kcontig", d.ctype, mt, _b(dual)): GEMM_ARGS
        for mt in GEMV_MT for dual in (False, True)},
     **{_kname("gemv_ncontig", d.ctype, mt): GEMM_ARGS for mt in GEMV_MT},
-    _kname("gemv_splitk_reduce", d.ctype): GEMM_ARGS})
+    _kname("gemv_splitk_reduce", d.ctype): GEMM_ARGS}, pdl=True)
 # gemv_mma: n8 tiles of each weight per block (template NT) -> blocks per SM its launch bounds
 # guarantee (registers; shared memory and threads allow more).
-GEMV_MMA_NT = {False: {2: 3, 4: 2}, True: {1: 3, 2: 2}}
+GEMV_MMA_NT = {False: {2: 3, 4: 2, 1: 3}, True: {1: 3, 2: 2}}
+# the block sizes PLAN['gemv_rows'] = 'auto' chooses among (the others: A/B by forcing them); on
+# equal fill the first listed wins, except as _gemv_mma_plan says for non-dual grids.
+GEMV_MMA_NT_AUTO = {False: (2, 4), True: (1, 2)}
+# AHEAD (PLAN['gemv_ahead']): whole steps whose weight loads a warp issues together before their
+# multiplications (0: one step at a time, the kernel of runs 11-136). AHEAD 4 (run 137) was slower
+# at every shape and spilled on sm_80-89: removed.
+GEMV_MMA_AHEAD = (0, 2)
 GEMV_MMA = _per_dtype("gemv_mma", "gemm/gemv_mma.cu", lambda d: {
-    _kname("gemv_mma", d.ctype, nt, _b(dual)): GEMM_ARGS
-    for dual in (False, True) for nt in GEMV_MMA_NT[dual]},
-    dtypes=_HALFS, archs=_TC_ARCHS)
+    _kname("gemv_mma", d.ctype, nt, ahead, _b(dual)): GEMM_ARGS
+    for dual in (False, True) for nt in GEMV_MMA_NT[dual] for ahead in GEMV_MMA_AHEAD},
+    dtypes=_HALFS, archs=_TC_ARCHS, pdl=True)
 # gemv_mma_pipe (PLAN['decode'] 'pipe' / 'pipe_deep'): per plan and dual, the (NT, U, MINB)
 # instantiations: NT n8 tiles of each weight per row tile, U steps of weight loads in flight per
 # warp, MINB blocks per SM of the launch bounds (2: 128 registers; the ring of U x NT x 4 words
@@ -168,7 +179,7 @@ def _pipe_expr(d, nt, u, minb, dual):
 GEMV_MMA_PIPE = {
     plan: _per_dtype(f"gemv_mma_{plan}", "gemm/gemv_mma.cu", lambda d, cfgs=cfgs: {
         _pipe_expr(d, *c, dual): GEMM_ARGS for dual, lst in cfgs.items() for c in lst},
-        dtypes=_HALFS, archs=_TC_ARCHS)
+        dtypes=_HALFS, archs=_TC_ARCHS, pdl=True)
     for plan, cfgs in GEMV_PIPE.items()}
 
 # Plan switches, kept so that one run can time the old paths next to the new ones:
@@ -206,7 +217,17 @@ GEMV_MMA_PIPE = {
 #             8192x8192x4096): base 75.7 / 61.4 / 76.6, k16 77.8 / 63.5 / 79.8, w64x64_k16 73.0 /
 #             71.4 / 73.8; runs 93 / 96 (the same code): async 84.2 / 75.8 / 85.7 and 85.8 /
 #             81.0 / 86.1, k16 79.9 / 70.9 / 81.6 and 80.0 / 75.6 / 82.1.
-PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto"}
+#   "gemv_l2_prefetch": False, True or a byte count: the K-contiguous GEMV kernels (gemv_kcontig,
+#             gemv_mma) ask for their block's weight slice (True: all of each row's slice; n: its
+#             first n bytes, a multiple of 256 below 65536) into L2 (one bulk prefetch per row,
+#             sm_90+) before they wait for the previous kernel (PDL): benchmarks/notes_gemm.md,
+#             "Decode GEMV: PDL and the weight ahead".
+#   "gemv_ahead": "auto" or a value of GEMV_MMA_AHEAD: gemv_mma's whole steps of weight loads
+#             issued together per warp (0: one step at a time; "auto": _gemv_mma_ahead);
+#   "gemv_rows": "auto" or 8 / 16 / 32: gemv_mma's weight rows per block (8 * NT; "auto": the
+#             plan of _gemv_mma_plan among GEMV_MMA_NT_AUTO).
+PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto",
+        "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -368,6 +389,7 @@ WGMMA_AUTO = True
 # flags of GemmArgs (gemm_common.cuh)
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
 RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
+W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight slice into L2 first
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
@@ -659,16 +681,43 @@ def _split_k(call, blocks, K, min_k):
     return _cdiv(K, k_split), k_split
 
 
-def _gemv_mma_plan(sms, N, K, batch, dual):
+def _gemv_mma_plan(sms, N, K, batch, dual, rows="auto"):
     """(NT, splits, k_split) of gemv_mma: the block size and split-K whose blocks fill whole
     waves of the resident slots (a block streams up to 32 rows x K of the weight, so a partly
     empty last wave idles SMs for a whole block's time); a split costs a reduce launch and a
-    workspace round trip, counted as 5% of fill. Each split keeps >= 1024 k (4 steps per warp)."""
-    return _gemv_mma_plan_of(sms, N, K, batch, tuple(GEMV_MMA_NT[dual].items()))
+    workspace round trip, counted as 5% of fill. Each split keeps >= 1024 k (4 steps per warp).
+    rows (PLAN['gemv_rows']): 'auto' (the block sizes of GEMV_MMA_NT_AUTO) or the weight rows
+    per block to force (8 * NT). Equal fill, non-dual: the larger block where the grid is at most
+    two waves, the smaller over more waves (where AHEAD 2 then applies). Runs 138-139 (H100, bf16,
+    graphs, M = 2..16): [2048, 6144] NT 4 x 4 splits 13.3-13.9 us against NT 2 x 3 splits
+    13.5-15.5; [4096, 4096] NT 4 x 2 16.4-18.5 against NT 2 x 3 17.3-19.0; the lm head
+    [151936, 2048] (24 waves) NT 2 with AHEAD 2 210-228 against NT 4 with AHEAD 2 213-236."""
+    if rows == "auto":
+        nts = GEMV_MMA_NT_AUTO[dual]
+    elif isinstance(rows, int) and rows % 8 == 0 and rows // 8 in GEMV_MMA_NT[dual]:
+        nts = (rows // 8,)
+    else:
+        raise ValueError(f"gpuops: PLAN['gemv_rows'] must be 'auto' or one of "
+                         f"{[8 * nt for nt in GEMV_MMA_NT[dual]]}, got {rows!r}")
+    return _gemv_mma_plan_of(sms, N, K, batch, tuple((nt, GEMV_MMA_NT[dual][nt]) for nt in nts),
+                             not dual)
+
+
+def _gemv_mma_ahead(ahead, blocks, slots):
+    """gemv_mma's AHEAD for a grid of `blocks` on `slots` resident blocks: PLAN['gemv_ahead'], or
+    under 'auto' 2 for grids of more than two waves, else 0. Run 137 (H100, bf16): AHEAD 2 took
+    the lm head [151936, 2048] (24 waves) from 226-240 to 210-229 us, and was slower or equal in
+    the one-wave grids of [6144, 2048] and [2048, 6144]; AHEAD 4 was slower everywhere."""
+    if ahead == "auto":
+        return 2 if blocks > 2 * slots else 0
+    if ahead not in GEMV_MMA_AHEAD:
+        raise ValueError(f"gpuops: PLAN['gemv_ahead'] must be 'auto' or one of "
+                         f"{list(GEMV_MMA_AHEAD)}, got {ahead!r}")
+    return ahead
 
 
 @lru_cache(maxsize=1024)
-def _gemv_mma_plan_of(sms, N, K, batch, nt_occupancies):
+def _gemv_mma_plan_of(sms, N, K, batch, nt_occupancies, by_waves=False):
     # remembered per shape and table (tests swap the tables): the search is ~60 integer divisions,
     # a quarter of a decode GEMV's host time
     best = None
@@ -682,8 +731,11 @@ def _gemv_mma_plan_of(sms, N, K, batch, nt_occupancies):
             blocks = _cdiv(N, 8 * nt) * batch * splits
             fill = blocks / (_cdiv(blocks, slots) * slots)
             score = fill - (0.05 if splits > 1 else 0.0)
-            if best is None or score > best[0] + 1e-9:
-                best = (score, nt, splits, k_split if splits > 1 else 0)
+            # by_waves: on equal scores the larger block for <= 2 waves, the smaller for more
+            tie = (nt if _cdiv(blocks, slots) <= 2 else -nt) if by_waves else 0
+            key = (round(score, 9), tie)
+            if best is None or key > best[0]:
+                best = (key, nt, splits, k_split if splits > 1 else 0)
     return best[1:]
 
 
@@ -768,13 +820,18 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
                               _pipe_expr(dtype, nt, u, minb, dual), call.device),
                  p, L, (gx, 1), (256, 1, 1), call.stream)
             return
+        sms = device.device_info(call.device).sm_count
         if balanced:
-            nt, splits, k_split = _gemv_mma_plan(
-                device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual)
+            nt, splits, k_split = _gemv_mma_plan(sms, p.N, p.K, p.batch, dual, PLAN["gemv_rows"])
         else:
             nt = 2 if dual else 4
         rows = 8 * nt
-        module, expr = GEMV_MMA[dtype], _kname("gemv_mma", dtype.ctype, nt, _b(dual))
+        if not balanced:
+            splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, 2048)
+        ahead = _gemv_mma_ahead(PLAN["gemv_ahead"], _cdiv(p.N, rows) * p.batch * splits,
+                                GEMV_MMA_NT[dual][nt] * sms)
+        module = GEMV_MMA[dtype]
+        expr = _kname("gemv_mma", dtype.ctype, nt, ahead, _b(dual))
         min_k = 2048
     else:
         mt = next(m for m in GEMV_MT if p.M <= m)
@@ -792,6 +849,14 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
             expr = _kname("gemv_ncontig", dtype.ctype, mt)
             min_k = 256
         module = GEMV[dtype]
+    prefetch = PLAN["gemv_l2_prefetch"]
+    if prefetch and (use_mma or kpath):
+        if prefetch is not True and not (isinstance(prefetch, int) and prefetch % 256 == 0
+                                         and 0 < prefetch < 65536):
+            raise ValueError("gpuops: PLAN['gemv_l2_prefetch'] must be False, True or a multiple "
+                             f"of 256 below 65536, got {prefetch!r}")
+        # bits 8..15: the bytes of each row's slice to prefetch / 256 (0: all of it)
+        L.flags |= W_PREFETCH | (0 if prefetch is True else (prefetch // 256) << 8)
     if splits is None:
         splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, min_k)
         # measured on the H100 (run 11, [6144, 4096] fp32 in a graph): the L1-sized split helps
