@@ -4,16 +4,18 @@
    (PLAN['warp_tiled']) at 4096^3, 2048^3 and 8192x8192x4096, against cuBLAS fp32 through
    torch.matmul with TF32 off, in the same run. Each configuration's result is checked against
    torch first (max relative error printed; a wrong one is not timed). Target: >= 90% of cuBLAS.
-2. Decode GEMMs (bf16 `linear`, M = 2, 4, 8, 16, weights [N, K] = [6144, 2048], [2048, 6144],
-   [151936, 2048]): every decode plan (PLAN['decode']) and torch F.linear, each as a CUDA graph of
+2. Decode GEMMs (bf16 `linear`, M = 1, 2, 4, 8, 16, weights [N, K] = [6144, 2048], [2048, 6144],
+   [151936, 2048]; --decode-shapes): every variant of --plans and torch F.linear, each as a CUDA graph of
    20 calls over 20 different weights and inputs (rotated: 20 x 25 MB >> the 50 MB L2), checked
    against torch first. Reported: the bytes that must move (weight + x + out) per second, as % of
    the device-to-device copy bandwidth of a 1 GiB copy (pct_copy: issue 4's measure, target >= 85%)
    and as % of a graph of 20 copies of the same weight bytes (pct_copy_same: what a copy reaches
    with the same per-launch costs), and per plan the fixed cost per call and the streaming
    bandwidth fitted over the three weight sizes (t = fixed + bytes / bandwidth).
+3. SwiGLU decode (--parts swiglu): swiglu_linear against torch's silu(linear) * linear, the same
+   graphs over rotated weight pairs.
 
-    python3 benchmarks/experiments/gemm_simt_sweep.py [--json PATH] [--parts gemm,decode]
+    python3 benchmarks/experiments/gemm_simt_sweep.py [--json PATH] [--parts gemm,decode,swiglu]
         [--configs base,k16] [--plans balanced,pipe]
 
 Floors and predictions: benchmarks/notes_gemm.md ("warp_tiled configurations", "Decode GEMV").
@@ -260,10 +262,56 @@ def decode_part(plans, big_copy):
               f"({100.0 * bw / big_copy:5.1f}% of copy)", flush=True)
 
 
+def swiglu_part(plans, big_copy):
+    """swiglu_linear (gemv_mma's dual kernel at M = 2..16, the SIMT dual gemv at M = 1) against
+    torch's F.silu(F.linear(x, wg)) * F.linear(x, wu), graphs of GRAPH_CALLS calls over rotated
+    weight pairs, at the decode shapes with fewer than 2^16 rows."""
+    for N, K in DECODE_SHAPES:
+        if N >= 1 << 16:
+            continue
+        print(f"\n== decode bf16 swiglu_linear, weights 2 x [{N}, {K}], graph of {GRAPH_CALLS} "
+              "rotated calls ==", flush=True)
+        wg = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(GRAPH_CALLS)]
+        wu = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(GRAPH_CALLS)]
+        for M in DECODE_M:
+            xs = [(torch.randn(M, K, device="cuda") * K ** -0.25).to(torch.bfloat16)
+                  for _ in range(GRAPH_CALLS)]
+            moved = 2 * N * K * 2 + M * K * 2 + M * N * 2
+            ref = F.silu(xs[0].double() @ wg[0].double().T) * (xs[0].double() @ wu[0].double().T)
+            runs = [("torch silu(linear)*linear", None)] + [(f"swiglu [{p}]", p) for p in plans]
+            for name, plan in runs:
+                try:
+                    if plan is None:
+                        def one(x, g, u):
+                            return F.silu(F.linear(x, g)) * F.linear(x, u)
+                        err = rel_err(one(xs[0], wg[0], wu[0]), ref)
+                        ms = graph_ms_per_call(
+                            lambda: [one(x, g, u) for x, g, u in zip(xs, wg, wu)], GRAPH_CALLS)
+                    else:
+                        with decode_variant(plan):
+                            err = rel_err(go.swiglu_linear(xs[0], wg[0], wu[0]), ref)
+                            if not err <= DECODE_TOL:
+                                raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
+                            ms = graph_ms_per_call(
+                                lambda: [go.swiglu_linear(x, g, u) for x, g, u in zip(xs, wg, wu)],
+                                GRAPH_CALLS)
+                except Exception as exc:  # report, go on
+                    key = f"swiglu {name} {M}x{N}x{K}"
+                    FAILURES[key] = f"{type(exc).__name__}: {exc}"[:300]
+                    print(f"  {name:<26}FAILED: {FAILURES[key]}", flush=True)
+                    continue
+                gbps = moved / (ms * 1e-3) / 1e9
+                record("swiglu", name, (M, N, K), ms, gbps=gbps, pct_copy=100.0 * gbps / big_copy,
+                       max_rel_err=err, plan=plan or "torch")
+            del xs
+        del wg, wu
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
-    ap.add_argument("--parts", default="gemm,decode")
+    ap.add_argument("--parts", default="gemm,decode", help="gemm, decode, swiglu (comma-separated)")
     ap.add_argument("--configs", default=",".join(G.WARP_TILED_CONFIGS))
     ap.add_argument("--plans", default=",".join(G.DECODE_PLANS),
                     help="decode variants, PLAN[+pdl][+prefetch[N]][+aN] each (e.g. "
@@ -283,7 +331,8 @@ def main():
     print(f"{torch.cuda.get_device_name()}: device-to-device copy (1 GiB) {big_copy:.0f} GB/s; "
           f"torch {torch.__version__}", flush=True)
     for part, fn in (("gemm", lambda: gemm_part(args.configs.split(","))),
-                     ("decode", lambda: decode_part(args.plans.split(","), big_copy))):
+                     ("decode", lambda: decode_part(args.plans.split(","), big_copy)),
+                     ("swiglu", lambda: swiglu_part(args.plans.split(","), big_copy))):
         if part in parts:
             try:
                 fn()

@@ -21,6 +21,9 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   wgmma_bare / wgmma_bias_gelu / wgmma_bias_gelu_tanh / wgmma_residual
                       go.linear bf16 4096x6144x2048 (M x N x K) under PLAN['wgmma'] 'tma_fused'
                       (bare: 'tma_store')
+  decode_m1 / decode_m2 / decode_m2_ahead2 / decode_m2_cublas
+                      bf16 linear x [M, 2048] @ w [6144, 2048].T: SIMT gemv (M = 1), gemv_mma
+                      (PLAN['gemv_ahead'] 'auto' = 0 here, or 2), cuBLAS
 """
 from __future__ import annotations
 
@@ -105,6 +108,27 @@ def _wgmma(epi):
     return build
 
 
+def _decode(M, ahead="auto", peer=False):
+    """A decode linear, bf16 x [M, 2048] @ w [6144, 2048].T (the weight is cold: ncu flushes the
+    caches before each pass): the SIMT gemv at M = 1, gemv_mma (one wave of 384 blocks) above,
+    or torch F.linear (cuBLAS)."""
+    def build():
+        x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(6144, 2048, device="cuda", dtype=torch.bfloat16)
+        if peer:
+            return lambda: torch.nn.functional.linear(x, w)
+
+        def call():
+            saved = G.PLAN["gemv_ahead"]
+            G.PLAN["gemv_ahead"] = ahead
+            try:
+                return go.linear(x, w)
+            finally:
+                G.PLAN["gemv_ahead"] = saved
+        return call
+    return build
+
+
 TARGETS = {
     "sgemm_cublas": _sgemm(None),
     **{f"sgemm_{c}": _sgemm(c) for c in G.WARP_TILED_CONFIGS},
@@ -114,6 +138,10 @@ TARGETS = {
     "ln_long_bf16_resident": _long("ln", "resident"),
     "copy_long_bf16": _long("copy"),
     **{f"wgmma_{e}": _wgmma(e) for e in ("bare", "bias_gelu", "bias_gelu_tanh", "residual")},
+    "decode_m1": _decode(1),
+    "decode_m2": _decode(2),
+    "decode_m2_ahead2": _decode(2, 2),
+    "decode_m2_cublas": _decode(2, peer=True),
 }
 
 
