@@ -291,7 +291,16 @@ def test_decode_plans():
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
     assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma", "warp_tiled", "gemv_l2_prefetch",
-                           "gemv_ahead", "gemv_rows"}
+                           "gemv_ahead", "gemv_rows", "gemv_simt_max_m"}
+    # fp16/bf16 decode rows above PLAN['gemv_simt_max_m'] go to gemv_mma (sm_80+)
+    choose = lambda M: G._choose("matmul", None, dt.bfloat16, 90, M, False, True)  # noqa: E731
+    assert [choose(M) for M in (1, 2, 3, 16)] == ["gemv", "gemv_mma", "gemv_mma", "gemv_mma"]
+    saved = G.PLAN["gemv_simt_max_m"]
+    try:
+        G.PLAN["gemv_simt_max_m"] = 4
+        assert [choose(M) for M in (1, 2, 4, 5)] == ["gemv", "gemv", "gemv", "gemv_mma"]
+    finally:
+        G.PLAN["gemv_simt_max_m"] = saved
     # equal fill: the larger block up to two waves, the smaller beyond (non-dual; runs 138-139);
     # forced rows give that NT; AHEAD 2 only past two waves
     assert G._gemv_mma_plan(132, 6144, 2048, 1, False) == (2, 1, 0)       # fill decides

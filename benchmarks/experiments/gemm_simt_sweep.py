@@ -84,14 +84,16 @@ class plan_set:   # noqa: N801
 
 
 class decode_variant:   # noqa: N801
-    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN]' for a block: PLAN['decode'] =
-    PLAN; GPUOPS_PDL on with '+pdl' (else off); PLAN['gemv_l2_prefetch'] True with '+prefetch', N
-    bytes per row with '+prefetchN' (else off); PLAN['gemv_ahead'] = N or 'auto' with '+aN' /
-    '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else 'auto')."""
+    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN]' for a block:
+    PLAN['decode'] = PLAN; GPUOPS_PDL on with '+pdl' (else off); PLAN['gemv_l2_prefetch'] True
+    with '+prefetch', N bytes per row with '+prefetchN' (else off); PLAN['gemv_ahead'] = N or
+    'auto' with '+aN' / '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else
+    'auto'); PLAN['gemv_simt_max_m'] = N with '+sN' (else 1)."""
 
     def __init__(self, spec):
         plan, *opts = spec.split("+")
         self.plan, self.pdl, self.prefetch, self.ahead, self.rows = plan, False, False, 0, "auto"
+        self.simt = 1
         ok = plan in G.DECODE_PLANS
         for o in opts:
             if o == "pdl":
@@ -105,17 +107,20 @@ class decode_variant:   # noqa: N801
                 self.ahead = int(o[1:])
             elif o[:1] == "r" and o[1:] in ("8", "16", "32"):
                 self.rows = int(o[1:])
+            elif o[:1] == "s" and o[1:].isdigit() and 1 <= int(o[1:]) <= 16:
+                self.simt = int(o[1:])
             else:
                 ok = False
         if not ok:
             raise SystemExit(f"bad decode variant {spec!r}: PLAN[+pdl][+prefetch[N]][+aN|+aauto]"
-                             f"[+rN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} for a, "
-                             "8 / 16 / 32 for r")
+                             f"[+rN][+sN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} for "
+                             "a, 8 / 16 / 32 for r, 1..16 for s")
 
     def __enter__(self):
         self.old = (dict(G.PLAN), os.environ.get("GPUOPS_PDL"))
         G.PLAN["decode"], G.PLAN["gemv_l2_prefetch"] = self.plan, self.prefetch
         G.PLAN["gemv_ahead"], G.PLAN["gemv_rows"] = self.ahead, self.rows
+        G.PLAN["gemv_simt_max_m"] = self.simt
         os.environ["GPUOPS_PDL"] = "1" if self.pdl else "0"
         config.refresh()
 
@@ -183,8 +188,8 @@ def decode_kernel(variant, M, N, K):
         return "cuBLAS / torch"
     plan = variant.split("+")[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if M == 1:
-        return "gemv (SIMT)"
+    if M <= decode_variant(variant).simt:
+        return f"gemv (SIMT) MT={next(m for m in G.GEMV_MT if M <= m)}"
     if plan in G.GEMV_PIPE:
         got = G._gemv_pipe_plan(sms, N, K, 1, False, plan)
         if got:

@@ -43,10 +43,11 @@ __device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned int byt
 
 // The first statement of every kernel of a module declared with pdl=True (gpuops.runtime.modules;
 // the launcher then makes each launch a PDL secondary on sm_90+), l2_prefetch_bulk hints aside.
-// The wait comes before any load or store: the previous kernel may write what this one reads, or still read memory that this one's
-// outputs reuse. The trigger right after it lets the next kernel's blocks be scheduled into slots
-// this grid leaves free (they wait in their own pdl_start); it completes only once every block of
-// this grid has executed it, so a multi-wave grid releases its successor during its last wave.
+// The wait comes before any load or store: the previous kernel may write what this one reads, or
+// still read memory that this one's outputs reuse. The trigger right after it lets the next
+// kernel's blocks be scheduled into slots this grid leaves free (they wait in their own
+// pdl_start); it completes only once every block of this grid has executed it, so a multi-wave
+// grid releases its successor during its last wave.
 // Hides most of the successor's launch gap: 0.43-0.50 us per decode-sized call in a CUDA graph
 // on the H100 (runs 71, 73; benchmarks/NOTES.md).
 __device__ __forceinline__ void pdl_start() {

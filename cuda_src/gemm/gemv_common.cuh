@@ -61,7 +61,7 @@ __device__ __forceinline__ void prefetch_weight_rows(const T* const (&w)[NB], co
   const unsigned int head = ((unsigned int)p.flags >> 8 & 255u) * 256u;   // 0: the whole slice
   unsigned int bytes = (unsigned int)((ke - ks) * (long long)sizeof(T)) & ~15u;
   if (head != 0u && bytes > head) bytes = head;
-  const T* base = tid < rows ? w[0] : w[NB - 1];   // a select: an index by tid would go to the stack
+  const T* base = tid < rows ? w[0] : w[NB - 1];   // a select (w[tid / rows] went to the stack)
   if (n < p.N && ke > ks && bytes != 0u) l2_prefetch_bulk(base + n * p.b_sn + ks, bytes);
 }
 

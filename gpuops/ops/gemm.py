@@ -5,9 +5,10 @@ Kernels (cuda_src/gemm/*.cu, one file per step of the ladder, each opening with 
 default for fp32 and for fp16/bf16 before sm_80) -> ``mma`` (tensor cores via mma.sync, sm_80+,
 default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arch) and ``gemv_mma``
 (tensor cores, sm_80+), which stream the weight once with 16-byte loads and are programmatic
-dependent launches on sm_90 (their launch and ramp under the previous kernel's tail); ``int8_dp4a`` for
-int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA from a warp-specialized,
-persistent pipeline; operands TMA can describe, see ``_wgmma_operand``). ``variant=None`` picks
+dependent launches on sm_90 (their launch and ramp under the previous kernel's tail);
+``int8_dp4a`` for int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA
+from a warp-specialized, persistent pipeline; operands TMA can describe, see
+``_wgmma_operand``). ``variant=None`` picks
 ``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU). Tuning switches
 (``PLAN`` below): ``warp_tiled``'s tile configuration (``WARP_TILED_CONFIGS``), and the decode
 plan, whose 'pipe' / 'pipe_deep' run ``gemv_mma_pipe`` (persistent, a ring of weight loads in
@@ -226,8 +227,13 @@ GEMV_MMA_PIPE = {
 #             issued together per warp (0: one step at a time; "auto": _gemv_mma_ahead);
 #   "gemv_rows": "auto" or 8 / 16 / 32: gemv_mma's weight rows per block (8 * NT; "auto": the
 #             plan of _gemv_mma_plan among GEMV_MMA_NT_AUTO).
+#   "gemv_simt_max_m": fp16/bf16 decode calls with M up to this many rows take the SIMT gemv,
+#             above it gemv_mma (sm_80+, K-contiguous weights; the 'balanced' and pipe plans).
+#             Run 142 (H100, bf16, graphs): M = 2 on a SIMT kernel (an MT = 2 instantiation, since
+#             removed) was slower at [6144, 2048] and [2048, 6144], faster at [4096, 4096]
+#             (14.4 vs 16.5 us) and in SwiGLU; M = 3..4 on MT = 4 slower everywhere: 1 stays.
 PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto",
-        "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto"}
+        "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto", "gemv_simt_max_m": 1}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -1165,7 +1171,7 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
         return variant
     if variant is None:
         if M <= GEMV_MAX_M:
-            m_min = 4 if PLAN["decode"] == "legacy" else 1
+            m_min = 4 if PLAN["decode"] == "legacy" else PLAN["gemv_simt_max_m"]
             return ("gemv_mma" if (dtype in _HALFS and cc >= 80 and M > m_min and b_kcontig)
                     else "gemv")
         if dtype is dt.float32:
