@@ -203,6 +203,24 @@ def decode_kernel(variant, M, N, K):
     return f"gemv_mma NT={nt} AHEAD={ahead} splits={splits}"
 
 
+def checked_ms(key, plan, first, all_calls, ref):
+    """(max relative error of first() against ref, ms per call of a graph of all_calls()) under
+    the decode variant `plan` (None: the peer, as is; its error is recorded, not bounded), or
+    None after reporting a failure under FAILURES[key]."""
+    try:
+        if plan is None:
+            return rel_err(first(), ref), graph_ms_per_call(all_calls, GRAPH_CALLS)
+        with decode_variant(plan):
+            err = rel_err(first(), ref)
+            if not err <= DECODE_TOL:
+                raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
+            return err, graph_ms_per_call(all_calls, GRAPH_CALLS)
+    except Exception as exc:  # report, go on
+        FAILURES[key] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"  {key:<26}FAILED: {FAILURES[key]}", flush=True)
+        return None
+
+
 def decode_part(plans, big_copy):
     fits = {}
     for N, K in DECODE_SHAPES:
@@ -224,23 +242,12 @@ def decode_part(plans, big_copy):
             ref = (xs[0].float() @ ws[0].float().T)
             runs = [("torch F.linear", None)] + [(f"linear [{p}]", p) for p in plans]
             for name, plan in runs:
-                try:
-                    if plan is None:
-                        fn = lambda: [F.linear(x, w) for x, w in zip(xs, ws)]  # noqa: E731
-                        err = rel_err(F.linear(xs[0], ws[0]), ref)
-                        ms = graph_ms_per_call(fn, GRAPH_CALLS)
-                    else:
-                        with decode_variant(plan):
-                            err = rel_err(go.linear(xs[0], ws[0]), ref)
-                            if not err <= DECODE_TOL:
-                                raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
-                            ms = graph_ms_per_call(
-                                lambda: [go.linear(x, w) for x, w in zip(xs, ws)], GRAPH_CALLS)
-                except Exception as exc:  # report, go on
-                    key = f"decode {name} {M}x{N}x{K}"
-                    FAILURES[key] = f"{type(exc).__name__}: {exc}"[:300]
-                    print(f"  {name:<26}FAILED: {FAILURES[key]}", flush=True)
+                lin = F.linear if plan is None else go.linear
+                got = checked_ms(f"decode {name} {M}x{N}x{K}", plan, lambda: lin(xs[0], ws[0]),
+                                 lambda: [lin(x, w) for x, w in zip(xs, ws)], ref)
+                if got is None:
                     continue
+                err, ms = got
                 gbps = moved / (ms * 1e-3) / 1e9
                 record("decode", name, (M, N, K), ms, gbps=gbps, pct_copy=100.0 * gbps / big_copy,
                        pct_copy_same=100.0 * gbps / same_gbps, max_rel_err=err,
@@ -267,6 +274,10 @@ def decode_part(plans, big_copy):
               f"({100.0 * bw / big_copy:5.1f}% of copy)", flush=True)
 
 
+def torch_swiglu(x, wg, wu):
+    return F.silu(F.linear(x, wg)) * F.linear(x, wu)
+
+
 def swiglu_part(plans, big_copy):
     """swiglu_linear (gemv_mma's dual kernel at M = 2..16, the SIMT dual gemv at M = 1) against
     torch's F.silu(F.linear(x, wg)) * F.linear(x, wu), graphs of GRAPH_CALLS calls over rotated
@@ -285,26 +296,13 @@ def swiglu_part(plans, big_copy):
             ref = F.silu(xs[0].double() @ wg[0].double().T) * (xs[0].double() @ wu[0].double().T)
             runs = [("torch silu(linear)*linear", None)] + [(f"swiglu [{p}]", p) for p in plans]
             for name, plan in runs:
-                try:
-                    if plan is None:
-                        def one(x, g, u):
-                            return F.silu(F.linear(x, g)) * F.linear(x, u)
-                        err = rel_err(one(xs[0], wg[0], wu[0]), ref)
-                        ms = graph_ms_per_call(
-                            lambda: [one(x, g, u) for x, g, u in zip(xs, wg, wu)], GRAPH_CALLS)
-                    else:
-                        with decode_variant(plan):
-                            err = rel_err(go.swiglu_linear(xs[0], wg[0], wu[0]), ref)
-                            if not err <= DECODE_TOL:
-                                raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
-                            ms = graph_ms_per_call(
-                                lambda: [go.swiglu_linear(x, g, u) for x, g, u in zip(xs, wg, wu)],
-                                GRAPH_CALLS)
-                except Exception as exc:  # report, go on
-                    key = f"swiglu {name} {M}x{N}x{K}"
-                    FAILURES[key] = f"{type(exc).__name__}: {exc}"[:300]
-                    print(f"  {name:<26}FAILED: {FAILURES[key]}", flush=True)
+                one = torch_swiglu if plan is None else go.swiglu_linear
+                got = checked_ms(f"swiglu {name} {M}x{N}x{K}", plan,
+                                 lambda: one(xs[0], wg[0], wu[0]),
+                                 lambda: [one(x, g, u) for x, g, u in zip(xs, wg, wu)], ref)
+                if got is None:
                     continue
+                err, ms = got
                 gbps = moved / (ms * 1e-3) / 1e9
                 record("swiglu", name, (M, N, K), ms, gbps=gbps, pct_copy=100.0 * gbps / big_copy,
                        max_rel_err=err, plan=plan or "torch")
