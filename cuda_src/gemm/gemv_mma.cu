@@ -49,12 +49,10 @@ __global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) 
   const bool lo_row = g < p.M, hi_row = g + 8 < p.M;
   const T* x_lo = static_cast<const T*>(p.a) + o.a + g * p.a_sm;
   const T* x_hi = static_cast<const T*>(p.a) + o.a + (g + 8) * p.a_sm;
-  {
-    const T* w0[kNB];
-    w0[0] = static_cast<const T*>(p.b) + o.b;
-    if constexpr (DUAL) w0[kNB - 1] = static_cast<const T*>(p.b2) + o.b;
-    prefetch_weight_rows<T, kNB>(w0, p, n0, kRows, ks, ke, tid);
-  }
+  const T* wbase[kNB];
+  wbase[0] = static_cast<const T*>(p.b) + o.b;
+  if constexpr (DUAL) wbase[kNB - 1] = static_cast<const T*>(p.b2) + o.b;
+  prefetch_weight_rows<T, kNB>(wbase, p, n0, kRows, ks, ke, tid);
   pdl_start();
   const T* wrow[kNB][kNT];
   bool wok[kNT];

@@ -817,8 +817,8 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     splits = None
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
-        pipe = plan in GEMV_PIPE and _gemv_pipe_plan(
-            device.device_info(call.device).sm_count, p.N, p.K, p.batch, dual, plan)
+        sms = device.device_info(call.device).sm_count
+        pipe = plan in GEMV_PIPE and _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, plan)
         if pipe:
             nt, u, minb, gx = pipe
             L.splits, L.k_split = 1, 0
@@ -826,18 +826,12 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
                               _pipe_expr(dtype, nt, u, minb, dual), call.device),
                  p, L, (gx, 1), (256, 1, 1), call.stream)
             return
-        sms = device.device_info(call.device).sm_count
         if balanced:
             nt, splits, k_split = _gemv_mma_plan(sms, p.N, p.K, p.batch, dual, PLAN["gemv_rows"])
         else:
             nt = 2 if dual else 4
         rows = 8 * nt
-        if not balanced:
-            splits, k_split = _split_k(call, _cdiv(p.N, rows) * p.batch, p.K, 2048)
-        ahead = _gemv_mma_ahead(PLAN["gemv_ahead"], _cdiv(p.N, rows) * p.batch * splits,
-                                GEMV_MMA_NT[dual][nt] * sms)
         module = GEMV_MMA[dtype]
-        expr = _kname("gemv_mma", dtype.ctype, nt, ahead, _b(dual))
         min_k = 2048
     else:
         mt = next(m for m in GEMV_MT if p.M <= m)
@@ -869,6 +863,10 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
         # at M = 16 (37.5% of copy against 35.6%) and hurts at M = 8 (54.4% against 61.5%)
         if balanced and not use_mma and kpath and mt > 8:
             splits, k_split = _l1_split(p.M, p.K, itemsize, splits, k_split)
+    if use_mma:   # AHEAD depends on the grid, so on the split
+        ahead = _gemv_mma_ahead(PLAN["gemv_ahead"], _cdiv(p.N, rows) * p.batch * splits,
+                                GEMV_MMA_NT[dual][nt] * sms)
+        expr = _kname("gemv_mma", dtype.ctype, nt, ahead, _b(dual))
     L.splits, L.k_split = splits, k_split
     if splits > 1:
         ws = call.empty((splits * (2 if dual else 1) * p.batch * p.M * p.N,), dt.float32)
