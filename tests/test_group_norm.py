@@ -578,6 +578,8 @@ class SpreadEmu:
                                                            max_smem_per_block_optin=optin)))
         monkeypatch.setattr(GN._copy, "sm_count", lambda _dev: sms)
         monkeypatch.setattr(GN, "_clusters_refused", {})
+        # (no resident kernels here: auto does not take them; ResidentEmu emulates them)
+        monkeypatch.setattr(GN._norms, "copies_async", lambda _module, _dev: False)
         GN._plans.clear()
         self.dev = emu.Device(sms=sms, arch=arch)
         self.impl = registry.get("group_norm").impl
@@ -1035,6 +1037,117 @@ def test_resident_plan_and_routes(monkeypatch, rng):
         "run_resident"
 
 
+# (shape [N, C, *sp], groups): samples cut into runs with a ragged last run, a group's channels
+# across 16-byte columns (cg = 10, 3, 6) and several groups in one column (cg = 1, 2), idle
+# threads (512 not a multiple of C / VEC), more groups than warps, one column (C = VEC), fewer
+# rows than blocks, one run per sample (N = 3 on 4 SMs), 1 and 3 spatial dims, one group.
+NHWC_RESIDENT_CASES = [((2, 40, 9, 7), 4), ((2, 320, 6, 5), 32), ((1, 96, 5, 5), 32),
+                       ((3, 8, 11), 4), ((1, 24, 2, 3, 4), 4), ((1, 16, 3), 1),
+                       ((2, 64, 4, 4), 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nhwc_resident_kernel_on_the_cpu_emulator(monkeypatch, rng, dtype):
+    """group_norm_nhwc_resident forced, on an emulated sm_90 of 4 SMs (its blocks all at once:
+    they poll for each other's published statistics), channels-last arrays and torch-style
+    strided views, silu on and off, weight / bias present and absent, outputs poisoned, against the
+    float64 reference; several launches on one ring2 state; in place."""
+    se = ResidentEmu(monkeypatch)
+    monkeypatch.setattr(GN, "force_path", "nhwc_resident")
+    expr = GN._nhwc_resident_expr(dt.BY_NAME[dtype])
+    seen_ragged = seen_idle = False
+    for shape, groups in NHWC_RESIDENT_CASES:
+        vec = 16 // dt.BY_NAME[dtype].itemsize
+        hw = prod(shape[2:])
+        plan = GN.plan_nhwc_resident(shape[0], hw, shape[1], groups, vec,
+                                     dt.BY_NAME[dtype].itemsize, 4, lambda smem: 1, 227 * 1024)
+        chunks, rows, _ = plan
+        seen_ragged |= hw % rows != 0 and chunks > 1
+        seen_idle |= GN.NHWC_RESIDENT_THREADS % (shape[1] // vec) != 0
+        for layout in ("nhwc", "strided"):
+            for affine, act in ((True, "silu"), (False, None), (True, None), (False, "silu")):
+                names = _spread_case(rng, se, shape, groups, dtype, affine, act, layout)
+                assert names == [expr], names
+        d = dt.BY_NAME[dtype]
+        host = (rng.standard_normal(shape) * 3 - 1).astype(np_storage(d))
+        mem = np.ascontiguousarray(np.moveaxis(host, 1, -1))
+        x = se.tensor(mem.copy(), d)
+        se.emu.Device.launches = []
+        se.emu.Device.concurrent = True
+        try:
+            y = se.impl(se.dev.call("group_norm", d), x, groups, None, None, 1e-5, "silu", True,
+                        out=x)
+        finally:
+            se.emu.Device.concurrent = False
+        assert y is x and len(se.emu.Device.launches) == 1
+        ref = GN.ref_group_norm(host.astype(np.float64), groups, activation="silu")
+        assert_close(np.moveaxis(np.asarray(x.obj).astype(np.float64), -1, 1), ref, dtype,
+                     f"in place {shape}")
+    assert seen_ragged and seen_idle
+
+
+def test_nhwc_resident_statistics_are_stable_and_nan_stays_in_its_group(monkeypatch, rng):
+    """Through group_norm_nhwc_resident with each sample's groups over two blocks' runs: a mean of
+    1000 against a spread of 1 (at most 8 ulps of 1000: the bound of _stable_and_nan_in_its_group)
+    and a NaN that poisons its own group only, through SiLU."""
+    se = ResidentEmu(monkeypatch)
+    monkeypatch.setattr(GN, "force_path", "nhwc_resident")
+    shape, d = (2, 8, 12, 10), dt.float32
+    host = (rng.standard_normal(shape) + 1000.0).astype(np.float32)
+    x = se.tensor(np.ascontiguousarray(np.moveaxis(host, 1, -1)), d)
+    y, names = se.run(x, 4, None, None, None, channels_last=True)
+    assert names == [GN._nhwc_resident_expr(d)], names
+    ref = GN.ref_group_norm(host.astype(np.float64), 4)
+    err = np.abs(np.moveaxis(np.asarray(y.obj).astype(np.float64), -1, 1) - ref)
+    assert np.all(err <= 1e-5 * np.abs(ref) + 8 * float(np.spacing(np.float32(1000.0)))), \
+        err.max()
+    host = (rng.standard_normal(shape) * 2 + 0.5).astype(np.float32)
+    host[1, 5, 3, 7] = np.nan                                    # sample 1, group 2 (ch 4, 5)
+    x = se.tensor(np.ascontiguousarray(np.moveaxis(host, 1, -1)), d)
+    y, _ = se.run(x, 4, None, None, "silu", channels_last=True)
+    got = np.moveaxis(np.asarray(y.obj).astype(np.float64), -1, 1)
+    nan = np.zeros(got.shape, bool)
+    nan[1, 4:6] = True
+    assert np.array_equal(np.isnan(got), nan)
+    assert_close(got, GN.ref_group_norm(host.astype(np.float64), 4, None, None, 1e-5, "silu"),
+                 "float32", "nan")
+
+
+def test_nhwc_resident_plan_and_routes(monkeypatch):
+    """The bench's channels-last shape on 132 SMs of 227 KiB: 2 blocks per SM (128 runs of 32 rows
+    per sample), 1 where only one fits, none where 8 x 42 MB does not fit; auto takes it for
+    aligned channels-last inputs where it fits and the module copies asynchronously (sm_80+), and
+    AUTO_NHWC_RESIDENT = False keeps rule 4's channels-last choice."""
+    two, one = (lambda smem: 2 if smem <= 113 * 1024 else 1), (lambda smem: 1)
+    plan = GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, two, 227 * 1024)
+    assert plan[:2] == (128, 32) and plan[2] == GN.nhwc_resident_smem(320, 32, 8, 2, 32)
+    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, one, 227 * 1024)[:2] == (66, 63)
+    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 4, 4, 132, two, 227 * 1024, 1)[:2] == (66, 63)
+    assert GN.plan_nhwc_resident(8, 4096, 640, 32, 8, 2, 132, two, 227 * 1024) is None
+    assert GN.plan_nhwc_resident(2, 4096, 8192, 32, 8, 2, 132, two, 227 * 1024) is None  # C/VEC
+    assert GN.plan_nhwc_resident(300, 16, 64, 32, 8, 2, 132, two, 227 * 1024) is None   # N > grid
+    for n, hw, c in [(1, 7, 16), (3, 4096, 320), (2, 1000, 64), (5, 33, 128)]:
+        chunks, rows, smem = GN.plan_nhwc_resident(n, hw, c, 4, 8, 2, 132, two, 227 * 1024)
+        assert chunks * rows >= hw > (chunks - 1) * rows and n * chunks <= 2 * 132
+    se = ResidentEmu(monkeypatch, sms=132)
+    monkeypatch.setattr(GN._norms, "_resident_per_sm",
+                        lambda kernel, threads, smem: two(smem) if smem <= 227 * 1024 else 0)
+    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ == \
+        "run_nhwc_resident"
+    assert GN._nhwc_launcher(0, dt.bfloat16, 8, 4096, 640, 32, True, 1).__name__ == "run_nhwc"
+    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, False, 1) is None   # (unaligned)
+    monkeypatch.setattr(GN, "AUTO_NHWC_RESIDENT", False)
+    spread = ("run_cluster", "run_nhwc_spread")          # (clusters of the spread kernel)
+    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ in spread
+    monkeypatch.setattr(GN, "AUTO_NHWC_RESIDENT", True)
+    monkeypatch.setattr(GN._norms, "copies_async", lambda _module, _dev: False)   # (compute_61)
+    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ in spread
+    monkeypatch.setattr(GN, "force_path", "nhwc_resident")                       # (any arch)
+    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ == \
+        "run_nhwc_resident"
+    del se
+
+
 # ------------------------------------------------------------------------------ GPU
 
 def _randn(shape, dtype, scale=2.0, offset=0.5):
@@ -1240,6 +1353,70 @@ def test_gpu_resident_kernel(dtype, force, monkeypatch):
 
 @gpu
 @needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_nhwc_resident_kernel(dtype, force, monkeypatch):
+    """group_norm_nhwc_resident forced on torch channels_last tensors: the bench's channels-last
+    shape (bf16 / fp32 fit on an H100; [8, 640, 64, 64] does not and takes auto's plan), shapes with
+    a ragged last run, groups across 16-byte columns, one column, 3 spatial dims; 1 and 2 blocks per
+    SM; silu on and off, weight / bias absent, outputs poisoned with NaN, in place; then a CUDA
+    graph replayed on new data (each replay a new epoch of the ring2 state's words)."""
+    force("nhwc_resident")
+    monkeypatch.setattr(GN, "_plans", {})
+    made = []
+    build = GN._nhwc_resident_launcher
+
+    def spy(*args):
+        run = build(*args)
+        made.append(run is not None)
+        return run
+    monkeypatch.setattr(GN, "_nhwc_resident_launcher", spy)
+    dev = torch.cuda.current_device()
+    big = torch.cuda.get_device_properties(dev).multi_processor_count >= 128 and \
+        GN._smem_optin(dev) >= 227 * 1024
+    shapes = [((2, 320, 64, 64), 32), ((8, 640, 64, 64), 32), ((4, 1280, 32, 32), 32),
+              ((3, 40, 9, 7), 4), ((2, 96, 5, 33), 32), ((1, 8, 3, 5), 2), ((2, 24, 3, 4, 5), 4),
+              ((1, 2048, 2, 2), 1)]                       # (fp32: 512 columns, the most)
+    for shape, groups in shapes:
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        x = _randn(shape, dtype).contiguous(memory_format=fmt)
+        c = shape[1]
+        w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
+        for per_sm in (None, 1):
+            monkeypatch.setattr(GN, "nhwc_resident_per_sm", per_sm)
+            made.clear()
+            for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
+                out = torch.full_like(x, float("nan"))
+                y = go.group_norm(x, groups, *wb, activation=act, out=out)
+                assert y is out and y.is_contiguous(memory_format=fmt)
+                ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
+                                                             for t in wb), 1e-5, act)
+                assert_close(_host(y), ref, dtype, f"{shape} G={groups} act={act} {per_sm}")
+            assert made and len(set(made)) == 1, made
+            if x.numel() * x.element_size() <= 1 << 20:
+                assert made[0], shape                      # (small: on chip on any GPU)
+            elif big and per_sm is None:                   # (an H100: 30+ MB of shared memory)
+                assert made[0] == (x.numel() * x.element_size() <= 24 << 20), shape
+        ref = GN.ref_group_norm(_host(x), groups, activation="silu")
+        y = go.group_norm(x, groups, activation="silu", out=x)          # in place
+        assert y is x
+        assert_close(_host(x), ref, dtype, f"in place {shape}")
+    monkeypatch.setattr(GN, "nhwc_resident_per_sm", None)
+    shape = (2, 320, 64, 64)
+    x = _randn(shape, dtype).contiguous(memory_format=torch.channels_last)
+    go.group_norm(x, 32, activation="silu")                 # (warm-up outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.group_norm(x, 32, activation="silu")
+    for _ in range(3):
+        x.copy_(_randn(shape, dtype))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(_host(y), GN.ref_group_norm(_host(x), 32, activation="silu"), dtype, "graph")
+
+
+@gpu
+@needs_torch_cuda
 def test_gpu_spread_kernels_are_the_ones_launched(force):
     """The forced spread paths really launch the spread kernels at the benchmark shapes (and
     AUTO_SPREAD does), through a CUDA graph."""
@@ -1310,7 +1487,7 @@ def test_gpu_channels_last(dtype, force):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
         xl = x.contiguous(memory_format=fmt)
         w, b = _randn((shape[1],), dtype, 1.0, 0.0), _randn((shape[1],), dtype, 1.0, 0.0)
-        for path in (None, "nhwc", "nhwc_copy", "nhwc_spread"):
+        for path in (None, "nhwc", "nhwc_copy", "nhwc_spread", "nhwc_resident"):
             force(path)
             y = _check(xl, groups, dtype, w, b, "silu", f"channels_last {shape} {path}")
             assert y.is_contiguous(memory_format=fmt), "the result keeps the memory format"

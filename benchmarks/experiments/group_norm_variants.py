@@ -20,13 +20,17 @@ with AUTO_STREAM; auto4 / auto3 / auto2 = auto with AUTO_RULE = 4 (the default s
 = group_norm_resident (round 4: the input held on chip over the whole grid, where it fits; else
 auto's plan) and auto_resident = auto with AUTO_RESIDENT. Channels-last:
 auto; nhwc / nhwc_fwd = the two-pass NHWC kernels (reverse / forward apply order); nhwc_copy =
-through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8, nhwc_spread_r1/r2; auto_spread.
+through NCHW copies; nhwc_spread (round 2), nhwc_spread_c2/4/8, nhwc_spread_r1/r2; auto_spread;
+nhwc_resident (group_norm_nhwc_resident: runs of whole rows held on chip over the grid, where the
+input fits), nhwc_resident_r1/r2 (1 / 2 blocks per SM); auto_nhwc4 = auto with
+AUTO_NHWC_RESIDENT = False (rule 4's channels-last choice, before the resident kernel).
 Peers: torch eager (F.silu(F.group_norm)), Liger when installed (NCHW), torch.compile with
---compile (slow to compile). --variants and --no-nhwc narrow the run.
+--compile (slow to compile). --variants, --no-nhwc and --nhwc-only narrow the run.
 
-Shapes (the bench's): [2, 320, 64, 64] (the diffusion shape; --quick: this one only) and
-[8, 640, 64, 64] (84 MB in 16-bit), each NCHW and channels-last; [4, 1280, 32, 32] and
-[1, 256, 256, 256] (32 groups of 1 MiB in 16-bit) NCHW only. --shapes picks some by index.
+Shapes (the bench's): [2, 320, 64, 64] (the diffusion shape; --quick: this one only),
+[8, 640, 64, 64] (84 MB in 16-bit), [4, 1280, 32, 32] and [16, 640, 32, 32], each NCHW and
+channels-last; [1, 256, 256, 256] (32 groups of 1 MiB in 16-bit) NCHW only. --shapes picks some
+by index.
 
     python benchmarks/experiments/group_norm_variants.py [--json F] [--compile] [--quick]
         [--shapes 0,2]
@@ -47,8 +51,8 @@ from gpuops.bench import event_pairs_ms, graph_replay_us
 
 REPS = 20
 # (NCHW shape, also timed channels-last)
-SHAPES = (((2, 320, 64, 64), True), ((8, 640, 64, 64), True), ((4, 1280, 32, 32), False),
-          ((1, 256, 256, 256), False), ((16, 640, 32, 32), False))
+SHAPES = (((2, 320, 64, 64), True), ((8, 640, 64, 64), True), ((4, 1280, 32, 32), True),
+          ((1, 256, 256, 256), False), ((16, 640, 32, 32), True))
 
 NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass",
                  "twopass_fwd", "spread", "spread_c1", "spread_c2", "spread_c4", "spread_c8",
@@ -57,7 +61,8 @@ NCHW_VARIANTS = ("auto", "onchip", "cluster2", "cluster4", "cluster8", "cluster2
                  "auto_stream", "auto4", "auto3", "auto2", "resident", "auto_resident")
 NHWC_VARIANTS = ("auto", "nhwc", "nhwc_fwd", "nhwc_copy", "nhwc_spread", "nhwc_spread_c2",
                  "nhwc_spread_c4", "nhwc_spread_c8", "nhwc_spread_r1", "nhwc_spread_r2",
-                 "auto_spread", "auto2")
+                 "auto_spread", "auto2", "nhwc_resident", "nhwc_resident_r1",
+                 "nhwc_resident_r2", "auto_nhwc4")
 
 
 def graph_us(fn, reps=REPS, replays=20):
@@ -93,11 +98,11 @@ def set_variant(v):
     GN.force_path, GN.apply_order = None, "reverse"
     GN.AUTO_SPREAD, GN.spread_cluster, GN.spread_residency = False, None, None
     GN.AUTO_STREAM, GN.AUTO_RULE, GN.stream_clusters = False, 4, None
-    GN.AUTO_RESIDENT = False
+    GN.AUTO_RESIDENT, GN.AUTO_NHWC_RESIDENT, GN.nhwc_resident_per_sm = False, True, None
     m = re.fullmatch(r"(.+)_([crn])(\d+)", v)         # spread_c4, nhwc_spread_r2, stream_n32 ...
     base = m.group(1) if m else v
     if base in ("onchip", "cluster2", "cluster4", "cluster8", "cluster2_1sm", "twopass", "nhwc",
-                "nhwc_copy", "spread", "nhwc_spread", "stream", "resident"):
+                "nhwc_copy", "spread", "nhwc_spread", "stream", "resident", "nhwc_resident"):
         GN.force_path = base
     elif base == "twopass_fwd":
         GN.force_path, GN.apply_order = "twopass", "forward"
@@ -109,6 +114,8 @@ def set_variant(v):
         GN.AUTO_STREAM = True
     elif base == "auto_resident":
         GN.AUTO_RESIDENT = True
+    elif base == "auto_nhwc4":
+        GN.AUTO_NHWC_RESIDENT = False
     elif base == "auto4":
         GN.AUTO_RULE = 4
     elif base == "auto3":
@@ -121,6 +128,8 @@ def set_variant(v):
         GN.spread_cluster = int(m.group(3))
     elif m and m.group(2) == "n":
         GN.stream_clusters = int(m.group(3))
+    elif m and base == "nhwc_resident":
+        GN.nhwc_resident_per_sm = int(m.group(3))
     elif m:
         GN.spread_residency = int(m.group(3))
 
@@ -180,6 +189,7 @@ def main():
     ap.add_argument("--shapes", help="comma-separated indices into SHAPES")
     ap.add_argument("--variants", help="comma-separated: only these of the variants")
     ap.add_argument("--no-nhwc", action="store_true", help="NCHW inputs only")
+    ap.add_argument("--nhwc-only", action="store_true", help="channels-last inputs only")
     args = ap.parse_args()
     bw = copy_gbps()
     print(f"copy {bw:.0f} GB/s (read + write)", flush=True)
@@ -197,7 +207,8 @@ def main():
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     cases = []
     for shape, with_nhwc in shapes:
-        cases.append((shape, ("bfloat16", "float16", "float32"), False, NCHW_VARIANTS))
+        if not args.nhwc_only:
+            cases.append((shape, ("bfloat16", "float16", "float32"), False, NCHW_VARIANTS))
         if with_nhwc and not args.no_nhwc:
             cases.append((shape, ("bfloat16", "float32"), True, NHWC_VARIANTS))
     for shape, dtypes, nhwc, variants in cases:

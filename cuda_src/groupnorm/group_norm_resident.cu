@@ -97,4 +97,190 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
   resident_rows<2>(pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
 }
 
+// ----------------------------------------------------------------------------- channels last
+//
+// group_norm_nhwc_resident: channels-last GroupNorm (+ SiLU) for inputs that fit in the grid's
+// shared memory. A sample's [hw, C] rows are contiguous, so the grid cuts each sample into
+// `chunks` runs of `chunk_rows` whole rows (every channel of a row: reads and writes are plain
+// contiguous 16-byte streams, where the channels-last spread / two-pass kernels read slabs of a
+// group's few channels, 80 bytes of each 640-byte row at [2, 64, 64, 320] bf16). Block (n, p):
+//   copy    its run into shared memory, every copy in flight at once (per-thread cp.async, one
+//           commit group per unit; plain loads and stores below sm_80);
+//   stats   exact two-pass statistics of the run per group: channel sums while the copies land,
+//           then the squared deviations from the run's group means (from shared memory);
+//   publish each group's (mean, M2) of the run as ring2's self-validating words
+//           (norms/norm_ring.cuh);
+//   gather  a warp per group merges the sample's `chunks` words in chunk order (ring2_row_acc:
+//           every block gets the same bits);
+//   apply   y = act((x - mean) * (rstd * w[c]) + b[c]) from shared memory, stored once.
+// DRAM sees x read once and y written once (in place is fine: a block writes only the rows it
+// read). Forward progress: every block publishes before it waits, and all blocks are resident at
+// once (the host sizes the grid from the occupancy calculator). Thread t < phases * U (U = C / VEC
+// 16-byte columns, phases = blockDim.x / U) owns column t % U of rows t / U, t / U + phases, ...:
+// its units of the run are t, t + active, t + 2 active, ... (active = phases * U), so the
+// channels it sums and normalizes are fixed, and it reads back only what it copied.
+//
+// Dynamic shared memory (floats, then the run; the host's nhwc_resident_smem): run means [groups],
+// final (mean, rstd) [2 groups], channel sums [C], per-phase channel sums [phases * C] (rounded up
+// to 16 bytes), then chunk_rows * U 16-byte units.
+
+// ring2_row_acc's policy for the words of one (sample, group): a chunk's count is its rows * cg.
+struct NhwcGroupWords {
+  static constexpr int kWords = 2, kVec = 1;
+  using Acc = MeanM2;
+  float cg;
+  __device__ __forceinline__ static Acc acc_zero() { return MeanM2{0.0f, 0.0f, 0.0f}; }
+  __device__ __forceinline__ Acc acc_add(const Acc& a, const float (&v)[2], float rows) const {
+    return welford_merge(a, MeanM2{rows * cg, v[0], v[1]});
+  }
+  __device__ __forceinline__ static Acc acc_warp(const Acc& a) { return warp_welford(a); }
+};
+
+constexpr int kNhwcResidentThreads = 512;
+
+// The run's per-channel sums of this thread's VEC channels (s), reduced over the row phases and
+// then over each group's channels: group_out[g] = scale * sum (warp per group). Contains
+// __syncthreads (before and after).
+template <int VEC>
+__device__ __forceinline__ void nhwc_group_sums(const float (&s)[VEC], bool active, int col,
+                                                int phase, int C, int phases, int groups, int cg,
+                                                float* phase_sums, float* chan, float scale,
+                                                float* group_out) {
+  if (active) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) phase_sums[phase * C + col * VEC + j] = s[j];
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float v = 0.0f;
+    for (int q = 0; q < phases; ++q) v += phase_sums[q * C + c];
+    chan[c] = v;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int g = threadIdx.x >> 5; g < groups; g += blockDim.x >> 5) {
+    float v = 0.0f;
+    for (int c = g * cg + lane; c < (g + 1) * cg; c += 32) v += chan[c];
+    v = warp_sum(v);
+    if (lane == 0) group_out[g] = v * scale;
+  }
+  __syncthreads();
+}
+
+// x, y: contiguous [N, hw, C] (16-byte aligned, C % VEC == 0); grid N * chunks blocks of
+// kNhwcResidentThreads, all resident at once; state: the per-stream ring2 state
+// (gpuops/ops/norms.py ring2_state) with room for N * groups * chunks * 2 words.
+template <class T>
+__global__ void __launch_bounds__(kNhwcResidentThreads, GPUOPS_RING_MIN_BLOCKS)
+group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __restrict__ b,
+                         unsigned* state, int hw, int C, int groups, int cg, int chunks,
+                         int chunk_rows, float eps, int act) {
+  constexpr int VEC = 16 / sizeof(T);
+  using R = RawUnit<T, VEC>;
+  using Raw = typename R::type;
+  extern __shared__ uint4 nhwc_smem[];
+  const int U = C / VEC, phases = static_cast<int>(blockDim.x) / U, active_threads = phases * U;
+  const int tid = threadIdx.x, col = tid % U, phase = tid / U;
+  const bool active = tid < active_threads;
+  const int n = blockIdx.x / chunks, p = blockIdx.x - n * chunks;
+  const int row0 = p * chunk_rows, rows = min(chunk_rows, hw - row0);
+  const int units = rows * U;
+  const long long base = (static_cast<long long>(n) * hw + row0) * C;
+
+  float* run_mean = reinterpret_cast<float*>(nhwc_smem);
+  float* fin = run_mean + groups;
+  float* chan = fin + 2 * groups;
+  float* phase_sums = chan + C;
+  Raw* run = reinterpret_cast<Raw*>(nhwc_smem) + (3 * groups + C + phases * C + 3) / 4;
+
+  unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
+  const unsigned tag = load_relaxed(state) + 1u;
+
+  // copy: every unit of this thread in flight, one commit group each
+  int mine = 0;
+  if (active) {
+    for (int i = tid; i < units; i += active_threads, ++mine) {
+      copy16_to_shared(run + i, x + base + static_cast<long long>(i) * VEC);
+      copy_async_commit();
+    }
+  }
+  // stats, pass 1: channel sums as the units land
+  float s[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s[j] = 0.0f;
+  for (int k = 0; k < mine; ++k) {
+    copy_async_wait(mine - 1 - k);
+    float f[VEC];
+    R::unpack(run[tid + k * active_threads], f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s[j] += f[j];
+  }
+  const float inv_count = 1.0f / static_cast<float>(rows * cg);
+  nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, inv_count,
+                       run_mean);
+  // pass 2: squared deviations from the run's group means
+  float m[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    m[j] = active ? run_mean[(col * VEC + j) / cg] : 0.0f;
+    s[j] = 0.0f;
+  }
+  for (int k = 0; k < mine; ++k) {
+    float f[VEC];
+    R::unpack(run[tid + k * active_threads], f);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = f[j] - m[j];
+      s[j] = fmaf(d, d, s[j]);
+    }
+  }
+  nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, 1.0f, fin);
+
+  // publish (fin holds the run's M2 per group here; the gather overwrites it below)
+  for (int g = tid; g < groups; g += blockDim.x) {
+    unsigned long long* dst = words + ((static_cast<long long>(n) * groups + g) * chunks + p) * 2;
+    store_word_relaxed(dst, ring_word(run_mean[g], tag));
+    store_word_relaxed(dst + 1, ring_word(fin[g], tag));
+  }
+  __syncthreads();
+
+  // gather: a warp per group
+  const NhwcGroupWords pol{static_cast<float>(cg)};
+  for (int g = tid >> 5; g < groups; g += blockDim.x >> 5) {
+    const MeanM2 a = ring2_row_acc<4>(
+        pol, words + (static_cast<long long>(n) * groups + g) * chunks * 2, chunks, tag,
+        chunk_rows, hw);
+    if ((tid & 31) == 0) {
+      fin[2 * g] = a.mean;
+      fin[2 * g + 1] = 1.0f / sqrtf(a.m2 / a.n + eps);   // correctly rounded, as group_norm.cu
+    }
+  }
+  __syncthreads();
+
+  // apply
+  if (active) {
+    float mu[VEC], sc[VEC], sh[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int c = col * VEC + j, g = c / cg;
+      mu[j] = fin[2 * g];
+      sc[j] = w != nullptr ? fin[2 * g + 1] * to_float(w[c]) : fin[2 * g + 1];
+      sh[j] = b != nullptr ? to_float(b[c]) : 0.0f;
+    }
+    T* dst = y + base;
+    for (int k = 0; k < mine; ++k) {
+      const int i = tid + k * active_threads;
+      float f[VEC];
+      R::unpack(run[i], f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float v = fmaf(f[j] - mu[j], sc[j], sh[j]);
+        f[j] = act ? silu_f(v) : v;
+      }
+      R::store(dst + static_cast<long long>(i) * VEC, R::pack(f));
+    }
+  }
+  ring2_epoch_end(state, tag);
+}
+
 }  // namespace gpuops

@@ -142,6 +142,15 @@ AUTO_RULE = 4
 # (A/B; run 124: slower there, e.g. [2, 320, 64, 64] bf16 10.9 vs 7.5 us, [16, 640, 32, 32] bf16
 # 25.0 vs 15.3: its drains all run at the end of the launch, one 512-thread block per SM).
 AUTO_RESIDENT = False
+# Channels-last inputs that fit on chip (group_norm_nhwc_resident, groupnorm/group_norm_resident.cu:
+# each sample cut into runs of whole rows over a grid of resident blocks, x read once into shared
+# memory, the groups' statistics exchanged between blocks, y written once): auto takes it where it
+# fits and its kernels copy asynchronously (sm_80+); False keeps rule 4's channels-last choice
+# (A/B). force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm sets its blocks per
+# SM (None: 2 where they fit, else 1).
+AUTO_NHWC_RESIDENT = True
+nhwc_resident_per_sm: int | None = None
+NHWC_RESIDENT_THREADS = 512         # kNhwcResidentThreads
 # group_norm_stream launches at most this many clusters (A/B; None: as many as are co-resident)
 stream_clusters: int | None = None
 spread_cluster: int | None = None
@@ -179,6 +188,8 @@ _STREAM_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "
                        "i32")
 _RESIDENT_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32",
                          "i32", "3I", "f32", "i32")
+_NHWC_RESIDENT_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32",
+                              "i32", "i32", "f32", "i32")
 _NHWC_SPREAD_ARGS = ArgSpec("ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32",
                             "i32", "f32", "i32")
 
@@ -220,9 +231,14 @@ def _resident_expr(d):
            f"{_norms.ring_packs(_norms.LAYER_NORM, 16 // d.itemsize)}>"
 
 
+def _nhwc_resident_expr(d):
+    return f"gpuops::group_norm_nhwc_resident<{d.ctype}>"
+
+
 # A module of its own: it builds on the norms' ring headers (norms/layer_norm_ring.cuh).
-RESIDENT_MODULE = KernelModule("norms.group_norm_resident", "groupnorm/group_norm_resident.cu",
-                               {_resident_expr(d): _RESIDENT_ARGS for d in dt.FLOATS})
+RESIDENT_MODULE = KernelModule("norms.group_norm_resident", "groupnorm/group_norm_resident.cu", {
+    **{_resident_expr(d): _RESIDENT_ARGS for d in dt.FLOATS},
+    **{_nhwc_resident_expr(d): _NHWC_RESIDENT_ARGS for d in dt.FLOATS}})
 RESIDENT_KERNELS = _copy.KernelCache(RESIDENT_MODULE)
 # The compiled-in cluster size of each kernel (the CPU emulator runs a cluster's blocks together).
 CLUSTER_OF = {**{_onchip_expr(d, ONCHIP_PACKS, s): s for d in dt.FLOATS for s in (1, *CLUSTERS)},
@@ -402,6 +418,39 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
     if optin < 96 * 1024:              # small shared memories (Pascal): no reservation
         return needed
     return min(optin, max(needed, (optin + 1024) // (residency + 1) + 1024))
+
+
+def nhwc_resident_smem(c: int, g: int, vec: int, itemsize: int, chunk_rows: int,
+                       threads: int = NHWC_RESIDENT_THREADS) -> int:
+    """Dynamic shared memory of a group_norm_nhwc_resident block (the kernel's layout: run means,
+    final statistics, channel sums and per-phase channel sums as floats, rounded up to 16 bytes,
+    then the run of chunk_rows rows)."""
+    phases = threads // (c // vec)
+    return 16 * _cdiv(3 * g + c + phases * c, 4) + chunk_rows * c * itemsize
+
+
+def plan_nhwc_resident(n: int, hw: int, c: int, g: int, vec: int, itemsize: int, sms: int,
+                       per_sm, optin: int, residency=None):
+    """(chunks, chunk_rows, smem) of group_norm_nhwc_resident for [n, hw, c], or None where the
+    input does not fit the grid's shared memory: every sample cut into `chunks` runs of
+    `chunk_rows` whole rows (the last may be shorter), n * chunks blocks all resident at once,
+    `residency` blocks per SM (None: 2 where they fit, else 1). per_sm(smem): the occupancy
+    calculator's blocks per SM of NHWC_RESIDENT_THREADS threads with that shared memory."""
+    units = c // vec
+    if units > NHWC_RESIDENT_THREADS or c % vec or hw < 1 or n < 1:
+        return None
+    for res in ((residency,) if residency else (2, 1)):
+        chunks = min(hw, sms * res // n)
+        if chunks < 1:
+            continue
+        chunk_rows = _cdiv(hw, chunks)
+        chunks = _cdiv(hw, chunk_rows)
+        smem = nhwc_resident_smem(c, g, vec, itemsize, chunk_rows)
+        if smem > optin:
+            continue
+        if n * chunks <= sms * per_sm(smem):
+            return chunks, chunk_rows, smem
+    return None
 
 
 def plan_two_pass(groups: int, group_units: int, sms: int):
@@ -651,6 +700,30 @@ def _nchw_launcher(dev, d, n, c, hw, g, aligned, act, clusters=True):
     return run_two_pass
 
 
+def _nhwc_resident_launcher(dev, d, n, c, hw, g, act):
+    """run of group_norm_nhwc_resident for contiguous aligned [n, hw, c] with c % VEC == 0, or
+    None where the input does not fit on chip (plan_nhwc_resident)."""
+    vec = 16 // d.itemsize
+    kernel = RESIDENT_KERNELS.get(dev, _nhwc_resident_expr(d))
+    optin = max(48 * 1024, _smem_optin(dev))
+    plan = plan_nhwc_resident(
+        n, hw, c, g, vec, d.itemsize, _copy.sm_count(dev),
+        lambda smem: _norms._resident_per_sm(kernel, NHWC_RESIDENT_THREADS, smem), optin,
+        nhwc_resident_per_sm)
+    if plan is None:
+        return None
+    chunks, chunk_rows, smem = plan
+    grid, block = (n * chunks, 1, 1), (NHWC_RESIDENT_THREADS, 1, 1)
+    tail = (hw, c, g, c // g, chunks, chunk_rows)
+    words = n * g * chunks * 2
+
+    def run_nhwc_resident(call, x, w, b, y, eps):
+        state = _norms.ring2_state(call, words)
+        kernel.launch(grid, block, call.stream, x.ptr, y.ptr, _ptr(w), _ptr(b), state, *tail,
+                      eps, act, smem=smem)
+    return run_nhwc_resident
+
+
 def _nhwc_spread_launcher(dev, d, n, c, hw, g, act, clusters, pair=False):
     """group_norm_nhwc_spread for contiguous aligned [n, hw, c] with c % VEC == 0, or None
     (``pair``: plan_nhwc_spread's two-blocks-per-SM choice)."""
@@ -693,6 +766,13 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     channels are too wide for the channels-last kernels (or small inputs go through NCHW
     copies)."""
     vec = 16 // d.itemsize
+    # (auto takes the resident kernel only where it copies asynchronously: built for sm_80+)
+    if spread and aligned and c % vec == 0 and (force_path == "nhwc_resident" or (
+            force_path is None and AUTO_NHWC_RESIDENT and AUTO_RULE == 4
+            and _norms.copies_async(RESIDENT_MODULE, dev))):
+        run = _nhwc_resident_launcher(dev, d, n, c, hw, g, act)
+        if run is not None:
+            return run
     if (spread and aligned and c % vec == 0
             and (force_path == "nhwc_spread" or (AUTO_SPREAD and force_path is None))):
         run = _nhwc_spread_launcher(dev, d, n, c, hw, g, act, _clusters_available(dev))
@@ -915,8 +995,8 @@ def group_norm(call, input: Tensor, num_groups: int, weight: Tensor | None = Non
         num_groups = _num_groups(num_groups)
     key = (call.device, loader.generation, force_path, apply_order, STATS_BLOCKS_PER_SM,
            STATS_CHUNK_ROUNDS, STATS_MAX_CHUNKS, AUTO_SPREAD, AUTO_STREAM, AUTO_RULE,
-           AUTO_RESIDENT, stream_clusters, spread_cluster, spread_residency,
-           input.dtype, tuple(input.shape), tuple(input.strides), input.ptr % 16 == 0,
+           AUTO_RESIDENT, AUTO_NHWC_RESIDENT, nhwc_resident_per_sm, stream_clusters,
+           spread_cluster, spread_residency, input.dtype, tuple(input.shape), tuple(input.strides), input.ptr % 16 == 0,
            num_groups, act, bool(channels_last),
            None if weight is None else (tuple(weight.shape), weight.contiguous),
            None if bias is None else (tuple(bias.shape), bias.contiguous),
