@@ -61,7 +61,8 @@ def _translation_unit(module) -> str:
     lines = [text, 'extern "C" const char* emu_fail_msg() { return emu::fail_msg; }',
              'extern "C" void emu_set_schedule(int concurrent, unsigned long long seed) '
              '{ emu::concurrent = concurrent; emu::rng_state = seed; }',
-             'extern "C" void emu_set_cluster(int size) { emu::cluster_size = size; }']
+             'extern "C" void emu_set_cluster(int size) { emu::cluster_size = size; }',
+             'extern "C" void emu_set_straggle(int percent) { emu::straggle = percent; }']
     for i, expr in enumerate(module.kernels):
         lines.append(
             f'extern "C" int emu_launch_{i}(const unsigned* dims, unsigned long long smem, '
@@ -110,6 +111,7 @@ class EmuKernel:
         self.lib.emu_set_schedule(ctypes.c_int(1 if Device.concurrent else 0),
                                   ctypes.c_ulonglong(Device.seed))
         self.lib.emu_set_cluster(ctypes.c_int(self.cluster))
+        self.lib.emu_set_straggle(ctypes.c_int(Device.straggle))
         if self.fn(dims, ctypes.c_ulonglong(smem), buf):
             raise RuntimeError(f"emu: {self.name}: {self.lib.emu_fail_msg().decode()}")
 
@@ -144,6 +146,7 @@ class Device:
     _libs: dict = {}
     concurrent = False
     seed = 1
+    straggle = 0        # concurrent launches: % of blocks held back each pass (emu.h straggle)
 
     def __init__(self, sms=2, topk_chunk=None, arch=900, concurrent=False, seed=1):
         """concurrent: run all blocks of a launch at once in a random interleaving (only for

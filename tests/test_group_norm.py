@@ -907,8 +907,10 @@ class ResidentEmu(SpreadEmu):
     replaced by one block per SM, and one ring2 state buffer kept across launches, as on the GPU
     (each launch must ignore the words of the launches before it)."""
 
-    def __init__(self, monkeypatch, sms=4, optin=227 * 1024):
+    def __init__(self, monkeypatch, sms=4, optin=227 * 1024, straggle=0):
         super().__init__(monkeypatch, sms=sms, optin=optin)
+        self.straggle = straggle     # (emu.h: blocks held back, so that polls meet stale words)
+        monkeypatch.setattr(self.emu.Device, "straggle", straggle)
         lib, index = self.emu.build(GN.RESIDENT_MODULE, self.arch * 10)
 
         def get(_dev, expr):
@@ -1048,11 +1050,12 @@ NHWC_RESIDENT_CASES = [((2, 40, 9, 7), 4), ((2, 320, 6, 5), 32), ((1, 96, 5, 5),
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nhwc_resident_kernel_on_the_cpu_emulator(monkeypatch, rng, dtype):
-    """group_norm_nhwc_resident forced, on an emulated sm_90 of 4 SMs (its blocks all at once:
-    they poll for each other's published statistics), channels-last arrays and torch-style
+    """group_norm_nhwc_resident forced, on an emulated sm_90 of 4 SMs (its blocks all at once,
+    some held back at random: they poll for each other's published statistics and meet words not
+    published yet), channels-last arrays and torch-style
     strided views, silu on and off, weight / bias present and absent, outputs poisoned, against the
     float64 reference; several launches on one ring2 state; in place."""
-    se = ResidentEmu(monkeypatch)
+    se = ResidentEmu(monkeypatch, straggle=50)
     monkeypatch.setattr(GN, "force_path", "nhwc_resident")
     expr = GN._nhwc_resident_expr(dt.BY_NAME[dtype])
     seen_ragged = seen_idle = False
@@ -1090,7 +1093,7 @@ def test_nhwc_resident_statistics_are_stable_and_nan_stays_in_its_group(monkeypa
     """Through group_norm_nhwc_resident with each sample's groups over two blocks' runs: a mean of
     1000 against a spread of 1 (at most 8 ulps of 1000: the bound of _stable_and_nan_in_its_group)
     and a NaN that poisons its own group only, through SiLU."""
-    se = ResidentEmu(monkeypatch)
+    se = ResidentEmu(monkeypatch, straggle=50)
     monkeypatch.setattr(GN, "force_path", "nhwc_resident")
     shape, d = (2, 8, 12, 10), dt.float32
     host = (rng.standard_normal(shape) + 1000.0).astype(np.float32)

@@ -15,7 +15,11 @@ time per call (20 calls per graph, median of 20 replays; the untraced builds alt
 rounds, median), % of a copy of the same bytes in the same method; for the traced build the
 stamps' medians and the per-block phase lengths (norms_resident_trace.summarize).
 
-    python benchmarks/experiments/group_norm_resident_trace.py [--json out.json]
+--nhwc: the same for group_norm_nhwc_resident (round 6, channels-last runs of whole rows) at
+channels-last [2, 320, 64, 64] bf16 / fp32 and [4, 1280, 32, 32] bf16 / fp32, with 1 and 2 blocks
+per SM (nhwc_resident_per_sm), SiLU on; its stamps: NHWC_STAMPS.
+
+    python benchmarks/experiments/group_norm_resident_trace.py [--json out.json] [--nhwc]
 """
 from __future__ import annotations
 
@@ -43,6 +47,83 @@ SHAPES = (((1, 256, 256, 256), torch.bfloat16), ((4, 1280, 32, 32), torch.float3
 VARIANTS = {"default": (), "default_trace": (f"-DGPUOPS_RESIDENT_TRACE={TRACE_BLOCKS}",)}
 
 
+NHWC_SHAPES = (((2, 320, 64, 64), torch.bfloat16), ((2, 320, 64, 64), torch.float32),
+               ((4, 1280, 32, 32), torch.bfloat16), ((4, 1280, 32, 32), torch.float32))
+# group_norm_nhwc_resident's RESIDENT_MARK indices (thread 0 of each block)
+NHWC_STAMPS = {0: "entry", 1: "copies issued", 2: "pass 1 landed", 3: "run means",
+               4: "run M2", 5: "published", 6: "gathered", 7: "stores issued", 8: "exit"}
+
+
+def summarize_nhwc(tr) -> dict:
+    """tr: [blocks, 32] stamps (ns; 0 where not written): each stamp's time from the grid's first
+    entry (median / p10 / p90 / max over blocks) and each phase's length (median / p90)."""
+    t0 = tr[:, 0].min()
+    out = {}
+    for i, what in NHWC_STAMPS.items():
+        col = tr[:, i][tr[:, i] > 0]
+        if col.size:
+            rel = (col - t0) / 1e3
+            out[what] = {k: round(float(f(rel)), 3) for k, f in (
+                ("median", statistics.median), ("p10", lambda r: sorted(r)[len(r) // 10]),
+                ("p90", lambda r: sorted(r)[(9 * len(r)) // 10]), ("max", max))}
+    phases = {}
+    for a, b in zip(NHWC_STAMPS, list(NHWC_STAMPS)[1:]):
+        ok = (tr[:, a] > 0) & (tr[:, b] > 0)
+        d = sorted(((tr[ok, b] - tr[ok, a]) / 1e3).tolist())
+        if d:
+            phases[f"{NHWC_STAMPS[a]} -> {NHWC_STAMPS[b]}"] = dict(
+                median=round(statistics.median(d), 3), p90=round(d[(9 * len(d)) // 10], 3))
+    out["phases"] = phases
+    return out
+
+
+def nhwc_main(mods, res):
+    """--nhwc: group_norm_nhwc_resident forced, 1 and 2 blocks per SM, untraced (3 rounds,
+    median) and traced."""
+    saved = GN.RESIDENT_KERNELS, GN.force_path, GN.nhwc_resident_per_sm
+    GN.force_path = "nhwc_resident"
+    try:
+        for shape, td in NHWC_SHAPES:
+            x = torch.randn(shape, device="cuda", dtype=td).contiguous(
+                memory_format=torch.channels_last)
+            w = torch.randn(shape[1], device="cuda", dtype=td)
+            b = torch.randn(shape[1], device="cuda", dtype=td)
+            copy_us = graph_replay_us(lambda: x.clone())
+            ref = F.silu(F.group_norm(x.double(), 32, w.double(), b.double()))
+            fn = lambda: go.group_norm(x, 32, w, b, activation="silu")  # noqa: E731
+            for per_sm in (1, 2):
+                GN.nhwc_resident_per_sm = per_sm
+                times = {}
+                for rnd in range(3):
+                    for name, mod in mods.items():
+                        if name.endswith("_trace") and rnd > 0:
+                            continue
+                        GN.RESIDENT_KERNELS = _copy.KernelCache(mod)
+                        GN._plans.clear()
+                        key = f"cl {tuple(shape)} {td} per_sm={per_sm}"
+                        if rnd == 0:
+                            err = float((fn().double() - ref).abs().max())
+                            print(f"{key} {name}: max|err| {err:.2e}", flush=True)
+                        times.setdefault(name, []).append(graph_replay_us(fn))
+                        if name.endswith("_trace") and rnd == 0:
+                            summary = summarize_nhwc(read_trace(mod, fn))
+                            res["traces"][key] = summary
+                            print(f"trace {key}:", flush=True)
+                            for what, v in summary.items():
+                                print(f"  {what:<16} {json.dumps(v)}", flush=True)
+                for name, ts in times.items():
+                    us = statistics.median(ts)
+                    print(f"cl {str(shape):<20}{str(td):<16}per_sm={per_sm} {name:<14}{us:8.2f} us"
+                          f"  copy {copy_us:6.2f} us ({100 * copy_us / us:5.1f}%)  rounds "
+                          f"{[round(t, 2) for t in ts]}", flush=True)
+                    res["rows"].append(dict(shape=list(shape), dtype=str(td), layout="nhwc",
+                                            per_sm=per_sm, variant=name, us=us, copy_us=copy_us,
+                                            rounds=ts))
+    finally:
+        GN.RESIDENT_KERNELS, GN.force_path, GN.nhwc_resident_per_sm = saved
+        GN._plans.clear()
+
+
 def variant_module(name, options) -> KernelModule:
     base = GN.RESIDENT_MODULE
     return KernelModule(f"{base.name}_{name}", base.source, dict(base.kernels), options=options)
@@ -51,10 +132,17 @@ def variant_module(name, options) -> KernelModule:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--nhwc", action="store_true", help="group_norm_nhwc_resident instead")
     args = ap.parse_args()
     mods = {name: variant_module(name, opts) for name, opts in VARIANTS.items()}
-    saved = GN.RESIDENT_KERNELS, GN.force_path
     res = dict(rows=[], traces={})
+    if args.nhwc:
+        nhwc_main(mods, res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    saved = GN.RESIDENT_KERNELS, GN.force_path
     GN.force_path = "resident"
     try:
         for shape, td in SHAPES:

@@ -110,8 +110,8 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 //           then the squared deviations from the run's group means (from shared memory);
 //   publish each group's (mean, M2) of the run as ring2's self-validating words
 //           (norms/norm_ring.cuh);
-//   gather  a warp per group merges the sample's `chunks` words in chunk order (ring2_row_acc:
-//           every block gets the same bits);
+//   gather  the sample's `chunks` words of each group merged in chunk order by a few lanes and
+//           a butterfly between them (every block gets the same bits);
 //   apply   y = act((x - mean) * (rstd * w[c]) + b[c]) from shared memory, stored once.
 // DRAM sees x read once and y written once (in place is fine: a block writes only the rows it
 // read). Forward progress: every block publishes before it waits, and all blocks are resident at
@@ -124,19 +124,57 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 // final (mean, rstd) [2 groups], channel sums [C], per-phase channel sums [phases * C] (rounded up
 // to 16 bytes), then chunk_rows * U 16-byte units.
 
-// ring2_row_acc's policy for the words of one (sample, group): a chunk's count is its rows * cg.
-struct NhwcGroupWords {
-  static constexpr int kWords = 2, kVec = 1;
-  using Acc = MeanM2;
-  float cg;
-  __device__ __forceinline__ static Acc acc_zero() { return MeanM2{0.0f, 0.0f, 0.0f}; }
-  __device__ __forceinline__ Acc acc_add(const Acc& a, const float (&v)[2], float rows) const {
-    return welford_merge(a, MeanM2{rows * cg, v[0], v[1]});
-  }
-  __device__ __forceinline__ static Acc acc_warp(const Acc& a) { return warp_welford(a); }
-};
-
 constexpr int kNhwcResidentThreads = 512;
+constexpr int kNhwcGatherBatch = 4;        // chunks per lane per poll round trip
+
+// One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
+// published (mean, M2) words `gw` (chunk c at gw[2 c], gw[2 c + 1]), merged in chunk order.
+// The words of kNhwcGatherBatch chunks are loaded at once and every stale one is re-read
+// together, so a poll costs one L2 round trip, not one per word (ring2_row_acc, which re-polls
+// its words one at a time and runs a warp per group, was this kernel's first gather: run 145
+// measured 16 us at [2, 64, 64, 320] bf16 against a model of 5.5-7).
+__device__ __forceinline__ MeanM2 nhwc_gather_lane(const unsigned long long* gw, int chunks,
+                                                   int first, int step, unsigned tag,
+                                                   int chunk_rows, int hw, float cg) {
+  constexpr int B = kNhwcGatherBatch;
+  const unsigned long long here = static_cast<unsigned long long>(tag) << 32;
+  MeanM2 acc = {0.0f, 0.0f, 0.0f};
+  for (int c0 = first; c0 < chunks; c0 += B * step) {
+    unsigned long long wd[B][2];
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = c0 + i * step;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) wd[i][k] = c < chunks ? load_word_relaxed(gw + 2 * c + k) : here;
+    }
+    for (;;) {
+      bool stale = false;
+#pragma unroll
+      for (int i = 0; i < B; ++i)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) stale |= static_cast<unsigned>(wd[i][k] >> 32) != tag;
+      if (!stale) break;
+      poll_pause();
+#pragma unroll
+      for (int i = 0; i < B; ++i)
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+          if (static_cast<unsigned>(wd[i][k] >> 32) != tag)
+            wd[i][k] = load_word_relaxed(gw + 2 * (c0 + i * step) + k);
+    }
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = c0 + i * step;
+      if (c < chunks) {
+        const float rows = static_cast<float>(min(chunk_rows, hw - c * chunk_rows));
+        acc = welford_merge(acc, MeanM2{rows * cg, __uint_as_float(static_cast<unsigned>(wd[i][0])),
+                                        __uint_as_float(static_cast<unsigned>(wd[i][1]))});
+      }
+    }
+  }
+  return acc;
+}
+
 
 // The run's per-channel sums of this thread's VEC channels (s), reduced over the row phases and
 // then over each group's channels: group_out[g] = scale * sum (warp per group). Contains
@@ -196,6 +234,7 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
   const unsigned tag = load_relaxed(state) + 1u;
 
+  RESIDENT_MARK(0);   // (stamps: -DGPUOPS_RESIDENT_TRACE, experiments only)
   // copy: every unit of this thread in flight, one commit group each
   int mine = 0;
   if (active) {
@@ -204,6 +243,7 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
       copy_async_commit();
     }
   }
+  RESIDENT_MARK(1);
   // stats, pass 1: channel sums as the units land
   float s[VEC];
 #pragma unroll
@@ -215,9 +255,11 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
 #pragma unroll
     for (int j = 0; j < VEC; ++j) s[j] += f[j];
   }
+  RESIDENT_MARK(2);
   const float inv_count = 1.0f / static_cast<float>(rows * cg);
   nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, inv_count,
                        run_mean);
+  RESIDENT_MARK(3);
   // pass 2: squared deviations from the run's group means
   float m[VEC];
 #pragma unroll
@@ -236,6 +278,7 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   }
   nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, 1.0f, fin);
 
+  RESIDENT_MARK(4);
   // publish (fin holds the run's M2 per group here; the gather overwrites it below)
   for (int g = tid; g < groups; g += blockDim.x) {
     unsigned long long* dst = words + ((static_cast<long long>(n) * groups + g) * chunks + p) * 2;
@@ -244,18 +287,33 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   }
   __syncthreads();
 
-  // gather: a warp per group
-  const NhwcGroupWords pol{static_cast<float>(cg)};
-  for (int g = tid >> 5; g < groups; g += blockDim.x >> 5) {
-    const MeanM2 a = ring2_row_acc<4>(
-        pol, words + (static_cast<long long>(n) * groups + g) * chunks * 2, chunks, tag,
-        chunk_rows, hw);
-    if ((tid & 31) == 0) {
+  RESIDENT_MARK(5);
+  // gather: L lanes per group (a power of two, as many as the block has for every group at once),
+  // each lane's chunks merged in chunk order, then a butterfly over the L lanes (welford_merge is
+  // symmetric in its arguments: every lane, warp and block gets the same bits)
+  int lanes = 32;
+  while (lanes > 1 && static_cast<int>(blockDim.x) / lanes < groups) lanes >>= 1;
+  const int slots = static_cast<int>(blockDim.x) / lanes;
+  for (int g0 = 0; g0 < groups; g0 += slots) {
+    const int g = g0 + tid / lanes;
+    MeanM2 a = {0.0f, 0.0f, 0.0f};
+    if (g < groups)
+      a = nhwc_gather_lane(words + (static_cast<long long>(n) * groups + g) * chunks * 2, chunks,
+                           tid % lanes, lanes, tag, chunk_rows, hw, static_cast<float>(cg));
+    for (int off = lanes / 2; off > 0; off >>= 1) {
+      MeanM2 o;
+      o.n = __shfl_xor_sync(0xffffffffu, a.n, off);
+      o.mean = __shfl_xor_sync(0xffffffffu, a.mean, off);
+      o.m2 = __shfl_xor_sync(0xffffffffu, a.m2, off);
+      a = welford_merge(a, o);
+    }
+    if (g < groups && tid % lanes == 0) {
       fin[2 * g] = a.mean;
       fin[2 * g + 1] = 1.0f / sqrtf(a.m2 / a.n + eps);   // correctly rounded, as group_norm.cu
     }
   }
   __syncthreads();
+  RESIDENT_MARK(6);
 
   // apply
   if (active) {
@@ -280,7 +338,9 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
       R::store(dst + static_cast<long long>(i) * VEC, R::pack(f));
     }
   }
+  RESIDENT_MARK(7);
   ring2_epoch_end(state, tag);
+  RESIDENT_MARK(8);
 }
 
 }  // namespace gpuops

@@ -768,7 +768,7 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     vec = 16 // d.itemsize
     # (auto takes the resident kernel only where it copies asynchronously: built for sm_80+)
     if spread and aligned and c % vec == 0 and (force_path == "nhwc_resident" or (
-            force_path is None and AUTO_NHWC_RESIDENT and AUTO_RULE == 4
+            force_path is None and AUTO_NHWC_RESIDENT and AUTO_RULE == 4 and not AUTO_SPREAD
             and _norms.copies_async(RESIDENT_MODULE, dev))):
         run = _nhwc_resident_launcher(dev, d, n, c, hw, g, act)
         if run is not None:

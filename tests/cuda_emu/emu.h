@@ -84,6 +84,11 @@ inline void fail(const char* msg) {
   if (failed.exchange(1) == 0) std::strncpy(fail_msg, msg, sizeof(fail_msg) - 1);
 }
 inline int concurrent = 0;
+// concurrent only: each pass holds back each block with this probability (percent), so blocks
+// fall behind each other by several barriers (without it, every block advances one barrier per
+// pass and a poll never finds a word that another block has yet to publish); a pass that makes no
+// progress is retried with no block held before it counts as a deadlock.
+inline int straggle = 0;
 inline unsigned long long rng_state = 1;
 inline unsigned long long next_random() {     // splitmix64
   unsigned long long z = (rng_state += 0x9e3779b97f4a7c15ull);
@@ -361,15 +366,27 @@ inline bool run_blocks(dim3 grid, int first, int nblocks, int n, dim3 blk) {
   }
   std::vector<size_t> order(total);
   for (size_t i = 0; i < total; ++i) order[i] = i;
+  std::vector<char> held(nblocks, 0);
+  bool stalled = false;
   for (size_t left = total; left > 0;) {
     const unsigned long long before = progress;
     if (concurrent) {                  // a fresh random order each pass
       for (size_t i = total - 1; i > 0; --i) std::swap(order[i], order[next_random() % (i + 1)]);
     }
+    bool any_held = false;
+    for (int bi = 0; bi < nblocks; ++bi) {
+      held[bi] = concurrent && straggle > 0 && !stalled &&
+                 static_cast<int>(next_random() % 100) < straggle;
+      any_held |= held[bi] != 0;
+    }
     left = 0;
     for (size_t oi = 0; oi < total; ++oi) {
       Fiber& f = fibers[order[oi]];
       if (f.done) continue;
+      if (held[order[oi] / n]) {
+        ++left;
+        continue;
+      }
       current = &f;
       current_block = f.block;
       linear = f.linear;
@@ -387,7 +404,12 @@ inline bool run_blocks(dim3 grid, int first, int nblocks, int n, dim3 blk) {
       if (!f.done) ++left;
       else ++progress;
     }
-    if (left > 0 && progress == before) return false;
+    if (left > 0 && progress == before) {
+      if (!any_held) return false;
+      stalled = true;                  // (retried with no block held)
+      continue;
+    }
+    stalled = false;
   }
   return true;
 }
