@@ -1117,21 +1117,23 @@ def test_nhwc_resident_statistics_are_stable_and_nan_stays_in_its_group(monkeypa
 
 
 def test_nhwc_resident_plan_and_routes(monkeypatch):
-    """The bench's channels-last shape on 132 SMs of 227 KiB: 2 blocks per SM (128 runs of 32 rows
-    per sample), 1 where only one fits, none where 8 x 42 MB does not fit; auto takes it for
+    """The bench's channels-last shape on 132 SMs of 227 KiB: one block per SM (66 runs of 63 rows
+    per sample), 2 when asked (128 runs of 32), none where that does not fit or 8 x 42 MB does
+    not fit at all; auto takes it for
     aligned channels-last inputs where it fits and the module copies asynchronously (sm_80+), and
     AUTO_NHWC_RESIDENT = False keeps rule 4's channels-last choice."""
     two, one = (lambda smem: 2 if smem <= 113 * 1024 else 1), (lambda smem: 1)
     plan = GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, two, 227 * 1024)
-    assert plan[:2] == (128, 32) and plan[2] == GN.nhwc_resident_smem(320, 32, 8, 2, 32)
-    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, one, 227 * 1024)[:2] == (66, 63)
-    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 4, 4, 132, two, 227 * 1024, 1)[:2] == (66, 63)
+    assert plan[:2] == (66, 63) and plan[2] == GN.nhwc_resident_smem(320, 32, 8, 2, 63)
+    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, two, 227 * 1024, 2)[:2] == (128, 32)
+    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, one, 227 * 1024, 2) is None
+    assert GN.plan_nhwc_resident(2, 4096, 320, 32, 4, 4, 132, one, 227 * 1024)[:2] == (66, 63)
     assert GN.plan_nhwc_resident(8, 4096, 640, 32, 8, 2, 132, two, 227 * 1024) is None
     assert GN.plan_nhwc_resident(2, 4096, 8192, 32, 8, 2, 132, two, 227 * 1024) is None  # C/VEC
     assert GN.plan_nhwc_resident(300, 16, 64, 32, 8, 2, 132, two, 227 * 1024) is None   # N > grid
     for n, hw, c in [(1, 7, 16), (3, 4096, 320), (2, 1000, 64), (5, 33, 128)]:
-        chunks, rows, smem = GN.plan_nhwc_resident(n, hw, c, 4, 8, 2, 132, two, 227 * 1024)
-        assert chunks * rows >= hw > (chunks - 1) * rows and n * chunks <= 2 * 132
+        chunks, rows, smem = GN.plan_nhwc_resident(n, hw, c, 4, 8, 2, 132, one, 227 * 1024)
+        assert chunks * rows >= hw > (chunks - 1) * rows and n * chunks <= 132
     se = ResidentEmu(monkeypatch, sms=132)
     monkeypatch.setattr(GN._norms, "_resident_per_sm",
                         lambda kernel, threads, smem: two(smem) if smem <= 227 * 1024 else 0)
@@ -1360,8 +1362,7 @@ def test_gpu_resident_kernel(dtype, force, monkeypatch):
 def test_gpu_nhwc_resident_kernel(dtype, force, monkeypatch):
     """group_norm_nhwc_resident forced on torch channels_last tensors: the bench's channels-last
     shape (bf16 / fp32 fit on an H100; [8, 640, 64, 64] does not and takes auto's plan), shapes with
-    a ragged last run, groups across 16-byte columns, one column, 3 spatial dims; 1 and 2 blocks per
-    SM; silu on and off, weight / bias absent, outputs poisoned with NaN, in place; then a CUDA
+    a ragged last run, groups across 16-byte columns, one column, 3 spatial dims; silu on and off, weight / bias absent, outputs poisoned with NaN, in place; then a CUDA
     graph replayed on new data (each replay a new epoch of the ring2 state's words)."""
     force("nhwc_resident")
     monkeypatch.setattr(GN, "_plans", {})
@@ -1384,26 +1385,23 @@ def test_gpu_nhwc_resident_kernel(dtype, force, monkeypatch):
         x = _randn(shape, dtype).contiguous(memory_format=fmt)
         c = shape[1]
         w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
-        for per_sm in (None, 1):
-            monkeypatch.setattr(GN, "nhwc_resident_per_sm", per_sm)
-            made.clear()
-            for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
-                out = torch.full_like(x, float("nan"))
-                y = go.group_norm(x, groups, *wb, activation=act, out=out)
-                assert y is out and y.is_contiguous(memory_format=fmt)
-                ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
-                                                             for t in wb), 1e-5, act)
-                assert_close(_host(y), ref, dtype, f"{shape} G={groups} act={act} {per_sm}")
-            assert made and len(set(made)) == 1, made
-            if x.numel() * x.element_size() <= 1 << 20:
-                assert made[0], shape                      # (small: on chip on any GPU)
-            elif big and per_sm is None:                   # (an H100: 30+ MB of shared memory)
-                assert made[0] == (x.numel() * x.element_size() <= 24 << 20), shape
+        made.clear()
+        for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
+            out = torch.full_like(x, float("nan"))
+            y = go.group_norm(x, groups, *wb, activation=act, out=out)
+            assert y is out and y.is_contiguous(memory_format=fmt)
+            ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
+                                                         for t in wb), 1e-5, act)
+            assert_close(_host(y), ref, dtype, f"{shape} G={groups} act={act}")
+        assert made and len(set(made)) == 1, made
+        if x.numel() * x.element_size() <= 1 << 20:
+            assert made[0], shape                          # (small: on chip on any GPU)
+        elif big:                                          # (an H100: 29 MB of shared memory)
+            assert made[0] == (x.numel() * x.element_size() <= 24 << 20), shape
         ref = GN.ref_group_norm(_host(x), groups, activation="silu")
         y = go.group_norm(x, groups, activation="silu", out=x)          # in place
         assert y is x
         assert_close(_host(x), ref, dtype, f"in place {shape}")
-    monkeypatch.setattr(GN, "nhwc_resident_per_sm", None)
     shape = (2, 320, 64, 64)
     x = _randn(shape, dtype).contiguous(memory_format=torch.channels_last)
     go.group_norm(x, 32, activation="silu")                 # (warm-up outside the capture)

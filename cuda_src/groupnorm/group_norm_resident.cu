@@ -105,13 +105,16 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 // contiguous 16-byte streams, where the channels-last spread / two-pass kernels read slabs of a
 // group's few channels, 80 bytes of each 640-byte row at [2, 64, 64, 320] bf16). Block (n, p):
 //   copy    its run into shared memory, every copy in flight at once (per-thread cp.async, one
-//           commit group per unit; plain loads and stores below sm_80);
+//           commit group per unit; plain loads and stores below sm_80); w and b into shared
+//           memory meanwhile;
 //   stats   exact two-pass statistics of the run per group: channel sums while the copies land,
 //           then the squared deviations from the run's group means (from shared memory);
-//   publish each group's (mean, M2) of the run as ring2's self-validating words
-//           (norms/norm_ring.cuh);
-//   gather  the sample's `chunks` words of each group merged in chunk order by a few lanes and
-//           a butterfly between them (every block gets the same bits);
+//   publish each group's (mean, M2) of the run, then (after a barrier and a fence, as a grid
+//           barrier does) the run's flag: a 64-bit word tagged with this launch's epoch (ring2's
+//           tags, norms/norm_ring.cuh);
+//   gather  one warp polls the sample's `chunks` flags; then each group's (mean, M2) pairs are
+//           merged in chunk order by a few lanes and a butterfly between them (every block gets
+//           the same bits);
 //   apply   y = act((x - mean) * (rstd * w[c]) + b[c]) from shared memory, stored once.
 // DRAM sees x read once and y written once (in place is fine: a block writes only the rows it
 // read). Forward progress: every block publishes before it waits, and all blocks are resident at
@@ -119,74 +122,37 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 // 16-byte columns, phases = blockDim.x / U) owns column t % U of rows t / U, t / U + phases, ...:
 // its units of the run are t, t + active, t + 2 active, ... (active = phases * U), so the
 // channels it sums and normalizes are fixed, and it reads back only what it copied.
+// Run 145's first version (a warp per group, each lane re-polling its stale tagged pairs one at
+// a time, every thread of every block polling) took 15-16 us at [2, 64, 64, 320] against a model
+// of 5.5-7; run 146's stamps put 5 us in that gather and ~4 us in instruction-bound statistics
+// (per-thread divisions and w / b loads, 8-way conflicted shared-memory stores): hence the flags,
+// one polling warp, the per-channel tables and the vector stores below.
 //
-// Dynamic shared memory (floats, then the run; the host's nhwc_resident_smem): run means [groups],
-// final (mean, rstd) [2 groups], channel sums [C], per-phase channel sums [phases * C] (rounded up
-// to 16 bytes), then chunk_rows * U 16-byte units.
+// Dynamic shared memory (the host's nhwc_resident_smem), floats: channel sums [C], per-channel
+// tables mu [C] (the run's group means, then the sample's), scale [C] (w, then rstd * w), shift
+// [C] (b), per-phase channel sums [phases * C], run means [groups], per-group pairs [2 groups];
+// rounded up to 16 bytes; then the run: chunk_rows * U 16-byte units.
+// State (gpuops/ops/norms.py ring2_state): after ring2's header, the flags (N * chunks words),
+// then the pairs (N * groups * chunks (mean, M2) floats, pair ((n * groups + g) * chunks + p)).
 
 constexpr int kNhwcResidentThreads = 512;
-constexpr int kNhwcGatherBatch = 4;        // chunks per lane per poll round trip
+constexpr int kNhwcGatherBatch = 8;        // chunks per lane loaded at once
+constexpr int kNhwcFlagBatch = 4;          // flags per lane of the polling warp per round trip
 
-// One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
-// published (mean, M2) words `gw` (chunk c at gw[2 c], gw[2 c + 1]), merged in chunk order.
-// The words of kNhwcGatherBatch chunks are loaded at once and every stale one is re-read
-// together, so a poll costs one L2 round trip, not one per word (ring2_row_acc, which re-polls
-// its words one at a time and runs a warp per group, was this kernel's first gather: run 145
-// measured 16 us at [2, 64, 64, 320] bf16 against a model of 5.5-7).
-__device__ __forceinline__ MeanM2 nhwc_gather_lane(const unsigned long long* gw, int chunks,
-                                                   int first, int step, unsigned tag,
-                                                   int chunk_rows, int hw, float cg) {
-  constexpr int B = kNhwcGatherBatch;
-  const unsigned long long here = static_cast<unsigned long long>(tag) << 32;
-  MeanM2 acc = {0.0f, 0.0f, 0.0f};
-  for (int c0 = first; c0 < chunks; c0 += B * step) {
-    unsigned long long wd[B][2];
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      const int c = c0 + i * step;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) wd[i][k] = c < chunks ? load_word_relaxed(gw + 2 * c + k) : here;
-    }
-    for (;;) {
-      bool stale = false;
-#pragma unroll
-      for (int i = 0; i < B; ++i)
-#pragma unroll
-        for (int k = 0; k < 2; ++k) stale |= static_cast<unsigned>(wd[i][k] >> 32) != tag;
-      if (!stale) break;
-      poll_pause();
-#pragma unroll
-      for (int i = 0; i < B; ++i)
-#pragma unroll
-        for (int k = 0; k < 2; ++k)
-          if (static_cast<unsigned>(wd[i][k] >> 32) != tag)
-            wd[i][k] = load_word_relaxed(gw + 2 * (c0 + i * step) + k);
-    }
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      const int c = c0 + i * step;
-      if (c < chunks) {
-        const float rows = static_cast<float>(min(chunk_rows, hw - c * chunk_rows));
-        acc = welford_merge(acc, MeanM2{rows * cg, __uint_as_float(static_cast<unsigned>(wd[i][0])),
-                                        __uint_as_float(static_cast<unsigned>(wd[i][1]))});
-      }
-    }
-  }
-  return acc;
-}
-
-
-// The run's per-channel sums of this thread's VEC channels (s), reduced over the row phases and
-// then over each group's channels: group_out[g] = scale * sum (warp per group). Contains
+// The run's sums of this thread's VEC channels (s), reduced over the row phases (vector stores:
+// VEC consecutive floats per thread) and then over each group's channels by a warp per group:
+// group_out[g] = scale * sum; chan_out (if given) [c] = group_out[c / cg]. Contains
 // __syncthreads (before and after).
 template <int VEC>
 __device__ __forceinline__ void nhwc_group_sums(const float (&s)[VEC], bool active, int col,
                                                 int phase, int C, int phases, int groups, int cg,
                                                 float* phase_sums, float* chan, float scale,
-                                                float* group_out) {
+                                                float* group_out, float* chan_out) {
   if (active) {
+    float4* dst = reinterpret_cast<float4*>(phase_sums + phase * C + col * VEC);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) phase_sums[phase * C + col * VEC + j] = s[j];
+    for (int q = 0; q < VEC / 4; ++q)
+      dst[q] = make_float4(s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3]);
   }
   __syncthreads();
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
@@ -203,13 +169,94 @@ __device__ __forceinline__ void nhwc_group_sums(const float (&s)[VEC], bool acti
     if (lane == 0) group_out[g] = v * scale;
   }
   __syncthreads();
+  if (chan_out != nullptr) {
+    for (int c = threadIdx.x; c < C; c += blockDim.x) chan_out[c] = group_out[c / cg];
+    __syncthreads();
+  }
+}
+
+// This thread's VEC consecutive floats of a per-channel table (16-byte aligned).
+template <int VEC>
+__device__ __forceinline__ void nhwc_table(const float* table, int col, float (&v)[VEC]) {
+  const float4* src = reinterpret_cast<const float4*>(table + col * VEC);
+#pragma unroll
+  for (int q = 0; q < VEC / 4; ++q) {
+    const float4 t = src[q];
+    v[4 * q] = t.x;
+    v[4 * q + 1] = t.y;
+    v[4 * q + 2] = t.z;
+    v[4 * q + 3] = t.w;
+  }
+}
+
+// Waits until every run of the sample has published (its flag carries this launch's tag), then
+// fences (as a grid barrier's waiting thread does): called by one warp, kNhwcFlagBatch flags per
+// lane loaded at once and every stale one re-read together, so a poll is one L2 round trip.
+__device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags, int chunks,
+                                                unsigned tag) {
+  constexpr int B = kNhwcFlagBatch;
+  const int lane = threadIdx.x & 31;
+  for (int c0 = 0; c0 < chunks; c0 += 32 * B) {
+    bool stale[B];
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = c0 + 32 * i + lane;
+      stale[i] = c < chunks &&
+                 static_cast<unsigned>(load_word_relaxed(flags + c) >> 32) != tag;
+    }
+    for (;;) {
+      bool any = false;
+#pragma unroll
+      for (int i = 0; i < B; ++i) any |= stale[i];
+      if (!any) break;
+      poll_pause();
+#pragma unroll
+      for (int i = 0; i < B; ++i)
+        if (stale[i])
+          stale[i] = static_cast<unsigned>(load_word_relaxed(flags + c0 + 32 * i + lane) >> 32) !=
+                     tag;
+    }
+  }
+  __threadfence();
+}
+
+// One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
+// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; read through L2), merged in chunk
+// order, kNhwcGatherBatch chunks' loads issued at once.
+__device__ __forceinline__ MeanM2 nhwc_gather_lane(const float* pairs, int chunks, int first,
+                                                   int step, int chunk_rows, int hw, float cg) {
+  constexpr int B = kNhwcGatherBatch;
+  MeanM2 acc = {0.0f, 0.0f, 0.0f};
+  for (int c0 = first; c0 < chunks; c0 += B * step) {
+    float v[B][2];
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = c0 + i * step;
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+        v[i][k] = c < chunks ? __uint_as_float(load_relaxed(
+                                   reinterpret_cast<const unsigned*>(pairs + 2 * c + k)))
+                             : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = c0 + i * step;
+      if (c < chunks) {
+        const float rows = static_cast<float>(min(chunk_rows, hw - c * chunk_rows));
+        acc = welford_merge(acc, MeanM2{rows * cg, v[i][0], v[i][1]});
+      }
+    }
+  }
+  return acc;
 }
 
 // x, y: contiguous [N, hw, C] (16-byte aligned, C % VEC == 0); grid N * chunks blocks of
-// kNhwcResidentThreads, all resident at once; state: the per-stream ring2 state
-// (gpuops/ops/norms.py ring2_state) with room for N * groups * chunks * 2 words.
+// kNhwcResidentThreads, all resident at once; state: the per-stream ring2 state with room for
+// N * chunks + N * groups * chunks 64-bit words.
+// (One block per SM: runs 145-146 measured two per SM slower at every shape, and at the
+// 64 registers two would allow, this kernel spills.)
 template <class T>
-__global__ void __launch_bounds__(kNhwcResidentThreads, GPUOPS_RING_MIN_BLOCKS)
+__global__ void __launch_bounds__(kNhwcResidentThreads, 1)
 group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __restrict__ b,
                          unsigned* state, int hw, int C, int groups, int cg, int chunks,
                          int chunk_rows, float eps, int act) {
@@ -225,13 +272,17 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   const int units = rows * U;
   const long long base = (static_cast<long long>(n) * hw + row0) * C;
 
-  float* run_mean = reinterpret_cast<float*>(nhwc_smem);
-  float* fin = run_mean + groups;
-  float* chan = fin + 2 * groups;
-  float* phase_sums = chan + C;
-  Raw* run = reinterpret_cast<Raw*>(nhwc_smem) + (3 * groups + C + phases * C + 3) / 4;
+  float* chan = reinterpret_cast<float*>(nhwc_smem);
+  float* cmu = chan + C;
+  float* csc = cmu + C;
+  float* csh = csc + C;
+  float* phase_sums = csh + C;
+  float* run_mean = phase_sums + phases * C;
+  float* grp = run_mean + groups;
+  Raw* run = reinterpret_cast<Raw*>(nhwc_smem) + (4 * C + phases * C + 3 * groups + 3) / 4;
 
-  unsigned long long* words = reinterpret_cast<unsigned long long*>(state + 4);
+  unsigned long long* flags = reinterpret_cast<unsigned long long*>(state + 4);
+  float* pairs = reinterpret_cast<float*>(flags + static_cast<long long>(gridDim.x));
   const unsigned tag = load_relaxed(state) + 1u;
 
   RESIDENT_MARK(0);   // (stamps: -DGPUOPS_RESIDENT_TRACE, experiments only)
@@ -242,6 +293,10 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
       copy16_to_shared(run + i, x + base + static_cast<long long>(i) * VEC);
       copy_async_commit();
     }
+  }
+  for (int c = tid; c < C; c += blockDim.x) {     // (read by the apply's table, after barriers)
+    csc[c] = w != nullptr ? to_float(w[c]) : 1.0f;
+    csh[c] = b != nullptr ? to_float(b[c]) : 0.0f;
   }
   RESIDENT_MARK(1);
   // stats, pass 1: channel sums as the units land
@@ -258,36 +313,44 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   RESIDENT_MARK(2);
   const float inv_count = 1.0f / static_cast<float>(rows * cg);
   nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, inv_count,
-                       run_mean);
+                       run_mean, cmu);
   RESIDENT_MARK(3);
   // pass 2: squared deviations from the run's group means
-  float m[VEC];
+  if (active) {
+    float m[VEC];
+    nhwc_table<VEC>(cmu, col, m);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    m[j] = active ? run_mean[(col * VEC + j) / cg] : 0.0f;
-    s[j] = 0.0f;
-  }
-  for (int k = 0; k < mine; ++k) {
-    float f[VEC];
-    R::unpack(run[tid + k * active_threads], f);
+    for (int j = 0; j < VEC; ++j) s[j] = 0.0f;
+    for (int k = 0; k < mine; ++k) {
+      float f[VEC];
+      R::unpack(run[tid + k * active_threads], f);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float d = f[j] - m[j];
-      s[j] = fmaf(d, d, s[j]);
+      for (int j = 0; j < VEC; ++j) {
+        const float d = f[j] - m[j];
+        s[j] = fmaf(d, d, s[j]);
+      }
     }
   }
-  nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, 1.0f, fin);
-
+  nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, 1.0f, grp,
+                       nullptr);
   RESIDENT_MARK(4);
-  // publish (fin holds the run's M2 per group here; the gather overwrites it below)
+
+  // publish: the pairs, then the run's flag
   for (int g = tid; g < groups; g += blockDim.x) {
-    unsigned long long* dst = words + ((static_cast<long long>(n) * groups + g) * chunks + p) * 2;
-    store_word_relaxed(dst, ring_word(run_mean[g], tag));
-    store_word_relaxed(dst + 1, ring_word(fin[g], tag));
+    unsigned* dst = reinterpret_cast<unsigned*>(
+        pairs + ((static_cast<long long>(n) * groups + g) * chunks + p) * 2);
+    store_relaxed(dst, __float_as_uint(run_mean[g]));
+    store_relaxed(dst + 1, __float_as_uint(grp[g]));
   }
   __syncthreads();
-
+  if (tid == 0) {
+    __threadfence();
+    store_word_relaxed(flags + blockIdx.x, ring_word(0.0f, tag));
+  }
   RESIDENT_MARK(5);
+  if (tid < 32) nhwc_wait_flags(flags + static_cast<long long>(n) * chunks, chunks, tag);
+  __syncthreads();
+
   // gather: L lanes per group (a power of two, as many as the block has for every group at once),
   // each lane's chunks merged in chunk order, then a butterfly over the L lanes (welford_merge is
   // symmetric in its arguments: every lane, warp and block gets the same bits)
@@ -298,8 +361,8 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     const int g = g0 + tid / lanes;
     MeanM2 a = {0.0f, 0.0f, 0.0f};
     if (g < groups)
-      a = nhwc_gather_lane(words + (static_cast<long long>(n) * groups + g) * chunks * 2, chunks,
-                           tid % lanes, lanes, tag, chunk_rows, hw, static_cast<float>(cg));
+      a = nhwc_gather_lane(pairs + (static_cast<long long>(n) * groups + g) * chunks * 2, chunks,
+                           tid % lanes, lanes, chunk_rows, hw, static_cast<float>(cg));
     for (int off = lanes / 2; off > 0; off >>= 1) {
       MeanM2 o;
       o.n = __shfl_xor_sync(0xffffffffu, a.n, off);
@@ -308,9 +371,15 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
       a = welford_merge(a, o);
     }
     if (g < groups && tid % lanes == 0) {
-      fin[2 * g] = a.mean;
-      fin[2 * g + 1] = 1.0f / sqrtf(a.m2 / a.n + eps);   // correctly rounded, as group_norm.cu
+      grp[2 * g] = a.mean;
+      grp[2 * g + 1] = 1.0f / sqrtf(a.m2 / a.n + eps);   // correctly rounded, as group_norm.cu
     }
+  }
+  __syncthreads();
+  for (int c = tid; c < C; c += blockDim.x) {
+    const int g = c / cg;
+    cmu[c] = grp[2 * g];
+    csc[c] *= grp[2 * g + 1];
   }
   __syncthreads();
   RESIDENT_MARK(6);
@@ -318,13 +387,9 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   // apply
   if (active) {
     float mu[VEC], sc[VEC], sh[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const int c = col * VEC + j, g = c / cg;
-      mu[j] = fin[2 * g];
-      sc[j] = w != nullptr ? fin[2 * g + 1] * to_float(w[c]) : fin[2 * g + 1];
-      sh[j] = b != nullptr ? to_float(b[c]) : 0.0f;
-    }
+    nhwc_table<VEC>(cmu, col, mu);
+    nhwc_table<VEC>(csc, col, sc);
+    nhwc_table<VEC>(csh, col, sh);
     T* dst = y + base;
     for (int k = 0; k < mine; ++k) {
       const int i = tid + k * active_threads;

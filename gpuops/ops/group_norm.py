@@ -146,8 +146,9 @@ AUTO_RESIDENT = False
 # each sample cut into runs of whole rows over a grid of resident blocks, x read once into shared
 # memory, the groups' statistics exchanged between blocks, y written once): auto takes it where it
 # fits and its kernels copy asynchronously (sm_80+); False keeps rule 4's channels-last choice
-# (A/B). force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm sets its blocks per
-# SM (None: 2 where they fit, else 1).
+# (A/B). force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm asks for more blocks
+# per SM than its 1 (runs 145-146: 2 per SM slower everywhere; the kernel is now compiled for one
+# 512-thread block per SM, 72-80 registers on sm_80+, so the occupancy calculator refuses 2).
 AUTO_NHWC_RESIDENT = True
 nhwc_resident_per_sm: int | None = None
 NHWC_RESIDENT_THREADS = 512         # kNhwcResidentThreads
@@ -422,11 +423,11 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
 
 def nhwc_resident_smem(c: int, g: int, vec: int, itemsize: int, chunk_rows: int,
                        threads: int = NHWC_RESIDENT_THREADS) -> int:
-    """Dynamic shared memory of a group_norm_nhwc_resident block (the kernel's layout: run means,
-    final statistics, channel sums and per-phase channel sums as floats, rounded up to 16 bytes,
-    then the run of chunk_rows rows)."""
+    """Dynamic shared memory of a group_norm_nhwc_resident block (the kernel's layout: channel
+    sums, three per-channel tables, per-phase channel sums, run means and per-group pairs as
+    floats, rounded up to 16 bytes, then the run of chunk_rows rows)."""
     phases = threads // (c // vec)
-    return 16 * _cdiv(3 * g + c + phases * c, 4) + chunk_rows * c * itemsize
+    return 16 * _cdiv(4 * c + phases * c + 3 * g, 4) + chunk_rows * c * itemsize
 
 
 def plan_nhwc_resident(n: int, hw: int, c: int, g: int, vec: int, itemsize: int, sms: int,
@@ -434,12 +435,12 @@ def plan_nhwc_resident(n: int, hw: int, c: int, g: int, vec: int, itemsize: int,
     """(chunks, chunk_rows, smem) of group_norm_nhwc_resident for [n, hw, c], or None where the
     input does not fit the grid's shared memory: every sample cut into `chunks` runs of
     `chunk_rows` whole rows (the last may be shorter), n * chunks blocks all resident at once,
-    `residency` blocks per SM (None: 2 where they fit, else 1). per_sm(smem): the occupancy
-    calculator's blocks per SM of NHWC_RESIDENT_THREADS threads with that shared memory."""
+    `residency` blocks per SM (None: 1). per_sm(smem): the occupancy calculator's blocks per SM of
+    NHWC_RESIDENT_THREADS threads with that shared memory."""
     units = c // vec
     if units > NHWC_RESIDENT_THREADS or c % vec or hw < 1 or n < 1:
         return None
-    for res in ((residency,) if residency else (2, 1)):
+    for res in ((residency,) if residency else (1,)):
         chunks = min(hw, sms * res // n)
         if chunks < 1:
             continue
@@ -715,7 +716,7 @@ def _nhwc_resident_launcher(dev, d, n, c, hw, g, act):
     chunks, chunk_rows, smem = plan
     grid, block = (n * chunks, 1, 1), (NHWC_RESIDENT_THREADS, 1, 1)
     tail = (hw, c, g, c // g, chunks, chunk_rows)
-    words = n * g * chunks * 2
+    words = n * chunks + n * g * chunks              # the runs' flags, then their (mean, M2) pairs
 
     def run_nhwc_resident(call, x, w, b, y, eps):
         state = _norms.ring2_state(call, words)
