@@ -107,11 +107,12 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 //   copy    its run into shared memory, every copy in flight at once (per-thread cp.async, one
 //           commit group per unit; plain loads and stores below sm_80); w and b into shared
 //           memory meanwhile;
-//   stats   exact two-pass statistics of the run per group: channel sums while the copies land,
-//           then the squared deviations from the run's group means (from shared memory);
-//   publish each group's (mean, M2) of the run, then (after a barrier and a fence, as a grid
-//           barrier does) the run's flag: a 64-bit word tagged with this launch's epoch (ring2's
-//           tags, norms/norm_ring.cuh);
+//   stats   the run's (mean, M2) per group in one pass as the copies land: per channel, sums of
+//           d = x - shift and d^2 (the shift one of the channel's values in the run), then Chan's
+//           merge of the channels of each group (nhwc_run_stats);
+//   publish each group's (mean, M2) of the run, then (after a barrier) the run's flag with
+//           release semantics: a 64-bit word tagged with this launch's epoch (ring2's tags,
+//           norms/norm_ring.cuh);
 //   gather  one warp polls the sample's `chunks` flags; then each group's (mean, M2) pairs are
 //           merged in chunk order by a few lanes and a butterfly between them (every block gets
 //           the same bits);
@@ -126,12 +127,15 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 // a time, every thread of every block polling) took 15-16 us at [2, 64, 64, 320] against a model
 // of 5.5-7; run 146's stamps put 5 us in that gather and ~4 us in instruction-bound statistics
 // (per-thread divisions and w / b loads, 8-way conflicted shared-memory stores): hence the flags,
-// one polling warp, the per-channel tables and the vector stores below.
+// one polling warp, the per-channel tables and the vector stores below; run 147's stamps still
+// had 2.8 us of two-pass statistics after the landing and 4 us of exchange (fences on both sides):
+// hence the one-pass statistics and the release / acquire flag.
 //
-// Dynamic shared memory (the host's nhwc_resident_smem), floats: channel sums [C], per-channel
-// tables mu [C] (the run's group means, then the sample's), scale [C] (w, then rstd * w), shift
-// [C] (b), per-phase channel sums [phases * C], run means [groups], per-group pairs [2 groups];
-// rounded up to 16 bytes; then the run: chunk_rows * U 16-byte units.
+// Dynamic shared memory (the host's nhwc_resident_smem), floats: channel means [C], per-channel
+// tables mu [C] (the shifts, then the channels' M2, then the sample's group means), scale [C] (w,
+// then rstd * w), shift [C] (b), per-phase sums of d and of d^2 [2 phases * C], run means
+// [groups], per-group pairs [2 groups]; rounded up to 16 bytes; then the run: chunk_rows * U
+// 16-byte units.
 // State (gpuops/ops/norms.py ring2_state): after ring2's header, the flags (N * chunks words),
 // then the pairs (N * groups * chunks (mean, M2) floats, pair ((n * groups + g) * chunks + p)).
 
@@ -139,40 +143,60 @@ constexpr int kNhwcResidentThreads = 512;
 constexpr int kNhwcGatherBatch = 8;        // chunks per lane loaded at once
 constexpr int kNhwcFlagBatch = 4;          // flags per lane of the polling warp per round trip
 
-// The run's sums of this thread's VEC channels (s), reduced over the row phases (vector stores:
-// VEC consecutive floats per thread) and then over each group's channels by a warp per group:
-// group_out[g] = scale * sum; chan_out (if given) [c] = group_out[c / cg]. Contains
-// __syncthreads (before and after).
+// The run's (mean, M2) per group from this thread's shifted sums of its VEC channels (s1 = sum of
+// d, s2 = sum of d^2, d = x - shift[c]): summed over the row phases (vector stores: VEC
+// consecutive floats per thread), turned into each channel's mean and M2 (M2 = S2 - S1^2 / rows:
+// the shift is one of the channel's own values in this run, so what cancels is bounded by the
+// run's own spread around it, as the NCHW stats kernel's shifted sums), then merged over each
+// group's channels by a warp (Chan's formula for equal counts: the group mean is the channels'
+// mean, M2 adds rows * (channel mean - group mean)^2). shift[] is overwritten with the channels'
+// M2. Contains __syncthreads (before and after).
 template <int VEC>
-__device__ __forceinline__ void nhwc_group_sums(const float (&s)[VEC], bool active, int col,
-                                                int phase, int C, int phases, int groups, int cg,
-                                                float* phase_sums, float* chan, float scale,
-                                                float* group_out, float* chan_out) {
+__device__ __forceinline__ void nhwc_run_stats(const float (&s1)[VEC], const float (&s2)[VEC],
+                                               bool active, int col, int phase, int C,
+                                               int phases, int groups, int cg, int rows,
+                                               float* ps1, float* ps2, float* chan, float* shift,
+                                               float* run_mean, float* run_m2) {
   if (active) {
-    float4* dst = reinterpret_cast<float4*>(phase_sums + phase * C + col * VEC);
+    float4* d1 = reinterpret_cast<float4*>(ps1 + phase * C + col * VEC);
+    float4* d2 = reinterpret_cast<float4*>(ps2 + phase * C + col * VEC);
 #pragma unroll
-    for (int q = 0; q < VEC / 4; ++q)
-      dst[q] = make_float4(s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3]);
+    for (int q = 0; q < VEC / 4; ++q) {
+      d1[q] = make_float4(s1[4 * q], s1[4 * q + 1], s1[4 * q + 2], s1[4 * q + 3]);
+      d2[q] = make_float4(s2[4 * q], s2[4 * q + 1], s2[4 * q + 2], s2[4 * q + 3]);
+    }
   }
   __syncthreads();
+  const float inv_rows = 1.0f / static_cast<float>(rows);
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float v = 0.0f;
-    for (int q = 0; q < phases; ++q) v += phase_sums[q * C + c];
-    chan[c] = v;
+    float a = 0.0f, q2 = 0.0f;
+    for (int q = 0; q < phases; ++q) {
+      a += ps1[q * C + c];
+      q2 += ps2[q * C + c];
+    }
+    const float da = a * inv_rows;
+    chan[c] = shift[c] + da;
+    shift[c] = fmaxf(q2 - a * da, 0.0f);
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
+  const float inv_cg = 1.0f / static_cast<float>(cg);
   for (int g = threadIdx.x >> 5; g < groups; g += blockDim.x >> 5) {
+    float m = 0.0f;
+    for (int c = g * cg + lane; c < (g + 1) * cg; c += 32) m += chan[c];
+    m = warp_sum(m) * inv_cg;
     float v = 0.0f;
-    for (int c = g * cg + lane; c < (g + 1) * cg; c += 32) v += chan[c];
+    for (int c = g * cg + lane; c < (g + 1) * cg; c += 32) {
+      const float d = chan[c] - m;
+      v += fmaf(static_cast<float>(rows) * d, d, shift[c]);
+    }
     v = warp_sum(v);
-    if (lane == 0) group_out[g] = v * scale;
+    if (lane == 0) {
+      run_mean[g] = m;
+      run_m2[g] = v;
+    }
   }
   __syncthreads();
-  if (chan_out != nullptr) {
-    for (int c = threadIdx.x; c < C; c += blockDim.x) chan_out[c] = group_out[c / cg];
-    __syncthreads();
-  }
 }
 
 // This thread's VEC consecutive floats of a per-channel table (16-byte aligned).
@@ -189,9 +213,11 @@ __device__ __forceinline__ void nhwc_table(const float* table, int col, float (&
   }
 }
 
-// Waits until every run of the sample has published (its flag carries this launch's tag), then
-// fences (as a grid barrier's waiting thread does): called by one warp, kNhwcFlagBatch flags per
-// lane loaded at once and every stale one re-read together, so a poll is one L2 round trip.
+// Waits until every run of the sample has published (its flag, stored with release semantics
+// after the run's pairs, carries this launch's tag; acquire loads): called by one warp, the block
+// reads the pairs after a __syncthreads that follows (coherent.cuh, store_word_release).
+// kNhwcFlagBatch flags per lane loaded at once and every stale one re-read together, so a poll is
+// one L2 round trip.
 __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags, int chunks,
                                                 unsigned tag) {
   constexpr int B = kNhwcFlagBatch;
@@ -202,7 +228,7 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
     for (int i = 0; i < B; ++i) {
       const int c = c0 + 32 * i + lane;
       stale[i] = c < chunks &&
-                 static_cast<unsigned>(load_word_relaxed(flags + c) >> 32) != tag;
+                 static_cast<unsigned>(load_word_acquire(flags + c) >> 32) != tag;
     }
     for (;;) {
       bool any = false;
@@ -213,15 +239,14 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
 #pragma unroll
       for (int i = 0; i < B; ++i)
         if (stale[i])
-          stale[i] = static_cast<unsigned>(load_word_relaxed(flags + c0 + 32 * i + lane) >> 32) !=
+          stale[i] = static_cast<unsigned>(load_word_acquire(flags + c0 + 32 * i + lane) >> 32) !=
                      tag;
     }
   }
-  __threadfence();
 }
 
 // One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
-// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; read through L2), merged in chunk
+// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; read through L2: .cg), merged in chunk
 // order, kNhwcGatherBatch chunks' loads issued at once.
 __device__ __forceinline__ MeanM2 nhwc_gather_lane(const float* pairs, int chunks, int first,
                                                    int step, int chunk_rows, int hw, float cg) {
@@ -234,9 +259,7 @@ __device__ __forceinline__ MeanM2 nhwc_gather_lane(const float* pairs, int chunk
       const int c = c0 + i * step;
 #pragma unroll
       for (int k = 0; k < 2; ++k)
-        v[i][k] = c < chunks ? __uint_as_float(load_relaxed(
-                                   reinterpret_cast<const unsigned*>(pairs + 2 * c + k)))
-                             : 0.0f;
+        v[i][k] = c < chunks ? load_cg(pairs + 2 * c + k) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < B; ++i) {
@@ -276,10 +299,11 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   float* cmu = chan + C;
   float* csc = cmu + C;
   float* csh = csc + C;
-  float* phase_sums = csh + C;
-  float* run_mean = phase_sums + phases * C;
+  float* ps1 = csh + C;
+  float* ps2 = ps1 + phases * C;
+  float* run_mean = ps2 + phases * C;
   float* grp = run_mean + groups;
-  Raw* run = reinterpret_cast<Raw*>(nhwc_smem) + (4 * C + phases * C + 3 * groups + 3) / 4;
+  Raw* run = reinterpret_cast<Raw*>(nhwc_smem) + (4 * C + 2 * phases * C + 3 * groups + 3) / 4;
 
   unsigned long long* flags = reinterpret_cast<unsigned long long*>(state + 4);
   float* pairs = reinterpret_cast<float*>(flags + static_cast<long long>(gridDim.x));
@@ -299,54 +323,48 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     csh[c] = b != nullptr ? to_float(b[c]) : 0.0f;
   }
   RESIDENT_MARK(1);
-  // stats, pass 1: channel sums as the units land
-  float s[VEC];
+  // stats in one pass as the units land: shifted sums, the shift of channel c its value in the
+  // run's first row (the first unit of the threads of row phase 0, into cmu)
+  copy_async_wait(mine - 1);
+  float k[VEC];
+  if (active && phase == 0) {
+    R::unpack(run[col], k);
+    float4* dst = reinterpret_cast<float4*>(cmu + col * VEC);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) s[j] = 0.0f;
-  for (int k = 0; k < mine; ++k) {
-    copy_async_wait(mine - 1 - k);
-    float f[VEC];
-    R::unpack(run[tid + k * active_threads], f);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) s[j] += f[j];
+    for (int q = 0; q < VEC / 4; ++q) dst[q] = make_float4(k[4 * q], k[4 * q + 1], k[4 * q + 2],
+                                                           k[4 * q + 3]);
   }
-  RESIDENT_MARK(2);
-  const float inv_count = 1.0f / static_cast<float>(rows * cg);
-  nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, inv_count,
-                       run_mean, cmu);
-  RESIDENT_MARK(3);
-  // pass 2: squared deviations from the run's group means
-  if (active) {
-    float m[VEC];
-    nhwc_table<VEC>(cmu, col, m);
+  __syncthreads();
+  float s1[VEC], s2[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) s[j] = 0.0f;
-    for (int k = 0; k < mine; ++k) {
+  for (int j = 0; j < VEC; ++j) s1[j] = s2[j] = 0.0f;
+  if (active) {
+    nhwc_table<VEC>(cmu, col, k);
+    for (int u = 0; u < mine; ++u) {
+      copy_async_wait(mine - 1 - u);
       float f[VEC];
-      R::unpack(run[tid + k * active_threads], f);
+      R::unpack(run[tid + u * active_threads], f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = f[j] - m[j];
-        s[j] = fmaf(d, d, s[j]);
+        const float d = f[j] - k[j];
+        s1[j] += d;
+        s2[j] = fmaf(d, d, s2[j]);
       }
     }
   }
-  nhwc_group_sums<VEC>(s, active, col, phase, C, phases, groups, cg, phase_sums, chan, 1.0f, grp,
-                       nullptr);
+  RESIDENT_MARK(2);
+  nhwc_run_stats<VEC>(s1, s2, active, col, phase, C, phases, groups, cg, rows, ps1, ps2, chan, cmu,
+                      run_mean, grp);
   RESIDENT_MARK(4);
 
-  // publish: the pairs, then the run's flag
+  // publish: the pairs, then (after the block's barrier) the run's flag with release semantics
   for (int g = tid; g < groups; g += blockDim.x) {
-    unsigned* dst = reinterpret_cast<unsigned*>(
-        pairs + ((static_cast<long long>(n) * groups + g) * chunks + p) * 2);
-    store_relaxed(dst, __float_as_uint(run_mean[g]));
-    store_relaxed(dst + 1, __float_as_uint(grp[g]));
+    float* dst = pairs + ((static_cast<long long>(n) * groups + g) * chunks + p) * 2;
+    store_cg(dst, run_mean[g]);
+    store_cg(dst + 1, grp[g]);
   }
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    store_word_relaxed(flags + blockIdx.x, ring_word(0.0f, tag));
-  }
+  if (tid == 0) store_word_release(flags + blockIdx.x, ring_word(0.0f, tag));
   RESIDENT_MARK(5);
   if (tid < 32) nhwc_wait_flags(flags + static_cast<long long>(n) * chunks, chunks, tag);
   __syncthreads();

@@ -424,10 +424,10 @@ def spread_smem(needed: int, residency: int, optin: int) -> int:
 def nhwc_resident_smem(c: int, g: int, vec: int, itemsize: int, chunk_rows: int,
                        threads: int = NHWC_RESIDENT_THREADS) -> int:
     """Dynamic shared memory of a group_norm_nhwc_resident block (the kernel's layout: channel
-    sums, three per-channel tables, per-phase channel sums, run means and per-group pairs as
-    floats, rounded up to 16 bytes, then the run of chunk_rows rows)."""
+    means, three per-channel tables, two per-phase sums per channel, run means and per-group pairs
+    as floats, rounded up to 16 bytes, then the run of chunk_rows rows)."""
     phases = threads // (c // vec)
-    return 16 * _cdiv(4 * c + phases * c + 3 * g, 4) + chunk_rows * c * itemsize
+    return 16 * _cdiv(4 * c + 2 * phases * c + 3 * g, 4) + chunk_rows * c * itemsize
 
 
 def plan_nhwc_resident(n: int, hw: int, c: int, g: int, vec: int, itemsize: int, sms: int,
