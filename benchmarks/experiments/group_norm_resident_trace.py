@@ -52,8 +52,10 @@ NHWC_SHAPES = (((2, 320, 64, 64), torch.bfloat16), ((2, 320, 64, 64), torch.floa
 PER_SM = (1,)        # (runs 145-146 also timed 2 per SM; the kernel is now built for 1)
 # group_norm_nhwc_resident's RESIDENT_MARK indices (thread 0 of each block)
 NHWC_STAMPS = {0: "entry", 1: "copies issued", 2: "landed, summed", 4: "run stats",
-               5: "published", 6: "gathered", 7: "stores issued", 8: "exit"}
-# (runs 146-147, two-pass statistics: 2 "pass 1 landed", 3 "run means", 4 "run M2")
+               5: "published", 9: "flags seen", 10: "pairs merged", 6: "tables",
+               7: "stores issued", 8: "exit"}
+# (runs 146-147, two-pass statistics: 2 "pass 1 landed", 3 "run means", 4 "run M2"; runs 146-148:
+# 6 "gathered" = flags, pairs and tables, without 9 and 10)
 
 
 def summarize_nhwc(tr) -> dict:

@@ -84,6 +84,17 @@ __device__ __forceinline__ void store_word_release(unsigned long long* p, unsign
 #endif
 }
 
+// After relaxed polls that observed words stored with release semantics: makes what was released
+// before them visible to this thread (a fence-based acquire: the polls' loads stay independent of
+// each other, where acquire loads would be ordered one after the other).
+__device__ __forceinline__ void fence_acquire_gpu() {
+#if __CUDA_ARCH__ >= 700
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+  __threadfence();
+#endif
+}
+
 __device__ __forceinline__ unsigned long long load_word_acquire(const unsigned long long* p) {
   unsigned long long v;
 #if __CUDA_ARCH__ >= 700

@@ -214,10 +214,10 @@ __device__ __forceinline__ void nhwc_table(const float* table, int col, float (&
 }
 
 // Waits until every run of the sample has published (its flag, stored with release semantics
-// after the run's pairs, carries this launch's tag; acquire loads): called by one warp, the block
-// reads the pairs after a __syncthreads that follows (coherent.cuh, store_word_release).
-// kNhwcFlagBatch flags per lane loaded at once and every stale one re-read together, so a poll is
-// one L2 round trip.
+// after the run's pairs, carries this launch's tag): called by one warp, relaxed polls and then an
+// acquire fence; the block reads the pairs after a __syncthreads that follows (coherent.cuh,
+// store_word_release). kNhwcFlagBatch flags per lane loaded at once and every stale one re-read
+// together, so a poll is one L2 round trip (acquire loads would each wait for the one before).
 __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags, int chunks,
                                                 unsigned tag) {
   constexpr int B = kNhwcFlagBatch;
@@ -228,7 +228,7 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
     for (int i = 0; i < B; ++i) {
       const int c = c0 + 32 * i + lane;
       stale[i] = c < chunks &&
-                 static_cast<unsigned>(load_word_acquire(flags + c) >> 32) != tag;
+                 static_cast<unsigned>(load_word_relaxed(flags + c) >> 32) != tag;
     }
     for (;;) {
       bool any = false;
@@ -239,10 +239,11 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
 #pragma unroll
       for (int i = 0; i < B; ++i)
         if (stale[i])
-          stale[i] = static_cast<unsigned>(load_word_acquire(flags + c0 + 32 * i + lane) >> 32) !=
+          stale[i] = static_cast<unsigned>(load_word_relaxed(flags + c0 + 32 * i + lane) >> 32) !=
                      tag;
     }
   }
+  fence_acquire_gpu();
 }
 
 // One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
@@ -318,10 +319,11 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
       copy_async_commit();
     }
   }
-  for (int c = tid; c < C; c += blockDim.x) {     // (read by the apply's table, after barriers)
-    csc[c] = w != nullptr ? to_float(w[c]) : 1.0f;
-    csh[c] = b != nullptr ? to_float(b[c]) : 0.0f;
-  }
+  // w and b of channel tid loaded now, used after the statistics (their latency hidden by the
+  // landing; run 148's stamps: a load used at once here held back the sums by ~1 us)
+  const bool wb_here = tid < C;
+  const T w_raw = wb_here && w != nullptr ? w[tid] : T{};
+  const T b_raw = wb_here && b != nullptr ? b[tid] : T{};
   RESIDENT_MARK(1);
   // stats in one pass as the units land: shifted sums, the shift of channel c its value in the
   // run's first row (the first unit of the threads of row phase 0, into cmu)
@@ -353,6 +355,11 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     }
   }
   RESIDENT_MARK(2);
+  for (int c = tid; c < C; c += blockDim.x) {     // (read by the apply's table, after barriers)
+    const bool first = c == tid;
+    csc[c] = w == nullptr ? 1.0f : to_float(first ? w_raw : w[c]);
+    csh[c] = b == nullptr ? 0.0f : to_float(first ? b_raw : b[c]);
+  }
   nhwc_run_stats<VEC>(s1, s2, active, col, phase, C, phases, groups, cg, rows, ps1, ps2, chan, cmu,
                       run_mean, grp);
   RESIDENT_MARK(4);
@@ -368,6 +375,7 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   RESIDENT_MARK(5);
   if (tid < 32) nhwc_wait_flags(flags + static_cast<long long>(n) * chunks, chunks, tag);
   __syncthreads();
+  RESIDENT_MARK(9);
 
   // gather: L lanes per group (a power of two, as many as the block has for every group at once),
   // each lane's chunks merged in chunk order, then a butterfly over the L lanes (welford_merge is
@@ -394,6 +402,7 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     }
   }
   __syncthreads();
+  RESIDENT_MARK(10);
   for (int c = tid; c < C; c += blockDim.x) {
     const int g = c / cg;
     cmu[c] = grp[2 * g];
