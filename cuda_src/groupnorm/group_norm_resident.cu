@@ -114,8 +114,8 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 //           release semantics: a 64-bit word tagged with this launch's epoch (ring2's tags,
 //           norms/norm_ring.cuh);
 //   gather  one warp polls the sample's `chunks` flags; then each group's (mean, M2) pairs are
-//           merged in chunk order by a few lanes and a butterfly between them (every block gets
-//           the same bits);
+//           added up as sums shifted by chunk 0's mean, by a few lanes and a butterfly between
+//           them (every block gets the same bits);
 //   apply   y = act((x - mean) * (rstd * w[c]) + b[c]) from shared memory, stored once.
 // DRAM sees x read once and y written once (in place is fine: a block writes only the rows it
 // read). Forward progress: every block publishes before it waits, and all blocks are resident at
@@ -247,12 +247,19 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
 }
 
 // One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
-// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; read through L2: .cg), merged in chunk
-// order, kNhwcGatherBatch chunks' loads issued at once.
-__device__ __forceinline__ MeanM2 nhwc_gather_lane(const float* pairs, int chunks, int first,
-                                                   int step, int chunk_rows, int hw, float cg) {
+// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; read through L2: .cg), as sums shifted
+// by chunk 0's mean s (which every lane reads too): sum[0] = sum of n_c (mean_c - s), sum[1] =
+// sum of M2_c + n_c (mean_c - s)^2, n_c = rows_c * cg; the group's mean is s + S0 / N and its
+// M2 = S1 - S0^2 / N (N = hw * cg) once the lanes' sums are added. Plain sums, not a chain of
+// Chan merges (run 149's stamps: 2.6 us from the flags to merged pairs with welford_merge per
+// chunk and per butterfly level); the shift is one chunk's mean, so what cancels is bounded by
+// the spread of the chunk means around it. kNhwcGatherBatch chunks' loads issued at once.
+__device__ __forceinline__ void nhwc_gather_lane(const float* pairs, int chunks, int first,
+                                                 int step, int chunk_rows, int hw, float cg,
+                                                 float (&sum)[2]) {
   constexpr int B = kNhwcGatherBatch;
-  MeanM2 acc = {0.0f, 0.0f, 0.0f};
+  const float s = load_cg(pairs);
+  sum[0] = sum[1] = 0.0f;
   for (int c0 = first; c0 < chunks; c0 += B * step) {
     float v[B][2];
 #pragma unroll
@@ -266,12 +273,33 @@ __device__ __forceinline__ MeanM2 nhwc_gather_lane(const float* pairs, int chunk
     for (int i = 0; i < B; ++i) {
       const int c = c0 + i * step;
       if (c < chunks) {
-        const float rows = static_cast<float>(min(chunk_rows, hw - c * chunk_rows));
-        acc = welford_merge(acc, MeanM2{rows * cg, v[i][0], v[i][1]});
+        const float nc = static_cast<float>(min(chunk_rows, hw - c * chunk_rows)) * cg;
+        const float d = v[i][0] - s;
+        sum[0] = fmaf(nc, d, sum[0]);
+        sum[1] += fmaf(nc * d, d, v[i][1]);
       }
     }
   }
-  return acc;
+}
+
+// *p loaded where this is written and used later (an asm volatile load stays in place; a plain
+// load may be moved down to its first use, which would put its latency there). Host C++ (the CPU
+// kernel emulator): a plain load.
+template <class T>
+__device__ __forceinline__ T load_early(const T* p) {
+#ifdef __CUDACC_RTC__
+  if constexpr (sizeof(T) == 2) {
+    T t;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(t.bits) : "l"(p));
+    return t;
+  } else {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+  }
+#else
+  return *p;
+#endif
 }
 
 // x, y: contiguous [N, hw, C] (16-byte aligned, C % VEC == 0); grid N * chunks blocks of
@@ -320,10 +348,11 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     }
   }
   // w and b of channel tid loaded now, used after the statistics (their latency hidden by the
-  // landing; run 148's stamps: a load used at once here held back the sums by ~1 us)
+  // landing; run 148's stamps: a load used at once here held back the sums by ~1 us, and in run
+  // 149 plain loads were moved down to their use)
   const bool wb_here = tid < C;
-  const T w_raw = wb_here && w != nullptr ? w[tid] : T{};
-  const T b_raw = wb_here && b != nullptr ? b[tid] : T{};
+  const T w_raw = wb_here && w != nullptr ? load_early(w + tid) : T{};
+  const T b_raw = wb_here && b != nullptr ? load_early(b + tid) : T{};
   RESIDENT_MARK(1);
   // stats in one pass as the units land: shifted sums, the shift of channel c its value in the
   // run's first row (the first unit of the threads of row phase 0, into cmu)
@@ -378,27 +407,26 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   RESIDENT_MARK(9);
 
   // gather: L lanes per group (a power of two, as many as the block has for every group at once),
-  // each lane's chunks merged in chunk order, then a butterfly over the L lanes (welford_merge is
-  // symmetric in its arguments: every lane, warp and block gets the same bits)
+  // each lane's chunks added up (nhwc_gather_lane), then a butterfly of sums over the L lanes
   int lanes = 32;
   while (lanes > 1 && static_cast<int>(blockDim.x) / lanes < groups) lanes >>= 1;
   const int slots = static_cast<int>(blockDim.x) / lanes;
   for (int g0 = 0; g0 < groups; g0 += slots) {
     const int g = g0 + tid / lanes;
-    MeanM2 a = {0.0f, 0.0f, 0.0f};
+    const float* gp = pairs + (static_cast<long long>(n) * groups + min(g, groups - 1)) * chunks * 2;
+    float sum[2] = {0.0f, 0.0f};
     if (g < groups)
-      a = nhwc_gather_lane(pairs + (static_cast<long long>(n) * groups + g) * chunks * 2, chunks,
-                           tid % lanes, lanes, chunk_rows, hw, static_cast<float>(cg));
-    for (int off = lanes / 2; off > 0; off >>= 1) {
-      MeanM2 o;
-      o.n = __shfl_xor_sync(0xffffffffu, a.n, off);
-      o.mean = __shfl_xor_sync(0xffffffffu, a.mean, off);
-      o.m2 = __shfl_xor_sync(0xffffffffu, a.m2, off);
-      a = welford_merge(a, o);
+      nhwc_gather_lane(gp, chunks, tid % lanes, lanes, chunk_rows, hw, static_cast<float>(cg), sum);
+    for (int off = lanes / 2; off > 0; off >>= 1) {   // (a + b == b + a: the same bits everywhere)
+      sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], off);
+      sum[1] += __shfl_xor_sync(0xffffffffu, sum[1], off);
     }
     if (g < groups && tid % lanes == 0) {
-      grp[2 * g] = a.mean;
-      grp[2 * g + 1] = 1.0f / sqrtf(a.m2 / a.n + eps);   // correctly rounded, as group_norm.cu
+      const float inv_n = 1.0f / (static_cast<float>(hw) * static_cast<float>(cg));
+      const float d = sum[0] * inv_n;
+      grp[2 * g] = load_cg(gp) + d;
+      const float m2 = fmaxf(sum[1] - sum[0] * d, 0.0f);
+      grp[2 * g + 1] = 1.0f / sqrtf(m2 * inv_n + eps);   // correctly rounded, as group_norm.cu
     }
   }
   __syncthreads();
