@@ -1120,8 +1120,8 @@ def test_nhwc_resident_plan_and_routes(monkeypatch):
     """The bench's channels-last shape on 132 SMs of 227 KiB: one block per SM (66 runs of 63 rows
     per sample), 2 when asked (128 runs of 32), none where that does not fit or 8 x 42 MB does
     not fit at all; auto takes it for
-    aligned channels-last inputs where it fits and the module copies asynchronously (sm_80+), and
-    AUTO_NHWC_RESIDENT = False keeps rule 4's channels-last choice."""
+    aligned channels-last inputs where it fits and the module copies asynchronously (sm_80+), fp32
+    and 16-bit above NHWC_COPY_MAX_BYTES, and AUTO_NHWC_RESIDENT = False keeps rule 4's choice."""
     two, one = (lambda smem: 2 if smem <= 113 * 1024 else 1), (lambda smem: 1)
     plan = GN.plan_nhwc_resident(2, 4096, 320, 32, 8, 2, 132, two, 227 * 1024)
     assert plan[:2] == (66, 63) and plan[2] == GN.nhwc_resident_smem(320, 32, 8, 2, 63)
@@ -1137,18 +1137,25 @@ def test_nhwc_resident_plan_and_routes(monkeypatch):
     se = ResidentEmu(monkeypatch, sms=132)
     monkeypatch.setattr(GN._norms, "_resident_per_sm",
                         lambda kernel, threads, smem: two(smem) if smem <= 227 * 1024 else 0)
-    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ == \
-        "run_nhwc_resident"
-    assert GN._nhwc_launcher(0, dt.bfloat16, 8, 4096, 640, 32, True, 1).__name__ == "run_nhwc"
-    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, False, 1) is None   # (unaligned)
-    monkeypatch.setattr(GN, "AUTO_NHWC_RESIDENT", False)
     spread = ("run_cluster", "run_nhwc_spread")          # (clusters of the spread kernel)
-    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ in spread
+    # fp32, and 16-bit above NHWC_COPY_MAX_BYTES; 16-bit at most that keeps nhwc_spread
+    for args, name in [((dt.float32, 2, 320, 4096), "run_nhwc_resident"),
+                       ((dt.bfloat16, 16, 640, 1024), "run_nhwc_resident"),     # (21 MB)
+                       ((dt.float32, 4, 1280, 1024), "run_nhwc_resident"),
+                       ((dt.bfloat16, 2, 320, 4096), spread),
+                       ((dt.float16, 4, 1280, 1024), spread),                   # (10.5 MB)
+                       ((dt.bfloat16, 8, 640, 4096), "run_nhwc"),               # (no fit)
+                       ((dt.float32, 16, 640, 1024), "run_nhwc")]:
+        got = GN._nhwc_launcher(0, *args, 32, True, 1).__name__
+        assert got in (name if isinstance(name, tuple) else (name,)), (args, got)
+    assert GN._nhwc_launcher(0, dt.float32, 2, 320, 4096, 32, False, 1) is None   # (unaligned)
+    monkeypatch.setattr(GN, "AUTO_NHWC_RESIDENT", False)
+    assert GN._nhwc_launcher(0, dt.float32, 2, 320, 4096, 32, True, 1).__name__ in spread
     monkeypatch.setattr(GN, "AUTO_NHWC_RESIDENT", True)
     monkeypatch.setattr(GN._norms, "copies_async", lambda _module, _dev: False)   # (compute_61)
-    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ in spread
+    assert GN._nhwc_launcher(0, dt.float32, 2, 320, 4096, 32, True, 1).__name__ in spread
     monkeypatch.setattr(GN, "force_path", "nhwc_resident")                       # (any arch)
-    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 4096, 320, 32, True, 1).__name__ == \
+    assert GN._nhwc_launcher(0, dt.bfloat16, 2, 320, 4096, 32, True, 1).__name__ == \
         "run_nhwc_resident"
     del se
 

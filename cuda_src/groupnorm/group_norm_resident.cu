@@ -247,13 +247,13 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
 }
 
 // One lane's part of a (sample, group)'s statistics: chunks first, first + step, ... of its
-// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; read through L2: .cg), as sums shifted
-// by chunk 0's mean s (which every lane reads too): sum[0] = sum of n_c (mean_c - s), sum[1] =
-// sum of M2_c + n_c (mean_c - s)^2, n_c = rows_c * cg; the group's mean is s + S0 / N and its
-// M2 = S1 - S0^2 / N (N = hw * cg) once the lanes' sums are added. Plain sums, not a chain of
-// Chan merges (run 149's stamps: 2.6 us from the flags to merged pairs with welford_merge per
-// chunk and per butterfly level); the shift is one chunk's mean, so what cancels is bounded by
-// the spread of the chunk means around it. kNhwcGatherBatch chunks' loads issued at once.
+// published pairs (chunk c at pairs[2 c], pairs[2 c + 1]; one 8-byte load through L2), as sums
+// shifted by chunk 0's mean s (which every lane reads too): sum[0] = sum of n_c (mean_c - s),
+// sum[1] = sum of M2_c + n_c (mean_c - s)^2, n_c = rows_c * cg; the group's mean is s + S0 / N
+// and its M2 = S1 - S0^2 / N (N = hw * cg) once the lanes' sums are added. Plain sums, not a
+// chain of Chan merges (run 149: welford_merge per chunk and per butterfly level); the shift is
+// one chunk's mean, so what cancels is bounded by the spread of the chunk means around it.
+// kNhwcGatherBatch chunks' loads issued at once.
 __device__ __forceinline__ void nhwc_gather_lane(const float* pairs, int chunks, int first,
                                                  int step, int chunk_rows, int hw, float cg,
                                                  float (&sum)[2]) {
@@ -261,22 +261,20 @@ __device__ __forceinline__ void nhwc_gather_lane(const float* pairs, int chunks,
   const float s = load_cg(pairs);
   sum[0] = sum[1] = 0.0f;
   for (int c0 = first; c0 < chunks; c0 += B * step) {
-    float v[B][2];
+    float2 v[B];
 #pragma unroll
     for (int i = 0; i < B; ++i) {
       const int c = c0 + i * step;
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-        v[i][k] = c < chunks ? load_cg(pairs + 2 * c + k) : 0.0f;
+      v[i] = c < chunks ? load_cg2(pairs + 2 * c) : make_float2(0.0f, 0.0f);
     }
 #pragma unroll
     for (int i = 0; i < B; ++i) {
       const int c = c0 + i * step;
       if (c < chunks) {
         const float nc = static_cast<float>(min(chunk_rows, hw - c * chunk_rows)) * cg;
-        const float d = v[i][0] - s;
+        const float d = v[i].x - s;
         sum[0] = fmaf(nc, d, sum[0]);
-        sum[1] += fmaf(nc * d, d, v[i][1]);
+        sum[1] += fmaf(nc * d, d, v[i].y);
       }
     }
   }

@@ -145,8 +145,9 @@ AUTO_RESIDENT = False
 # Channels-last inputs that fit on chip (group_norm_nhwc_resident, groupnorm/group_norm_resident.cu:
 # each sample cut into runs of whole rows over a grid of resident blocks, x read once into shared
 # memory, the groups' statistics exchanged between blocks, y written once): auto takes it where it
-# fits and its kernels copy asynchronously (sm_80+); False keeps rule 4's channels-last choice
-# (A/B). force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm asks for more blocks
+# fits and its kernels copy asynchronously (sm_80+), except 16-bit inputs of at most
+# NHWC_COPY_MAX_BYTES (nhwc_spread measured faster there); runs 145-150,
+# benchmarks/notes_groupnorm_copy.md "Round 6". False keeps rule 4's channels-last choice (A/B). force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm asks for more blocks
 # per SM than its 1 (runs 145-146: 2 per SM slower everywhere; the kernel is now compiled for one
 # 512-thread block per SM, 72-80 registers on sm_80+, so the occupancy calculator refuses 2).
 AUTO_NHWC_RESIDENT = True
@@ -767,10 +768,14 @@ def _nhwc_launcher(dev, d, n, c, hw, g, aligned, act, spread=True):
     channels are too wide for the channels-last kernels (or small inputs go through NCHW
     copies)."""
     vec = 16 // d.itemsize
-    # (auto takes the resident kernel only where it copies asynchronously: built for sm_80+)
+    # auto: the resident kernel where it copies asynchronously (built for sm_80+), for fp32, and
+    # for 16-bit inputs larger than NHWC_COPY_MAX_BYTES: at 5-10 MB in 16-bit nhwc_spread below
+    # stays faster (runs 148-150: 12.4-12.5 against 12.8-13.4 us at [2, 64, 64, 320] bf16,
+    # 14.7-14.8 against 15.2-16.3 at [4, 32, 32, 1280])
+    small16 = d.itemsize < 4 and n * hw * c * d.itemsize <= NHWC_COPY_MAX_BYTES
     if spread and aligned and c % vec == 0 and (force_path == "nhwc_resident" or (
             force_path is None and AUTO_NHWC_RESIDENT and AUTO_RULE == 4 and not AUTO_SPREAD
-            and _norms.copies_async(RESIDENT_MODULE, dev))):
+            and not small16 and _norms.copies_async(RESIDENT_MODULE, dev))):
         run = _nhwc_resident_launcher(dev, d, n, c, hw, g, act)
         if run is not None:
             return run

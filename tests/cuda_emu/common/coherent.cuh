@@ -6,6 +6,10 @@
 namespace gpuops {
 
 inline float load_cg(const float* p) { return *reinterpret_cast<const volatile float*>(p); }
+inline float2 load_cg2(const float* p) {
+  if (reinterpret_cast<unsigned long long>(p) & 7u) emu::fail("misaligned 8-byte load");
+  return {reinterpret_cast<const volatile float*>(p)[0], reinterpret_cast<const volatile float*>(p)[1]};
+}
 inline void store_cg(float* p, float v) { *reinterpret_cast<volatile float*>(p) = v; }
 inline unsigned counter_add_acq_rel(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline void counter_add_release(unsigned* p, unsigned v) { std::atomic_ref<unsigned>(*p).fetch_add(v); }
