@@ -2,7 +2,8 @@
 
 Kernels: cuda_src/groupnorm/group_norm.cu and group_norm_resident.cu. fp32 math and statistics
 for fp32/fp16/bf16 storage; statistics are numerically stable everywhere (exact two-pass over
-registers, Welford, and Chan's merge of partial (n, mean, M2); never E[x^2] - E[x]^2).
+registers, Welford, Chan's merge of partial (n, mean, M2), and sums shifted by one of the data's
+own values; never E[x^2] - E[x]^2).
 
 Layouts (how the kernel is chosen, all without a copy of the input):
 
@@ -31,11 +32,20 @@ Which kernels (NCHW):
   second kernel that merges them and normalizes; x is read twice (the second time from L2 when it
   fits there).
 
-Channels-last: two passes (statistics per tile of rows x slab of whole groups' channels, then
-normalization), reading x twice; slabs wider than the kernels allow (more than 512 units of
-channels: 16-byte packs, or single elements when C or the pointers are not 16-byte multiples)
-are normalized through NCHW copies, and so are inputs of at most NHWC_COPY_MAX_BYTES (measured
-faster at the diffusion shape).
+Channels-last (auto, sm_80+ kernels):
+* ``group_norm_nhwc_resident`` (groupnorm/group_norm_resident.cu) for fp32 and for 16-bit inputs
+  larger than NHWC_COPY_MAX_BYTES, where the input fits in the grid's shared memory (~29 MB on an
+  H100; C / VEC <= 512): each sample cut into runs of whole rows, one 512-thread block per SM
+  holding its run, one-pass shifted statistics per group, the runs' (mean, M2) exchanged through
+  a tagged flag per run, y written once. Runs 145-151: fp32 [2, 64, 64, 320] 14.0 us (18.1 before,
+  torch.compile 15.8), fp32 [4, 32, 32, 1280] 24.0 (40.0, compile 40.1), bf16 [16, 32, 32, 640]
+  25.0 (37.3, compile 30.9).
+* ``group_norm_nhwc_spread`` (two blocks per SM) for 16-bit inputs of at most NHWC_COPY_MAX_BYTES
+  (bf16 [2, 64, 64, 320] 12.5 us against the resident kernel's 12.7).
+* otherwise two passes (statistics per tile of rows x slab of whole groups' channels, then
+  normalization), reading x twice; slabs wider than the kernels allow (more than 512 units of
+  channels: 16-byte packs, or single elements when C or the pointers are not 16-byte multiples)
+  are normalized through NCHW copies.
 
 Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupnorm_copy.md):
 * ``group_norm_spread`` where the groups fit one wave (one block per SM, clusters of up to 8
@@ -62,7 +72,8 @@ Auto (NCHW, ``AUTO_RULE`` = 4, measured in runs 116-126; benchmarks/notes_groupn
 a group fits; A/B timing). The spread and stream kernels run on every arch (clusters only on
 sm_90) and take 16-byte aligned inputs with hw (NCHW) or C (channels-last) a multiple of 16
 bytes; ``force_path`` = "spread" / "nhwc_spread" / "stream" forces them, ``spread_cluster`` sets
-their cluster size (A/B timing).
+their cluster size (A/B timing); "nhwc_resident" forces the channels-last resident kernel (any
+arch, where the input fits).
 """
 from __future__ import annotations
 
@@ -105,15 +116,15 @@ MIN_SPREAD_SLICE_PACKS = 256        # one-wave clusters do not split groups belo
 STREAM_THREADS = 384                # kStreamThreads: group_norm_stream, two blocks per SM
 STREAM_MAX_PACKS = STREAM_THREADS * SPREAD_PACKS    # a block's slice of a group (42 KiB)
 SPREAD_COEF_OFFSET = 10 * 16        # kSpreadCoef (float4 units) in bytes
-# Channels-last inputs up to this size go through NCHW copies by default: measured (run 13,
-# [2, 64, 64, 320] bf16, 5.2 MB) 17.7 us against 29.5 us for the two-pass NHWC kernels (the
-# copies stay in L2; every launch of the two-pass pair costs a graph node's fixed time). Above
-# it the copies' three extra passes over DRAM are predicted to lose (unmeasured).
+# Small channels-last inputs: up to this size auto takes, in 16-bit, nhwc_spread (rule 3, run
+# 116) and not the resident kernel (runs 148-151), and where neither applies, NCHW copies rather
+# than the two-pass NHWC kernels (run 13, [2, 64, 64, 320] bf16, 5.2 MB: 17.7 against 29.5 us:
+# the copies stay in L2; every launch of the two-pass pair costs a graph node's fixed time).
 NHWC_COPY_MAX_BYTES = 16 << 20
 
 # Forcing a design (tests, A/B timing): None (auto), "onchip" (no clusters), "cluster2" /
 # "cluster4" / "cluster8", "twopass" (NCHW), "nhwc" (channels-last two-pass kernels, at any
-# size), "nhwc_copy" (channels-last through NCHW copies).
+# size), "nhwc_copy" (channels-last through NCHW copies), "nhwc_resident" (below).
 force_path: str | None = None
 # Round 2 (group_norm_spread / group_norm_nhwc_spread; measured in run 116): force_path "spread"
 # (NCHW) / "nhwc_spread" (channels-last) forces them; AUTO_SPREAD makes auto take them wherever
