@@ -1305,122 +1305,93 @@ def test_gpu_stream_kernels(dtype, force, monkeypatch):
                 assert_close(_host(y), ref, dtype, what)
 
 
-@gpu
-@needs_torch_cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_resident_kernel(dtype, force, monkeypatch):
-    """group_norm_resident forced: the VAE shape (its 32 groups of 1 MiB held on chip in 16-bit;
-    fp32, 67 MB, does not fit and takes auto's plan), the bench's smaller shapes and odd ones,
-    silu on and off, weight / bias absent, outputs poisoned with NaN, in place; then a CUDA graph
-    replayed on new data (each replay a new epoch of the ring2 state's words)."""
-    force("resident")
+def _forced_resident_case(monkeypatch, dtype, launcher, shapes, layout, on_chip_bytes,
+                          graph_shape):
+    """Through GN.<launcher> (forced by the caller): each shape ([N, C, *sp], groups; laid out by
+    layout(x)) with silu on and off, weight / bias absent, outputs poisoned with NaN, against the
+    float64 reference; the launcher built a run for every call of a shape or for none, and did
+    for inputs of at most 1 MiB (on chip on any GPU) and, on an H100-sized GPU, exactly for those
+    of at most on_chip_bytes; in place; then a CUDA graph of graph_shape replayed on new data
+    (each replay a new epoch of the ring2 state's words)."""
     monkeypatch.setattr(GN, "_plans", {})
     made = []
-    build = GN._resident_launcher
+    build = getattr(GN, launcher)
 
     def spy(*args):
         run = build(*args)
         made.append(run is not None)
         return run
-    monkeypatch.setattr(GN, "_resident_launcher", spy)
+    monkeypatch.setattr(GN, launcher, spy)
     dev = torch.cuda.current_device()
     big = torch.cuda.get_device_properties(dev).multi_processor_count >= 128 and \
         GN._smem_optin(dev) >= 227 * 1024
-    shapes = [((1, 256, 256, 256), 32), ((4, 1280, 32, 32), 32), ((2, 320, 64, 64), 32),
-              ((16, 640, 32, 32), 32), ((3, 12, 16, 8), 4), ((2, 6, 40, 136), 3),
-              ((1, 24, 5, 5, 8), 3), ((2, 64, 1, 1000), 32)]
     for shape, groups in shapes:
-        x = _randn(shape, dtype)
+        x = layout(_randn(shape, dtype))
         c = shape[1]
         w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
         made.clear()
         for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
             out = torch.full_like(x, float("nan"))
             y = go.group_norm(x, groups, *wb, activation=act, out=out)
-            assert y is out
+            assert y is out and y.stride() == x.stride()
             ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
                                                          for t in wb), 1e-5, act)
             assert_close(_host(y), ref, dtype, f"{shape} G={groups} act={act}")
         assert made and len(set(made)) == 1, made
         if x.numel() * x.element_size() <= 1 << 20:
-            assert made[0], shape                          # (small: on chip on any GPU)
-        elif big:                                          # (an H100: 33 MB of shared memory)
-            assert made[0] == (x.numel() * x.element_size() <= 32 << 20), shape
+            assert made[0], shape
+        elif big:
+            assert made[0] == (x.numel() * x.element_size() <= on_chip_bytes), shape
         ref = GN.ref_group_norm(_host(x), groups, activation="silu")
         y = go.group_norm(x, groups, activation="silu", out=x)          # in place
         assert y is x
         assert_close(_host(x), ref, dtype, f"in place {shape}")
-    x = _randn((4, 1280, 32, 32), dtype)
+    x = layout(_randn(graph_shape, dtype))
     go.group_norm(x, 32, activation="silu")                 # (warm-up outside the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = go.group_norm(x, 32, activation="silu")
     for _ in range(3):
-        x.copy_(_randn((4, 1280, 32, 32), dtype))
+        x.copy_(_randn(graph_shape, dtype))
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert_close(_host(y), GN.ref_group_norm(_host(x), 32, activation="silu"), dtype, "graph")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_resident_kernel(dtype, force, monkeypatch):
+    """group_norm_resident forced (_forced_resident_case): the VAE shape (its 32 groups of 1 MiB
+    held on chip in 16-bit; fp32, 67 MB, does not fit and takes auto's plan; an H100 holds 33 MB),
+    the bench's smaller shapes and odd ones."""
+    force("resident")
+    shapes = [((1, 256, 256, 256), 32), ((4, 1280, 32, 32), 32), ((2, 320, 64, 64), 32),
+              ((16, 640, 32, 32), 32), ((3, 12, 16, 8), 4), ((2, 6, 40, 136), 3),
+              ((1, 24, 5, 5, 8), 3), ((2, 64, 1, 1000), 32)]
+    _forced_resident_case(monkeypatch, dtype, "_resident_launcher", shapes, lambda x: x,
+                          32 << 20, (4, 1280, 32, 32))
 
 
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_nhwc_resident_kernel(dtype, force, monkeypatch):
-    """group_norm_nhwc_resident forced on torch channels_last tensors: the bench's channels-last
-    shape (bf16 / fp32 fit on an H100; [8, 640, 64, 64] does not and takes auto's plan), shapes with
-    a ragged last run, groups across 16-byte columns, one column, 3 spatial dims; silu on and off, weight / bias absent, outputs poisoned with NaN, in place; then a CUDA
-    graph replayed on new data (each replay a new epoch of the ring2 state's words)."""
+    """group_norm_nhwc_resident forced (_forced_resident_case) on torch channels_last tensors (the
+    result keeps the memory format): the bench's channels-last shapes (an H100 holds ~29 MB: up to
+    21 MB fit, [8, 640, 64, 64] does not and takes auto's plan), a ragged last run, groups across
+    16-byte columns, one column, 3 spatial dims, 512 columns (fp32 C = 2048, the most)."""
     force("nhwc_resident")
-    monkeypatch.setattr(GN, "_plans", {})
-    made = []
-    build = GN._nhwc_resident_launcher
-
-    def spy(*args):
-        run = build(*args)
-        made.append(run is not None)
-        return run
-    monkeypatch.setattr(GN, "_nhwc_resident_launcher", spy)
-    dev = torch.cuda.current_device()
-    big = torch.cuda.get_device_properties(dev).multi_processor_count >= 128 and \
-        GN._smem_optin(dev) >= 227 * 1024
     shapes = [((2, 320, 64, 64), 32), ((8, 640, 64, 64), 32), ((4, 1280, 32, 32), 32),
               ((3, 40, 9, 7), 4), ((2, 96, 5, 33), 32), ((1, 8, 3, 5), 2), ((2, 24, 3, 4, 5), 4),
-              ((1, 2048, 2, 2), 1)]                       # (fp32: 512 columns, the most)
-    for shape, groups in shapes:
-        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-        x = _randn(shape, dtype).contiguous(memory_format=fmt)
-        c = shape[1]
-        w, b = _randn((c,), dtype, 1.0, 0.0), _randn((c,), dtype, 1.0, 0.0)
-        made.clear()
-        for wb, act in (((w, b), "silu"), ((None, None), None), ((w, None), "silu")):
-            out = torch.full_like(x, float("nan"))
-            y = go.group_norm(x, groups, *wb, activation=act, out=out)
-            assert y is out and y.is_contiguous(memory_format=fmt)
-            ref = GN.ref_group_norm(_host(x), groups, *(None if t is None else _host(t)
-                                                         for t in wb), 1e-5, act)
-            assert_close(_host(y), ref, dtype, f"{shape} G={groups} act={act}")
-        assert made and len(set(made)) == 1, made
-        if x.numel() * x.element_size() <= 1 << 20:
-            assert made[0], shape                          # (small: on chip on any GPU)
-        elif big:                                          # (an H100: 29 MB of shared memory)
-            assert made[0] == (x.numel() * x.element_size() <= 24 << 20), shape
-        ref = GN.ref_group_norm(_host(x), groups, activation="silu")
-        y = go.group_norm(x, groups, activation="silu", out=x)          # in place
-        assert y is x
-        assert_close(_host(x), ref, dtype, f"in place {shape}")
-    shape = (2, 320, 64, 64)
-    x = _randn(shape, dtype).contiguous(memory_format=torch.channels_last)
-    go.group_norm(x, 32, activation="silu")                 # (warm-up outside the capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = go.group_norm(x, 32, activation="silu")
-    for _ in range(3):
-        x.copy_(_randn(shape, dtype))
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(_host(y), GN.ref_group_norm(_host(x), 32, activation="silu"), dtype, "graph")
+              ((1, 2048, 2, 2), 1)]
+
+    def channels_last(x):
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        return x.contiguous(memory_format=fmt)
+    _forced_resident_case(monkeypatch, dtype, "_nhwc_resident_launcher", shapes, channels_last,
+                          24 << 20, (2, 320, 64, 64))
 
 
 @gpu

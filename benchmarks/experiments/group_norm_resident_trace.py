@@ -81,6 +81,39 @@ def summarize_nhwc(tr) -> dict:
     return out
 
 
+def time_rounds(mods, fn, ref, key, summarize_fn, res, width):
+    """Each module of mods switched into group_norm's dispatch in turn, over 3 rounds: max |error|
+    against ref (round 0), CUDA-graph time per call, and for a traced build (round 0 only) its
+    stamps summarized into res["traces"][key]. Returns {name: [us per round]}."""
+    times = {}
+    for rnd in range(3):
+        for name, mod in mods.items():
+            if name.endswith("_trace") and rnd > 0:
+                continue
+            GN.RESIDENT_KERNELS = _copy.KernelCache(mod)
+            GN._plans.clear()
+            if rnd == 0:
+                err = float((fn().double() - ref).abs().max())
+                print(f"{key} {name}: max|err| {err:.2e}", flush=True)
+            times.setdefault(name, []).append(graph_replay_us(fn))
+            if name.endswith("_trace") and rnd == 0:
+                summary = summarize_fn(read_trace(mod, fn))
+                res["traces"][key] = summary
+                print(f"trace {key}:", flush=True)
+                for what, v in summary.items():
+                    print(f"  {what:<{width}} {json.dumps(v)}", flush=True)
+    return times
+
+
+def report(label, times, copy_us, row, res):
+    """One line and one res["rows"] entry (row plus the times) per module: the rounds' median."""
+    for name, ts in times.items():
+        us = statistics.median(ts)
+        print(f"{label} {name:<14}{us:8.2f} us  copy {copy_us:6.2f} us ({100 * copy_us / us:5.1f}%)"
+              f"  rounds {[round(t, 2) for t in ts]}", flush=True)
+        res["rows"].append(dict(row, variant=name, us=us, copy_us=copy_us, rounds=ts))
+
+
 def nhwc_main(mods, res):
     """--nhwc: group_norm_nhwc_resident forced, PER_SM blocks per SM, untraced (3 rounds, median)
     and traced."""
@@ -97,32 +130,10 @@ def nhwc_main(mods, res):
             fn = lambda: go.group_norm(x, 32, w, b, activation="silu")  # noqa: E731
             for per_sm in PER_SM:
                 GN.nhwc_resident_per_sm = per_sm
-                times = {}
-                for rnd in range(3):
-                    for name, mod in mods.items():
-                        if name.endswith("_trace") and rnd > 0:
-                            continue
-                        GN.RESIDENT_KERNELS = _copy.KernelCache(mod)
-                        GN._plans.clear()
-                        key = f"cl {tuple(shape)} {td} per_sm={per_sm}"
-                        if rnd == 0:
-                            err = float((fn().double() - ref).abs().max())
-                            print(f"{key} {name}: max|err| {err:.2e}", flush=True)
-                        times.setdefault(name, []).append(graph_replay_us(fn))
-                        if name.endswith("_trace") and rnd == 0:
-                            summary = summarize_nhwc(read_trace(mod, fn))
-                            res["traces"][key] = summary
-                            print(f"trace {key}:", flush=True)
-                            for what, v in summary.items():
-                                print(f"  {what:<16} {json.dumps(v)}", flush=True)
-                for name, ts in times.items():
-                    us = statistics.median(ts)
-                    print(f"cl {str(shape):<20}{str(td):<16}per_sm={per_sm} {name:<14}{us:8.2f} us"
-                          f"  copy {copy_us:6.2f} us ({100 * copy_us / us:5.1f}%)  rounds "
-                          f"{[round(t, 2) for t in ts]}", flush=True)
-                    res["rows"].append(dict(shape=list(shape), dtype=str(td), layout="nhwc",
-                                            per_sm=per_sm, variant=name, us=us, copy_us=copy_us,
-                                            rounds=ts))
+                key = f"cl {tuple(shape)} {td} per_sm={per_sm}"
+                times = time_rounds(mods, fn, ref, key, summarize_nhwc, res, 16)
+                report(f"cl {str(shape):<20}{str(td):<16}per_sm={per_sm}", times, copy_us,
+                       dict(shape=list(shape), dtype=str(td), layout="nhwc", per_sm=per_sm), res)
     finally:
         GN.RESIDENT_KERNELS, GN.force_path, GN.nhwc_resident_per_sm = saved
         GN._plans.clear()
@@ -159,32 +170,10 @@ def main():
                 if act:
                     ref = F.silu(ref)
                 fn = lambda: go.group_norm(x, 32, w, b, activation=act)  # noqa: E731
-                times = {}
-                for rnd in range(3):
-                    for name, mod in mods.items():
-                        if name.endswith("_trace") and rnd > 0:
-                            continue
-                        GN.RESIDENT_KERNELS = _copy.KernelCache(mod)
-                        GN._plans.clear()
-                        if rnd == 0:
-                            err = float((fn().double() - ref).abs().max())
-                            print(f"{shape} {td} act={act} {name}: max|err| {err:.2e}",
-                                  flush=True)
-                        times.setdefault(name, []).append(graph_replay_us(fn))
-                        if name.endswith("_trace") and rnd == 0:
-                            key = f"{tuple(shape)} {td} act={act}"
-                            summary = summarize(read_trace(mod, fn))
-                            res["traces"][key] = summary
-                            print(f"trace {key}:", flush=True)
-                            for what, v in summary.items():
-                                print(f"  {what:<32} {json.dumps(v)}", flush=True)
-                for name, ts in times.items():
-                    us = statistics.median(ts)
-                    print(f"{str(shape):<20}{str(td):<16}act={str(act):<5} {name:<14}{us:8.2f} us"
-                          f"  copy {copy_us:6.2f} us ({100 * copy_us / us:5.1f}%)  rounds "
-                          f"{[round(t, 2) for t in ts]}", flush=True)
-                    res["rows"].append(dict(shape=list(shape), dtype=str(td), act=act,
-                                            variant=name, us=us, copy_us=copy_us, rounds=ts))
+                times = time_rounds(mods, fn, ref, f"{tuple(shape)} {td} act={act}", summarize,
+                                    res, 32)
+                report(f"{str(shape):<20}{str(td):<16}act={str(act):<5}", times, copy_us,
+                       dict(shape=list(shape), dtype=str(td), act=act), res)
     finally:
         GN.RESIDENT_KERNELS, GN.force_path = saved
         GN._plans.clear()
