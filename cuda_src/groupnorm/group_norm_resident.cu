@@ -105,8 +105,7 @@ group_norm_resident(const T* x, T* y, const T* __restrict__ w, const T* __restri
 // contiguous 16-byte streams, where the channels-last spread / two-pass kernels read slabs of a
 // group's few channels, 80 bytes of each 640-byte row at [2, 64, 64, 320] bf16). Block (n, p):
 //   copy    its run into shared memory, every copy in flight at once (per-thread cp.async, one
-//           commit group per unit; plain loads and stores below sm_80); w and b into shared
-//           memory meanwhile;
+//           commit group per unit; plain loads and stores below sm_80); w and b loaded meanwhile;
 //   stats   the run's (mean, M2) per group in one pass as the copies land: per channel, sums of
 //           d = x - shift and d^2 (the shift one of the channel's values in the run), then Chan's
 //           merge of the channels of each group (nhwc_run_stats);
@@ -411,7 +410,8 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
   const int slots = static_cast<int>(blockDim.x) / lanes;
   for (int g0 = 0; g0 < groups; g0 += slots) {
     const int g = g0 + tid / lanes;
-    const float* gp = pairs + (static_cast<long long>(n) * groups + min(g, groups - 1)) * chunks * 2;
+    const float* gp =
+        pairs + (static_cast<long long>(n) * groups + min(g, groups - 1)) * chunks * 2;
     float sum[2] = {0.0f, 0.0f};
     if (g < groups)
       nhwc_gather_lane(gp, chunks, tid % lanes, lanes, chunk_rows, hw, static_cast<float>(cg), sum);

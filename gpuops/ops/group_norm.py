@@ -157,10 +157,11 @@ AUTO_RESIDENT = False
 # each sample cut into runs of whole rows over a grid of resident blocks, x read once into shared
 # memory, the groups' statistics exchanged between blocks, y written once): auto takes it where it
 # fits and its kernels copy asynchronously (sm_80+), except 16-bit inputs of at most
-# NHWC_COPY_MAX_BYTES (nhwc_spread measured faster there); runs 145-150,
-# benchmarks/notes_groupnorm_copy.md "Round 6". False keeps rule 4's channels-last choice (A/B). force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm asks for more blocks
-# per SM than its 1 (runs 145-146: 2 per SM slower everywhere; the kernel is now compiled for one
-# 512-thread block per SM, 72-80 registers on sm_80+, so the occupancy calculator refuses 2).
+# NHWC_COPY_MAX_BYTES (nhwc_spread measured faster there); runs 145-151,
+# benchmarks/notes_groupnorm_copy.md "Round 6". False keeps rule 4's channels-last choice (A/B).
+# force_path "nhwc_resident" forces it (any arch); nhwc_resident_per_sm asks for more blocks per
+# SM than its 1 (runs 145-146: 2 per SM slower everywhere; the kernel is now compiled for one
+# 512-thread block per SM, 64-80 registers on sm_80+, so the occupancy calculator refuses 2).
 AUTO_NHWC_RESIDENT = True
 nhwc_resident_per_sm: int | None = None
 NHWC_RESIDENT_THREADS = 512         # kNhwcResidentThreads
@@ -452,18 +453,16 @@ def plan_nhwc_resident(n: int, hw: int, c: int, g: int, vec: int, itemsize: int,
     units = c // vec
     if units > NHWC_RESIDENT_THREADS or c % vec or hw < 1 or n < 1:
         return None
-    for res in ((residency,) if residency else (1,)):
-        chunks = min(hw, sms * res // n)
-        if chunks < 1:
-            continue
-        chunk_rows = _cdiv(hw, chunks)
-        chunks = _cdiv(hw, chunk_rows)
-        smem = nhwc_resident_smem(c, g, vec, itemsize, chunk_rows)
-        if smem > optin:
-            continue
-        if n * chunks <= sms * per_sm(smem):
-            return chunks, chunk_rows, smem
-    return None
+    res = residency or 1
+    chunks = min(hw, sms * res // n)
+    if chunks < 1:
+        return None
+    chunk_rows = _cdiv(hw, chunks)
+    chunks = _cdiv(hw, chunk_rows)
+    smem = nhwc_resident_smem(c, g, vec, itemsize, chunk_rows)
+    if smem > optin or n * chunks > sms * per_sm(smem):
+        return None
+    return chunks, chunk_rows, smem
 
 
 def plan_two_pass(groups: int, group_units: int, sms: int):
