@@ -252,10 +252,11 @@ __device__ __forceinline__ void nhwc_wait_flags(const unsigned long long* flags,
 // and its M2 = S1 - S0^2 / N (N = hw * cg) once the lanes' sums are added. Plain sums, not a
 // chain of Chan merges (run 149: welford_merge per chunk and per butterfly level); the shift is
 // one chunk's mean, so what cancels is bounded by the spread of the chunk means around it.
-// kNhwcGatherBatch chunks' loads issued at once.
-__device__ __forceinline__ void nhwc_gather_lane(const float* pairs, int chunks, int first,
-                                                 int step, int chunk_rows, int hw, float cg,
-                                                 float (&sum)[2]) {
+// kNhwcGatherBatch chunks' loads issued at once. Returns s (loaded once: a second load_cg of it
+// for the mean cost another L2 round trip, run 151's stamps).
+__device__ __forceinline__ float nhwc_gather_lane(const float* pairs, int chunks, int first,
+                                                  int step, int chunk_rows, int hw, float cg,
+                                                  float (&sum)[2]) {
   constexpr int B = kNhwcGatherBatch;
   const float s = load_cg(pairs);
   sum[0] = sum[1] = 0.0f;
@@ -277,6 +278,7 @@ __device__ __forceinline__ void nhwc_gather_lane(const float* pairs, int chunks,
       }
     }
   }
+  return s;
 }
 
 // *p loaded where this is written and used later (an asm volatile load stays in place; a plain
@@ -412,9 +414,10 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     const int g = g0 + tid / lanes;
     const float* gp =
         pairs + (static_cast<long long>(n) * groups + min(g, groups - 1)) * chunks * 2;
-    float sum[2] = {0.0f, 0.0f};
+    float sum[2] = {0.0f, 0.0f}, shift = 0.0f;
     if (g < groups)
-      nhwc_gather_lane(gp, chunks, tid % lanes, lanes, chunk_rows, hw, static_cast<float>(cg), sum);
+      shift = nhwc_gather_lane(gp, chunks, tid % lanes, lanes, chunk_rows, hw,
+                               static_cast<float>(cg), sum);
     for (int off = lanes / 2; off > 0; off >>= 1) {   // (a + b == b + a: the same bits everywhere)
       sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], off);
       sum[1] += __shfl_xor_sync(0xffffffffu, sum[1], off);
@@ -422,7 +425,7 @@ group_norm_nhwc_resident(const T* x, T* y, const T* __restrict__ w, const T* __r
     if (g < groups && tid % lanes == 0) {
       const float inv_n = 1.0f / (static_cast<float>(hw) * static_cast<float>(cg));
       const float d = sum[0] * inv_n;
-      grp[2 * g] = load_cg(gp) + d;
+      grp[2 * g] = shift + d;
       const float m2 = fmaxf(sum[1] - sum[0] * d, 0.0f);
       grp[2 * g + 1] = 1.0f / sqrtf(m2 * inv_n + eps);   // correctly rounded, as group_norm.cu
     }
