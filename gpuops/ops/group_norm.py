@@ -37,11 +37,12 @@ Channels-last (auto, sm_80+ kernels):
   larger than NHWC_COPY_MAX_BYTES, where the input fits in the grid's shared memory (~29 MB on an
   H100; C / VEC <= 512): each sample cut into runs of whole rows, one 512-thread block per SM
   holding its run, one-pass shifted statistics per group, the runs' (mean, M2) exchanged through
-  a tagged flag per run, y written once. Runs 145-151: fp32 [2, 64, 64, 320] 14.0 us (18.1 before,
-  torch.compile 15.8), fp32 [4, 32, 32, 1280] 24.0 (40.0, compile 40.1), bf16 [16, 32, 32, 640]
-  25.0 (37.3, compile 30.9).
+  a tagged flag per run, y written once. Runs 145-153: fp32 [2, 64, 64, 320] 13.8 us (18.1 before,
+  torch.compile 15.2), fp32 [4, 32, 32, 1280] 23.6 (40.0, compile 40.0), bf16 [16, 32, 32, 640]
+  24.7 (37.3, compile 30.9).
 * ``group_norm_nhwc_spread`` (two blocks per SM) for 16-bit inputs of at most NHWC_COPY_MAX_BYTES
-  (bf16 [2, 64, 64, 320] 12.5 us against the resident kernel's 12.7).
+  (run 153: bf16 [2, 64, 64, 320] 12.5 us against the resident kernel's 12.4, [4, 32, 32, 1280]
+  14.6 against 16.2).
 * otherwise two passes (statistics per tile of rows x slab of whole groups' channels, then
   normalization), reading x twice; slabs wider than the kernels allow (more than 512 units of
   channels: 16-byte packs, or single elements when C or the pointers are not 16-byte multiples)
