@@ -80,8 +80,8 @@ __device__ __forceinline__ void store_word_relaxed(unsigned long long* p, unsign
 
 // A word published for the whole block that wrote data before it: the writing block's threads
 // store, __syncthreads(), then one thread stores the word with release semantics; a reader
-// acquires the word, and its block reads the data after a __syncthreads() that follows (the
-// pattern of CUTLASS's semaphore). sm_61: full fences around volatile accesses.
+// observes the word (relaxed polls, then fence_acquire_gpu), and its block reads the data after a
+// __syncthreads() that follows (the pattern of CUTLASS's semaphore). sm_61: full fences.
 __device__ __forceinline__ void store_word_release(unsigned long long* p, unsigned long long v) {
 #if __CUDA_ARCH__ >= 700
   asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -100,17 +100,6 @@ __device__ __forceinline__ void fence_acquire_gpu() {
 #else
   __threadfence();
 #endif
-}
-
-__device__ __forceinline__ unsigned long long load_word_acquire(const unsigned long long* p) {
-  unsigned long long v;
-#if __CUDA_ARCH__ >= 700
-  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-#else
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  __threadfence();
-#endif
-  return v;
 }
 
 __device__ __forceinline__ unsigned load_relaxed(const unsigned* p) {

@@ -23,9 +23,6 @@ inline void store_word_release(unsigned long long* p, unsigned long long v) {
   std::atomic_ref<unsigned long long>(*p).store(v, std::memory_order_release);
 }
 inline void fence_acquire_gpu() { std::atomic_thread_fence(std::memory_order_acquire); }
-inline unsigned long long load_word_acquire(const unsigned long long* p) {
-  return std::atomic_ref<unsigned long long>(*const_cast<unsigned long long*>(p)).load(std::memory_order_acquire);
-}
 inline unsigned load_relaxed(const unsigned* p) {
   return std::atomic_ref<unsigned>(*const_cast<unsigned*>(p)).load(std::memory_order_relaxed);
 }
