@@ -8,6 +8,10 @@
 #   gputests   only the GPU tests on the device's arch ($TEST_ARGS appended to pytest)
 #   tests61    the GPU tests again on the compute_61 bundle (.bundle61, carried)
 #   alltests   gputests and tests61 together, one pool of $JOBS pytest processes
+#   shards     every GPU test of $TEST_FILES (default: all), natively (on the prebuilt native
+#              bundle) and on the compute_61 bundle, each arch's tests dealt round-robin into
+#              $SHARDS pytest processes, all at once: the whole suite in one call's 10 minutes
+#              (one file alone, test_gemm or test_attention, took ~9 minutes in a file pool)
 #   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
 #   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
@@ -28,6 +32,12 @@ DETAIL=$OUT/detail
 mkdir -p "$DETAIL"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
+# the driver's JIT cache holds the compute_61 PTX compiled for this GPU, shared by the test processes
+export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
+# the compute_61 bundle travels packed (scripts/prepare_device_run.sh: 54 MB of PTX, 4 MB as xz)
+if [ ! -f .bundle61/manifest.json ] && [ -f .bundle61x/bundle61.tar.xz ]; then
+  tar xJf .bundle61x/bundle61.tar.xz
+fi
 PY=${PY:-python3}
 stages=${*:-tests tests61 bench}
 # every benchmark/experiment command is cut off after $STAGE_TIMEOUT seconds, so that one stuck
@@ -54,7 +64,7 @@ cat "$OUT/env.txt"
 prebuilt=""
 prebuild() {
   [ -n "$prebuilt" ] || [ -n "${GPUOPS_KERNEL_BUNDLE:-}" ] && return
-  arch=$($PY -c "import cupy; d=cupy.cuda.Device(); print(d.compute_capability)")
+  arch=$($PY -c "import cupy; d=cupy.cuda.Device(); print(d.compute_capability)") || { prebuilt=1; return; }
   # sm_90 also takes the arch-specific (90a: wgmma, TMA) modules, or the tests compile them in-process
   [ "$arch" = 90 ] && arch=90,90a
   start=$(date +%s)
@@ -109,6 +119,40 @@ for stage in $stages; do
         done >> "$OUT/failures_${tag}.txt"
         grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1
       done ;;
+    shards)
+      prebuild
+      b61=${BUNDLE61:-.bundle61}
+      [ -f "$b61/manifest.json" ] || { echo "no $b61: bash scripts/prepare_device_run.sh"; status=1; continue; }
+      $PY -m pytest -m gpu --co -q -p no:cacheprovider ${TEST_FILES:-tests} ${TEST_K:+-k "$TEST_K"} 2>/dev/null \
+        | grep '::' > "$DETAIL/gpu_test_ids.txt"
+      mapfile -t ids < "$DETAIL/gpu_test_ids.txt"
+      n=${#ids[@]}; shards=${SHARDS:-7}
+      echo "${n} GPU tests, ${shards} shards per arch"
+      for tag in native sm61; do
+        envs=()
+        [ "$tag" = sm61 ] && envs=(GPUOPS_KERNEL_BUNDLE="$PWD/$b61" GPUOPS_ARCH=61)
+        for ((s = 0; s < shards; s++)); do
+          sel=()
+          for ((i = s; i < n; i += shards)); do sel+=("${ids[i]}"); done
+          (
+            start=$(date +%s); log="$DETAIL/${tag}_shard$s.log"
+            env "${envs[@]}" timeout -k 5 "${FILE_TIMEOUT:-540}" $PY -m pytest -v -rfE --tb=short \
+              -p no:cacheprovider --durations=10 --junitxml="$DETAIL/${tag}_shard$s.xml" "${sel[@]}" > "$log" 2>&1
+            echo "$tag shard$s rc=$? $(( $(date +%s) - start ))s $(tail -1 "$log")"
+          ) &
+        done
+      done
+      wait
+      sleep 0.2
+      for tag in native sm61; do
+        grep -h "^FAILED\|^ERROR" "$DETAIL"/${tag}_shard*.log > "$OUT/failures_${tag}.txt" 2>/dev/null
+        for l in "$DETAIL"/${tag}_shard*.log; do
+          grep -q "^FAILED\|^ERROR" "$l" && { echo "##### $l"; sed -n '/= FAILURES =/,$p;/= ERRORS =/,$p' "$l" | head -c 60000; }
+        done >> "$OUT/failures_${tag}.txt"
+        grep -q "^FAILED\|^ERROR" "$OUT/failures_${tag}.txt" && status=1
+      done
+      # a shard cut off by its timeout prints no summary: its last test ids say where it stopped
+      $PY scripts/shard_summary.py "$DETAIL" | tee "$OUT/tests_summary.txt" ;;
     bench)
       prebuild
       $T $PY -m gpuops bench ${BENCH_ARGS:---runtime} --json "$OUT/bench.json" 2>&1 | tee "$DETAIL/bench.log" || status=1 ;;
