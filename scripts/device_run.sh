@@ -34,10 +34,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export GPUOPS_CACHE_DIR=${GPUOPS_CACHE_DIR:-/tmp/gpuops-cache}
 # the driver's JIT cache holds the compute_61 PTX compiled for this GPU, shared by the test processes
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
-# the compute_61 bundle travels packed (scripts/prepare_device_run.sh: 54 MB of PTX, 4 MB as xz)
-if [ ! -f .bundle61/manifest.json ] && [ -f .bundle61x/bundle61.tar.xz ]; then
-  tar xJf .bundle61x/bundle61.tar.xz
-fi
+# bundles travel packed (scripts/prepare_device_run.sh: the compute_61 bundle's 54 MB of PTX are
+# 4 MB as xz): .bundleNAMEx/bundleNAME.tar.xz unpacks into .bundleNAME unless that travelled too
+for packed in .bundle*x/bundle*.tar.xz; do
+  [ -f "$packed" ] || continue
+  name=$(basename "$packed" .tar.xz)
+  [ -f ".$name/manifest.json" ] || tar xJf "$packed"
+done
 PY=${PY:-python3}
 stages=${*:-tests tests61 bench}
 # every benchmark/experiment command is cut off after $STAGE_TIMEOUT seconds, so that one stuck

@@ -133,3 +133,30 @@ def test_kernel_time_breakdown_per_call(monkeypatch):
     monkeypatch.setattr(B, "_kernel_records", lambda fn, calls: records)
     assert B.kernel_times_us(None, calls=2) == {"stats": 31.0, "apply": 41.0}
     assert B.kernel_us(None, calls=2) == (72.0, 2.0)
+
+
+def test_shard_summary_counts_every_dealt_test(tmp_path):
+    """scripts/shard_summary.py (device_run.sh's 'shards' stage): per arch tag and file, the
+    outcomes that `pytest -v` printed, and every test dealt to a shard that printed none (a shard
+    cut off by its timeout) counted as not run, ids with spaces included."""
+    import importlib.util  # noqa: PLC0415
+    spec = importlib.util.spec_from_file_location(
+        "shard_summary", Path(__file__).resolve().parents[1] / "scripts/shard_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ids = ["tests/test_a.py::test_x[1, 2]", "tests/test_a.py::test_y", "tests/test_b.py::test_z",
+           "tests/test_b.py::test_w"]
+    (tmp_path / "gpu_test_ids.txt").write_text("\n".join(ids) + "\n")
+    (tmp_path / "native_shard0.log").write_text(
+        "tests/test_a.py::test_x[1, 2] PASSED                        [ 50%]\n"
+        "tests/test_b.py::test_z SKIPPED (no clusters)              [100%]\n"
+        "FAILED tests/test_a.py::test_y - AssertionError\n")
+    (tmp_path / "native_shard1.log").write_text(
+        "tests/test_a.py::test_y FAILED                              [ 50%]\n")
+    (tmp_path / "sm61_shard0.log").write_text(
+        "".join(f"{i} PASSED [ 25%]\n" for i in ids))
+    lines = mod.summarize(tmp_path).splitlines()
+    assert "native  test_a                       1 failed, 1 passed" in lines
+    assert "native  test_b                       1 not run, 1 skipped" in lines
+    assert "native  ALL                          1 failed, 1 not run, 1 passed, 1 skipped" in lines
+    assert "sm61    ALL                          4 passed" in lines
