@@ -210,5 +210,6 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
-tar czf "$OUT/detail.tgz" -C "$OUT" detail && rm -rf "$DETAIL"
+# named by the stages, so that a second device_run.sh in the same call keeps the first one's logs
+tar czf "$OUT/detail_${stages// /_}.tgz" -C "$OUT" detail && rm -rf "$DETAIL"
 exit $status
