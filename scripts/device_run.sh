@@ -128,7 +128,12 @@ for stage in $stages; do
       [ -f "$b61/manifest.json" ] || { echo "no $b61: bash scripts/prepare_device_run.sh"; status=1; continue; }
       $PY -m pytest -m gpu --co -q -p no:cacheprovider ${TEST_FILES:-tests} ${TEST_K:+-k "$TEST_K"} 2>/dev/null \
         | grep '::' > "$DETAIL/gpu_test_ids.txt"
-      mapfile -t ids < "$DETAIL/gpu_test_ids.txt"
+      # dealt in a shuffled order (fixed seed): pytest runs the ids in the order given, so each
+      # shard gets a mix of every file instead of all shards starting on the slow attention
+      # files (run 154: 460 s went on test_attention*, every other file NOT RUN)
+      $PY -c "import random, sys; ids = open(sys.argv[1]).read().splitlines(); random.Random(0).shuffle(ids); print(*ids, sep=chr(10))" \
+        "$DETAIL/gpu_test_ids.txt" > "$DETAIL/gpu_test_ids_dealt.txt"
+      mapfile -t ids < "$DETAIL/gpu_test_ids_dealt.txt"
       n=${#ids[@]}; shards=${SHARDS:-7}
       echo "${n} GPU tests, ${shards} shards per arch"
       for tag in native sm61; do
@@ -203,6 +208,8 @@ for stage in $stages; do
         read -ra words <<< "$e"
         [ ${#words[@]} -gt 0 ] || continue
         name=$(basename "${words[0]}" .py)
+        # the same script twice (other arguments): exp_<script>_2, _3, ...
+        k=2; base=$name; while [ -e "$DETAIL/exp_$name.log" ]; do name=${base}_$k; k=$((k + 1)); done
         echo "--- $e"
         $T $PY "benchmarks/experiments/${words[0]}" "${words[@]:1}" --json "$DETAIL/exp_$name.json" 2>&1 \
           | tee "$DETAIL/exp_$name.log" || status=1

@@ -20,6 +20,7 @@ stream and CUDA graph capture at decode size, CuPy and NumPy inputs.
 from __future__ import annotations
 
 import dataclasses
+import types
 from math import prod
 
 import numpy as np
@@ -1132,6 +1133,90 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("depth", [2, 3, 8])
+def test_emulated_stream_rows(emulated, dtype, depth, rng, monkeypatch):
+    """STREAM_ROWS = "on" (norm_stream.cuh: a warp per row, rows landing in a ring of `depth`
+    shared-memory stages by cp.async; the emulator lands a copy only at the wait that covers
+    it, so a miscounted wait reads a stage's stale row): 2 warps per block on the emulated 4
+    blocks, so warps walk several rows and the ring wraps (37 rows); fewer rows than warps (3);
+    rows of one unit (fp32 n = 8: two); rows of one warp's plan (24); rows padded past n
+    (16-byte aligned stride); single elements (offset rows), and rows whose stages do not fit
+    (fp32 4096 at depth 8), keep the per-block kernels."""
+    monkeypatch.setattr(N, "STREAM_ROWS", "on")
+    monkeypatch.setattr(N, "STREAM_WARPS", 2)
+    monkeypatch.setattr(N, "STREAM_DEPTH", depth)
+    dev = emulated
+    d = dt.BY_NAME[dtype]
+    vec = 16 // d.itemsize
+    for shape, layout in (((37, 1000), "contig"), ((3, 4096), "contig"), ((9, 8), "contig"),
+                          ((6, 24), "contig"), ((7, 520), "padded"), ((5, 2056), "offset")):
+        x, w, b, r = _emu_case(rng, shape, dtype)
+        if layout == "padded":
+            wide = np.zeros((shape[0], shape[1] + 3 * vec), x.dtype)
+            wide[:, :shape[1]] = x
+            x = wide[:, :shape[1]]
+        else:
+            x = emu.strided(x, layout)
+        emu.Device.launches = []
+        _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {layout} stream depth {depth}")
+        stream = [launch for launch in emu.Device.launches if "_stream<" in launch[0]]
+        fits = [16 * (shape[1] // vec) * (params + 2 * depth * sources) <= 227 * 1024
+                for params, sources in ((2, 1), (2, 1), (1, 1), (1, 1), (1, 2))]
+        streams = layout != "offset" and shape[1] % vec == 0
+        assert len(stream) == (sum(fits) if streams else 0), (shape, layout)
+        for name, grid, block, smem in ((lt[0], lt[1], lt[2], lt[3]) for lt in stream):
+            assert block[0] == 64 and grid[0] == min(4, -(-shape[0] // 2)), (name, grid)
+            params, sources = (2, 1) if "layer_norm" in name else (1, 2 if "true>" in name else 1)
+            assert smem == 16 * (shape[1] // vec) * (params + 2 * depth * sources), name
+    # in place: y over x (the rows ahead of each warp are other rows)
+    x, w, _, _ = _emu_case(rng, (11, 256), dtype)
+    want = N.ref_rms_norm(_f64(x), (256,), _f64(w), 1e-6)
+    xt = dev.tensor(x.copy())
+    from gpuops import registry  # noqa: PLC0415
+    registry.get("rms_norm").impl(dev.call("rms_norm", d), xt, (256,), dev.tensor(w), 1e-6,
+                                  out=xt)
+    assert_close(_f64(np.asarray(xt.obj)), want, dtype, "rms_norm stream in place")
+
+
+@needs_emu
+def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
+    """STREAM_ROWS = "auto" takes the stream kernel from STREAM_MIN_ROWS rows per warp of its
+    grid on (the emulated device: 4 blocks of 16 warps at n = 1024 bf16, stream_config's pick),
+    never for rows of one warp's plan or on a device without cp.async (cc 75)."""
+    monkeypatch.setattr(N, "STREAM_ROWS", "auto")
+    monkeypatch.setattr(N, "STREAM_MIN_ROWS", 1)
+    dev = emulated
+    for rows, n, cc, expected in ((64, 1024, 90, True), (63, 1024, 90, False),
+                                  (64, 1024, 75, False), (400, 16, 90, False)):
+        monkeypatch.setattr(N.device, "device_info", lambda dv, cc=cc: types.SimpleNamespace(
+            sm_count=2, max_smem_per_block_optin=227 * 1024, cc=cc))
+        monkeypatch.setattr(N, "_plans", {})
+        x, w, b, _ = _emu_case(rng, (rows, n), "bfloat16")
+        emu.Device.launches = []
+        (y,) = _emu_run(dev, "layer_norm", "bfloat16", x, (n,), w, b)
+        ry, _, _ = N.ref_layer_norm_forward(_f64(x), (n,), _f64(w), _f64(b), 1e-5)
+        assert_close(_f64(y), ry, "bfloat16", f"layer_norm auto {rows} x {n}")
+        (name,) = [launch[0] for launch in emu.Device.launches]
+        assert ("_stream<" in name) == expected, (rows, n, cc, name)
+
+
+def test_stream_config_fills_shared_memory_to_the_in_flight_aim():
+    """stream_config on an H100/H200-like SM (227 KiB per block, 228 KiB and 64 warps per SM):
+    16-bit layer_norm at 4096 takes 8 warps x 3 stages (128 KiB in flight per SM); fp32 4 x 3;
+    fp32 add_rms_norm (two rows per stage) 2 warps x 3; rows too long for two stages: None."""
+    def per_sm(threads, smem):
+        return min(228 * 1024 // (smem + 1024), 2048 // threads)
+    limit = 227 * 1024
+    assert N.stream_config(512, 2, 1, limit, per_sm)[:2] == (8, 3)          # bf16 layer_norm
+    assert N.stream_config(1024, 2, 1, limit, per_sm)[:2] == (4, 3)         # fp32 layer_norm
+    assert N.stream_config(1024, 1, 2, limit, per_sm)[:2] == (2, 3)         # fp32 add_rms_norm
+    warps, depth, smem, blocks = N.stream_config(128, 1, 1, limit, per_sm)  # 2 KB rows
+    assert blocks * warps * (depth - 1) * 2048 >= N.STREAM_INFLIGHT and smem <= limit
+    assert N.stream_config(8192, 2, 1, limit, per_sm) is None                # 128 KB rows
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
     """WHOLE_ROWS = "auto": layer_norm_two_pass where the rows fit in one wave of its blocks (the
     emulated device holds 4), else layer_norm_compact where that applies, else layer_norm_fwd."""
@@ -1637,6 +1722,59 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
         _check_ln(x, None, None, dtype, what + " no affine")
         _check_ln_far(_randn(shape, dtype, 1.0, 300.0), w, b, dtype, what + " mean 300")
     assert used >= (0 if whole_rows == "per_row" else 1)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, (2, 2), (4, 5), (16, 2)],
+                         ids=lambda c: "auto" if c is None else f"{c[0]}x{c[1]}")
+def test_gpu_stream_rows(config, dtype, monkeypatch):
+    """The stream plan (norm_stream.cuh) on this device under STREAM_ROWS = "on", at
+    stream_config's pick and forced (warps, depth): every forward op; more rows than the grid's
+    warps x depth (the ring wraps), fewer rows than warps, 16-byte units of odd counts, a
+    row-strided input, out=, in place, rows at mean 300; outputs NaN-poisoned. Under "auto",
+    [8192, 4096] takes it where the module copies asynchronously (an sm_80+ build)."""
+    monkeypatch.setattr(N, "STREAM_ROWS", "on")
+    monkeypatch.setattr(N, "STREAM_WARPS", None if config is None else config[0])
+    monkeypatch.setattr(N, "STREAM_DEPTH", None if config is None else config[1])
+    dev = torch.cuda.current_device()
+    d = dt.BY_NAME[dtype]
+    vec = 16 // d.itemsize
+    ran = 0
+    for shape in ((3000, 4096), (5, 4096), (300, 1000), (77, 24), (40, 8192)):
+        n = shape[-1]
+        plans = {k: N._stream_plan(k, N._plan(k, d, vec, n, dev), d, vec, n, shape[0], dev)
+                 for k in ("layer_norm", "rms_norm", "add_rms_norm")}
+        ran += sum(p is not None for p in plans.values())
+        if config is not None:
+            assert all(p is None or (p.warps, p.depth) == config for p in plans.values())
+        what = f"{shape} {dtype} stream {config}"
+        x, w, b = _ln_case(shape, dtype)
+        r = _randn(shape, dtype, 1.0, 0.0)
+        _poison_allocator(x, x, x)
+        _check_ln(x, w, b, dtype, what, out=torch.full_like(x, float("nan")))
+        _check_ln(x, None, None, dtype, what + " no affine")
+        _check_ln_far(_randn(shape, dtype, 1.0, 300.0), w, b, dtype, what + " mean 300")
+        _poison_allocator(x, x, x)
+        _check_rms(x, w, dtype, what)
+        _check_rms(x, None, dtype, what + " no weight")
+        _check_add(x, r, w, dtype, what)
+    assert ran >= 6              # (16 warps x 2 stages fit rows of 1000 and 24 only)
+    wide = _randn((700, 4104), dtype)
+    x = wide[:, 8:8 + 4096]                      # row-strided view, 16-byte aligned
+    w, b = _randn((4096,), dtype), _randn((4096,), dtype)
+    _check_ln(x, w, b, dtype, "row-strided stream")
+    _check_add(x, _randn((700, 4096), dtype), w, dtype, "row-strided stream")
+    xc = x.contiguous()
+    expected = N.ref_rms_norm(_np(xc), 4096, _np(w), 1e-6)
+    assert go.rms_norm(xc, 4096, w, 1e-6, out=xc) is xc
+    assert_close(_np(xc), expected, dtype, "stream in place")
+    monkeypatch.setattr(N, "STREAM_ROWS", "auto")
+    plan = N._plan("layer_norm", d, vec, 4096, dev)
+    auto = N._stream_plan("layer_norm", plan, d, vec, 4096, 8192, dev)
+    if config is None:
+        assert (auto is not None) == N.copies_async(N.LAYER_NORM_MODULE, dev)
 
 
 @gpu

@@ -8,6 +8,7 @@
 // Row layout and phases: norms/norm_rows.cuh.
 #include "norms/norm_rows.cuh"
 #include "norms/norm_ring.cuh"
+#include "norms/norm_stream.cuh"
 #include "common/pdl.cuh"
 
 namespace gpuops {
@@ -427,6 +428,85 @@ rms_norm_resident(const T* x, long long x_stride, const T* r, long long r_stride
                                         rstd_out, n, eps);
   resident_rows<RmsNormRing<T, VEC, PACKS, false>::kPollBatch>(
       pol, rows, n / VEC, C, D, state, reinterpret_cast<unsigned char*>(ring_smem));
+}
+
+// rms_norm's (kAdd: add_rms_norm's) rows for stream_rows (norms/norm_stream.cuh): w (when given)
+// in shared memory; a stage holds x's row, then (kAdd) r's. kAdd: h = x + r rounded to T is
+// stored and written back over x's units of the stage, and the statistics use it as stored (as
+// rms_norm_fwd); y = v * rstd * w as scale_store_unit.
+template <class T, int VEC, bool kAdd>
+struct RmsNormStream {
+  static constexpr int kParams = 1;
+  static constexpr int kSources = kAdd ? 2 : 1;
+  using R = RawUnit<T, VEC>;
+  const T* x;
+  long long x_stride;
+  const T* r;
+  long long r_stride;
+  T* y;
+  long long y_stride;
+  T* h;
+  long long h_stride;
+  const T* w;
+  float* rstd_out;
+  float inv_n, eps;
+
+  __device__ __forceinline__ void load_params(uint4* smem, int units) const {
+    stream_params<T, VEC>(smem, w, units);
+  }
+  __device__ __forceinline__ void issue(uint4* stage, long long row, int lane, int units) const {
+    stream_issue_row<T, VEC>(stage, x + row * x_stride, lane, units);
+    if (kAdd) stream_issue_row<T, VEC>(stage + units, r + row * r_stride, lane, units);
+  }
+  __device__ __forceinline__ void work(uint4* stage, const uint4* params, long long row,
+                                       int lane, int units) const {
+    float ss = 0.0f;
+    T* h_row = kAdd ? h + row * h_stride : nullptr;
+#pragma unroll 4
+    for (int u = lane; u < units; u += 32) {
+      float f[VEC];
+      R::unpack(stage[u], f);
+      if (kAdd) {
+        float t[VEC];
+        R::unpack(stage[units + u], t);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] += t[j];
+        const uint4 rounded = R::pack(f);
+        store16(h_row + static_cast<long long>(u) * VEC, rounded);
+        stage[u] = rounded;
+        R::unpack(rounded, f);
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) ss = fmaf(f[j], f[j], ss);
+    }
+    const float rstd = rsqrtf(warp_sum(ss) * inv_n + eps);
+    if (rstd_out != nullptr && lane == 0) rstd_out[row] = rstd;
+    T* y_row = y + row * y_stride;
+#pragma unroll 4
+    for (int u = lane; u < units; u += 32) {
+      float f[VEC];
+      R::unpack(stage[u], f);
+      scale_store_unit<T, VEC>(f, rstd, params[u], w != nullptr,
+                               y_row + static_cast<long long>(u) * VEC);
+    }
+  }
+};
+
+// Whole rows streamed through shared memory, a warp per row (norms/norm_stream.cuh; 16-byte
+// units, n >= VEC): arguments as rms_norm_fwd's without the split-row ones; D stages per warp in
+// (1 + blockDim.x / 32 * D * (kAdd ? 2 : 1)) * n / VEC * 16 bytes of dynamic shared memory. Any
+// grid.
+template <class T, int VEC, bool kAdd>
+__global__ void __launch_bounds__(512, 1)
+rms_norm_stream(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
+                long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
+                float* rstd_out, long long rows, int n, int D, float eps) {
+  static_assert(VEC > 1, "16-byte units");
+  pdl_start();
+  extern __shared__ uint4 ring_smem[];
+  const RmsNormStream<T, VEC, kAdd> pol{x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
+                                        rstd_out, 1.0f / static_cast<float>(n), eps};
+  stream_rows(pol, rows, n / VEC, D, ring_smem);
 }
 
 }  // namespace gpuops

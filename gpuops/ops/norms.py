@@ -60,6 +60,12 @@ COLS_APPLY_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr"
 # The ring2 kernels: the forward arguments with one `state` pointer for partials and counters.
 LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
                         "i32", "i32", "i32", "f32")
+# The stream kernels (norm_stream.cuh): layer_norm_stream (x, xs, y, ys, w, b, mean, rstd, rows,
+# n, D, eps); rms_norm_stream (x, xs, r, rs, y, ys, h, hs, w, rstd, rows, n, D, eps).
+LN_STREAM_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64", "i32",
+                         "i32", "f32")
+RMS_STREAM_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
+                          "i64", "i32", "i32", "f32")
 RMS_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
                          "ptr", "i64", "i32", "i32", "i32", "f32")
 
@@ -209,6 +215,23 @@ WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
+# Whole rows of layer_norm, rms_norm and add_rms_norm on 16-byte units, streamed through shared
+# memory a warp per row (norm_stream.cuh: each warp's next STREAM depth - 1 rows in flight by
+# cp.async while it works on one; for GPUs whose bandwidth per SM outruns what register-landed
+# rows keep in flight: H200 run 154, layer_norm bf16 [32768, 4096] 77% of copy, Liger 91%):
+#   "auto"  where the module copies asynchronously (sm_80+), a (warps, depth) fits in shared
+#           memory, and every warp of the grid gets at least STREAM_MIN_ROWS rows (below that
+#           the per-block parameter copy and the pipeline's fill are not paid back)
+#   "on"    wherever it fits (any arch; tests), "off" never.
+STREAM_ROWS_PLANS = ("auto", "on", "off")
+STREAM_ROWS = "auto"
+STREAM_MIN_ROWS = 4
+# (warps per block, stages per warp) of the stream plan: None picks (stream_config); ints force
+# one for A/B runs (benchmarks/experiments/norms_stream.py).
+STREAM_WARPS = None
+STREAM_DEPTH = None
+# stream_config's aim: this many bytes of loads in flight per SM (the most warps that reach it).
+STREAM_INFLIGHT = 128 * 1024
 
 
 def _vec_width(d) -> int:
@@ -273,6 +296,12 @@ _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
 _RING2_EXPRS = {k.name: _ring_exprs(k, k.ring2_template) for k in TUNING.values()}
 _RESIDENT_EXPRS = {k.name: _ring_exprs(k, k.resident_template, (None,)) for k in TUNING.values()}
+# The stream kernels (norm_stream.cuh: whole rows, a warp per row, landing in shared memory),
+# 16-byte units only: kind -> dtype -> kernel.
+_STREAM_EXPRS = {
+    "layer_norm": {d: f"gpuops::layer_norm_stream<{d.ctype}, {_vec_width(d)}>" for d in dt.FLOATS},
+    **{k: {d: f"gpuops::rms_norm_stream<{d.ctype}, {_vec_width(d)}, {add}>" for d in dt.FLOATS}
+       for k, add in (("rms_norm", "false"), ("add_rms_norm", "true"))}}
 _WGRAD_EXPRS = {d: f"gpuops::norm_weight_grad<{d.ctype}>" for d in dt.FLOATS}
 _COLS_EXPRS = {(layer, d, v): tuple(f"gpuops::norm_bwd_cols_{step}<{d.ctype}, {v}, "
                                     f"{'true' if layer else 'false'}>"
@@ -287,13 +316,16 @@ LAYER_NORM_MODULE = KernelModule(
      **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS)
         for e in table.values()},
      **{e: LN_RING2_ARGS for table in (_RING2_EXPRS, _RESIDENT_EXPRS)
-        for e in table["layer_norm"].values()}}, pdl=True)
+        for e in table["layer_norm"].values()},
+     **{e: LN_STREAM_ARGS for e in _STREAM_EXPRS["layer_norm"].values()}}, pdl=True)
 RMS_NORM_MODULE = KernelModule(
     "norms.rms_norm", "norms/rms_norm.cu",
     {**{e: RMS_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS, _ROWS_EXPRS)
         for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
      **{e: RMS_RING2_ARGS for table in (_RING2_EXPRS, _RESIDENT_EXPRS)
-        for k in ("rms_norm", "add_rms_norm") for e in table[k].values()}}, pdl=True)
+        for k in ("rms_norm", "add_rms_norm") for e in table[k].values()},
+     **{e: RMS_STREAM_ARGS for k in ("rms_norm", "add_rms_norm")
+        for e in _STREAM_EXPRS[k].values()}}, pdl=True)
 BACKWARD_MODULE = KernelModule(
     "norms.backward", "norms/norm_backward.cu",
     {**{e: BWD_ARGS for k in ("layer_norm_bwd", "rms_norm_bwd") for e in _EXPRS[k].values()},
@@ -609,6 +641,82 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     return hit
 
 
+@dataclass
+class StreamPlan:
+    """A stream kernel (norm_stream.cuh) for one row length: `warps` warps per block, `depth`
+    stages per warp in `smem` bytes of dynamic shared memory, `capacity` blocks resident."""
+    kernel: object
+    warps: int
+    depth: int
+    smem: int
+    capacity: int
+
+
+def stream_config(units: int, params: int, sources: int, limit: int, per_sm,
+                  warps_options=(2, 4, 8, 16), depth_options=range(2, 9),
+                  inflight: int = STREAM_INFLIGHT):
+    """(warps, depth, smem, blocks per SM) of a stream kernel for rows of `units` 16-byte units
+    (`params` parameter vectors, `sources` rows per stage), or None where none fits in `limit`
+    bytes per block: the most bytes in flight per SM ((depth - 1) stages per warp), counted up to
+    `inflight`; then the most warps per SM; then the fewest stages; then the fewest blocks (one
+    copy of the parameters per block). per_sm(threads, smem): the occupancy calculator's blocks
+    per SM (0: none)."""
+    best = None
+    for warps in warps_options:
+        for depth in depth_options:
+            smem = 16 * units * (params + warps * depth * sources)
+            if smem > limit:
+                continue
+            blocks = per_sm(warps * 32, smem)
+            if blocks < 1:
+                continue
+            flight = blocks * warps * (depth - 1) * 16 * units * sources
+            score = (min(flight, inflight), blocks * warps, -depth, -blocks)
+            if best is None or score > best[0]:
+                best = (score, (warps, depth, smem, blocks))
+    return None if best is None else best[1]
+
+
+def _stream_plan(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int, dev: int):
+    """The StreamPlan for `rows` whole rows of n elements of a forward op (`plan`: its
+    per-block Plan), or None where the per-block kernels run: STREAM_ROWS; single-element units;
+    split rows (plan.C > 1); "auto" and rows of one warp (plan.block[1] > 1: not measured yet);
+    rows too long for two stages."""
+    if STREAM_ROWS not in STREAM_ROWS_PLANS:
+        raise ValueError(f"gpuops.ops.norms.STREAM_ROWS = {STREAM_ROWS!r}: one of "
+                         f"{STREAM_ROWS_PLANS}")
+    if STREAM_ROWS == "off" or vec == 1 or n < vec or plan.C != 1:
+        return None
+    if STREAM_ROWS == "auto" and plan.block[1] != 1:
+        return None
+    module = _MODULE_OF[kind_name]
+    if STREAM_ROWS == "auto" and not copies_async(module, dev):
+        return None
+    key = ("stream", kind_name, dtype, n, dev, STREAM_WARPS, STREAM_DEPTH, STREAM_INFLIGHT)
+    if key not in _plans:
+        kernel = loader.load(module, dev).kernel(_STREAM_EXPRS[kind_name][dtype])
+        info = device.device_info(dev)
+        params, sources = {"layer_norm": (2, 1), "rms_norm": (1, 1),
+                           "add_rms_norm": (1, 2)}[kind_name]
+        found = stream_config(
+            n // vec, params, sources, max(48 * 1024, info.max_smem_per_block_optin),
+            lambda threads, smem: _resident_per_sm(kernel, threads, smem),
+            (STREAM_WARPS,) if STREAM_WARPS else (2, 4, 8, 16),
+            (STREAM_DEPTH,) if STREAM_DEPTH else range(2, 9))
+        _plans[key] = None if found is None else StreamPlan(
+            kernel, found[0], found[1], found[2], found[3] * info.sm_count)
+    stream = _plans[key]
+    if stream is None or (STREAM_ROWS == "auto"
+                          and rows < STREAM_MIN_ROWS * stream.capacity * stream.warps):
+        return None
+    return stream
+
+
+def stream_grid(plan: StreamPlan, rows: int) -> int:
+    """Blocks of a stream launch: one resident wave, or fewer where the rows leave warps idle."""
+    return max(1, min(plan.capacity, -(-rows // plan.warps)))
+
+
 def copies_async(module, dev: int) -> bool:
     """Whether `module` runs cp.async here: built for sm_80+ (GPUOPS_ARCH=61 on an H100 loads
     Pascal PTX, whose "resident" copies are plain loads and stores: correct, not a speed path)."""
@@ -870,6 +978,12 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
                            _ptr(w), _ptr(b), mp, rp, partials, counters, rows, n, ring.C,
                            ring.depth, eps, smem=ring.smem)
         return y, mean, rstd
+    stream = _stream_plan("layer_norm", plan, dtype, vec, n, rows, call.device)
+    if stream is not None:
+        stream.kernel.launch((stream_grid(stream, rows), 1, 1), (32 * stream.warps, 1, 1),
+                             call.stream, x.ptr, xs, y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean),
+                             _ptr(rstd), rows, n, stream.depth, eps, smem=stream.smem)
+        return y, mean, rstd
     whole = _whole_rows_plan(plan, dtype, vec, call.device, rows)
     if whole is not None:
         whole.kernel.launch((min(rows, (1 << 31) - 1), 1, 1), whole.block, call.stream, x.ptr, xs,
@@ -926,6 +1040,12 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
         ring.kernel.launch((grid, 1, 1), (ring.threads, 1, 1), call.stream, x.ptr, xs, _ptr(r),
                            rs, y.ptr, ys, _ptr(h), hs, _ptr(w), rp, partials, counters, rows, n,
                            ring.C, ring.depth, eps, smem=ring.smem)
+        return y, h, rstd
+    stream = _stream_plan(kind, plan, dtype, vec, n, rows, call.device)
+    if stream is not None:
+        stream.kernel.launch((stream_grid(stream, rows), 1, 1), (32 * stream.warps, 1, 1),
+                             call.stream, x.ptr, xs, _ptr(r), rs, y.ptr, ys, _ptr(h), hs, _ptr(w),
+                             _ptr(rstd), rows, n, stream.depth, eps, smem=stream.smem)
         return y, h, rstd
     plan, grid, phases = _grid(plan, rows, False)
     rows_plan = _decode_rows_plan(kind, plan, dtype, vec, rows, call.device)

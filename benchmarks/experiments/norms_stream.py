@@ -1,0 +1,138 @@
+"""Whole rows of layer_norm / rms_norm / add_rms_norm: the stream plan (norm_stream.cuh, a warp
+per row, each warp's next rows landing in shared memory by cp.async) against the per-block kernels
+(STREAM_ROWS="off": layer_norm_compact, rms_norm_fwd) and the peers (torch eager, torch.compile,
+Liger), same inputs, same run, CUDA-graph replay (5 calls per graph, median of 20 replays).
+
+Configs (--configs): off, auto (stream_config's pick), and forced WxD (STREAM_WARPS=W,
+STREAM_DEPTH=D; skipped where the stages do not fit). Each stream row also prints the largest
+difference from the "off" output (both rounded to the dtype: 0 or one rounding step expected,
+the sums' order differs).
+
+Floors (H200, run 154's copy 4225 GB/s): [32768, 4096] bf16 x in + y out 537 MB -> 127 us, fp32
+254 us; add_rms_norm twice. Run 154 (off): layer_norm bf16 164.4 us (Liger 139.9), rms_norm bf16
+140.4 (Liger 130.4), fp32 layer_norm 264.2 / rms_norm 264.4 (torch.compile 253.3 / 252.9).
+Prediction (benchmarks/notes_norms.md, "The stream plan"): the auto config within 3% of copy
+bandwidth for every op and dtype at [32768, 4096]: bf16 layer_norm and rms_norm 128-133 us.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+sys.path.insert(0, ".")
+
+import gpuops as go  # noqa: E402
+from gpuops import dtypes as dt  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us, write_rows_json  # noqa: E402
+from gpuops.ops import norms as N  # noqa: E402
+from gpuops.runtime import device  # noqa: E402
+
+sys.path.insert(0, "benchmarks/experiments")
+from norms_long_rows import _norm_peers  # noqa: E402
+
+KNOBS = ("STREAM_ROWS", "STREAM_WARPS", "STREAM_DEPTH")
+
+
+class _Config:
+    """Sets STREAM_ROWS / STREAM_WARPS / STREAM_DEPTH for one config ("off", "auto", "WxD")."""
+
+    def __init__(self, name):
+        if name in ("off", "auto"):
+            self.values = dict(STREAM_ROWS=name, STREAM_WARPS=None, STREAM_DEPTH=None)
+        else:
+            warps, depth = (int(v) for v in name.split("x"))
+            self.values = dict(STREAM_ROWS="on", STREAM_WARPS=warps, STREAM_DEPTH=depth)
+
+    def __enter__(self):
+        self.saved = {k: getattr(N, k) for k in KNOBS}
+        for k, v in self.values.items():
+            setattr(N, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(N, k, v)
+        return False
+
+
+def _describe(kind, d, shape):
+    """The stream plan the current config takes ('' where the per-block kernels run)."""
+    n = shape[-1]
+    vec = 16 // d.itemsize
+    plan = N._plan(kind, d, vec, n, 0)
+    s = N._stream_plan(kind, plan, d, vec, n, shape[0], 0)
+    if s is None:
+        return ""
+    sms = device.device_info(0).sm_count
+    regs = getattr(getattr(s.kernel, "raw", None), "num_regs", "?")
+    return (f"stream {s.warps} warps x {s.depth} stages, {s.smem // 1024} KiB, "
+            f"{s.capacity // sms} blocks/SM, grid {N.stream_grid(s, shape[0])}, {regs} regs")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--configs", default="off,auto,2x3,4x3,4x4,8x2,8x3,16x2")
+    ap.add_argument("--shapes", default="32768x4096,65536x2048,16384x8192,131072x1024")
+    ap.add_argument("--dtypes", default="bfloat16,float32,float16")
+    ap.add_argument("--peers", default="torch,torch.compile,liger")
+    args = ap.parse_args()
+    torch_dtypes = [dt.BY_NAME[s] for s in args.dtypes.split(",") if s]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    configs = [c for c in args.configs.split(",") if c]
+    peers = [p for p in args.peers.split(",") if p]
+    fw = _Framework()
+    torch = fw.torch
+    copy = fw.copy_bandwidth_gbps()
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    rows = []
+    for shape in shapes:
+        ns = shape[-1:]
+        for d in torch_dtypes:
+            x, r = fw.randn(shape, d), fw.randn(shape, d)
+            w, b = fw.randn(ns, d), fw.randn(ns, d)
+            moved = 2 * x.numel() * d.itemsize
+            ops = {"layer_norm": (lambda: go.layer_norm(x, ns, w, b), moved),
+                   "rms_norm": (lambda: go.rms_norm(x, ns, w), moved),
+                   "add_rms_norm": (lambda: go.add_rms_norm(x, r, w), 2 * moved)}
+            peer_fns = _norm_peers(fw, peers, x, r, w, b, shape) if peers else {}
+            for op, (fn, nbytes) in ops.items():
+                reference = None
+                for config in configs:
+                    with _Config(config):
+                        what = _describe(op, d, shape)
+                        if config not in ("off", "auto") and not what:
+                            continue                      # (the stages do not fit)
+                        out = fn()
+                        first = out[0] if isinstance(out, tuple) else out
+                        if config == "off":
+                            reference = first.clone()
+                        diff = ("" if reference is None or config == "off" else
+                                f" maxdiff {float((first.float() - reference.float()).abs().max()):.3g}")
+                        us = graph_replay_us(fn, calls=5)
+                    _row(rows, copy, op, shape, d, config, us, nbytes, what + diff)
+                for (pop, peer), pfn in peer_fns.items():
+                    if pop != op:
+                        continue
+                    try:
+                        pfn()
+                        us = graph_replay_us(pfn, calls=5)
+                    except Exception as e:  # noqa: BLE001  (a peer that does not run this)
+                        print(f"{op:<13}{str(shape):<15}{d.name:<9} {peer:<14} failed: "
+                              f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+                        continue
+                    _row(rows, copy, op, shape, d, peer, us, nbytes, "")
+            del x, r
+            torch.cuda.empty_cache()
+    write_rows_json(args.json, copy, rows)
+
+
+def _row(rows, copy, op, shape, d, config, us, nbytes, what):
+    gbps = nbytes / (us * 1e-6) / 1e9
+    rows.append(dict(op=op, shape=list(shape), dtype=d.name, plan=config, us=us, gbps=gbps,
+                     pct_copy=100 * gbps / copy, launch=what))
+    print(f"{op:<13}{str(shape):<15}{d.name:<9} {config:<14}{us:9.1f} us {gbps:7.0f} GB/s "
+          f"{100 * gbps / copy:5.1f}%   {what}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
