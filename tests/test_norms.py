@@ -1133,21 +1133,25 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("team", [1, 2])
 @pytest.mark.parametrize("depth", [2, 3, 8])
-def test_emulated_stream_rows(emulated, dtype, depth, rng, monkeypatch):
-    """STREAM_ROWS = "on" (norm_stream.cuh: a warp per row, rows landing in a ring of `depth`
-    shared-memory stages by cp.async; the emulator lands a copy only at the wait that covers
-    it, so a miscounted wait reads a stage's stale row): 2 warps per block on the emulated 4
-    blocks, so warps walk several rows and the ring wraps (37 rows); fewer rows than warps (3);
-    rows of one unit (fp32 n = 8: two); rows of one warp's plan (24); rows padded past n
-    (16-byte aligned stride); single elements (offset rows), and rows whose stages do not fit
-    (fp32 4096 at depth 8), keep the per-block kernels."""
+def test_emulated_stream_rows(emulated, dtype, team, depth, rng, monkeypatch):
+    """STREAM_ROWS = "on" (norm_stream.cuh: a team of warps per row, rows landing in a ring of
+    `depth` shared-memory stages by cp.async; the emulator lands a copy only at the wait that
+    covers it, so a miscounted wait reads a stage's stale row; teams of 2 warps add their
+    partials after a named barrier, the emulator's checks the count): 2 teams per block on the
+    emulated 4 blocks, so teams walk several rows and the ring wraps (37 rows); fewer rows than
+    teams (3); rows of one unit (fp32 n = 8: two, fewer than a team's lanes); rows of one warp's
+    plan (24); rows padded past n (16-byte aligned stride); single elements (offset rows), and
+    rows whose stages do not fit (fp32 4096 at depth 8), keep the per-block kernels."""
     monkeypatch.setattr(N, "STREAM_ROWS", "on")
-    monkeypatch.setattr(N, "STREAM_WARPS", 2)
+    monkeypatch.setattr(N, "STREAM_TEAM", team)
+    monkeypatch.setattr(N, "STREAM_TEAMS", 2)
     monkeypatch.setattr(N, "STREAM_DEPTH", depth)
     dev = emulated
     d = dt.BY_NAME[dtype]
     vec = 16 // d.itemsize
+    kinds = ((2, 1), (2, 1), (1, 1), (1, 1), (1, 2))    # (params, sources) of _emu_check_all's ops
     for shape, layout in (((37, 1000), "contig"), ((3, 4096), "contig"), ((9, 8), "contig"),
                           ((6, 24), "contig"), ((7, 520), "padded"), ((5, 2056), "offset")):
         x, w, b, r = _emu_case(rng, shape, dtype)
@@ -1158,17 +1162,17 @@ def test_emulated_stream_rows(emulated, dtype, depth, rng, monkeypatch):
         else:
             x = emu.strided(x, layout)
         emu.Device.launches = []
-        _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {layout} stream depth {depth}")
+        _emu_check_all(dev, x, w, b, r, dtype, f"{shape} {layout} stream {team} x 2 x {depth}")
         stream = [launch for launch in emu.Device.launches if "_stream<" in launch[0]]
-        fits = [16 * (shape[1] // vec) * (params + 2 * depth * sources) <= 227 * 1024
-                for params, sources in ((2, 1), (2, 1), (1, 1), (1, 1), (1, 2))]
+        fits = [N.stream_smem(shape[1] // vec, p, src, team, 2, depth) <= 227 * 1024
+                for p, src in kinds]
         streams = layout != "offset" and shape[1] % vec == 0
         assert len(stream) == (sum(fits) if streams else 0), (shape, layout)
         for name, grid, block, smem in ((lt[0], lt[1], lt[2], lt[3]) for lt in stream):
-            assert block[0] == 64 and grid[0] == min(4, -(-shape[0] // 2)), (name, grid)
-            params, sources = (2, 1) if "layer_norm" in name else (1, 2 if "true>" in name else 1)
-            assert smem == 16 * (shape[1] // vec) * (params + 2 * depth * sources), name
-    # in place: y over x (the rows ahead of each warp are other rows)
+            assert block[0] == 64 * team and grid[0] == min(4, -(-shape[0] // 2)), (name, grid)
+            p, src = (2, 1) if "layer_norm" in name else (1, 2 if "true>" in name else 1)
+            assert smem == N.stream_smem(shape[1] // vec, p, src, team, 2, depth), name
+    # in place: y over x (the rows ahead of each team are other rows)
     x, w, _, _ = _emu_case(rng, (11, 256), dtype)
     want = N.ref_rms_norm(_f64(x), (256,), _f64(w), 1e-6)
     xt = dev.tensor(x.copy())
@@ -1180,14 +1184,18 @@ def test_emulated_stream_rows(emulated, dtype, depth, rng, monkeypatch):
 
 @needs_emu
 def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
-    """STREAM_ROWS = "auto" takes the stream kernel from STREAM_MIN_ROWS rows per warp of its
-    grid on (the emulated device: 4 blocks of 16 warps at n = 1024 bf16, stream_config's pick),
-    never for rows of one warp's plan or on a device without cp.async (cc 75)."""
+    """STREAM_ROWS = "auto" takes the stream kernel from STREAM_MIN_ROWS rows per team of its
+    grid on (its plan's teams on the emulated 4 blocks), never for rows of one warp's plan or on
+    a device without cp.async (cc 75)."""
     monkeypatch.setattr(N, "STREAM_ROWS", "auto")
     monkeypatch.setattr(N, "STREAM_MIN_ROWS", 1)
     dev = emulated
-    for rows, n, cc, expected in ((64, 1024, 90, True), (63, 1024, 90, False),
-                                  (64, 1024, 75, False), (400, 16, 90, False)):
+    d = dt.bfloat16
+    stream = N._stream_plan("layer_norm", N._plan("layer_norm", d, 8, 1024, 0), d, 8, 1024,
+                            1 << 20, 0)
+    full = stream.capacity * stream.teams
+    for rows, n, cc, expected in ((full, 1024, 90, True), (full - 1, 1024, 90, False),
+                                  (full, 1024, 75, False), (400, 16, 90, False)):
         monkeypatch.setattr(N.device, "device_info", lambda dv, cc=cc: types.SimpleNamespace(
             sm_count=2, max_smem_per_block_optin=227 * 1024, cc=cc))
         monkeypatch.setattr(N, "_plans", {})
@@ -1200,19 +1208,22 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
         assert ("_stream<" in name) == expected, (rows, n, cc, name)
 
 
-def test_stream_config_fills_shared_memory_to_the_in_flight_aim():
+def test_stream_config_fills_shared_memory_to_the_aims():
     """stream_config on an H100/H200-like SM (227 KiB per block, 228 KiB and 64 warps per SM):
-    16-bit layer_norm at 4096 takes 8 warps x 3 stages (128 KiB in flight per SM); fp32 4 x 3;
-    fp32 add_rms_norm (two rows per stage) 2 warps x 3; rows too long for two stages: None."""
+    16-bit layer_norm at 4096 takes teams of 4 warps, 4 per block, 3 stages, 2 blocks per SM
+    (128 KiB in flight, 32 warps per SM); fp32 one such block; fp32 add_rms_norm (two rows per
+    stage) 2 teams of 4; small rows keep a warp per row; rows too long for two stages: None."""
     def per_sm(threads, smem):
-        return min(228 * 1024 // (smem + 1024), 2048 // threads)
+        return min(228 * 1024 // (smem + 1024), 2048 // threads, 32)
     limit = 227 * 1024
-    assert N.stream_config(512, 2, 1, limit, per_sm)[:2] == (8, 3)          # bf16 layer_norm
-    assert N.stream_config(1024, 2, 1, limit, per_sm)[:2] == (4, 3)         # fp32 layer_norm
-    assert N.stream_config(1024, 1, 2, limit, per_sm)[:2] == (2, 3)         # fp32 add_rms_norm
-    warps, depth, smem, blocks = N.stream_config(128, 1, 1, limit, per_sm)  # 2 KB rows
-    assert blocks * warps * (depth - 1) * 2048 >= N.STREAM_INFLIGHT and smem <= limit
-    assert N.stream_config(8192, 2, 1, limit, per_sm) is None                # 128 KB rows
+    assert N.stream_config(512, 2, 1, limit, per_sm) == (4, 4, 3, 114816, 2)   # bf16 layer_norm
+    assert N.stream_config(1024, 2, 1, limit, per_sm)[:3] == (4, 4, 3)          # fp32 layer_norm
+    assert N.stream_config(1024, 1, 2, limit, per_sm)[:3] == (4, 2, 3)          # fp32 add
+    team, teams, depth, smem, blocks = N.stream_config(128, 2, 1, limit, per_sm)  # 2 KB rows
+    assert team == 1 and blocks * teams * (depth - 1) * 2048 >= N.STREAM_INFLIGHT
+    assert blocks * teams * team >= 16 and smem <= limit
+    assert N.stream_config(8192, 2, 1, limit, per_sm) is None                   # 128 KB rows
+    assert N.stream_smem(512, 2, 1, 4, 4, 3) == 16 * 512 * 14 + 128            # + partials
 
 
 @needs_emu
@@ -1727,17 +1738,18 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [None, (2, 2), (4, 5), (16, 2)],
-                         ids=lambda c: "auto" if c is None else f"{c[0]}x{c[1]}")
+@pytest.mark.parametrize("config", [None, (1, 2, 2), (1, 16, 2), (2, 4, 5), (4, 4, 3)],
+                         ids=lambda c: "auto" if c is None else "t{}k{}d{}".format(*c))
 def test_gpu_stream_rows(config, dtype, monkeypatch):
     """The stream plan (norm_stream.cuh) on this device under STREAM_ROWS = "on", at
-    stream_config's pick and forced (warps, depth): every forward op; more rows than the grid's
-    warps x depth (the ring wraps), fewer rows than warps, 16-byte units of odd counts, a
-    row-strided input, out=, in place, rows at mean 300; outputs NaN-poisoned. Under "auto",
-    [8192, 4096] takes it where the module copies asynchronously (an sm_80+ build)."""
+    stream_config's pick and forced (warps per row, teams per block, depth): every forward op;
+    more rows than the grid's teams x depth (the ring wraps), fewer rows than teams, 16-byte
+    units of odd counts and fewer than a team's lanes, a row-strided input, out=, in place, rows
+    at mean 300; outputs NaN-poisoned. Under "auto", [8192, 4096] takes it where the module
+    copies asynchronously (an sm_80+ build)."""
     monkeypatch.setattr(N, "STREAM_ROWS", "on")
-    monkeypatch.setattr(N, "STREAM_WARPS", None if config is None else config[0])
-    monkeypatch.setattr(N, "STREAM_DEPTH", None if config is None else config[1])
+    for knob, value in zip(("STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH"), config or (None,) * 3):
+        monkeypatch.setattr(N, knob, value)
     dev = torch.cuda.current_device()
     d = dt.BY_NAME[dtype]
     vec = 16 // d.itemsize
@@ -1748,7 +1760,7 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
                  for k in ("layer_norm", "rms_norm", "add_rms_norm")}
         ran += sum(p is not None for p in plans.values())
         if config is not None:
-            assert all(p is None or (p.warps, p.depth) == config for p in plans.values())
+            assert all(p is None or (p.team, p.teams, p.depth) == config for p in plans.values())
         what = f"{shape} {dtype} stream {config}"
         x, w, b = _ln_case(shape, dtype)
         r = _randn(shape, dtype, 1.0, 0.0)
@@ -1760,7 +1772,7 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
         _check_rms(x, w, dtype, what)
         _check_rms(x, None, dtype, what + " no weight")
         _check_add(x, r, w, dtype, what)
-    assert ran >= 6              # (16 warps x 2 stages fit rows of 1000 and 24 only)
+    assert ran >= 5              # (t1k16d2 fits rows of 1000 and 24 only, not fp32 add at 1000)
     wide = _randn((700, 4104), dtype)
     x = wide[:, 8:8 + 4096]                      # row-strided view, 16-byte aligned
     w, b = _randn((4096,), dtype), _randn((4096,), dtype)

@@ -3,8 +3,9 @@ per row, each warp's next rows landing in shared memory by cp.async) against the
 (STREAM_ROWS="off": layer_norm_compact, rms_norm_fwd) and the peers (torch eager, torch.compile,
 Liger), same inputs, same run, CUDA-graph replay (5 calls per graph, median of 20 replays).
 
-Configs (--configs): off, auto (stream_config's pick), and forced WxD (STREAM_WARPS=W,
-STREAM_DEPTH=D; skipped where the stages do not fit). Each stream row also prints the largest
+Configs (--configs): off, auto (stream_config's pick), and forced tTkKdD (teams of T warps per
+row, K teams per block, D stages per team: STREAM_TEAM, STREAM_TEAMS, STREAM_DEPTH; skipped where
+the stages do not fit). Each stream row also prints the largest
 difference from the "off" output (both rounded to the dtype: 0 or one rounding step expected,
 the sums' order differs).
 
@@ -17,6 +18,7 @@ bandwidth for every op and dtype at [32768, 4096]: bf16 layer_norm and rms_norm 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 sys.path.insert(0, ".")
@@ -30,18 +32,24 @@ from gpuops.runtime import device  # noqa: E402
 sys.path.insert(0, "benchmarks/experiments")
 from norms_long_rows import _norm_peers  # noqa: E402
 
-KNOBS = ("STREAM_ROWS", "STREAM_WARPS", "STREAM_DEPTH")
+KNOBS = ("STREAM_ROWS", "STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH")
 
 
 class _Config:
-    """Sets STREAM_ROWS / STREAM_WARPS / STREAM_DEPTH for one config ("off", "auto", "WxD")."""
+    """Sets STREAM_ROWS / STREAM_TEAM / STREAM_TEAMS / STREAM_DEPTH for one config ("off",
+    "auto", "tTkKdD": teams of T warps, K teams per block, D stages)."""
 
     def __init__(self, name):
         if name in ("off", "auto"):
-            self.values = dict(STREAM_ROWS=name, STREAM_WARPS=None, STREAM_DEPTH=None)
+            self.values = dict(STREAM_ROWS=name, STREAM_TEAM=None, STREAM_TEAMS=None,
+                               STREAM_DEPTH=None)
         else:
-            warps, depth = (int(v) for v in name.split("x"))
-            self.values = dict(STREAM_ROWS="on", STREAM_WARPS=warps, STREAM_DEPTH=depth)
+            m = re.fullmatch(r"t(\d+)k(\d+)d(\d+)", name)
+            if m is None:
+                raise SystemExit(f"config {name!r}: off, auto or tTkKdD")
+            team, teams, depth = (int(v) for v in m.groups())
+            self.values = dict(STREAM_ROWS="on", STREAM_TEAM=team, STREAM_TEAMS=teams,
+                               STREAM_DEPTH=depth)
 
     def __enter__(self):
         self.saved = {k: getattr(N, k) for k in KNOBS}
@@ -64,14 +72,15 @@ def _describe(kind, d, shape):
         return ""
     sms = device.device_info(0).sm_count
     regs = getattr(getattr(s.kernel, "raw", None), "num_regs", "?")
-    return (f"stream {s.warps} warps x {s.depth} stages, {s.smem // 1024} KiB, "
+    return (f"stream t{s.team}k{s.teams}d{s.depth}, {s.smem // 1024} KiB, "
             f"{s.capacity // sms} blocks/SM, grid {N.stream_grid(s, shape[0])}, {regs} regs")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--configs", default="off,auto,2x3,4x3,4x4,8x2,8x3,16x2")
+    ap.add_argument("--configs", default="off,auto,t1k8d2,t1k8d3,t2k4d3,t2k8d3,t4k2d3,t4k4d2,"
+                                          "t4k4d3")
     ap.add_argument("--shapes", default="32768x4096,65536x2048,16384x8192,131072x1024")
     ap.add_argument("--dtypes", default="bfloat16,float32,float16")
     ap.add_argument("--peers", default="torch,torch.compile,liger")

@@ -58,6 +58,17 @@ __device__ __forceinline__ T block_reduce(T v, T* scratch) {
   return warp_reduce<Op>(v);
 }
 
+// bar.sync id, count: a barrier of `count` threads (whole warps) of the block, id 1..15 (0 is
+// __syncthreads): some warps of a block synchronize while the others run on. Host emulation:
+// tests/cuda_emu/emu.h.
+__device__ __forceinline__ void named_barrier(unsigned id, unsigned count) {
+#ifdef __CUDACC_RTC__
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+#else
+  emu::named_bar_sync(id, count);
+#endif
+}
+
 template <class T> __device__ __forceinline__ T block_sum(T v, T* scratch) {
   return block_reduce<SumOp>(v, scratch);
 }

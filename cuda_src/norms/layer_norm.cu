@@ -416,7 +416,8 @@ layer_norm_resident(const T* x, long long x_stride, T* y, long long y_stride,
 
 // layer_norm's rows for stream_rows (norms/norm_stream.cuh): w and b (when given) in shared
 // memory, units [0, units) and [units, 2 units); the row's statistics two-pass over the stage (the
-// mean, then squared deviations from it), y = (x - mean) * rstd * w + b as normalize_store.
+// mean, then squared deviations from it: two team sums), y = (x - mean) * rstd * w + b as
+// normalize_store.
 template <class T, int VEC>
 struct LayerNormStream {
   static constexpr int kParams = 2;
@@ -436,39 +437,41 @@ struct LayerNormStream {
     stream_params<T, VEC>(smem, w, units);
     stream_params<T, VEC>(smem + units, b, units);
   }
-  __device__ __forceinline__ void issue(uint4* stage, long long row, int lane, int units) const {
-    stream_issue_row<T, VEC>(stage, x + row * x_stride, lane, units);
+  __device__ __forceinline__ void issue(uint4* stage, long long row, const StreamTeam& team,
+                                        int units) const {
+    stream_issue_row<T, VEC>(stage, x + row * x_stride, team.lane, team.size, units);
   }
   __device__ __forceinline__ void work(const uint4* stage, const uint4* params, long long row,
-                                       int lane, int units) const {
-    float sum = 0.0f;
+                                       StreamTeam& team, int units) const {
+    float acc[VEC] = {};
 #pragma unroll 4
-    for (int u = lane; u < units; u += 32) {
+    for (int u = team.lane; u < units; u += team.size) {
       float f[VEC];
       R::unpack(stage[u], f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) sum += f[j];
+      for (int j = 0; j < VEC; ++j) acc[j] += f[j];
     }
-    const float mean = warp_sum(sum) * inv_n;
-    float m2 = 0.0f;
+    const float mean = team.sum(sum_lanes<VEC>(acc)) * inv_n;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
 #pragma unroll 4
-    for (int u = lane; u < units; u += 32) {
+    for (int u = team.lane; u < units; u += team.size) {
       float f[VEC];
       R::unpack(stage[u], f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float d = f[j] - mean;
-        m2 = fmaf(d, d, m2);
+        acc[j] = fmaf(d, d, acc[j]);
       }
     }
-    const float rstd = rsqrtf(warp_sum(m2) * inv_n + eps);
-    if (mean_out != nullptr && lane == 0) {
+    const float rstd = rsqrtf(team.sum(sum_lanes<VEC>(acc)) * inv_n + eps);
+    if (mean_out != nullptr && team.lane == 0) {
       mean_out[row] = mean;
       rstd_out[row] = rstd;
     }
     T* y_row = y + row * y_stride;
 #pragma unroll 4
-    for (int u = lane; u < units; u += 32) {
+    for (int u = team.lane; u < units; u += team.size) {
       float f[VEC];
       R::unpack(stage[u], f);
 #pragma unroll
@@ -490,21 +493,23 @@ struct LayerNormStream {
   }
 };
 
-// Whole rows streamed through shared memory, a warp per row (norms/norm_stream.cuh; 16-byte
-// units, n >= VEC): x, y rows of n elements `x_stride` / `y_stride` apart (y may be x); w, b: n
-// elements or null; mean_out, rstd_out: a float per row, or null. D stages per warp in
-// (2 + blockDim.x / 32 * D) * n / VEC * 16 bytes of dynamic shared memory. Any grid.
+// Whole rows streamed through shared memory, a team of `team` warps per row (norms/
+// norm_stream.cuh; 16-byte units, n >= VEC): x, y rows of n elements `x_stride` / `y_stride`
+// apart (y may be x); w, b: n elements or null; mean_out, rstd_out: a float per row, or null.
+// blockDim.x / 32 / team teams (at most 15 when team > 1), D stages each: (2 + teams * D) *
+// n / VEC * 16 bytes of dynamic shared memory, plus 8 * team * teams when team > 1, rounded
+// up to 16. Any grid.
 template <class T, int VEC>
 __global__ void __launch_bounds__(512, 1)
 layer_norm_stream(const T* x, long long x_stride, T* y, long long y_stride,
                   const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
-                  float* rstd_out, long long rows, int n, int D, float eps) {
+                  float* rstd_out, long long rows, int n, int D, int team, float eps) {
   static_assert(VEC > 1, "16-byte units");
   pdl_start();
   extern __shared__ uint4 ring_smem[];
   const LayerNormStream<T, VEC> pol{x, x_stride, y, y_stride, w, b, mean_out, rstd_out,
                                     1.0f / static_cast<float>(n), eps};
-  stream_rows(pol, rows, n / VEC, D, ring_smem);
+  stream_rows(pol, rows, n / VEC, D, team, ring_smem);
 }
 
 }  // namespace gpuops

@@ -454,16 +454,18 @@ struct RmsNormStream {
   __device__ __forceinline__ void load_params(uint4* smem, int units) const {
     stream_params<T, VEC>(smem, w, units);
   }
-  __device__ __forceinline__ void issue(uint4* stage, long long row, int lane, int units) const {
-    stream_issue_row<T, VEC>(stage, x + row * x_stride, lane, units);
-    if (kAdd) stream_issue_row<T, VEC>(stage + units, r + row * r_stride, lane, units);
+  __device__ __forceinline__ void issue(uint4* stage, long long row, const StreamTeam& team,
+                                        int units) const {
+    stream_issue_row<T, VEC>(stage, x + row * x_stride, team.lane, team.size, units);
+    if (kAdd)
+      stream_issue_row<T, VEC>(stage + units, r + row * r_stride, team.lane, team.size, units);
   }
   __device__ __forceinline__ void work(uint4* stage, const uint4* params, long long row,
-                                       int lane, int units) const {
-    float ss = 0.0f;
+                                       StreamTeam& team, int units) const {
+    float acc[VEC] = {};
     T* h_row = kAdd ? h + row * h_stride : nullptr;
 #pragma unroll 4
-    for (int u = lane; u < units; u += 32) {
+    for (int u = team.lane; u < units; u += team.size) {
       float f[VEC];
       R::unpack(stage[u], f);
       if (kAdd) {
@@ -477,13 +479,13 @@ struct RmsNormStream {
         R::unpack(rounded, f);
       }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) ss = fmaf(f[j], f[j], ss);
+      for (int j = 0; j < VEC; ++j) acc[j] = fmaf(f[j], f[j], acc[j]);
     }
-    const float rstd = rsqrtf(warp_sum(ss) * inv_n + eps);
-    if (rstd_out != nullptr && lane == 0) rstd_out[row] = rstd;
+    const float rstd = rsqrtf(team.sum(sum_lanes<VEC>(acc)) * inv_n + eps);
+    if (rstd_out != nullptr && team.lane == 0) rstd_out[row] = rstd;
     T* y_row = y + row * y_stride;
 #pragma unroll 4
-    for (int u = lane; u < units; u += 32) {
+    for (int u = team.lane; u < units; u += team.size) {
       float f[VEC];
       R::unpack(stage[u], f);
       scale_store_unit<T, VEC>(f, rstd, params[u], w != nullptr,
@@ -492,21 +494,22 @@ struct RmsNormStream {
   }
 };
 
-// Whole rows streamed through shared memory, a warp per row (norms/norm_stream.cuh; 16-byte
-// units, n >= VEC): arguments as rms_norm_fwd's without the split-row ones; D stages per warp in
-// (1 + blockDim.x / 32 * D * (kAdd ? 2 : 1)) * n / VEC * 16 bytes of dynamic shared memory. Any
-// grid.
+// Whole rows streamed through shared memory, a team of `team` warps per row (norms/
+// norm_stream.cuh; 16-byte units, n >= VEC): arguments as rms_norm_fwd's without the split-row
+// ones; blockDim.x / 32 / team teams (at most 15 when team > 1), D stages each: (1 + teams * D *
+// (kAdd ? 2 : 1)) * n / VEC * 16 bytes of dynamic shared memory, plus 8 * team * teams when
+// team > 1, rounded up to 16. Any grid.
 template <class T, int VEC, bool kAdd>
 __global__ void __launch_bounds__(512, 1)
 rms_norm_stream(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
                 long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
-                float* rstd_out, long long rows, int n, int D, float eps) {
+                float* rstd_out, long long rows, int n, int D, int team, float eps) {
   static_assert(VEC > 1, "16-byte units");
   pdl_start();
   extern __shared__ uint4 ring_smem[];
   const RmsNormStream<T, VEC, kAdd> pol{x, x_stride, r, r_stride, y, y_stride, h, h_stride, w,
                                         rstd_out, 1.0f / static_cast<float>(n), eps};
-  stream_rows(pol, rows, n / VEC, D, ring_smem);
+  stream_rows(pol, rows, n / VEC, D, team, ring_smem);
 }
 
 }  // namespace gpuops

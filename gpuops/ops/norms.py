@@ -61,11 +61,11 @@ COLS_APPLY_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr"
 LN_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "ptr", "i64",
                         "i32", "i32", "i32", "f32")
 # The stream kernels (norm_stream.cuh): layer_norm_stream (x, xs, y, ys, w, b, mean, rstd, rows,
-# n, D, eps); rms_norm_stream (x, xs, r, rs, y, ys, h, hs, w, rstd, rows, n, D, eps).
+# n, D, team, eps); rms_norm_stream (x, xs, r, rs, y, ys, h, hs, w, rstd, rows, n, D, team, eps).
 LN_STREAM_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "ptr", "ptr", "ptr", "i64", "i32",
-                         "i32", "f32")
+                         "i32", "i32", "f32")
 RMS_STREAM_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
-                          "i64", "i32", "i32", "f32")
+                          "i64", "i32", "i32", "i32", "f32")
 RMS_RING2_ARGS = ArgSpec("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "ptr",
                          "ptr", "i64", "i32", "i32", "i32", "f32")
 
@@ -216,22 +216,24 @@ RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
 RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 # Whole rows of layer_norm, rms_norm and add_rms_norm on 16-byte units, streamed through shared
-# memory a warp per row (norm_stream.cuh: each warp's next STREAM depth - 1 rows in flight by
+# memory (norm_stream.cuh: a team of warps per row, each team's next depth - 1 rows in flight by
 # cp.async while it works on one; for GPUs whose bandwidth per SM outruns what register-landed
 # rows keep in flight: H200 run 154, layer_norm bf16 [32768, 4096] 77% of copy, Liger 91%):
-#   "auto"  where the module copies asynchronously (sm_80+), a (warps, depth) fits in shared
-#           memory, and every warp of the grid gets at least STREAM_MIN_ROWS rows (below that
+#   "auto"  where the module copies asynchronously (sm_80+), a configuration fits in shared
+#           memory, and every team of the grid gets at least STREAM_MIN_ROWS rows (below that
 #           the per-block parameter copy and the pipeline's fill are not paid back)
 #   "on"    wherever it fits (any arch; tests), "off" never.
 STREAM_ROWS_PLANS = ("auto", "on", "off")
 STREAM_ROWS = "auto"
 STREAM_MIN_ROWS = 4
-# (warps per block, stages per warp) of the stream plan: None picks (stream_config); ints force
-# one for A/B runs (benchmarks/experiments/norms_stream.py).
-STREAM_WARPS = None
+# (warps per row, teams per block, stages per team) of the stream plan: None picks
+# (stream_config); ints force one for A/B runs (benchmarks/experiments/norms_stream.py).
+STREAM_TEAM = None
+STREAM_TEAMS = None
 STREAM_DEPTH = None
-# stream_config's aim: this many bytes of loads in flight per SM (the most warps that reach it).
+# stream_config's aims: this many bytes of loads in flight per SM, then this many warps per SM.
 STREAM_INFLIGHT = 128 * 1024
+STREAM_WARPS_AIM = 32
 
 
 def _vec_width(d) -> int:
@@ -643,37 +645,54 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
 
 @dataclass
 class StreamPlan:
-    """A stream kernel (norm_stream.cuh) for one row length: `warps` warps per block, `depth`
-    stages per warp in `smem` bytes of dynamic shared memory, `capacity` blocks resident."""
+    """A stream kernel (norm_stream.cuh) for one row length: teams of `team` warps, `teams` per
+    block, `depth` stages per team in `smem` bytes of dynamic shared memory, `capacity` blocks
+    resident."""
     kernel: object
-    warps: int
+    team: int
+    teams: int
     depth: int
     smem: int
     capacity: int
 
+    @property
+    def threads(self) -> int:
+        return 32 * self.team * self.teams
+
+
+def stream_smem(units: int, params: int, sources: int, team: int, teams: int, depth: int) -> int:
+    """Bytes of dynamic shared memory of a stream block (norm_stream.cuh's layout)."""
+    slots = 0 if team == 1 else -(-(8 * team * teams) // 16) * 16
+    return 16 * units * (params + teams * depth * sources) + slots
+
 
 def stream_config(units: int, params: int, sources: int, limit: int, per_sm,
-                  warps_options=(2, 4, 8, 16), depth_options=range(2, 9),
-                  inflight: int = STREAM_INFLIGHT):
-    """(warps, depth, smem, blocks per SM) of a stream kernel for rows of `units` 16-byte units
-    (`params` parameter vectors, `sources` rows per stage), or None where none fits in `limit`
-    bytes per block: the most bytes in flight per SM ((depth - 1) stages per warp), counted up to
-    `inflight`; then the most warps per SM; then the fewest stages; then the fewest blocks (one
-    copy of the parameters per block). per_sm(threads, smem): the occupancy calculator's blocks
-    per SM (0: none)."""
+                  teams_options=None, depth_options=range(2, 9), team_options=(1, 2, 4),
+                  inflight: int = STREAM_INFLIGHT, warps_aim: int = STREAM_WARPS_AIM):
+    """(team, teams, depth, smem, blocks per SM) of a stream kernel for rows of `units` 16-byte
+    units (`params` parameter vectors, `sources` rows per stage), or None where none fits in
+    `limit` bytes per block: the most bytes in flight per SM ((depth - 1) stages per team),
+    counted up to `inflight`; then the most warps per SM, up to `warps_aim`; then the smallest
+    teams, the fewest stages, the fewest blocks (one copy of the parameters per block). Blocks of
+    at most 512 threads, at most 15 teams of several warps (named barriers 1..15).
+    per_sm(threads, smem): the occupancy calculator's blocks per SM (0: none)."""
     best = None
-    for warps in warps_options:
-        for depth in depth_options:
-            smem = 16 * units * (params + warps * depth * sources)
-            if smem > limit:
+    for team in team_options:
+        for teams in teams_options or range(1, 17):
+            if team * teams > 16 or (team > 1 and teams > 15):
                 continue
-            blocks = per_sm(warps * 32, smem)
-            if blocks < 1:
-                continue
-            flight = blocks * warps * (depth - 1) * 16 * units * sources
-            score = (min(flight, inflight), blocks * warps, -depth, -blocks)
-            if best is None or score > best[0]:
-                best = (score, (warps, depth, smem, blocks))
+            for depth in depth_options:
+                smem = stream_smem(units, params, sources, team, teams, depth)
+                if smem > limit:
+                    continue
+                blocks = per_sm(32 * team * teams, smem)
+                if blocks < 1:
+                    continue
+                flight = blocks * teams * (depth - 1) * 16 * units * sources
+                score = (min(flight, inflight), min(blocks * teams * team, warps_aim), -team,
+                         -depth, -blocks)
+                if best is None or score > best[0]:
+                    best = (score, (team, teams, depth, smem, blocks))
     return None if best is None else best[1]
 
 
@@ -692,7 +711,8 @@ def _stream_plan(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int,
     module = _MODULE_OF[kind_name]
     if STREAM_ROWS == "auto" and not copies_async(module, dev):
         return None
-    key = ("stream", kind_name, dtype, n, dev, STREAM_WARPS, STREAM_DEPTH, STREAM_INFLIGHT)
+    key = ("stream", kind_name, dtype, n, dev, STREAM_TEAM, STREAM_TEAMS, STREAM_DEPTH,
+           STREAM_INFLIGHT, STREAM_WARPS_AIM)
     if key not in _plans:
         kernel = loader.load(module, dev).kernel(_STREAM_EXPRS[kind_name][dtype])
         info = device.device_info(dev)
@@ -701,20 +721,22 @@ def _stream_plan(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int,
         found = stream_config(
             n // vec, params, sources, max(48 * 1024, info.max_smem_per_block_optin),
             lambda threads, smem: _resident_per_sm(kernel, threads, smem),
-            (STREAM_WARPS,) if STREAM_WARPS else (2, 4, 8, 16),
-            (STREAM_DEPTH,) if STREAM_DEPTH else range(2, 9))
+            (STREAM_TEAMS,) if STREAM_TEAMS else None,
+            (STREAM_DEPTH,) if STREAM_DEPTH else range(2, 9),
+            (STREAM_TEAM,) if STREAM_TEAM else (1, 2, 4),
+            STREAM_INFLIGHT, STREAM_WARPS_AIM)
         _plans[key] = None if found is None else StreamPlan(
-            kernel, found[0], found[1], found[2], found[3] * info.sm_count)
+            kernel, found[0], found[1], found[2], found[3], found[4] * info.sm_count)
     stream = _plans[key]
     if stream is None or (STREAM_ROWS == "auto"
-                          and rows < STREAM_MIN_ROWS * stream.capacity * stream.warps):
+                          and rows < STREAM_MIN_ROWS * stream.capacity * stream.teams):
         return None
     return stream
 
 
 def stream_grid(plan: StreamPlan, rows: int) -> int:
-    """Blocks of a stream launch: one resident wave, or fewer where the rows leave warps idle."""
-    return max(1, min(plan.capacity, -(-rows // plan.warps)))
+    """Blocks of a stream launch: one resident wave, or fewer where the rows leave teams idle."""
+    return max(1, min(plan.capacity, -(-rows // plan.teams)))
 
 
 def copies_async(module, dev: int) -> bool:
@@ -980,9 +1002,10 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
         return y, mean, rstd
     stream = _stream_plan("layer_norm", plan, dtype, vec, n, rows, call.device)
     if stream is not None:
-        stream.kernel.launch((stream_grid(stream, rows), 1, 1), (32 * stream.warps, 1, 1),
+        stream.kernel.launch((stream_grid(stream, rows), 1, 1), (stream.threads, 1, 1),
                              call.stream, x.ptr, xs, y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean),
-                             _ptr(rstd), rows, n, stream.depth, eps, smem=stream.smem)
+                             _ptr(rstd), rows, n, stream.depth, stream.team, eps,
+                             smem=stream.smem)
         return y, mean, rstd
     whole = _whole_rows_plan(plan, dtype, vec, call.device, rows)
     if whole is not None:
@@ -1043,9 +1066,10 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
         return y, h, rstd
     stream = _stream_plan(kind, plan, dtype, vec, n, rows, call.device)
     if stream is not None:
-        stream.kernel.launch((stream_grid(stream, rows), 1, 1), (32 * stream.warps, 1, 1),
+        stream.kernel.launch((stream_grid(stream, rows), 1, 1), (stream.threads, 1, 1),
                              call.stream, x.ptr, xs, _ptr(r), rs, y.ptr, ys, _ptr(h), hs, _ptr(w),
-                             _ptr(rstd), rows, n, stream.depth, eps, smem=stream.smem)
+                             _ptr(rstd), rows, n, stream.depth, stream.team, eps,
+                             smem=stream.smem)
         return y, h, rstd
     plan, grid, phases = _grid(plan, rows, False)
     rows_plan = _decode_rows_plan(kind, plan, dtype, vec, rows, call.device)

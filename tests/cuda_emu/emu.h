@@ -138,6 +138,7 @@ struct ClusterState {
 struct BlockState {
   dim3 idx;
   Barrier bar;
+  Barrier named[16];                   // bar.sync id, count (id 0 is bar); sized at first use
   std::vector<Warp> warps;
   std::vector<unsigned char> smem;     // dynamic shared memory (16-byte aligned data())
   int cluster = 0;                     // index into `clusters`
@@ -473,6 +474,17 @@ void launch_packed(void (*kernel)(P...), const unsigned* dims, size_t smem, cons
 #define __align__(n) __attribute__((aligned(n)))   // GCC takes it anywhere, as nvcc does
 
 inline void __syncthreads() { emu::current_block->bar.arrive_and_wait(); }
+namespace emu {
+// bar.sync id, count (id 1..15): a barrier of `count` threads of the block; every use of one id
+// must name the same count (the hardware's rule), checked here.
+inline void named_bar_sync(unsigned id, unsigned count) {
+  if (id == 0 || id > 15 || count % 32 != 0) fail("named barrier: id 1..15, count of warps");
+  Barrier& b = current_block->named[id & 15];
+  if (b.expected == 0) b.expected = static_cast<int>(count);
+  else if (b.expected != static_cast<int>(count)) fail("named barrier: count changed");
+  b.arrive_and_wait();
+}
+}  // namespace emu
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
 
 template <class T> inline T __shfl_sync(unsigned, T v, int src) {
