@@ -1208,6 +1208,20 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
         assert ("_stream<" in name) == expected, (rows, n, cc, name)
 
 
+def test_stream_auto_follows_the_measured_table():
+    """stream_auto_applies: run 156's wins (16-bit layer_norm everywhere; 16-bit rms_norm but at
+    4096 and the unmeasured widths between 2048 and 8192; fp32 at 1024, layer_norm also from
+    8192) and never add_rms_norm (its per-block kernel ran at 96-100% of copy)."""
+    applies = N.stream_auto_applies
+    assert all(applies("layer_norm", 2, n) for n in (256, 1024, 2048, 4096, 5120, 8192))
+    assert [applies("layer_norm", 4, n) for n in (1024, 2048, 4096, 8192)] == [
+        True, False, False, True]
+    assert [applies("rms_norm", 2, n) for n in (1024, 2048, 3072, 4096, 8192)] == [
+        True, True, False, False, True]
+    assert [applies("rms_norm", 4, n) for n in (1024, 2048, 8192)] == [True, False, False]
+    assert not any(applies("add_rms_norm", i, n) for i in (2, 4) for n in (1024, 4096))
+
+
 def test_stream_config_fills_shared_memory_to_the_aims():
     """stream_config on an H100/H200-like SM (227 KiB per block, 228 KiB and 64 warps per SM):
     16-bit layer_norm at 4096 takes teams of 4 warps, 4 per block, 3 stages, 2 blocks per SM
@@ -1746,7 +1760,7 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
     more rows than the grid's teams x depth (the ring wraps), fewer rows than teams, 16-byte
     units of odd counts and fewer than a team's lanes, a row-strided input, out=, in place, rows
     at mean 300; outputs NaN-poisoned. Under "auto", [8192, 4096] takes it where the module
-    copies asynchronously (an sm_80+ build)."""
+    copies asynchronously (an sm_80+ build) and the dtype is 16-bit (stream_auto_applies)."""
     monkeypatch.setattr(N, "STREAM_ROWS", "on")
     for knob, value in zip(("STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH"), config or (None,) * 3):
         monkeypatch.setattr(N, knob, value)
@@ -1785,8 +1799,9 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
     monkeypatch.setattr(N, "STREAM_ROWS", "auto")
     plan = N._plan("layer_norm", d, vec, 4096, dev)
     auto = N._stream_plan("layer_norm", plan, d, vec, 4096, 8192, dev)
-    if config is None:
-        assert (auto is not None) == N.copies_async(N.LAYER_NORM_MODULE, dev)
+    if config is None:        # (auto: 16-bit layer_norm streams at 4096, fp32 does not)
+        assert (auto is not None) == (N.copies_async(N.LAYER_NORM_MODULE, dev)
+                                      and d.itemsize == 2)
 
 
 @gpu

@@ -87,7 +87,8 @@ class _Plan:
 
     def __enter__(self):
         self.saved = {k: getattr(N, k) for k in ("LONG_ROWS", "ONE_LAUNCH_MAX_WAVES",
-                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS")}
+                                                 "FORCE_TWO_LAUNCHES", "WHOLE_ROWS",
+                                                 "STREAM_ROWS")}
         self.tuning = dict(N.TUNING)
         for k, v in self.settings.items():
             if hasattr(N, k):
@@ -293,7 +294,9 @@ def _rows_4096(fw, copy, rows, whole_options):
             cases["liger rms_norm"] = (lambda: LigerRMSNormFunction.apply(
                 x, w, 1e-6, 0.0, "llama", False), "-")
         for name, (fn, whole_rows) in cases.items():
-            with _Plan({"WHOLE_ROWS": whole_rows} if whole_rows not in (None, "-") else {}):
+            # (STREAM_ROWS off: the stream plan, norms_stream.py, would take these rows first)
+            with _Plan({"WHOLE_ROWS": whole_rows, "STREAM_ROWS": "off"}
+                       if whole_rows not in (None, "-") else {}):
                 fn()
                 what = (_describe_whole(d, shape[-1], shape[0]) if whole_rows not in (None, "-")
                         else "")

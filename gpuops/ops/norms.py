@@ -219,13 +219,29 @@ RING_HEADER_BYTES = 512     # kRingHeaderBytes of norm_ring.cuh
 # memory (norm_stream.cuh: a team of warps per row, each team's next depth - 1 rows in flight by
 # cp.async while it works on one; for GPUs whose bandwidth per SM outruns what register-landed
 # rows keep in flight: H200 run 154, layer_norm bf16 [32768, 4096] 77% of copy, Liger 91%):
-#   "auto"  where the module copies asynchronously (sm_80+), a configuration fits in shared
-#           memory, and every team of the grid gets at least STREAM_MIN_ROWS rows (below that
-#           the per-block parameter copy and the pipeline's fill are not paid back)
+#   "auto"  where the module copies asynchronously (sm_80+), stream_auto_applies (the op,
+#           dtype and width where it measured faster), a configuration fits in shared memory,
+#           and every team of the grid gets at least STREAM_MIN_ROWS rows (below that the
+#           per-block parameter copy and the pipeline's fill are not paid back)
 #   "on"    wherever it fits (any arch; tests), "off" never.
 STREAM_ROWS_PLANS = ("auto", "on", "off")
 STREAM_ROWS = "auto"
 STREAM_MIN_ROWS = 4
+
+
+def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
+    """Where "auto" streams: a table of measurements (H200, run 156, 537 MB per call at
+    n = 1024, 2048, 4096, 8192; benchmarks/notes_norms.md). The stream kernels ran at 81-92% of
+    copy at every width; the per-block kernels at 96-100% for add_rms_norm and where their plan
+    fills the SM, else at 55-86%: 16-bit layer_norm at every width (stream 1.12-1.71x), 16-bit
+    rms_norm at 1024, 2048, 8192 (1.13-1.23x; at 4096 the per-block kernel is 3% faster), fp32
+    layer_norm at 1024 (1.39x) and 8192 (1.05x), fp32 rms_norm at 1024 (1.14x). Widths between
+    the measured ones keep the per-block kernels."""
+    if kind_name == "layer_norm":
+        return itemsize == 2 or n <= 1024 or n >= 8192
+    if kind_name == "rms_norm":
+        return n <= 1024 or (itemsize == 2 and (n <= 2048 or n >= 8192))
+    return False
 # (warps per row, teams per block, stages per team) of the stream plan: None picks
 # (stream_config); ints force one for A/B runs (benchmarks/experiments/norms_stream.py).
 STREAM_TEAM = None
@@ -706,7 +722,8 @@ def _stream_plan(kind_name: str, plan: Plan, dtype, vec: int, n: int, rows: int,
                          f"{STREAM_ROWS_PLANS}")
     if STREAM_ROWS == "off" or vec == 1 or n < vec or plan.C != 1:
         return None
-    if STREAM_ROWS == "auto" and plan.block[1] != 1:
+    if STREAM_ROWS == "auto" and (plan.block[1] != 1
+                                  or not stream_auto_applies(kind_name, dtype.itemsize, n)):
         return None
     module = _MODULE_OF[kind_name]
     if STREAM_ROWS == "auto" and not copies_async(module, dev):
