@@ -18,6 +18,8 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   ln_long_bf16        go.layer_norm [16, 1048576] bf16
   rms_long_bf16_resident, ln_long_bf16_resident   the same under LONG_ROWS 'resident'
   copy_long_bf16      torch copy of the same bytes (the DRAM reference)
+  rows_{ln,rms}_{stream,off,liger}, rows_copy
+                      [32768, 4096] bf16: the stream plan, the per-block kernels, Liger, a copy
   wgmma_bare / wgmma_bias_gelu / wgmma_bias_gelu_tanh / wgmma_residual
                       go.linear bf16 4096x6144x2048 (M x N x K) under PLAN['wgmma'] 'tma_fused'
                       (bare: 'tma_store')
@@ -83,6 +85,40 @@ def _long(op, long_rows="auto"):
     return build
 
 
+ROWS = (32768, 4096)
+
+
+def _rows(op, impl):
+    """[32768, 4096] bf16 layer_norm / rms_norm (or a copy of the same bytes): gpuops' stream plan
+    (STREAM_ROWS 'on'), its per-block kernels ('off'), or Liger (issue 3's H200 gap, runs
+    155-157: the stream plan plateaus at 81-92% of copy; Liger's rms_norm reaches 97%)."""
+    def build():
+        x = torch.randn(*ROWS, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(ROWS[1], device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(ROWS[1], device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        if impl == "liger":
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction  # noqa: PLC0415
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: PLC0415
+            if op == "rms":
+                return lambda: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
+            return lambda: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+        if op == "copy":
+            return lambda: out.copy_(x)
+
+        def call():
+            saved = N.STREAM_ROWS
+            N.STREAM_ROWS = {"stream": "on", "off": "off"}[impl]
+            try:
+                if op == "rms":
+                    return go.rms_norm(x, ROWS[1:], w)
+                return go.layer_norm(x, ROWS[1:], w, b)
+            finally:
+                N.STREAM_ROWS = saved
+        return call
+    return build
+
+
 def _wgmma(epi):
     def build():
         M, N, K = EPI_SHAPE
@@ -137,6 +173,9 @@ TARGETS = {
     "rms_long_bf16_resident": _long("rms", "resident"),
     "ln_long_bf16_resident": _long("ln", "resident"),
     "copy_long_bf16": _long("copy"),
+    **{f"rows_{op}_{impl}": _rows(op, impl) for op in ("ln", "rms")
+       for impl in ("stream", "off", "liger")},
+    "rows_copy": _rows("copy", None),
     **{f"wgmma_{e}": _wgmma(e) for e in ("bare", "bias_gelu", "bias_gelu_tanh", "residual")},
     "decode_m1": _decode(1),
     "decode_m2": _decode(2),
