@@ -1071,7 +1071,7 @@ def test_emulated_ring_nan_rows_in_place_and_falls_back(emulated, rng, monkeypat
 
 # The kernel each WHOLE_ROWS option runs where it applies (else layer_norm_fwd).
 WHOLE_ROWS_KERNELS = {"per_row": "layer_norm_fwd<", "two_pass": "layer_norm_two_pass<",
-                      "compact": "layer_norm_compact<"}
+                      "compact": "layer_norm_compact<", "lean": "layer_norm_lean<"}
 
 
 def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int, C: int) -> bool:
@@ -1079,6 +1079,8 @@ def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int
         return False
     if option == "compact":
         return packs <= 2 and threads <= N.COMPACT_MAX_THREADS
+    if option == "lean":
+        return packs <= 2
     return True
 
 
@@ -1297,6 +1299,25 @@ def test_emulated_decode_rows_equal_rms_norm_fwd(emulated, dtype, rng, monkeypat
             assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), shape
         ry, rr = N.ref_rms_norm_forward(_f64(x), ns, _f64(w), 1e-6)
         assert_close(_f64(got[True][0]), ry, dtype, f"rms_norm_rows {shape}")
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_rows_kernel_at_every_row_count(emulated, dtype, rng, monkeypatch):
+    """ROWS_MAX_WAVES = None: rms_norm_rows (a block per row, w loaded with x) past one wave of
+    its blocks too (9 rows on the emulated 4 blocks), bit-equal to rms_norm_fwd (y, h, rstd)."""
+    dev = emulated
+    x, w, _, r = _emu_case(rng, (9, 2048), dtype)
+    got = {}
+    for waves in (None, 1):
+        monkeypatch.setattr(N, "ROWS_MAX_WAVES", waves)
+        emu.Device.launches = []
+        got[waves] = (_emu_run(dev, "rms_norm_forward", dtype, x, (2048,), w, 1e-6)
+                      + _emu_run(dev, "add_rms_norm_forward", dtype, x, r, w, 1e-6))
+        names = [launch[0] for launch in emu.Device.launches]
+        assert all(("rms_norm_rows<" in n) == (waves is None) for n in names), names
+    for a, b in zip(got[None], got[1]):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 def _emu_backward_all(dev, x, w, r, dtype, what):

@@ -3,7 +3,9 @@ per row, each warp's next rows landing in shared memory by cp.async) against the
 (STREAM_ROWS="off": layer_norm_compact, rms_norm_fwd) and the peers (torch eager, torch.compile,
 Liger), same inputs, same run, CUDA-graph replay (5 calls per graph, median of 20 replays).
 
-Configs (--configs): off, auto (stream_config's pick), and forced tTkKdD (teams of T warps per
+Configs (--configs): off, auto (stream_config's pick), lean / two_pass / compact (the stream plan
+off; layer_norm under that WHOLE_ROWS option; "lean" also puts rms_norm and add_rms_norm on
+rms_norm_rows at every row count: Liger's structure), and forced tTkKdD (teams of T warps per
 row, K teams per block, D stages per team: STREAM_TEAM, STREAM_TEAMS, STREAM_DEPTH; skipped where
 the stages do not fit). Each stream row also prints the largest
 difference from the "off" output (both rounded to the dtype: 0 or one rounding step expected,
@@ -32,7 +34,8 @@ from gpuops.runtime import device  # noqa: E402
 sys.path.insert(0, "benchmarks/experiments")
 from norms_long_rows import _norm_peers  # noqa: E402
 
-KNOBS = ("STREAM_ROWS", "STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH")
+KNOBS = ("STREAM_ROWS", "STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH", "WHOLE_ROWS",
+         "ROWS_MAX_WAVES")
 
 
 class _Config:
@@ -43,6 +46,11 @@ class _Config:
         if name in ("off", "auto"):
             self.values = dict(STREAM_ROWS=name, STREAM_TEAM=None, STREAM_TEAMS=None,
                                STREAM_DEPTH=None)
+        elif name in ("lean", "two_pass", "compact"):
+            # the per-block kernels: layer_norm under that WHOLE_ROWS option, rms_norm /
+            # add_rms_norm on rms_norm_rows at every row count ("lean") or rms_norm_fwd
+            self.values = dict(STREAM_ROWS="off", WHOLE_ROWS=name,
+                               ROWS_MAX_WAVES=None if name == "lean" else 1)
         else:
             m = re.fullmatch(r"t(\d+)k(\d+)d(\d+)", name)
             if m is None:
@@ -63,13 +71,18 @@ class _Config:
 
 
 def _describe(kind, d, shape):
-    """The stream plan the current config takes ('' where the per-block kernels run)."""
+    """The stream plan the current config takes, or the per-block kernel that runs."""
     n = shape[-1]
     vec = 16 // d.itemsize
     plan = N._plan(kind, d, vec, n, 0)
     s = N._stream_plan(kind, plan, d, vec, n, shape[0], 0)
     if s is None:
-        return ""
+        if kind == "layer_norm":
+            used = N._whole_rows_plan(plan, d, vec, 0, shape[0]) or plan
+        else:
+            used = N._decode_rows_plan(kind, plan, d, vec, shape[0], 0) or plan
+        regs = getattr(getattr(used.kernel, "raw", None), "num_regs", "?")
+        return f"{used.kernel.name.split('::')[-1].split('<')[0]} {regs} regs"
     sms = device.device_info(0).sm_count
     regs = getattr(getattr(s.kernel, "raw", None), "num_regs", "?")
     return (f"stream t{s.team}k{s.teams}d{s.depth}, {s.smem // 1024} KiB, "
@@ -109,7 +122,7 @@ def main():
                 for config in configs:
                     with _Config(config):
                         what = _describe(op, d, shape)
-                        if config not in ("off", "auto") and not what:
+                        if re.fullmatch(r"t\d+k\d+d\d+", config) and not what.startswith("stream"):
                             continue                      # (the stages do not fit)
                         out = fn()
                         first = out[0] if isinstance(out, tuple) else out

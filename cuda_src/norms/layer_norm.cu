@@ -269,6 +269,63 @@ layer_norm_two_pass(const T* x, long long x_stride, T* y, long long y_stride,
   }
 }
 
+// Whole rows, one block per row (WHOLE_ROWS = "lean"; 16-byte units, at most 2 packs, gridDim.x
+// == rows; arguments as layer_norm_two_pass): the structure of Liger's Triton kernel, which ran
+// at 90.7% of copy at [32768, 4096] bf16 on the H200 where layer_norm_compact ran at 76.9% and
+// layer_norm_two_pass at 83.8% (run 159; ncu: compact issue-bound, 151.5M instructions executed
+// against Liger's 83.1M, 89% of issue slots busy). x raw in registers (converted at each of its
+// three uses), w and b loaded with it (their L2 round trip overlaps x's DRAM one; two_pass loads
+// them after the statistics), statistics by two plain block sums (the mean, then squared
+// deviations from it; no Chan merge), no row loop.
+template <class T, int VEC, int PACKS>
+__global__ void __launch_bounds__(1024, 1)
+layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
+                const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
+                float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
+                int C, int phase, float eps) {
+  pdl_start();
+  static_assert(VEC > 1 && PACKS <= 2, "16-byte units, w and b held: at most 2 packs");
+  __shared__ float scratch[32];
+  const int units = n / VEC;
+  const int u0 = static_cast<int>(threadIdx.x);
+  const long long row = blockIdx.x;
+  RawTile<T, VEC, PACKS> xt;
+  xt.load(x + row * x_stride, u0, units);
+  AffineParams<T, VEC, PACKS> ahead;
+  ahead.load_ahead(w, b, u0, units);
+  const RawPacks<T, VEC, PACKS> v{xt};
+  float t[1] = {0.0f};
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    float f[VEC];
+    v.get(p, f);                                       // past the end: +0.0
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) t[0] += f[j];
+  }
+  block_sum_n<1>(t, scratch);
+  const float mean = t[0] / static_cast<float>(n);
+  t[0] = 0.0f;
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    if (u0 + p * static_cast<int>(blockDim.x) < units) {
+      float f[VEC];
+      v.get(p, f);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = f[j] - mean;
+        t[0] = fmaf(d, d, t[0]);
+      }
+    }
+  }
+  block_sum_n<1>(t, scratch);
+  const float rstd = rsqrtf(t[0] / static_cast<float>(n) + eps);
+  if (mean_out != nullptr && threadIdx.x == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+  normalize_store<T, VEC, PACKS>(v, mean, rstd, w, b, ahead, y + row * y_stride, u0, units);
+}
+
 // Whole rows, one block per row, for 8 blocks of 256 threads per SM (WHOLE_ROWS = "compact":
 // <= 32 registers; 16-byte units, blockDim.x <= 256, gridDim.x == rows; arguments as
 // layer_norm_two_pass): the row raw in registers (16-bit values: 8 registers for 2 packs,

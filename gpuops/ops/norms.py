@@ -206,11 +206,16 @@ LONG_ROWS_PLANS = ("auto", "resident", "ring2", "ring", "split")
 # [16, 2048]): rms_norm_rows (w loaded with x and held, no row loop; bit-equal to rms_norm_fwd)
 # instead of rms_norm_fwd. Tests switch it off to reach rms_norm_fwd at small sizes.
 DECODE_ROWS = True
+# ... for grids of at most this many waves of its blocks (None: every row count; it has no row
+# loop, a block per row: Liger's structure, w loaded with x).
+ROWS_MAX_WAVES = 1
 # "auto" (run 77): two_pass where the grid fits in one wave, else compact. At [16, 2048] (PDL
 # chain, run 76) two_pass 1.69 us bf16 / 1.91 fp32 against compact's 1.91 / 2.30 (two plain block
 # sums cost less latency than compact's one exchange of Chan merges); at [32768, 4096] bf16
 # (run 77) compact 180.1 us, two_pass 180.8.
-WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact")
+#   "lean"       layer_norm_lean (at most 2 packs): Liger's structure (x raw, w and b loaded with
+#                it, two plain block sums, no row loop; run 159's ncu: compact was issue-bound).
+WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact", "lean")
 WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
@@ -303,6 +308,8 @@ _COMPACT_EXPRS = {(d, _vec_width(d), p):
                   f"gpuops::layer_norm_compact<{d.ctype}, {_vec_width(d)}, {p}>"
                   for d in dt.FLOATS for p in (1, 2)}
 COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
+_LEAN_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_lean<{d.ctype}, {_vec_width(d)}, {p}>"
+               for d in dt.FLOATS for p in (1, 2)}
 # rms_norm_rows (norms/rms_norm.cu): the decode-sized whole rows of rms_norm / add_rms_norm, at the
 # (dtype, vec, packs) of rms_norm_fwd's plans on 16-byte units (single elements keep rms_norm_fwd:
 # an add_rms_norm fp32 instance of 8 elements per thread spilled under the 64-register cap).
@@ -331,7 +338,7 @@ LAYER_NORM_MODULE = KernelModule(
     "norms.layer_norm", "norms/layer_norm.cu",
     {**{e: LN_FWD_ARGS for table in (_EXPRS, _SPLIT_EXPRS, _RING_EXPRS)
         for e in table["layer_norm"].values()},
-     **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS)
+     **{e: LN_FWD_ARGS for table in (_TWO_PASS_EXPRS, _COMPACT_EXPRS, _LEAN_EXPRS)
         for e in table.values()},
      **{e: LN_RING2_ARGS for table in (_RING2_EXPRS, _RESIDENT_EXPRS)
         for e in table["layer_norm"].values()},
@@ -608,7 +615,7 @@ def ring_grid(ring, rows: int):
 def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, dev: int):
     """The Plan of rms_norm_rows for `rows` whole rows of the shape of `plan` (an rms_norm_fwd
     plan), or None where rms_norm_fwd runs: DECODE_ROWS off, single-element units, split or warp
-    rows, or more rows than one wave of its blocks."""
+    rows, or more rows than ROWS_MAX_WAVES waves of its blocks."""
     threads = plan.block[0]
     if not DECODE_ROWS or vec == 1 or plan.C != 1 or plan.block[1] != 1 or threads <= 32:
         return None
@@ -618,7 +625,9 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
         hit = _make_plan(kind_name, _ROWS_EXPRS[kind_name][(dtype, vec, plan.packs)], threads, 1,
                          plan.packs, 1, dev)
         _plans[key] = hit
-    return hit if rows <= hit.capacity else None
+    if rows > (1 << 31) - 1:                    # (a block per row)
+        return None
+    return hit if ROWS_MAX_WAVES is None or rows <= ROWS_MAX_WAVES * hit.capacity else None
 
 
 def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
@@ -646,7 +655,9 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     if option == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
                                 or rows > (1 << 31) - 1):
         return None
-    exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS}[option]
+    if option == "lean" and (plan.packs > 2 or rows > (1 << 31) - 1):
+        return None
+    exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS, "lean": _LEAN_EXPRS}[option]
     key = (option, dtype, vec, plan.packs, threads, dev)
     hit = _plans.get(key)
     if hit is None:
