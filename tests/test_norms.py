@@ -1210,18 +1210,22 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
         assert ("_stream<" in name) == expected, (rows, n, cc, name)
 
 
-def test_stream_auto_follows_the_measured_table():
-    """stream_auto_applies: run 156's wins (16-bit layer_norm everywhere; 16-bit rms_norm but at
-    4096 and the unmeasured widths between 2048 and 8192; fp32 at 1024, layer_norm also from
-    8192) and never add_rms_norm (its per-block kernel ran at 96-100% of copy)."""
-    applies = N.stream_auto_applies
-    assert all(applies("layer_norm", 2, n) for n in (256, 1024, 2048, 4096, 5120, 8192))
-    assert [applies("layer_norm", 4, n) for n in (1024, 2048, 4096, 8192)] == [
-        True, False, False, True]
-    assert [applies("rms_norm", 2, n) for n in (1024, 2048, 3072, 4096, 8192)] == [
-        True, True, False, False, True]
-    assert [applies("rms_norm", 4, n) for n in (1024, 2048, 8192)] == [True, False, False]
-    assert not any(applies("add_rms_norm", i, n) for i in (2, 4) for n in (1024, 4096))
+def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
+    """stream_auto_applies and rows_kernel_applies: runs 156-159's fastest kernel per op, dtype
+    and width (16-bit layer_norm streams everywhere, fp32 to 1024; 16-bit rms_norm streams to
+    1024 and takes rms_norm_rows from 2048; fp32 rms_norm takes rms_norm_rows to 1024);
+    add_rms_norm keeps rms_norm_fwd (its per-block kernel ran at 96-100% of copy)."""
+    stream, rows = N.stream_auto_applies, N.rows_kernel_applies
+    assert all(stream("layer_norm", 2, n) for n in (256, 1024, 2048, 4096, 5120, 8192))
+    assert [stream("layer_norm", 4, n) for n in (1024, 2048, 4096, 8192)] == [
+        True, False, False, False]
+    assert [stream("rms_norm", 2, n) for n in (1024, 2048, 4096)] == [True, False, False]
+    assert [rows("rms_norm", 2, n) for n in (1024, 2048, 4096, 8192)] == [
+        False, True, True, True]
+    assert [rows("rms_norm", 4, n) for n in (1024, 2048, 4096)] == [True, False, False]
+    assert not stream("rms_norm", 4, 1024)
+    assert not any(stream("add_rms_norm", i, n) or rows("add_rms_norm", i, n)
+                   or rows("layer_norm", i, n) for i in (2, 4) for n in (1024, 4096))
 
 
 def test_stream_config_fills_shared_memory_to_the_aims():
@@ -1246,8 +1250,10 @@ def test_stream_config_fills_shared_memory_to_the_aims():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
     """WHOLE_ROWS = "auto": layer_norm_two_pass where the rows fit in one wave of its blocks (the
-    emulated device holds 4), else layer_norm_compact where that applies, else layer_norm_fwd."""
+    emulated device holds 4) and for fp32 at every row count, else layer_norm_compact where that
+    applies, else layer_norm_fwd."""
     monkeypatch.setattr(N, "WHOLE_ROWS", "auto")
+    monkeypatch.setattr(N, "STREAM_ROWS", "off")
     dev = emulated
     seen = set()
     for shape in ((3, 4096), (4, 2048), (5, 2048), (9, 4096), (2, 4097), (6, 64)):
@@ -1261,7 +1267,7 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
         threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, shape[-1])
         if not _whole_rows_applies("two_pass", vec, threads, ty, packs, C):
             expected = "layer_norm_fwd<"
-        elif shape[0] <= 4:
+        elif shape[0] <= 4 or dtype == "float32":
             expected = "layer_norm_two_pass<"
         elif _whole_rows_applies("compact", vec, threads, ty, packs, C):
             expected = "layer_norm_compact<"
@@ -1269,7 +1275,8 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
             expected = "layer_norm_fwd<"
         assert expected in name, (shape, name)
         seen.add(expected)
-    assert seen == {"layer_norm_two_pass<", "layer_norm_compact<", "layer_norm_fwd<"}
+    assert seen == ({"layer_norm_two_pass<", "layer_norm_fwd<"} if dtype == "float32" else
+                    {"layer_norm_two_pass<", "layer_norm_compact<", "layer_norm_fwd<"})
 
 
 @needs_emu
@@ -1277,7 +1284,9 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
 def test_emulated_decode_rows_equal_rms_norm_fwd(emulated, dtype, rng, monkeypatch):
     """rms_norm_rows (DECODE_ROWS: whole rows of a one-wave grid on 16-byte units, w loaded with
     x) gives rms_norm_fwd's bits for rms_norm / add_rms_norm (y, h, rstd), with and without a
-    weight; single elements and rows past one wave (4 blocks here) keep rms_norm_fwd."""
+    weight; single elements and rows past one wave (4 blocks here) keep rms_norm_fwd
+    (ROWS_MAX_WAVES 1: the decode rule)."""
+    monkeypatch.setattr(N, "ROWS_MAX_WAVES", 1)
     dev = emulated
     for shape in ((3, 2048), (4, 1000), (2, 1001), (1, 64), (6, 2048)):
         x, w, _, r = _emu_case(rng, shape, dtype)
@@ -1318,6 +1327,19 @@ def test_emulated_rows_kernel_at_every_row_count(emulated, dtype, rng, monkeypat
         assert all(("rms_norm_rows<" in n) == (waves is None) for n in names), names
     for a, b in zip(got[None], got[1]):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    # "auto": rms_norm_rows past one wave where rows_kernel_applies (16-bit from 2048, fp32 to
+    # 1024), rms_norm_fwd elsewhere and for add_rms_norm
+    monkeypatch.setattr(N, "ROWS_MAX_WAVES", "auto")
+    monkeypatch.setattr(N, "STREAM_ROWS", "off")
+    for n in (1024, 2048):
+        x, w, _, r = _emu_case(rng, (9, n), dtype)
+        emu.Device.launches = []
+        _emu_run(dev, "rms_norm", dtype, x, (n,), w, 1e-6)
+        _emu_run(dev, "add_rms_norm", dtype, x, r, w, 1e-6)
+        (rms, add) = [launch[0] for launch in emu.Device.launches]
+        assert ("rms_norm_rows<" in rms) == N.rows_kernel_applies(
+            "rms_norm", dt.BY_NAME[dtype].itemsize, n), (n, rms)
+        assert "rms_norm_fwd<" in add
 
 
 def _emu_backward_all(dev, x, w, r, dtype, what):
@@ -1830,7 +1852,8 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     """Decode-sized whole rows: layer_norm under WHOLE_ROWS = "auto" takes layer_norm_two_pass
-    where the grid fits in one wave ([16, 2048]) and layer_norm_compact past it; rms_norm /
+    where the grid fits in one wave ([16, 2048]) and layer_norm_compact past it (fp32:
+    two_pass); rms_norm /
     add_rms_norm take rms_norm_rows there on 16-byte units (DECODE_ROWS), bit-equal to
     rms_norm_fwd (y, h, rstd; with and without weight; single elements keep rms_norm_fwd),
     outputs NaN-poisoned."""
@@ -1840,7 +1863,8 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     plan = N._plan("layer_norm", d, vec, 2048, dev)
     assert "layer_norm_two_pass<" in N._whole_rows_plan(plan, d, vec, dev, 16).kernel.name
     many = N._whole_rows_option("two_pass", plan, d, vec, dev, 1).capacity + 1
-    assert "layer_norm_compact<" in N._whole_rows_plan(plan, d, vec, dev, many).kernel.name
+    assert ("layer_norm_compact<" if d.itemsize == 2 else "layer_norm_two_pass<") in \
+        N._whole_rows_plan(plan, d, vec, dev, many).kernel.name
     for shape in ((16, 2048), (1, 4096), (7, 1000), (5, 1001), (3, 128), (many, 2048)):
         x, w, b = _ln_case(shape, dtype)
         r = _randn(shape, dtype, 1.0, 0.0)

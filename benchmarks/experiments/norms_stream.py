@@ -45,7 +45,8 @@ class _Config:
     def __init__(self, name):
         if name in ("off", "auto"):
             self.values = dict(STREAM_ROWS=name, STREAM_TEAM=None, STREAM_TEAMS=None,
-                               STREAM_DEPTH=None)
+                               STREAM_DEPTH=None, WHOLE_ROWS="auto",
+                               ROWS_MAX_WAVES="auto" if name == "auto" else 1)
         elif name in ("lean", "two_pass", "compact"):
             # the per-block kernels: layer_norm under that WHOLE_ROWS option, rms_norm /
             # add_rms_norm on rms_norm_rows at every row count ("lean") or rms_norm_fwd
@@ -80,7 +81,7 @@ def _describe(kind, d, shape):
         if kind == "layer_norm":
             used = N._whole_rows_plan(plan, d, vec, 0, shape[0]) or plan
         else:
-            used = N._decode_rows_plan(kind, plan, d, vec, shape[0], 0) or plan
+            used = N._decode_rows_plan(kind, plan, d, vec, shape[0], 0, n) or plan
         regs = getattr(getattr(used.kernel, "raw", None), "num_regs", "?")
         return f"{used.kernel.name.split('::')[-1].split('<')[0]} {regs} regs"
     sms = device.device_info(0).sm_count

@@ -60,12 +60,17 @@ __device__ __forceinline__ T block_reduce(T v, T* scratch) {
 
 // bar.sync id, count: a barrier of `count` threads (whole warps) of the block, id 1..15 (0 is
 // __syncthreads): some warps of a block synchronize while the others run on. Host emulation:
-// tests/cuda_emu/emu.h.
+// tests/cuda_emu/emu.h (the older tests/cuda_host_emulation.py has none: a kernel that reaches
+// one there stops).
 __device__ __forceinline__ void named_barrier(unsigned id, unsigned count) {
-#ifdef __CUDACC_RTC__
+#if defined(__CUDACC_RTC__)
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
-#else
+#elif defined(GPUOPS_EMU_H)
   emu::named_bar_sync(id, count);
+#else
+  (void)id;
+  (void)count;
+  __builtin_trap();
 #endif
 }
 

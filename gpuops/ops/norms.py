@@ -207,9 +207,12 @@ LONG_ROWS_PLANS = ("auto", "resident", "ring2", "ring", "split")
 # instead of rms_norm_fwd. Tests switch it off to reach rms_norm_fwd at small sizes.
 DECODE_ROWS = True
 # ... for grids of at most this many waves of its blocks (None: every row count; it has no row
-# loop, a block per row: Liger's structure, w loaded with x).
-ROWS_MAX_WAVES = 1
-# "auto" (run 77): two_pass where the grid fits in one wave, else compact. At [16, 2048] (PDL
+# loop, a block per row: Liger's structure, w loaded with x); "auto": every row count where
+# rows_kernel_applies, else 1.
+ROWS_MAX_WAVES = "auto"
+# "auto" (run 77): two_pass where the grid fits in one wave, else compact; fp32 two_pass at every
+# row count (run 159, H200, [rows, n] of 537 MB: two_pass 258.4 us at n = 2048 against compact's
+# 268.4, 258.2 at 8192 against layer_norm_fwd's 293.0, level at 4096). At [16, 2048] (PDL
 # chain, run 76) two_pass 1.69 us bf16 / 1.91 fp32 against compact's 1.91 / 2.30 (two plain block
 # sums cost less latency than compact's one exchange of Chan merges); at [32768, 4096] bf16
 # (run 77) compact 180.1 us, two_pass 180.8.
@@ -235,18 +238,31 @@ STREAM_MIN_ROWS = 4
 
 
 def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
-    """Where "auto" streams: a table of measurements (H200, run 156, 537 MB per call at
-    n = 1024, 2048, 4096, 8192; benchmarks/notes_norms.md). The stream kernels ran at 81-92% of
-    copy at every width; the per-block kernels at 96-100% for add_rms_norm and where their plan
-    fills the SM, else at 55-86%: 16-bit layer_norm at every width (stream 1.12-1.71x), 16-bit
-    rms_norm at 1024, 2048, 8192 (1.13-1.23x; at 4096 the per-block kernel is 3% faster), fp32
-    layer_norm at 1024 (1.39x) and 8192 (1.05x), fp32 rms_norm at 1024 (1.14x). Widths between
-    the measured ones keep the per-block kernels."""
+    """Where "auto" streams: measured on the H200 (runs 156-159, 537 MB per call at n = 1024,
+    2048, 4096, 8192, against every per-block kernel; benchmarks/notes_norms.md). The stream
+    kernels ran at 81-92% of copy at every width, the best per-block kernel at 72-100%: 16-bit
+    layer_norm at every width (1.0-1.7x the per-block kernels; at 4096 layer_norm_lean ties),
+    fp32 layer_norm at 1024 (290.7 us against compact's 403.2; lean ties), 16-bit rms_norm at
+    1024 (143.6 against 159.5 for rms_norm_rows). Elsewhere a per-block kernel was faster
+    (rows_kernel_applies, WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
     if kind_name == "layer_norm":
-        return itemsize == 2 or n <= 1024 or n >= 8192
+        return itemsize == 2 or n <= 1024
     if kind_name == "rms_norm":
-        return n <= 1024 or (itemsize == 2 and (n <= 2048 or n >= 8192))
+        return itemsize == 2 and n <= 1024
     return False
+
+
+def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
+    """Where ROWS_MAX_WAVES "auto" runs rms_norm_rows (a block per row, w loaded with x: Liger's
+    structure) at every row count: rms_norm in 16-bit from 2048 (run 159, H200: [32768, 4096]
+    bf16 127.9 us against rms_norm_fwd's 139.4 and Liger's 129.6; 2048 137.1 against 162.7;
+    8192 132.2 against 173.8) and in fp32 to 1024 (266.1 against 307.4). fp32 2048 was 2% slower
+    than rms_norm_fwd, add_rms_norm level with it everywhere."""
+    if kind_name != "rms_norm":
+        return False
+    return n >= 2048 if itemsize == 2 else n <= 1024
+
+
 # (warps per row, teams per block, stages per team) of the stream plan: None picks
 # (stream_config); ints force one for A/B runs (benchmarks/experiments/norms_stream.py).
 STREAM_TEAM = None
@@ -612,10 +628,12 @@ def ring_grid(ring, rows: int):
     return None if -(-ring.C // grid) > ring.depth else grid
 
 
-def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, dev: int):
+def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, dev: int,
+                      n: int | None = None):
     """The Plan of rms_norm_rows for `rows` whole rows of the shape of `plan` (an rms_norm_fwd
-    plan), or None where rms_norm_fwd runs: DECODE_ROWS off, single-element units, split or warp
-    rows, or more rows than ROWS_MAX_WAVES waves of its blocks."""
+    plan; n: the row length, for ROWS_MAX_WAVES "auto"), or None where rms_norm_fwd runs:
+    DECODE_ROWS off, single-element units, split or warp rows, or more rows than ROWS_MAX_WAVES
+    waves of its blocks."""
     threads = plan.block[0]
     if not DECODE_ROWS or vec == 1 or plan.C != 1 or plan.block[1] != 1 or threads <= 32:
         return None
@@ -627,7 +645,10 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
         _plans[key] = hit
     if rows > (1 << 31) - 1:                    # (a block per row)
         return None
-    return hit if ROWS_MAX_WAVES is None or rows <= ROWS_MAX_WAVES * hit.capacity else None
+    waves = ROWS_MAX_WAVES
+    if waves == "auto":
+        waves = None if n is not None and rows_kernel_applies(kind_name, dtype.itemsize, n) else 1
+    return hit if waves is None or rows <= waves * hit.capacity else None
 
 
 def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
@@ -641,7 +662,7 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
                          f"{WHOLE_ROWS_PLANS}")
     if WHOLE_ROWS == "auto":
         two_pass = _whole_rows_option("two_pass", plan, dtype, vec, dev, rows)
-        if two_pass is not None and rows <= two_pass.capacity:
+        if two_pass is not None and (rows <= two_pass.capacity or dtype.itemsize == 4):
             return two_pass
         return _whole_rows_option("compact", plan, dtype, vec, dev, rows)
     return _whole_rows_option(WHOLE_ROWS, plan, dtype, vec, dev, rows)
@@ -1100,7 +1121,7 @@ def _rms_norm_launch(call, op, input, residual, ns, weight, eps, out, want_stats
                              smem=stream.smem)
         return y, h, rstd
     plan, grid, phases = _grid(plan, rows, False)
-    rows_plan = _decode_rows_plan(kind, plan, dtype, vec, rows, call.device)
+    rows_plan = _decode_rows_plan(kind, plan, dtype, vec, rows, call.device, n)
     if rows_plan is not None:
         plan, grid = rows_plan, rows
     rp, partials, counters = _ptr(rstd), 0, 0

@@ -460,6 +460,7 @@ void launch_packed(void (*kernel)(P...), const unsigned* dims, size_t smem, cons
 }
 }  // namespace emu
 
+#define GPUOPS_EMU_H 1                 // (cuda_src: this emulator, e.g. its named barriers)
 #define threadIdx (emu::thread_idx)
 #define blockIdx (emu::block_idx)
 #define blockDim (emu::block_dim)
