@@ -1135,6 +1135,44 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, rng, monkeypatch):
+    """layer_norm_lean: the bounds-free instance exactly where every thread's packs lie inside
+    the row (else the checked one), w without b and b without w (a missing one reads the row in
+    its place: never used), and in place (y = x, the row also read as the missing w)."""
+    monkeypatch.setattr(N, "WHOLE_ROWS", "lean")
+    monkeypatch.setattr(N, "STREAM_ROWS", "off")
+    monkeypatch.setattr(N, "DECODE_ROWS", False)
+    dev = emulated
+    d = dt.BY_NAME[dtype]
+    kinds = set()
+    for shape in ((5, 4096), (3, 2048), (6, 1024), (9, 1000), (4, 2056), (7, 520)):
+        n = shape[-1]
+        x, w, b, _ = _emu_case(rng, shape, dtype, offset=3.0)
+        vec = _vec_width_of(x, d)
+        threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, n)
+        if not _whole_rows_applies("lean", vec, threads, ty, packs, C):
+            continue                                   # (e.g. fp32 4096: 4 packs)
+        full = n == vec * threads * packs
+        kinds.add(full)
+        for wi, bi in ((w, None), (None, b), (w, b)):
+            emu.Device.launches = []
+            (y,) = _emu_run(dev, "layer_norm", dtype, x, (n,), wi, bi)
+            names = [name for name, *_ in emu.Device.launches]
+            assert len(names) == 1 and "layer_norm_lean<" in names[0], names
+            assert names[0].rstrip().endswith(f"{'true' if full else 'false'}>"), names
+            ref = N.ref_layer_norm(_f64(x), (n,), None if wi is None else _f64(wi),
+                                   None if bi is None else _f64(bi))
+            assert_close(_f64(y), ref, dtype, f"lean {shape} w={wi is not None}")
+        xc = x.copy()
+        (y,) = _emu_run(dev, "layer_norm", dtype, xc, (n,), None, b, out=xc)
+        assert np.shares_memory(y, xc)
+        assert_close(_f64(xc), N.ref_layer_norm(_f64(x), (n,), None, _f64(b)), dtype,
+                     f"lean in place {shape}")
+    assert kinds == {False, True}, kinds              # both instances ran
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("team", [1, 2])
 @pytest.mark.parametrize("depth", [2, 3, 8])
 def test_emulated_stream_rows(emulated, dtype, team, depth, rng, monkeypatch):
@@ -1776,7 +1814,7 @@ def test_gpu_whole_rows_every_option(whole_rows, dtype, monkeypatch):
         n = shape[-1]
         vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
         plan = N._plan("layer_norm", d, vec, n, dev)
-        whole = N._whole_rows_plan(plan, d, vec, dev, shape[0])
+        whole = N._whole_rows_plan(plan, d, vec, dev, shape[0], n)
         threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, n)
         assert (whole is not None) == _whole_rows_applies(whole_rows, vec, threads, ty, packs, C)
         if whole is not None:

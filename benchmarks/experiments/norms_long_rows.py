@@ -265,7 +265,7 @@ def _describe_whole(d, n, rows):
     resident blocks per SM."""
     vec = 16 // d.itemsize if n % (16 // d.itemsize) == 0 else 1
     plan = N._plan("layer_norm", d, vec, n, 0)
-    whole = N._whole_rows_plan(plan, d, vec, 0, rows) or plan
+    whole = N._whole_rows_plan(plan, d, vec, 0, rows, n) or plan
     sms = device.device_info(0).sm_count
     regs = getattr(getattr(whole.kernel, "raw", None), "num_regs", "?")
     return (f"{whole.kernel.name.split('::')[-1]}: {whole.block[0]} thr x {whole.packs} packs, "

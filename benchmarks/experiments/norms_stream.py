@@ -79,7 +79,7 @@ def _describe(kind, d, shape):
     s = N._stream_plan(kind, plan, d, vec, n, shape[0], 0)
     if s is None:
         if kind == "layer_norm":
-            used = N._whole_rows_plan(plan, d, vec, 0, shape[0]) or plan
+            used = N._whole_rows_plan(plan, d, vec, 0, shape[0], n) or plan
         else:
             used = N._decode_rows_plan(kind, plan, d, vec, shape[0], 0, n) or plan
         regs = getattr(getattr(used.kernel, "raw", None), "num_regs", "?")

@@ -270,14 +270,17 @@ layer_norm_two_pass(const T* x, long long x_stride, T* y, long long y_stride,
 }
 
 // Whole rows, one block per row (WHOLE_ROWS = "lean"; 16-byte units, at most 2 packs, gridDim.x
-// == rows; arguments as layer_norm_two_pass): the structure of Liger's Triton kernel, which ran
-// at 90.7% of copy at [32768, 4096] bf16 on the H200 where layer_norm_compact ran at 76.9% and
-// layer_norm_two_pass at 83.8% (run 159; ncu: compact issue-bound, 151.5M instructions executed
-// against Liger's 83.1M, 89% of issue slots busy). x raw in registers (converted at each of its
-// three uses), w and b loaded with it (their L2 round trip overlaps x's DRAM one; two_pass loads
-// them after the statistics), statistics by two plain block sums (the mean, then squared
-// deviations from it; no Chan merge), no row loop.
-template <class T, int VEC, int PACKS>
+// == rows; arguments as layer_norm_two_pass): Liger's structure (w and b loaded with the row, two
+// plain block sums) at fewer instructions. Its first version (x kept raw, converted at each of
+// its three uses; x - mean computed twice; bounds checks on every pack; (v - mean) * rstd * w + b
+// as four operations; two IEEE divisions by n) ran 105.6M instructions at [32768, 4096] bf16
+// against the 83.1M of Liger's Triton kernel, same registers and occupancy (5 blocks of 256
+// threads per SM), 148.0 us against 138.0 (Nsight Compute, run 161, H200). Here x is converted
+// once (its floats replace the raw bits: 16 registers for 2 packs of bf16), the deviations
+// d = x - mean are computed once and kept for the variance and the output, y = fma(d * rstd, w,
+// b), one division (1 / n), and FULL (every thread's packs inside the row: n = 16 * threads *
+// PACKS bytes) drops the bounds checks.
+template <class T, int VEC, int PACKS, bool FULL>
 __global__ void __launch_bounds__(1024, 1)
 layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
                 const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
@@ -285,45 +288,84 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
                 int C, int phase, float eps) {
   pdl_start();
   static_assert(VEC > 1 && PACKS <= 2, "16-byte units, w and b held: at most 2 packs");
+  using R = RawUnit<T, VEC>;
   __shared__ float scratch[32];
   const int units = n / VEC;
   const int u0 = static_cast<int>(threadIdx.x);
+  const int step = static_cast<int>(blockDim.x);
   const long long row = blockIdx.x;
-  RawTile<T, VEC, PACKS> xt;
-  xt.load(x + row * x_stride, u0, units);
-  AffineParams<T, VEC, PACKS> ahead;
-  ahead.load_ahead(w, b, u0, units);
-  const RawPacks<T, VEC, PACKS> v{xt};
+  const T* x_row = x + row * x_stride;
+  // x, w and b loads all issued first, without a branch: a missing w or b reads the row instead
+  // (n elements as well; never used). Behind `if (w != nullptr)` the compiler issued them only
+  // after the row's sum, i.e. after x's DRAM round trip (the SASS of the first version).
+  const T* w_src = w != nullptr ? w : x_row;
+  const T* b_src = b != nullptr ? b : x_row;
+  typename R::type xr[PACKS], wr[PACKS], br[PACKS];
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * step;
+    const long long e = static_cast<long long>(u) * VEC;
+    const bool in = FULL || u < units;
+    xr[p] = in ? R::load(x_row + e) : R::zero();
+    wr[p] = in ? R::load(w_src + e) : R::zero();
+    br[p] = in ? R::load(b_src + e) : R::zero();
+  }
+  float d[PACKS][VEC];
   float t[1] = {0.0f};
 #pragma unroll
   for (int p = 0; p < PACKS; ++p) {
-    float f[VEC];
-    v.get(p, f);                                       // past the end: +0.0
+    R::unpack(xr[p], d[p]);                            // past the end: +0.0
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) t[0] += f[j];
+    for (int j = 0; j < VEC; ++j) t[0] += d[p][j];
   }
   block_sum_n<1>(t, scratch);
-  const float mean = t[0] / static_cast<float>(n);
+  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN, as torch
+  const float mean = t[0] * inv_n;
   t[0] = 0.0f;
 #pragma unroll
   for (int p = 0; p < PACKS; ++p) {
-    if (u0 + p * static_cast<int>(blockDim.x) < units) {
-      float f[VEC];
-      v.get(p, f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = f[j] - mean;
-        t[0] = fmaf(d, d, t[0]);
-      }
+    for (int j = 0; j < VEC; ++j) d[p][j] -= mean;
+    if (FULL || u0 + p * step < units) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) t[0] = fmaf(d[p][j], d[p][j], t[0]);
     }
   }
   block_sum_n<1>(t, scratch);
-  const float rstd = rsqrtf(t[0] / static_cast<float>(n) + eps);
+  const float rstd = rsqrtf(t[0] * inv_n + eps);
   if (mean_out != nullptr && threadIdx.x == 0) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
-  normalize_store<T, VEC, PACKS>(v, mean, rstd, w, b, ahead, y + row * y_stride, u0, units);
+  T* y_row = y + row * y_stride;
+#pragma unroll
+  for (int p = 0; p < PACKS; ++p) {
+    const int u = u0 + p * step;
+    if (FULL || u < units) {
+      float o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = d[p][j] * rstd;
+      if (w != nullptr) {
+        float wv[VEC];
+        R::unpack(wr[p], wv);
+        if (b != nullptr) {
+          float bv[VEC];
+          R::unpack(br[p], bv);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] = fmaf(o[j], wv[j], bv[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] *= wv[j];
+        }
+      } else if (b != nullptr) {
+        float bv[VEC];
+        R::unpack(br[p], bv);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] += bv[j];
+      }
+      R::store(y_row + static_cast<long long>(u) * VEC, R::pack(o));
+    }
+  }
 }
 
 // Whole rows, one block per row, for 8 blocks of 256 threads per SM (WHOLE_ROWS = "compact":

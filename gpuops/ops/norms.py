@@ -324,8 +324,11 @@ _COMPACT_EXPRS = {(d, _vec_width(d), p):
                   f"gpuops::layer_norm_compact<{d.ctype}, {_vec_width(d)}, {p}>"
                   for d in dt.FLOATS for p in (1, 2)}
 COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
-_LEAN_EXPRS = {(d, _vec_width(d), p): f"gpuops::layer_norm_lean<{d.ctype}, {_vec_width(d)}, {p}>"
-               for d in dt.FLOATS for p in (1, 2)}
+# layer_norm_lean at (dtype, vec, packs, full): full when every thread's packs lie inside the row
+_LEAN_EXPRS = {(d, _vec_width(d), p, full):
+               f"gpuops::layer_norm_lean<{d.ctype}, {_vec_width(d)}, {p}, "
+               f"{'true' if full else 'false'}>"
+               for d in dt.FLOATS for p in (1, 2) for full in (False, True)}
 # rms_norm_rows (norms/rms_norm.cu): the decode-sized whole rows of rms_norm / add_rms_norm, at the
 # (dtype, vec, packs) of rms_norm_fwd's plans on 16-byte units (single elements keep rms_norm_fwd:
 # an add_rms_norm fp32 instance of 8 elements per thread spilled under the 64-register cap).
@@ -651,12 +654,15 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
     return hit if waves is None or rows <= waves * hit.capacity else None
 
 
-def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
-    """The Plan of the WHOLE_ROWS kernel for `rows` rows of the length of `plan` (a
+def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1,
+                     n: int | None = None):
+    """The Plan of the WHOLE_ROWS kernel for `rows` rows of n elements (the length of `plan`, a
     layer_norm_fwd plan), or None where layer_norm_fwd runs: "per_row", split or warp rows,
     single-element units, or rows the option's kernel does not take (compact: more than 2 packs,
     more than COMPACT_MAX_THREADS threads, or 2^31 rows or more: one block per row, no loop).
-    "auto": two_pass where its grid fits in one wave (decode-sized calls), else compact."""
+    "auto": two_pass where its grid fits in one wave (decode-sized calls) or for fp32, else
+    compact. n (lean): its bounds-free instance where the row fills every thread's packs (n =
+    None: the checked one)."""
     if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
         raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
                          f"{WHOLE_ROWS_PLANS}")
@@ -665,10 +671,11 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1):
         if two_pass is not None and (rows <= two_pass.capacity or dtype.itemsize == 4):
             return two_pass
         return _whole_rows_option("compact", plan, dtype, vec, dev, rows)
-    return _whole_rows_option(WHOLE_ROWS, plan, dtype, vec, dev, rows)
+    return _whole_rows_option(WHOLE_ROWS, plan, dtype, vec, dev, rows, n)
 
 
-def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows: int):
+def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows: int,
+                       n: int | None = None):
     threads = plan.block[0]
     if (option == "per_row" or plan.C != 1 or plan.block[1] != 1 or threads <= 32
             or vec == 1):
@@ -679,11 +686,13 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     if option == "lean" and (plan.packs > 2 or rows > (1 << 31) - 1):
         return None
     exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS, "lean": _LEAN_EXPRS}[option]
-    key = (option, dtype, vec, plan.packs, threads, dev)
+    expr_key = (dtype, vec, plan.packs)
+    if option == "lean":
+        expr_key += (n is not None and n == vec * threads * plan.packs,)
+    key = (option, *expr_key, threads, dev)
     hit = _plans.get(key)
     if hit is None:
-        kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(
-            exprs[(dtype, vec, plan.packs)])
+        kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(exprs[expr_key])
         per_sm = loader.blocks_per_sm(kernel, threads)
         hit = Plan(kernel, (threads, 1, 1), plan.packs, 1,
                    per_sm * device.device_info(dev).sm_count)
@@ -1056,7 +1065,7 @@ def _layer_norm_launch(call, op, input, ns, weight, bias, eps, out, want_stats):
                              _ptr(rstd), rows, n, stream.depth, stream.team, eps,
                              smem=stream.smem)
         return y, mean, rstd
-    whole = _whole_rows_plan(plan, dtype, vec, call.device, rows)
+    whole = _whole_rows_plan(plan, dtype, vec, call.device, rows, n)
     if whole is not None:
         whole.kernel.launch((min(rows, (1 << 31) - 1), 1, 1), whole.block, call.stream, x.ptr, xs,
                             y.ptr, ys, _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), 0, 0, rows, n, 1,
