@@ -43,27 +43,12 @@
 
 namespace gpuops {
 
-// Copies the `units` units of a parameter vector into shared memory, block-wide; a null vector
-// leaves them alone, or with `fill` writes units of that value (a missing w as 1, b as 0: the
-// per-element code then has no branches on them).
+// Copies the `units` units of a parameter vector (null: nothing) into shared memory, block-wide.
 template <class T, int VEC>
 __device__ __forceinline__ void stream_params(uint4* dst, const T* src, int units) {
   if (src == nullptr) return;
   for (int u = threadIdx.x; u < units; u += blockDim.x)
     dst[u] = load16(src + static_cast<long long>(u) * VEC);
-}
-
-template <class T, int VEC>
-__device__ __forceinline__ void stream_params(uint4* dst, const T* src, int units, float fill) {
-  if (src != nullptr) {
-    stream_params<T, VEC>(dst, src, units);
-    return;
-  }
-  float f[VEC];
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) f[j] = fill;
-  const uint4 packed = RawUnit<T, VEC>::pack(f);
-  for (int u = threadIdx.x; u < units; u += blockDim.x) dst[u] = packed;
 }
 
 // This team lane's units of one row into a stage.
