@@ -1071,7 +1071,8 @@ def test_emulated_ring_nan_rows_in_place_and_falls_back(emulated, rng, monkeypat
 
 # The kernel each WHOLE_ROWS option runs where it applies (else layer_norm_fwd).
 WHOLE_ROWS_KERNELS = {"per_row": "layer_norm_fwd<", "two_pass": "layer_norm_two_pass<",
-                      "compact": "layer_norm_compact<", "lean": "layer_norm_lean<"}
+                      "compact": "layer_norm_compact<", "lean": "layer_norm_lean<",
+                      "lean_two": "layer_norm_lean<"}
 
 
 def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int, C: int) -> bool:
@@ -1079,7 +1080,7 @@ def _whole_rows_applies(option: str, vec: int, threads: int, ty: int, packs: int
         return False
     if option == "compact":
         return packs <= 2 and threads <= N.COMPACT_MAX_THREADS
-    if option == "lean":
+    if option in ("lean", "lean_two"):
         return packs <= 2
     return True
 
@@ -1135,11 +1136,14 @@ def test_emulated_whole_rows(emulated, dtype, whole_rows, rng, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, rng, monkeypatch):
+@pytest.mark.parametrize("option", ["lean", "lean_two"])
+def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, option, rng, monkeypatch):
     """layer_norm_lean: the bounds-free instance exactly where every thread's packs lie inside
     the row (else the checked one), w without b and b without w (a missing one reads the row in
-    its place: never used), and in place (y = x, the row also read as the missing w)."""
-    monkeypatch.setattr(N, "WHOLE_ROWS", "lean")
+    its place: never used), and in place (y = x, the row also read as the missing w); "lean"
+    takes the one-exchange instance (shifted sums) in 16-bit, "lean_two" and fp32 the two block
+    sums. Rows at mean 3 (far from the shift of 0 that E[x^2] - E[x]^2 would be)."""
+    monkeypatch.setattr(N, "WHOLE_ROWS", option)
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     monkeypatch.setattr(N, "DECODE_ROWS", False)
     dev = emulated
@@ -1159,7 +1163,9 @@ def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, rng, monkey
             (y,) = _emu_run(dev, "layer_norm", dtype, x, (n,), wi, bi)
             names = [name for name, *_ in emu.Device.launches]
             assert len(names) == 1 and "layer_norm_lean<" in names[0], names
-            assert names[0].rstrip().endswith(f"{'true' if full else 'false'}>"), names
+            one = option == "lean" and d.itemsize == 2
+            assert names[0].replace(" ", "").endswith(
+                f"{'true' if full else 'false'},{'true' if one else 'false'}>"), names
             ref = N.ref_layer_norm(_f64(x), (n,), None if wi is None else _f64(wi),
                                    None if bi is None else _f64(bi))
             assert_close(_f64(y), ref, dtype, f"lean {shape} w={wi is not None}")
@@ -1169,6 +1175,41 @@ def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, rng, monkey
         assert_close(_f64(xc), N.ref_layer_norm(_f64(x), (n,), None, _f64(b)), dtype,
                      f"lean in place {shape}")
     assert kinds == {False, True}, kinds              # both instances ran
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_emulated_lean_shift_on_massive_values(emulated, dtype, rng, monkeypatch):
+    """layer_norm_lean's one exchange (block_shifted_stats) where every warp's shift, its lane 0's
+    first value, is a massive activation (1000 among N(0, 1) values, as LLMs' outlier channels):
+    the shifted-data M2 of such a warp cancels ~510x its own size, i.e. ~510 * 2^-24 ~ 3e-5 of
+    rstd per rounding of the sums (emulated: 3-5e-6); asserted: y to the dtype's tolerance, mean
+    and rstd within 5e-5 relative, and the same rows through lean_two (two block sums) to fp32's."""
+    monkeypatch.setattr(N, "STREAM_ROWS", "off")
+    monkeypatch.setattr(N, "DECODE_ROWS", False)
+    dev = emulated
+    n = 4096
+    x = rng.standard_normal((5, n))
+    x[:, ::256] = 1000.0                  # every warp's first unit of 8 (bf16 / fp16: 16 bytes)
+    x[2, ::256] = -1000.0
+    x = x.astype(_np_dtype(dtype))
+    w = (1.0 + 0.1 * rng.standard_normal(n)).astype(_np_dtype(dtype))
+    b = (0.1 * rng.standard_normal(n)).astype(_np_dtype(dtype))
+    ry, rm, rr = N.ref_layer_norm_forward(_f64(x), (n,), _f64(w), _f64(b), 1e-5)
+    for option in ("lean", "lean_two"):
+        monkeypatch.setattr(N, "WHOLE_ROWS", option)
+        emu.Device.launches = []
+        y, mean, rstd = _emu_run(dev, "layer_norm_forward", dtype, x, (n,), w, b, 1e-5)
+        (name,) = [launch[0] for launch in emu.Device.launches]
+        assert "layer_norm_lean<" in name and name.replace(" ", "").endswith(
+            "true>" if option == "lean" else "false>"), name
+        assert_close(_f64(y), ry, dtype, f"{option} massive shifts")
+        if option == "lean":
+            np.testing.assert_allclose(_f64(mean), rm, rtol=5e-5, err_msg="mean, lean")
+            np.testing.assert_allclose(_f64(rstd), rr, rtol=5e-5, err_msg="rstd, lean")
+        else:
+            assert_close(_f64(mean), rm, "float32", "mean, lean_two")
+            assert_close(_f64(rstd), rr, "float32", "rstd, lean_two")
 
 
 @needs_emu
@@ -1249,12 +1290,17 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
 
 
 def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
-    """stream_auto_applies and rows_kernel_applies: runs 156-159's fastest kernel per op, dtype
-    and width (16-bit layer_norm streams everywhere, fp32 to 1024; 16-bit rms_norm streams to
-    1024 and takes rms_norm_rows from 2048; fp32 rms_norm takes rms_norm_rows to 1024);
-    add_rms_norm keeps rms_norm_fwd (its per-block kernel ran at 96-100% of copy)."""
-    stream, rows = N.stream_auto_applies, N.rows_kernel_applies
-    assert all(stream("layer_norm", 2, n) for n in (256, 1024, 2048, 4096, 5120, 8192))
+    """stream_auto_applies, lean_auto_applies and rows_kernel_applies: runs 156-162's fastest
+    kernel per op, dtype and width (16-bit layer_norm streams but at 1025-4096, where
+    layer_norm_lean runs; fp32 streams to 1024; 16-bit rms_norm streams to 1024 and takes
+    rms_norm_rows from 2048; fp32 rms_norm takes rms_norm_rows to 1024); add_rms_norm keeps
+    rms_norm_fwd (its per-block kernel ran at 96-100% of copy)."""
+    stream, rows, lean = N.stream_auto_applies, N.rows_kernel_applies, N.lean_auto_applies
+    widths = (256, 1024, 1032, 2048, 4096, 4104, 5120, 8192)
+    assert [stream("layer_norm", 2, n) for n in widths] == [
+        True, True, False, False, False, True, True, True]
+    assert [lean(2, n) for n in widths] == [False, False, True, True, True, False, False, False]
+    assert not any(lean(4, n) for n in widths)
     assert [stream("layer_norm", 4, n) for n in (1024, 2048, 4096, 8192)] == [
         True, False, False, False]
     assert [stream("rms_norm", 2, n) for n in (1024, 2048, 4096)] == [True, False, False]
@@ -1288,13 +1334,14 @@ def test_stream_config_fills_shared_memory_to_the_aims():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
     """WHOLE_ROWS = "auto": layer_norm_two_pass where the rows fit in one wave of its blocks (the
-    emulated device holds 4) and for fp32 at every row count, else layer_norm_compact where that
-    applies, else layer_norm_fwd."""
+    emulated device holds 4) and for fp32 at every row count, else layer_norm_lean for 16-bit
+    rows of 1025-4096 (lean_auto_applies), else layer_norm_compact where that applies, else
+    layer_norm_fwd."""
     monkeypatch.setattr(N, "WHOLE_ROWS", "auto")
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     dev = emulated
     seen = set()
-    for shape in ((3, 4096), (4, 2048), (5, 2048), (9, 4096), (2, 4097), (6, 64)):
+    for shape in ((3, 4096), (4, 2048), (5, 2048), (9, 4096), (2, 4097), (6, 64), (7, 1000)):
         x, w, b, r = _emu_case(rng, shape, dtype)
         emu.Device.launches = []
         (y,) = _emu_run(dev, "layer_norm", dtype, x, (shape[-1],), w, b)
@@ -1307,6 +1354,9 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
             expected = "layer_norm_fwd<"
         elif shape[0] <= 4 or dtype == "float32":
             expected = "layer_norm_two_pass<"
+        elif (N.lean_auto_applies(x.dtype.itemsize, shape[-1])
+              and _whole_rows_applies("lean", vec, threads, ty, packs, C)):
+            expected = "layer_norm_lean<"
         elif _whole_rows_applies("compact", vec, threads, ty, packs, C):
             expected = "layer_norm_compact<"
         else:
@@ -1314,7 +1364,8 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
         assert expected in name, (shape, name)
         seen.add(expected)
     assert seen == ({"layer_norm_two_pass<", "layer_norm_fwd<"} if dtype == "float32" else
-                    {"layer_norm_two_pass<", "layer_norm_compact<", "layer_norm_fwd<"})
+                    {"layer_norm_two_pass<", "layer_norm_lean<", "layer_norm_compact<",
+                     "layer_norm_fwd<"})
 
 
 @needs_emu
@@ -1840,7 +1891,7 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
     stream_config's pick and forced (warps per row, teams per block, depth): every forward op;
     more rows than the grid's teams x depth (the ring wraps), fewer rows than teams, 16-byte
     units of odd counts and fewer than a team's lanes, a row-strided input, out=, in place, rows
-    at mean 300; outputs NaN-poisoned. Under "auto", [8192, 4096] takes it where the module
+    at mean 300; outputs NaN-poisoned. Under "auto", [8192, 8192] takes it where the module
     copies asynchronously (an sm_80+ build) and the dtype is 16-bit (stream_auto_applies)."""
     monkeypatch.setattr(N, "STREAM_ROWS", "on")
     for knob, value in zip(("STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH"), config or (None,) * 3):
@@ -1878,9 +1929,9 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
     assert go.rms_norm(xc, 4096, w, 1e-6, out=xc) is xc
     assert_close(_np(xc), expected, dtype, "stream in place")
     monkeypatch.setattr(N, "STREAM_ROWS", "auto")
-    plan = N._plan("layer_norm", d, vec, 4096, dev)
-    auto = N._stream_plan("layer_norm", plan, d, vec, 4096, 8192, dev)
-    if config is None:        # (auto: 16-bit layer_norm streams at 4096, fp32 does not)
+    plan = N._plan("layer_norm", d, vec, 8192, dev)
+    auto = N._stream_plan("layer_norm", plan, d, vec, 8192, 8192, dev)
+    if config is None:        # (auto: 16-bit layer_norm streams at 8192, fp32 does not)
         assert (auto is not None) == (N.copies_async(N.LAYER_NORM_MODULE, dev)
                                       and d.itemsize == 2)
 
@@ -1890,8 +1941,8 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     """Decode-sized whole rows: layer_norm under WHOLE_ROWS = "auto" takes layer_norm_two_pass
-    where the grid fits in one wave ([16, 2048]) and layer_norm_compact past it (fp32:
-    two_pass); rms_norm /
+    where the grid fits in one wave ([16, 2048]) and layer_norm_lean past it (16-bit; fp32:
+    two_pass; compact where the row length is not given); rms_norm /
     add_rms_norm take rms_norm_rows there on 16-byte units (DECODE_ROWS), bit-equal to
     rms_norm_fwd (y, h, rstd; with and without weight; single elements keep rms_norm_fwd),
     outputs NaN-poisoned."""
@@ -1903,6 +1954,9 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     many = N._whole_rows_option("two_pass", plan, d, vec, dev, 1).capacity + 1
     assert ("layer_norm_compact<" if d.itemsize == 2 else "layer_norm_two_pass<") in \
         N._whole_rows_plan(plan, d, vec, dev, many).kernel.name
+    # (the row length known: 16-bit rows of 1025-4096 take layer_norm_lean, lean_auto_applies)
+    assert ("layer_norm_lean<" if d.itemsize == 2 else "layer_norm_two_pass<") in \
+        N._whole_rows_plan(plan, d, vec, dev, many, 2048).kernel.name
     for shape in ((16, 2048), (1, 4096), (7, 1000), (5, 1001), (3, 128), (many, 2048)):
         x, w, b = _ln_case(shape, dtype)
         r = _randn(shape, dtype, 1.0, 0.0)

@@ -18,8 +18,10 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   ln_long_bf16        go.layer_norm [16, 1048576] bf16
   rms_long_bf16_resident, ln_long_bf16_resident   the same under LONG_ROWS 'resident'
   copy_long_bf16      torch copy of the same bytes (the DRAM reference)
-  rows_{ln,rms}_{stream,off,lean,liger}, rows_copy
+  rows_{ln,rms}_{stream,off,lean,lean_two,liger}, rows_copy
                       [32768, 4096] bf16: the stream plan, the per-block kernels, Liger, a copy
+  rows_{ln,rms}_{stream,lean,liger}_1k
+                      the same at [131072, 1024] bf16
   wgmma_bare / wgmma_bias_gelu / wgmma_bias_gelu_tanh / wgmma_residual
                       go.linear bf16 4096x6144x2048 (M x N x K) under PLAN['wgmma'] 'tma_fused'
                       (bare: 'tma_store')
@@ -88,16 +90,16 @@ def _long(op, long_rows="auto"):
 ROWS = (32768, 4096)
 
 
-def _rows(op, impl):
+def _rows(op, impl, shape=ROWS):
     """[32768, 4096] bf16 layer_norm / rms_norm (or a copy of the same bytes): gpuops' stream plan
     (STREAM_ROWS 'on'), its per-block kernels ('off'; 'lean': WHOLE_ROWS 'lean', rms_norm_rows on
     every row), or Liger (issue 3's H200 gap, runs 155-157: the stream plan plateaus at 81-92% of
     copy; Liger's rms_norm reaches 97%; run 160: layer_norm_lean, Liger's structure and occupancy,
     still 5% slower than Liger's layer_norm)."""
     def build():
-        x = torch.randn(*ROWS, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(ROWS[1], device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(ROWS[1], device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(shape[1], device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(shape[1], device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(x)
         if impl == "liger":
             from liger_kernel.ops.layer_norm import LigerLayerNormFunction  # noqa: PLC0415
@@ -111,14 +113,16 @@ def _rows(op, impl):
         def call():
             knobs = {"stream": dict(STREAM_ROWS="on"),
                      "off": dict(STREAM_ROWS="off", WHOLE_ROWS="auto", ROWS_MAX_WAVES=1),
-                     "lean": dict(STREAM_ROWS="off", WHOLE_ROWS="lean", ROWS_MAX_WAVES=None)}[impl]
+                     "lean": dict(STREAM_ROWS="off", WHOLE_ROWS="lean", ROWS_MAX_WAVES=None),
+                     "lean_two": dict(STREAM_ROWS="off", WHOLE_ROWS="lean_two",
+                                      ROWS_MAX_WAVES=None)}[impl]
             saved = {k: getattr(N, k) for k in knobs}
             for k, v in knobs.items():
                 setattr(N, k, v)
             try:
                 if op == "rms":
-                    return go.rms_norm(x, ROWS[1:], w)
-                return go.layer_norm(x, ROWS[1:], w, b)
+                    return go.rms_norm(x, shape[1:], w)
+                return go.layer_norm(x, shape[1:], w, b)
             finally:
                 for k, v in saved.items():
                     setattr(N, k, v)
@@ -181,7 +185,11 @@ TARGETS = {
     "ln_long_bf16_resident": _long("ln", "resident"),
     "copy_long_bf16": _long("copy"),
     **{f"rows_{op}_{impl}": _rows(op, impl) for op in ("ln", "rms")
-       for impl in ("stream", "off", "lean", "liger")},
+       for impl in ("stream", "off", "lean", "lean_two", "liger")},
+    # [131072, 1024] bf16 (run 162: rms_norm_rows 159.6 us, Liger's rms_norm 134.2, same block
+    # of 128 threads; layer_norm_lean 160.8, Liger's 142.5)
+    **{f"rows_{op}_{impl}_1k": _rows(op, impl, (131072, 1024)) for op in ("ln", "rms")
+       for impl in ("stream", "lean", "liger")},
     "rows_copy": _rows("copy", None),
     **{f"wgmma_{e}": _wgmma(e) for e in ("bare", "bias_gelu", "bias_gelu_tanh", "residual")},
     "decode_m1": _decode(1),

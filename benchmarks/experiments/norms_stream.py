@@ -3,8 +3,8 @@ per row, each warp's next rows landing in shared memory by cp.async) against the
 (STREAM_ROWS="off": layer_norm_compact, rms_norm_fwd) and the peers (torch eager, torch.compile,
 Liger), same inputs, same run, CUDA-graph replay (5 calls per graph, median of 20 replays).
 
-Configs (--configs): off, auto (stream_config's pick), lean / two_pass / compact (the stream plan
-off; layer_norm under that WHOLE_ROWS option; "lean" also puts rms_norm and add_rms_norm on
+Configs (--configs): off, auto (stream_config's pick), lean / lean_two / two_pass / compact (the
+stream plan off; layer_norm under that WHOLE_ROWS option; "lean*" also puts rms_norm and add_rms_norm on
 rms_norm_rows at every row count: Liger's structure), and forced tTkKdD (teams of T warps per
 row, K teams per block, D stages per team: STREAM_TEAM, STREAM_TEAMS, STREAM_DEPTH; skipped where
 the stages do not fit). Each stream row also prints the largest
@@ -47,11 +47,11 @@ class _Config:
             self.values = dict(STREAM_ROWS=name, STREAM_TEAM=None, STREAM_TEAMS=None,
                                STREAM_DEPTH=None, WHOLE_ROWS="auto",
                                ROWS_MAX_WAVES="auto" if name == "auto" else 1)
-        elif name in ("lean", "two_pass", "compact"):
+        elif name in ("lean", "lean_two", "two_pass", "compact"):
             # the per-block kernels: layer_norm under that WHOLE_ROWS option, rms_norm /
             # add_rms_norm on rms_norm_rows at every row count ("lean") or rms_norm_fwd
             self.values = dict(STREAM_ROWS="off", WHOLE_ROWS=name,
-                               ROWS_MAX_WAVES=None if name == "lean" else 1)
+                               ROWS_MAX_WAVES=None if name.startswith("lean") else 1)
         else:
             m = re.fullmatch(r"t(\d+)k(\d+)d(\d+)", name)
             if m is None:

@@ -1,5 +1,6 @@
 // Statistics of a row held in registers, reduced over a warp or a block: count/mean/M2 triples
-// merged pairwise (Welford/Chan: numerically stable variance, never E[x^2] - E[x]^2), and sums of
+// merged pairwise (Welford/Chan: numerically stable variance, never E[x^2] - E[x]^2; shifted
+// sums about a value of the data, block_shifted_stats), and sums of
 // K values at once (one shared-memory exchange for all K instead of one per value).
 //
 // Every reduction here is a butterfly, so every lane ends with the result; the merges are written
@@ -110,6 +111,45 @@ __device__ __forceinline__ MeanM2 block_welford_equal(MeanM2 s, float* scratch) 
     t = welford_merge_equal(t, o);
   }
   return t;
+}
+
+// The block's mean and M2 in one exchange from shifted sums: each thread's s1 = sum(x - k) and
+// s2 = sum((x - k)^2) about a shift k common to its warp and taken from the warp's own values,
+// `count` the warp's number of values (the same in every lane), `total` the block's. Per warp,
+// M2 = s2 - s1^2 / count: the shifted-data formula, whose rounding grows with
+// count * (mean - k)^2 / variance ulps, i.e. a few ulps where k is a typical value of the warp and
+// never the catastrophic E[x^2] - E[x]^2 of k = 0 on rows far from zero mean; across the warps
+// Chan's merge (lane w takes warp w's triple). Against two block sums (the mean, then the squared
+// deviations) this saves one exchange: two __syncthreads() and a round trip through `scratch` (96
+// floats) on the row's critical path. Every lane gets bitwise the same result (butterfly sums of
+// commutative additions).
+__device__ __forceinline__ MeanM2 block_shifted_stats(float s1, float s2, float k, float count,
+                                                      float total, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  __syncthreads();
+  if (lane == 0) {
+    const float inv = count > 0.0f ? fast_rcp(count) : 0.0f;
+    scratch[warp] = count;
+    scratch[32 + warp] = k + s1 * inv;
+    scratch[64 + warp] = fmaxf(s2 - s1 * s1 * inv, 0.0f);
+  }
+  __syncthreads();
+  float n_w = 0.0f, mean_w = 0.0f, m2_w = 0.0f;
+  if (lane < warps) {
+    n_w = scratch[lane];
+    mean_w = scratch[32 + lane];
+    m2_w = scratch[64 + lane];
+  }
+  MeanM2 r;
+  r.n = total;
+  r.mean = warp_sum(n_w * mean_w) * fast_rcp(total);
+  const float d = mean_w - r.mean;
+  r.m2 = warp_sum(fmaf(n_w * d, d, m2_w));
+  return r;
 }
 
 // K sums at once over a warp: v[k] becomes the warp's total of v[k] in every lane.

@@ -280,8 +280,16 @@ layer_norm_two_pass(const T* x, long long x_stride, T* y, long long y_stride,
 // d = x - mean are computed once and kept for the variance and the output, y = fma(d * rstd, w,
 // b), one division (1 / n), and FULL (every thread's packs inside the row: n = 16 * threads *
 // PACKS bytes) drops the bounds checks.
-template <class T, int VEC, int PACKS, bool FULL>
-__global__ void __launch_bounds__(1024, 1)
+//
+// ONE_EXCHANGE (16-bit outputs, blocks of <= 256 threads): the statistics from shifted sums in
+// one block exchange (block_shifted_stats, each warp's shift its lane 0's first value) instead of
+// two block sums, x held raw (converted for the sums and again for the output), and 40 registers
+// (launch bounds: 6 blocks of 256 threads per SM; 42 without them, 47 for the two-sum instance).
+// Run 162 (H200, [32768, 4096] bf16): the two-sum kernel ran 78.9M instructions (Liger 83.1M) at
+// 141.2 us (Liger 140.6), issue slots 55% busy, while rms_norm_rows, one block sum, ran 129.2:
+// what is left is the latency of the row's chain, of which the second exchange is a part.
+template <class T, int VEC, int PACKS, bool FULL, bool ONE_EXCHANGE>
+__global__ void __launch_bounds__(ONE_EXCHANGE ? 256 : 1024, ONE_EXCHANGE ? 6 : 1)
 layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
                 const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                 float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
@@ -289,7 +297,7 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
   pdl_start();
   static_assert(VEC > 1 && PACKS <= 2, "16-byte units, w and b held: at most 2 packs");
   using R = RawUnit<T, VEC>;
-  __shared__ float scratch[32];
+  __shared__ float scratch[ONE_EXCHANGE ? 96 : 32];
   const int units = n / VEC;
   const int u0 = static_cast<int>(threadIdx.x);
   const int step = static_cast<int>(blockDim.x);
@@ -311,28 +319,54 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
     br[p] = in ? R::load(b_src + e) : R::zero();
   }
   float d[PACKS][VEC];
-  float t[1] = {0.0f};
 #pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-    R::unpack(xr[p], d[p]);                            // past the end: +0.0
+  for (int p = 0; p < PACKS; ++p) R::unpack(xr[p], d[p]);   // past the end: +0.0
+  float mean, rstd;
+  if (ONE_EXCHANGE) {
+    static_assert(!ONE_EXCHANGE || sizeof(T) == 2, "shifted sums: 16-bit outputs only");
+    // (lane 0's first unit lies in the row wherever the warp has any; else count = 0)
+    const float k = __shfl_sync(kFullMask, d[0][0], 0);
+    const int warp_u = u0 & ~31;
+    float s1 = 0.0f, s2 = 0.0f, count = 0.0f;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) t[0] += d[p][j];
-  }
-  block_sum_n<1>(t, scratch);
-  const float inv_n = 1.0f / static_cast<float>(n);   // n = 0: rstd = NaN, as torch
-  const float mean = t[0] * inv_n;
-  t[0] = 0.0f;
+    for (int p = 0; p < PACKS; ++p) {
+      if (FULL || u0 + p * step < units) {
 #pragma unroll
-  for (int p = 0; p < PACKS; ++p) {
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) d[p][j] -= mean;
-    if (FULL || u0 + p * step < units) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) t[0] = fmaf(d[p][j], d[p][j], t[0]);
+        for (int j = 0; j < VEC; ++j) {
+          const float e = d[p][j] - k;
+          s1 += e;
+          s2 = fmaf(e, e, s2);
+        }
+      }
+      const int left = units - (warp_u + p * step);        // the warp's units of this pack
+      count += FULL ? 32.0f * VEC : static_cast<float>(VEC * max(0, min(32, left)));
     }
+    const MeanM2 s = block_shifted_stats(s1, s2, k, count, static_cast<float>(n), scratch);
+    mean = s.mean;
+    rstd = rsqrtf(s.m2 * (1.0f / static_cast<float>(n)) + eps);   // n = 0: NaN, as torch
+  } else {
+    float t[1] = {0.0f};
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) t[0] += d[p][j];
+    }
+    block_sum_n<1>(t, scratch);
+    const float inv_n = 1.0f / static_cast<float>(n);        // n = 0: rstd = NaN, as torch
+    mean = t[0] * inv_n;
+    t[0] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < PACKS; ++p) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) d[p][j] -= mean;
+      if (FULL || u0 + p * step < units) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) t[0] = fmaf(d[p][j], d[p][j], t[0]);
+      }
+    }
+    block_sum_n<1>(t, scratch);
+    rstd = rsqrtf(t[0] * inv_n + eps);
   }
-  block_sum_n<1>(t, scratch);
-  const float rstd = rsqrtf(t[0] * inv_n + eps);
   if (mean_out != nullptr && threadIdx.x == 0) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
@@ -343,8 +377,14 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
     const int u = u0 + p * step;
     if (FULL || u < units) {
       float o[VEC];
+      if (ONE_EXCHANGE) {          // x converted again from its raw bits (8 registers, not 16)
+        R::unpack(xr[p], o);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = d[p][j] * rstd;
+        for (int j = 0; j < VEC; ++j) o[j] = (o[j] - mean) * rstd;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = d[p][j] * rstd;
+      }
       if (w != nullptr) {
         float wv[VEC];
         R::unpack(wr[p], wv);
@@ -569,6 +609,10 @@ struct LayerNormStream {
       rstd_out[row] = rstd;
     }
     T* y_row = y + row * y_stride;
+    // (x - mean) first: fma(x, rstd, -mean * rstd) in its place (with w / b filled as 1 / 0 in
+    // shared memory, 2 operations per element) ran slower (run 162, H200, [32768, 4096] bf16:
+    // 154.1 us against run 160's 148.4) and lost the far-mean rows (mean 300: x * rstd rounded
+    // at 300 * 2^-24 before the cancellation, 3x the test's bound).
 #pragma unroll 4
     for (int u = team.lane; u < units; u += team.size) {
       float f[VEC];

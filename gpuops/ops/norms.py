@@ -216,9 +216,13 @@ ROWS_MAX_WAVES = "auto"
 # chain, run 76) two_pass 1.69 us bf16 / 1.91 fp32 against compact's 1.91 / 2.30 (two plain block
 # sums cost less latency than compact's one exchange of Chan merges); at [32768, 4096] bf16
 # (run 77) compact 180.1 us, two_pass 180.8.
-#   "lean"       layer_norm_lean (at most 2 packs): Liger's structure (x raw, w and b loaded with
-#                it, two plain block sums, no row loop; run 159's ncu: compact was issue-bound).
-WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact", "lean")
+#   "lean"       layer_norm_lean (at most 2 packs): Liger's structure (w and b loaded with x, no
+#                row loop; run 159's ncu: compact was issue-bound), the statistics in one exchange
+#                of shifted sums for 16-bit outputs ("lean_two": two plain block sums, fp32 always)
+WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact", "lean", "lean_two")
+# __launch_bounds__(256, 6) of layer_norm_lean's one-exchange instance (40 registers on sm_90:
+# 6 blocks per SM against the two-sum instance's 5 at 47); wider blocks take the two-sum one
+LEAN_ONE_EXCHANGE_MAX_THREADS = 256
 WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
@@ -241,15 +245,24 @@ def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
     """Where "auto" streams: measured on the H200 (runs 156-159, 537 MB per call at n = 1024,
     2048, 4096, 8192, against every per-block kernel; benchmarks/notes_norms.md). The stream
     kernels ran at 81-92% of copy at every width, the best per-block kernel at 72-100%: 16-bit
-    layer_norm at every width (1.0-1.7x the per-block kernels; at 4096 layer_norm_lean ties),
-    fp32 layer_norm at 1024 (290.7 us against compact's 403.2; lean ties), 16-bit rms_norm at
+    layer_norm at every width but 1025-4096 (1.0-1.7x the per-block kernels; there run 162's
+    layer_norm_lean was faster: lean_auto_applies), fp32 layer_norm at 1024 (290.7 us against compact's 403.2; lean ties), 16-bit rms_norm at
     1024 (143.6 against 159.5 for rms_norm_rows). Elsewhere a per-block kernel was faster
     (rows_kernel_applies, WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
     if kind_name == "layer_norm":
-        return itemsize == 2 or n <= 1024
+        return n <= 1024 or (itemsize == 2 and not lean_auto_applies(itemsize, n))
     if kind_name == "rms_norm":
         return itemsize == 2 and n <= 1024
     return False
+
+
+def lean_auto_applies(itemsize: int, n: int) -> bool:
+    """Where WHOLE_ROWS "auto" runs layer_norm_lean past one wave: 16-bit rows of 1025 to 4096
+    elements (run 162, H200, bf16 / fp16: [65536, 2048] 150.9 / 151.5 us against the stream
+    plan's 157.6 / 157.8 and Liger's 148.3 / 146.1; [32768, 4096] 141.2 / 141.6 against 154.1 /
+    152.9 and 140.6 / 140.2; at 1024 the stream plan was faster, 155.8 against 160.8, at 8192
+    151.8 against 173.0)."""
+    return itemsize == 2 and 1024 < n <= 4096
 
 
 def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
@@ -324,11 +337,14 @@ _COMPACT_EXPRS = {(d, _vec_width(d), p):
                   f"gpuops::layer_norm_compact<{d.ctype}, {_vec_width(d)}, {p}>"
                   for d in dt.FLOATS for p in (1, 2)}
 COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
-# layer_norm_lean at (dtype, vec, packs, full): full when every thread's packs lie inside the row
-_LEAN_EXPRS = {(d, _vec_width(d), p, full):
+# layer_norm_lean at (dtype, vec, packs, full, one): full when every thread's packs lie inside
+# the row; one: the statistics in one exchange of shifted sums (16-bit only; "lean_two": two
+# block sums, the run-162 kernel, for A/B runs)
+_LEAN_EXPRS = {(d, _vec_width(d), p, full, one):
                f"gpuops::layer_norm_lean<{d.ctype}, {_vec_width(d)}, {p}, "
-               f"{'true' if full else 'false'}>"
-               for d in dt.FLOATS for p in (1, 2) for full in (False, True)}
+               f"{'true' if full else 'false'}, {'true' if one else 'false'}>"
+               for d in dt.FLOATS for p in (1, 2) for full in (False, True)
+               for one in ((False, True) if d.itemsize == 2 else (False,))}
 # rms_norm_rows (norms/rms_norm.cu): the decode-sized whole rows of rms_norm / add_rms_norm, at the
 # (dtype, vec, packs) of rms_norm_fwd's plans on 16-byte units (single elements keep rms_norm_fwd:
 # an add_rms_norm fp32 instance of 8 elements per thread spilled under the 64-register cap).
@@ -661,8 +677,8 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1,
     single-element units, or rows the option's kernel does not take (compact: more than 2 packs,
     more than COMPACT_MAX_THREADS threads, or 2^31 rows or more: one block per row, no loop).
     "auto": two_pass where its grid fits in one wave (decode-sized calls) or for fp32, else
-    compact. n (lean): its bounds-free instance where the row fills every thread's packs (n =
-    None: the checked one)."""
+    lean where lean_auto_applies (n given), else compact. n (lean): its bounds-free instance
+    where the row fills every thread's packs (n = None: the checked one)."""
     if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
         raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
                          f"{WHOLE_ROWS_PLANS}")
@@ -670,6 +686,10 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1,
         two_pass = _whole_rows_option("two_pass", plan, dtype, vec, dev, rows)
         if two_pass is not None and (rows <= two_pass.capacity or dtype.itemsize == 4):
             return two_pass
+        if n is not None and lean_auto_applies(dtype.itemsize, n):
+            lean = _whole_rows_option("lean", plan, dtype, vec, dev, rows, n)
+            if lean is not None:
+                return lean
         return _whole_rows_option("compact", plan, dtype, vec, dev, rows)
     return _whole_rows_option(WHOLE_ROWS, plan, dtype, vec, dev, rows, n)
 
@@ -683,12 +703,16 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     if option == "compact" and (plan.packs > 2 or threads > COMPACT_MAX_THREADS
                                 or rows > (1 << 31) - 1):
         return None
-    if option == "lean" and (plan.packs > 2 or rows > (1 << 31) - 1):
+    lean = option in ("lean", "lean_two")
+    if lean and (plan.packs > 2 or rows > (1 << 31) - 1):
         return None
-    exprs = {"two_pass": _TWO_PASS_EXPRS, "compact": _COMPACT_EXPRS, "lean": _LEAN_EXPRS}[option]
+    exprs = _LEAN_EXPRS if lean else {"two_pass": _TWO_PASS_EXPRS,
+                                      "compact": _COMPACT_EXPRS}[option]
     expr_key = (dtype, vec, plan.packs)
-    if option == "lean":
-        expr_key += (n is not None and n == vec * threads * plan.packs,)
+    if lean:
+        expr_key += (n is not None and n == vec * threads * plan.packs,
+                     option == "lean" and dtype.itemsize == 2
+                     and threads <= LEAN_ONE_EXCHANGE_MAX_THREADS)
     key = (option, *expr_key, threads, dev)
     hit = _plans.get(key)
     if hit is None:
