@@ -1141,14 +1141,15 @@ def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, option, rng
     """layer_norm_lean: the bounds-free instance exactly where every thread's packs lie inside
     the row (else the checked one), w without b and b without w (a missing one reads the row in
     its place: never used), and in place (y = x, the row also read as the missing w); "lean"
-    takes the one-exchange instance (shifted sums) in 16-bit, "lean_two" and fp32 the two block
-    sums. Rows at mean 3 (far from the shift of 0 that E[x^2] - E[x]^2 would be)."""
+    takes the one-exchange instance (shifted sums) in 16-bit at two packs per thread (both
+    instances run), "lean_two", fp32 and one pack the two block sums. Rows at mean 3 (far from
+    the shift of 0 that E[x^2] - E[x]^2 would be)."""
     monkeypatch.setattr(N, "WHOLE_ROWS", option)
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     monkeypatch.setattr(N, "DECODE_ROWS", False)
     dev = emulated
     d = dt.BY_NAME[dtype]
-    kinds = set()
+    kinds, exchanges = set(), set()
     for shape in ((5, 4096), (3, 2048), (6, 1024), (9, 1000), (4, 2056), (7, 520)):
         n = shape[-1]
         x, w, b, _ = _emu_case(rng, shape, dtype, offset=3.0)
@@ -1158,12 +1159,13 @@ def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, option, rng
             continue                                   # (e.g. fp32 4096: 4 packs)
         full = n == vec * threads * packs
         kinds.add(full)
+        exchanges.add(N.lean_one_exchange(option, d.itemsize, packs, threads))
         for wi, bi in ((w, None), (None, b), (w, b)):
             emu.Device.launches = []
             (y,) = _emu_run(dev, "layer_norm", dtype, x, (n,), wi, bi)
             names = [name for name, *_ in emu.Device.launches]
             assert len(names) == 1 and "layer_norm_lean<" in names[0], names
-            one = option == "lean" and d.itemsize == 2
+            one = N.lean_one_exchange(option, d.itemsize, packs, threads)
             assert names[0].replace(" ", "").endswith(
                 f"{'true' if full else 'false'},{'true' if one else 'false'}>"), names
             ref = N.ref_layer_norm(_f64(x), (n,), None if wi is None else _f64(wi),
@@ -1175,6 +1177,7 @@ def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, option, rng
         assert_close(_f64(xc), N.ref_layer_norm(_f64(x), (n,), None, _f64(b)), dtype,
                      f"lean in place {shape}")
     assert kinds == {False, True}, kinds              # both instances ran
+    assert exchanges == ({False, True} if option == "lean" and d.itemsize == 2 else {False})
 
 
 @needs_emu

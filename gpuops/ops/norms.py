@@ -223,6 +223,17 @@ WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact", "lean", "lean_two"
 # __launch_bounds__(256, 6) of layer_norm_lean's one-exchange instance (40 registers on sm_90:
 # 6 blocks per SM against the two-sum instance's 5 at 47); wider blocks take the two-sum one
 LEAN_ONE_EXCHANGE_MAX_THREADS = 256
+
+
+def lean_one_exchange(option: str, itemsize: int, packs: int, threads: int) -> bool:
+    """Whether layer_norm_lean runs its one-exchange instance: under "lean", for 16-bit rows of
+    two packs per thread in blocks of <= 256 threads, where its 40 registers give 6 blocks per
+    SM instead of 5 (run 163, H200, [32768, 4096]: 133.4 us bf16 / 132.9 fp16 against the
+    two-sum instance's 139.9 / 140.5). At one pack both fit 8 blocks of 256 threads in 32
+    registers and the two sums ran faster ([65536, 2048]: 148.6 / 149.9 against 151.7 / 152.8:
+    x converted twice, the shifted sums' extra work), at 1024 the same (160.7-160.9)."""
+    return (option == "lean" and itemsize == 2 and packs == 2
+            and threads <= LEAN_ONE_EXCHANGE_MAX_THREADS)
 WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
@@ -711,8 +722,7 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
     expr_key = (dtype, vec, plan.packs)
     if lean:
         expr_key += (n is not None and n == vec * threads * plan.packs,
-                     option == "lean" and dtype.itemsize == 2
-                     and threads <= LEAN_ONE_EXCHANGE_MAX_THREADS)
+                     lean_one_exchange(option, dtype.itemsize, plan.packs, threads))
     key = (option, *expr_key, threads, dev)
     hit = _plans.get(key)
     if hit is None:
