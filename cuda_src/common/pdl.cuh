@@ -41,21 +41,25 @@ __device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned int byt
 #endif
 }
 
-// Blocks of a grid that execute pdl_start()'s trigger: the last kPdlTriggerTail by linear block
-// index (about the last wave of a grid: an H200 holds 2112 blocks of 128 threads, 4224 of <= 64;
-// every block of a decode-sized grid). The others need not: a block that has completed counts as
-// triggered, and they complete before the last wave starts. A trigger in every block throttled
-// the dispatch of small blocks: run 165 (H200, GPUOPS_PDL=0, [131072, 1024] bf16, 128-thread
-// blocks) rms_norm_rows 160.0 us with it, 133.0 without (Liger 132.3), layer_norm_lean 161.0 ->
-// 142.7, achieved occupancy 52% of the theoretical 100% (run 163's Nsight Compute: Liger's kernel
-// 92%); no difference at 2048 / 4096 (65536 / 32768 blocks of 256 threads) or from the wait.
-constexpr unsigned long long kPdlTriggerTail = 4096;
+// Grids of at most this many blocks execute pdl_start()'s trigger (every decode-sized grid:
+// an H200 holds 2112 blocks of 128 threads at once); larger grids do not trigger, and the host
+// launches them without PDL (gpuops.runtime.launch.PDL_MAX_BLOCKS, the same number): their
+// launch gap is a small part of their time. Measured on the H200, [131072, 1024] bf16 (128-thread blocks): a trigger
+// in every block throttled the dispatch of the blocks (run 163's Nsight Compute: achieved
+// occupancy 52% of the theoretical 100%, Liger's kernel 92%): rms_norm_rows 160.0 us with it,
+// 133.0 without (run 165; Liger 132.3), layer_norm_lean 161.0 -> 142.7; no difference at 2048 /
+// 4096 (65536 / 32768 blocks of 256 threads) or from the wait. A trigger in only the grid's last
+// 4096 blocks (run 166) was worse than both: 135.1 / 153.7 us at 1024 and, at 2048, 162.4 for
+// layer_norm_lean against 149.4-150.1 with the trigger in every block or in none; with none
+// and the PDL attribute (run 167) 148.4 / 134.1 at 1024 and 156.5 at 2048: such grids launch
+// plainly.
+constexpr unsigned long long kPdlTriggerMaxBlocks = 4096;
 
 // The first statement of every kernel of a module declared with pdl=True (gpuops.runtime.modules;
 // the launcher then makes each launch a PDL secondary on sm_90+), l2_prefetch_bulk hints aside.
 // The wait comes before any load or store: the previous kernel may write what this one reads, or
-// still read memory that this one's outputs reuse. The trigger right after it (in the grid's
-// last blocks: kPdlTriggerTail) lets the next kernel's blocks be scheduled into slots this grid
+// still read memory that this one's outputs reuse. The trigger right after it (grids of at most
+// kPdlTriggerMaxBlocks blocks) lets the next kernel's blocks be scheduled into slots this grid
 // leaves free (they wait in their own pdl_start); it completes only once every block of this
 // grid has executed it or exited, so a multi-wave grid releases its successor during its last
 // wave. Hides most of the successor's launch gap: 0.43-0.50 us per decode-sized call in a CUDA
@@ -63,12 +67,8 @@ constexpr unsigned long long kPdlTriggerTail = 4096;
 __device__ __forceinline__ void pdl_start() {
   pdl_wait();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned long long blocks =
-      static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z;
-  const unsigned long long block =
-      blockIdx.x + static_cast<unsigned long long>(gridDim.x) *
-                       (blockIdx.y + static_cast<unsigned long long>(gridDim.y) * blockIdx.z);
-  if (block + kPdlTriggerTail >= blocks) pdl_launch_dependents();
+  if (static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z <= kPdlTriggerMaxBlocks)
+    pdl_launch_dependents();
 #endif
 }
 
