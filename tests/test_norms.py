@@ -499,9 +499,9 @@ def test_forward_launch_arguments(recording, dtype, n, long_rows, monkeypatch):
         expected = {"layer_norm": "layer_norm_", "rms_norm": "rms_norm_",
                     "add_rms_norm": "rms_norm_"}[op]
         assert log and all(expected in name for name, *_ in log)
-        if op != "layer_norm":
-            assert all(name.endswith("true>" if op == "add_rms_norm" else "false>")
-                       or "_resident<" in name for name, *_ in log)
+        if op != "layer_norm":       # (kAdd: the fourth template argument)
+            assert all("_resident<" in name or name[name.index("<") + 1:].split(",")[3].strip(" >")
+                       == ("true" if op == "add_rms_norm" else "false") for name, *_ in log), log
         name, grid, block, args = log[0]
         C = args[-3]
         vec = int(name.split(",")[1])
@@ -1372,6 +1372,31 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
     assert seen == ({"layer_norm_two_pass<", "layer_norm_fwd<"} if dtype == "float32" else
                     {"layer_norm_two_pass<", "layer_norm_lean<", "layer_norm_compact<",
                      "layer_norm_fwd<"})
+
+
+@needs_emu
+def test_emulated_rows_kernel_triggers_only_in_one_wave(emulated, rng, monkeypatch):
+    """rms_norm_rows: the instance with PDL's trigger for grids of one wave (decode-sized calls),
+    the one without it past that (common/pdl.cuh pdl_start_untriggered: a trigger's code cost
+    grids of many waves 1-5%); both give the reference."""
+    monkeypatch.setattr(N, "ROWS_MAX_WAVES", None)
+    dev = emulated
+    d = dt.bfloat16
+    plan = N._plan("rms_norm", d, 8, 2048, 0)
+    one = N._decode_rows_plan("rms_norm", plan, d, 8, 1, 0)
+    cap = one.capacity
+    assert one.kernel.name.replace(" ", "").endswith("false,true>"), one.kernel.name
+    assert N._decode_rows_plan("rms_norm", plan, d, 8, cap, 0) is one
+    many = N._decode_rows_plan("rms_norm", plan, d, 8, cap + 1, 0)
+    assert many.kernel.name.replace(" ", "").endswith("false,false>"), many.kernel.name
+    for rows, trigger in ((cap, "true>"), (cap + 1, "false>")):
+        x, w, _, _ = _emu_case(rng, (rows, 2048), "bfloat16")
+        emu.Device.launches = []
+        (y,) = _emu_run(dev, "rms_norm", "bfloat16", x, (2048,), w, 1e-6)
+        (name,) = [launch[0] for launch in emu.Device.launches]
+        assert "rms_norm_rows<" in name and name.endswith(trigger), name
+        assert_close(_f64(y), N.ref_rms_norm(_f64(x), (2048,), _f64(w), 1e-6), "bfloat16",
+                     f"rms_norm_rows {rows} rows")
 
 
 @needs_emu

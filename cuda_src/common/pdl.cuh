@@ -41,35 +41,33 @@ __device__ __forceinline__ void l2_prefetch_bulk(const void* p, unsigned int byt
 #endif
 }
 
-// Grids of at most this many blocks execute pdl_start()'s trigger (every decode-sized grid:
-// an H200 holds 2112 blocks of 128 threads at once); larger grids do not trigger, and the host
-// launches them without PDL (gpuops.runtime.launch.PDL_MAX_BLOCKS, the same number): their
-// launch gap is a small part of their time. Measured on the H200, [131072, 1024] bf16 (128-thread blocks): a trigger
-// in every block throttled the dispatch of the blocks (run 163's Nsight Compute: achieved
-// occupancy 52% of the theoretical 100%, Liger's kernel 92%): rms_norm_rows 160.0 us with it,
-// 133.0 without (run 165; Liger 132.3), layer_norm_lean 161.0 -> 142.7; no difference at 2048 /
-// 4096 (65536 / 32768 blocks of 256 threads) or from the wait. A trigger in only the grid's last
-// 4096 blocks (run 166) was worse than both: 135.1 / 153.7 us at 1024 and, at 2048, 162.4 for
-// layer_norm_lean against 149.4-150.1 with the trigger in every block or in none; with none
-// and the PDL attribute (run 167) 148.4 / 134.1 at 1024 and 156.5 at 2048: such grids launch
-// plainly.
-constexpr unsigned long long kPdlTriggerMaxBlocks = 4096;
-
 // The first statement of every kernel of a module declared with pdl=True (gpuops.runtime.modules;
 // the launcher then makes each launch a PDL secondary on sm_90+), l2_prefetch_bulk hints aside.
 // The wait comes before any load or store: the previous kernel may write what this one reads, or
-// still read memory that this one's outputs reuse. The trigger right after it (grids of at most
-// kPdlTriggerMaxBlocks blocks) lets the next kernel's blocks be scheduled into slots this grid
-// leaves free (they wait in their own pdl_start); it completes only once every block of this
-// grid has executed it or exited, so a multi-wave grid releases its successor during its last
-// wave. Hides most of the successor's launch gap: 0.43-0.50 us per decode-sized call in a CUDA
-// graph on the H100 (runs 71, 73; benchmarks/NOTES.md).
+// still read memory that this one's outputs reuse. The trigger right after it lets the next
+// kernel's blocks be scheduled into slots this grid leaves free (they wait in their own
+// pdl_start); it completes only once every block of this grid has executed it, so a multi-wave
+// grid releases its successor during its last wave.
+// Hides most of the successor's launch gap: 0.43-0.50 us per decode-sized call in a CUDA graph
+// on the H100 (runs 71, 73; benchmarks/NOTES.md).
 __device__ __forceinline__ void pdl_start() {
   pdl_wait();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z <= kPdlTriggerMaxBlocks)
-    pdl_launch_dependents();
-#endif
+  pdl_launch_dependents();
+}
+
+// pdl_start() without the trigger, for kernels that run grids of many waves (the successor then
+// starts when this grid completes, as in plain stream order: their launch gap is a small part of
+// their time). Any trigger in a kernel's code cost those grids (H200, bf16, 5-call graphs):
+// executed by every block of [131072, 1024] (128-thread blocks) it throttled their dispatch
+// (run 163's Nsight Compute: achieved occupancy 52% of the theoretical 100%, Liger's kernel 92%;
+// rms_norm_rows 160.0 us, 133.0 without it, Liger 132.3; layer_norm_lean 161.0 -> 142.7, run
+// 165); behind a branch that large grids skip (grids of <= 4096 blocks trigger), never executed
+// there, it still cost layer_norm_lean 148.8 us against 142.7 at 1024 and 156.0 against 148.9 at
+// [65536, 2048] (run 169, the same NVRTC 13.0 build but for the branch; runs 166-168 alike), a
+// trigger in the last 4096 blocks only 153.7 and 162.4 (run 166). The launch attribute itself
+// made no difference (GPUOPS_PDL=0 against 1, run 164).
+__device__ __forceinline__ void pdl_start_untriggered() {
+  pdl_wait();
 }
 
 }  // namespace gpuops

@@ -294,7 +294,7 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
                 const T* __restrict__ w, const T* __restrict__ b, float* mean_out,
                 float* rstd_out, float* partials, unsigned* counters, long long rows, int n,
                 int C, int phase, float eps) {
-  pdl_start();
+  pdl_start_untriggered();        // (grids of many waves only: WHOLE_ROWS; common/pdl.cuh)
   static_assert(VEC > 1 && PACKS <= 2, "16-byte units, w and b held: at most 2 packs");
   using R = RawUnit<T, VEC>;
   __shared__ float scratch[ONE_EXCHANGE ? 96 : 32];

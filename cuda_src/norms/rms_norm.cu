@@ -149,13 +149,20 @@ rms_norm_fwd(const T* x, long long x_stride, const T* r, long long r_stride, T* 
 // shorter than the same steps with w read after the reduction, and rms_norm_fwd itself 0.17 us
 // longer than those (runs 76-77); in a PDL chain rms_norm bf16 1.58 -> 1.46 us (run 78,
 // benchmarks/NOTES.md). Arguments as rms_norm_fwd's; partials, counters, C and phase are not read.
-template <class T, int VEC, int PACKS, bool kAdd>
+// kTrigger: PDL's trigger at the start (the one-wave grids of decode-sized calls); grids of many
+// waves (ROWS_MAX_WAVES) run the instance without it (pdl_start_untriggered: 160.0 -> 133.0 us
+// at [131072, 1024] bf16, run 165).
+template <class T, int VEC, int PACKS, bool kAdd, bool kTrigger>
 __global__ void __launch_bounds__(1024, 1)
 rms_norm_rows(const T* x, long long x_stride, const T* r, long long r_stride, T* y,
               long long y_stride, T* h, long long h_stride, const T* __restrict__ w,
               float* rstd_out, float* __restrict__ partials, unsigned* __restrict__ counters,
               long long rows, int n, int C, int phase, float eps) {
-  pdl_start();
+  if (kTrigger) {
+    pdl_start();
+  } else {
+    pdl_start_untriggered();
+  }
   __shared__ float scratch[32];
   const long long row = blockIdx.x;
   if (row >= rows) return;                        // (the grid is one block per row)

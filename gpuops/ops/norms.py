@@ -362,9 +362,12 @@ _LEAN_EXPRS = {(d, _vec_width(d), p, full, one):
 # rms_norm_rows (norms/rms_norm.cu): the decode-sized whole rows of rms_norm / add_rms_norm, at the
 # (dtype, vec, packs) of rms_norm_fwd's plans on 16-byte units (single elements keep rms_norm_fwd:
 # an add_rms_norm fp32 instance of 8 elements per thread spilled under the 64-register cap).
-_ROWS_EXPRS = {k: {key: f"gpuops::rms_norm_rows<{key[0].ctype}, {key[1]}, {key[2]}, "
-                        f"{'true' if k == 'add_rms_norm' else 'false'}>"
-                   for key in _EXPRS[k] if key[1] > 1}
+# Keyed (dtype, vec, packs, trigger): PDL's trigger in the one-wave instance only (grids of many
+# waves: common/pdl.cuh pdl_start_untriggered).
+_ROWS_EXPRS = {k: {(*key, trig): f"gpuops::rms_norm_rows<{key[0].ctype}, {key[1]}, {key[2]}, "
+                                 f"{'true' if k == 'add_rms_norm' else 'false'}, "
+                                 f"{'true' if trig else 'false'}>"
+                   for key in _EXPRS[k] if key[1] > 1 for trig in (False, True)}
                for k in ("rms_norm", "add_rms_norm")}
 _SPLIT_EXPRS = {k.name: _split_exprs(k) for k in TUNING.values()}
 _RING_EXPRS = {k.name: _ring_exprs(k, k.ring_template) for k in TUNING.values()}
@@ -670,18 +673,25 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
     threads = plan.block[0]
     if not DECODE_ROWS or vec == 1 or plan.C != 1 or plan.block[1] != 1 or threads <= 32:
         return None
-    key = ("rows", kind_name, dtype, vec, plan.packs, threads, dev)
-    hit = _plans.get(key)
-    if hit is None:
-        hit = _make_plan(kind_name, _ROWS_EXPRS[kind_name][(dtype, vec, plan.packs)], threads, 1,
-                         plan.packs, 1, dev)
-        _plans[key] = hit
+    def instance(trigger: bool) -> Plan:
+        key = ("rows", kind_name, dtype, vec, plan.packs, threads, trigger, dev)
+        hit = _plans.get(key)
+        if hit is None:
+            hit = _make_plan(kind_name, _ROWS_EXPRS[kind_name][(dtype, vec, plan.packs, trigger)],
+                             threads, 1, plan.packs, 1, dev)
+            _plans[key] = hit
+        return hit
+
     if rows > (1 << 31) - 1:                    # (a block per row)
         return None
+    one_wave = instance(True)                   # (decode-sized: PDL's trigger)
+    if rows <= one_wave.capacity:
+        return one_wave
     waves = ROWS_MAX_WAVES
     if waves == "auto":
         waves = None if n is not None and rows_kernel_applies(kind_name, dtype.itemsize, n) else 1
-    return hit if waves is None or rows <= waves * hit.capacity else None
+    many = instance(False)
+    return many if waves is None or rows <= waves * many.capacity else None
 
 
 def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1,

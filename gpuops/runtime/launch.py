@@ -208,13 +208,6 @@ ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 # memory the previous kernel uses. Captured into CUDA graphs as programmatic edges (CUDA 12.3+).
 PDL = ((ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, 1),)
 MAX_ATTRS = 4
-# Grids of more blocks than this launch without PDL (the attribute is dropped from the launch; its
-# blocks do not trigger either: kPdlTriggerMaxBlocks of cuda_src/common/pdl.cuh, the same number).
-# H200, us (norms_stream.py, 5-call graphs): layer_norm_lean bf16 [131072, 1024] 161.0 / 160.6 with
-# PDL and a trigger in every block, 148.4 with PDL and no trigger, 142.7 with neither (Liger
-# 141.3); [65536, 2048] 150.1, 156.5, 148.9-150.0; rms_norm_rows [131072, 1024] 159.5, 134.1, 133.0
-# (runs 164-167, benchmarks/notes_norms.md). Decode-sized grids keep PDL (0.4-0.5 us per call).
-PDL_MAX_BLOCKS = 4096
 
 
 class _CuLaunchAttribute(ctypes.Structure):
@@ -322,8 +315,6 @@ class Kernel:
         spec = self.spec
         spec.struct.pack_into(buf, 0, *args)
         attrs = attrs or self.attrs
-        if attrs and grid[0] * grid[1] * grid[2] > PDL_MAX_BLOCKS and PDL[0] in attrs:
-            attrs = tuple(a for a in attrs if a != PDL[0])
         if attrs and launch_ex_available():
             self._launch_with_attrs(grid, block, stream, smem, attrs, buf, size, extra)
             return

@@ -11,6 +11,7 @@ namespace gpuops {
 inline void pdl_launch_dependents() {}
 inline void pdl_wait() {}
 inline void pdl_start() {}
+inline void pdl_start_untriggered() {}
 
 struct EmuPrefetch {
   unsigned long long address;
