@@ -273,8 +273,8 @@ def lean_auto_applies(itemsize: int, n: int) -> bool:
     elements (run 162, H200, bf16 / fp16: [65536, 2048] 150.9 / 151.5 us against the stream
     plan's 157.6 / 157.8 and Liger's 148.3 / 146.1; [32768, 4096] 141.2 / 141.6 against 154.1 /
     152.9 and 140.6 / 140.2, 133.4 / 132.9 since the one-exchange instance (run 163); at 1024
-    142.7 against 154.4 once large grids launch without PDL's trigger (runs 165, 168); at 8192
-    the stream plan, 151.8 against 173.0)."""
+    142.7 against the stream plan's 154.4 once the kernel has no PDL trigger (runs 165, 167,
+    169; run 170: 142.4, Liger 141.0); at 8192 the stream plan, 151.8 against 173.0)."""
     return itemsize == 2 and 1024 <= n <= 4096
 
 
@@ -282,9 +282,9 @@ def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
     """Where ROWS_MAX_WAVES "auto" runs rms_norm_rows (a block per row, w loaded with x: Liger's
     structure) at every row count: rms_norm in 16-bit from 1024 (run 159, H200: [32768, 4096]
     bf16 127.9 us against rms_norm_fwd's 139.4 and Liger's 129.6; 2048 137.1 against 162.7;
-    8192 132.2 against 173.8; 1024 133.0 against the stream plan's 142.0 once large grids launch
-    without PDL's trigger, runs 165-168) and in fp32 to 1024 (266.1 against 307.4). fp32 2048
-    was 2% slower than rms_norm_fwd, add_rms_norm level with it everywhere."""
+    8192 132.2 against 173.8; 1024 133.0 against the stream plan's 142.0 once the kernel has no
+    PDL trigger, runs 165-169; run 170: 132.7, Liger 132.4) and in fp32 to 1024 (266.1 against
+    307.4). fp32 2048 was 2% slower than rms_norm_fwd, add_rms_norm level with it everywhere."""
     if kind_name != "rms_norm":
         return False
     return n >= 1024 if itemsize == 2 else n <= 1024
