@@ -218,22 +218,12 @@ ROWS_MAX_WAVES = "auto"
 # (run 77) compact 180.1 us, two_pass 180.8.
 #   "lean"       layer_norm_lean (at most 2 packs): Liger's structure (w and b loaded with x, no
 #                row loop; run 159's ncu: compact was issue-bound), the statistics in one exchange
-#                of shifted sums for 16-bit outputs ("lean_two": two plain block sums, fp32 always)
+#                of shifted sums for 16-bit rows of two packs (lean_one_exchange; "lean_two": two
+#                plain block sums, as fp32 and one pack always)
 WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact", "lean", "lean_two")
 # __launch_bounds__(256, 6) of layer_norm_lean's one-exchange instance (40 registers on sm_90:
 # 6 blocks per SM against the two-sum instance's 5 at 47); wider blocks take the two-sum one
 LEAN_ONE_EXCHANGE_MAX_THREADS = 256
-
-
-def lean_one_exchange(option: str, itemsize: int, packs: int, threads: int) -> bool:
-    """Whether layer_norm_lean runs its one-exchange instance: under "lean", for 16-bit rows of
-    two packs per thread in blocks of <= 256 threads, where its 40 registers give 6 blocks per
-    SM instead of 5 (run 163, H200, [32768, 4096]: 133.4 us bf16 / 132.9 fp16 against the
-    two-sum instance's 139.9 / 140.5). At one pack both fit 8 blocks of 256 threads in 32
-    registers and the two sums ran faster ([65536, 2048]: 148.6 / 149.9 against 151.7 / 152.8:
-    x converted twice, the shifted sums' extra work), at 1024 the same (160.7-160.9)."""
-    return (option == "lean" and itemsize == 2 and packs == 2
-            and threads <= LEAN_ONE_EXCHANGE_MAX_THREADS)
 WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
@@ -256,10 +246,11 @@ def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
     """Where "auto" streams: measured on the H200 (runs 156-159, 537 MB per call at n = 1024,
     2048, 4096, 8192, against every per-block kernel; benchmarks/notes_norms.md). The stream
     kernels ran at 81-92% of copy at every width, the best per-block kernel at 72-100%: 16-bit
-    layer_norm at every width but 1025-4096 (1.0-1.7x the per-block kernels; there run 162's
-    layer_norm_lean was faster: lean_auto_applies), fp32 layer_norm at 1024 (290.7 us against compact's 403.2; lean ties), 16-bit rms_norm at
-    1024 (143.6 against 159.5 for rms_norm_rows). Elsewhere a per-block kernel was faster
-    (rows_kernel_applies, WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
+    layer_norm at every width but 1024-4096 (1.0-1.7x the per-block kernels; there
+    layer_norm_lean was faster, runs 162-170: lean_auto_applies), fp32 layer_norm at 1024 (290.7
+    us against compact's 403.2; lean ties), 16-bit rms_norm below 1024 (at 1024 rms_norm_rows
+    has been faster since it has no PDL trigger: rows_kernel_applies). Elsewhere a per-block
+    kernel was faster (WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
     if kind_name == "layer_norm":
         return (itemsize == 4 and n <= 1024) or (itemsize == 2
                                                   and not lean_auto_applies(itemsize, n))
@@ -276,6 +267,17 @@ def lean_auto_applies(itemsize: int, n: int) -> bool:
     142.7 against the stream plan's 154.4 once the kernel has no PDL trigger (runs 165, 167,
     169; run 170: 142.4, Liger 141.0); at 8192 the stream plan, 151.8 against 173.0)."""
     return itemsize == 2 and 1024 <= n <= 4096
+
+
+def lean_one_exchange(option: str, itemsize: int, packs: int, threads: int) -> bool:
+    """Whether layer_norm_lean runs its one-exchange instance: under "lean", for 16-bit rows of
+    two packs per thread in blocks of <= 256 threads, where its 40 registers give 6 blocks per
+    SM instead of 5 (run 163, H200, [32768, 4096]: 133.4 us bf16 / 132.9 fp16 against the
+    two-sum instance's 139.9 / 140.5). At one pack both fit 8 blocks of 256 threads in 32
+    registers and the two sums ran faster ([65536, 2048]: 148.6 / 149.9 against 151.7 / 152.8:
+    x converted twice, the shifted sums' extra work), at 1024 the same (160.7-160.9)."""
+    return (option == "lean" and itemsize == 2 and packs == 2
+            and threads <= LEAN_ONE_EXCHANGE_MAX_THREADS)
 
 
 def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
@@ -352,13 +354,13 @@ _COMPACT_EXPRS = {(d, _vec_width(d), p):
                   for d in dt.FLOATS for p in (1, 2)}
 COMPACT_MAX_THREADS = 256                 # __launch_bounds__(256, 8) of layer_norm_compact
 # layer_norm_lean at (dtype, vec, packs, full, one): full when every thread's packs lie inside
-# the row; one: the statistics in one exchange of shifted sums (16-bit only; "lean_two": two
-# block sums, the run-162 kernel, for A/B runs)
+# the row; one: the statistics in one exchange of shifted sums (lean_one_exchange: 16-bit at two
+# packs only; "lean_two": two block sums, the run-162 kernel, for A/B runs)
 _LEAN_EXPRS = {(d, _vec_width(d), p, full, one):
                f"gpuops::layer_norm_lean<{d.ctype}, {_vec_width(d)}, {p}, "
                f"{'true' if full else 'false'}, {'true' if one else 'false'}>"
                for d in dt.FLOATS for p in (1, 2) for full in (False, True)
-               for one in ((False, True) if d.itemsize == 2 else (False,))}
+               for one in ((False, True) if d.itemsize == 2 and p == 2 else (False,))}
 # rms_norm_rows (norms/rms_norm.cu): the decode-sized whole rows of rms_norm / add_rms_norm, at the
 # (dtype, vec, packs) of rms_norm_fwd's plans on 16-byte units (single elements keep rms_norm_fwd:
 # an add_rms_norm fp32 instance of 8 elements per thread spilled under the 64-register cap).
@@ -673,25 +675,28 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
     threads = plan.block[0]
     if not DECODE_ROWS or vec == 1 or plan.C != 1 or plan.block[1] != 1 or threads <= 32:
         return None
-    def instance(trigger: bool) -> Plan:
-        key = ("rows", kind_name, dtype, vec, plan.packs, threads, trigger, dev)
-        hit = _plans.get(key)
-        if hit is None:
-            hit = _make_plan(kind_name, _ROWS_EXPRS[kind_name][(dtype, vec, plan.packs, trigger)],
-                             threads, 1, plan.packs, 1, dev)
-            _plans[key] = hit
-        return hit
-
     if rows > (1 << 31) - 1:                    # (a block per row)
         return None
-    one_wave = instance(True)                   # (decode-sized: PDL's trigger)
-    if rows <= one_wave.capacity:
+    one_wave = _rows_instance(kind_name, dtype, vec, plan.packs, threads, True, dev)
+    if rows <= one_wave.capacity:               # (decode-sized: PDL's trigger)
         return one_wave
     waves = ROWS_MAX_WAVES
     if waves == "auto":
         waves = None if n is not None and rows_kernel_applies(kind_name, dtype.itemsize, n) else 1
-    many = instance(False)
+    many = _rows_instance(kind_name, dtype, vec, plan.packs, threads, False, dev)
     return many if waves is None or rows <= waves * many.capacity else None
+
+
+def _rows_instance(kind_name: str, dtype, vec: int, packs: int, threads: int, trigger: bool,
+                   dev: int) -> Plan:
+    """The Plan of one rms_norm_rows instance (with or without PDL's trigger), made once."""
+    key = ("rows", kind_name, dtype, vec, packs, threads, trigger, dev)
+    hit = _plans.get(key)
+    if hit is None:
+        hit = _plans[key] = _make_plan(kind_name,
+                                       _ROWS_EXPRS[kind_name][(dtype, vec, packs, trigger)],
+                                       threads, 1, packs, 1, dev)
+    return hit
 
 
 def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1,
