@@ -296,6 +296,7 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
                 int C, int phase, float eps) {
   pdl_start_untriggered();        // (grids of many waves only: WHOLE_ROWS; common/pdl.cuh)
   static_assert(VEC > 1 && PACKS <= 2, "16-byte units, w and b held: at most 2 packs");
+  static_assert(!ONE_EXCHANGE || sizeof(T) == 2, "shifted sums: 16-bit outputs only");
   using R = RawUnit<T, VEC>;
   __shared__ float scratch[ONE_EXCHANGE ? 96 : 32];
   const int units = n / VEC;
@@ -323,7 +324,6 @@ layer_norm_lean(const T* x, long long x_stride, T* y, long long y_stride,
   for (int p = 0; p < PACKS; ++p) R::unpack(xr[p], d[p]);   // past the end: +0.0
   float mean, rstd;
   if (ONE_EXCHANGE) {
-    static_assert(!ONE_EXCHANGE || sizeof(T) == 2, "shifted sums: 16-bit outputs only");
     // (lane 0's first unit lies in the row wherever the warp has any; else count = 0)
     const float k = __shfl_sync(kFullMask, d[0][0], 0);
     const int warp_u = u0 & ~31;
