@@ -760,7 +760,11 @@ def run(ops=None, shape=None, dtypes=None, json_path=None, runtime=False, peer=T
         print(f"gpuops bench on {device.device_info(0).name}: device-to-device copy "
               f"{copy_gbps:.0f} GB/s (read + write), inputs from {fw.name}", file=out)
         jobs = [(op, d) for op in selected for d in (dts or op.dtypes) if d in op.dtypes]
-        _load_all_modules()
+        if not ops and not families:
+            # the whole bench: every module loaded (or compiled) first, with a progress bar; a
+            # selection loads only its ops' modules, at their warm-up calls (compiling all ~80
+            # modules on a bare device took more than 500 s: run 171)
+            _load_all_modules()
         bar = progress.Bar(len(jobs), "gpuops bench")
         for op, d in jobs:
             shapes = [shape] + (list(op.bench.extra_shapes) if all_shapes and not shape else [])

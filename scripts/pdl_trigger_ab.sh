@@ -8,6 +8,7 @@
 #   MODULES=softmax.rows,copy.copy bash scripts/pdl_trigger_ab.sh \
 #       python3 -m gpuops bench --family softmax --graph
 #
+# The command sees PDL_AB_VARIANT=with|without (e.g. for its JSON's name: quote it for bash -c).
 # Modules not in $MODULES compile in-process from the same (patched or not) tree. Logs:
 # $OUT/pdl_ab_with.log, $OUT/pdl_ab_without.log (and the builds' logs beside them). Wheels in
 # .whl (e.g. liger-kernel, carried) are installed into /tmp/site first, as scripts/device_run.sh.
@@ -47,7 +48,7 @@ EOF
     echo "build ($variant) failed: $(tail -3 "$OUT/pdl_ab_build_$variant.log")"
     exit 1
   fi
-  GPUOPS_KERNEL_BUNDLE=$bundle GPUOPS_CACHE_DIR=/tmp/gpuops-pdl-ab-cache-$variant "$@" \
+  PDL_AB_VARIANT=$variant GPUOPS_KERNEL_BUNDLE=$bundle GPUOPS_CACHE_DIR=/tmp/gpuops-pdl-ab-cache-$variant "$@" \
     > "$OUT/pdl_ab_$variant.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || status=1

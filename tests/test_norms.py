@@ -1157,6 +1157,7 @@ def test_emulated_lean_full_rows_and_partial_affine(emulated, dtype, option, rng
         threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, n)
         if not _whole_rows_applies("lean", vec, threads, ty, packs, C):
             continue                                   # (e.g. fp32 4096: 4 packs)
+        threads, packs = N.wide_rows_shape(threads, packs)   # (one pack: two in half the threads)
         full = n == vec * threads * packs
         kinds.add(full)
         exchanges.add(N.lean_one_exchange(option, d.itemsize, packs, threads))
@@ -1296,7 +1297,8 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
 def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
     """stream_auto_applies, lean_auto_applies and rows_kernel_applies: runs 156-168's fastest
     kernel per op, dtype and width (16-bit layer_norm streams but at 1024-4096, where
-    layer_norm_lean runs; fp32 streams to 1024; 16-bit rms_norm streams below 1024 and takes
+    layer_norm_lean runs; fp32 streams below 1024 and runs layer_norm_lean at 1024-2048 (run
+    172); 16-bit rms_norm streams below 1024 and takes
     rms_norm_rows from 1024; fp32 rms_norm takes rms_norm_rows to 1024); add_rms_norm keeps
     rms_norm_fwd (its per-block kernel ran at 96-100% of copy)."""
     stream, rows, lean = N.stream_auto_applies, N.rows_kernel_applies, N.lean_auto_applies
@@ -1305,9 +1307,10 @@ def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
         True, True, False, False, False, False, True, True, True]
     assert [lean(2, n) for n in widths] == [
         False, False, True, True, True, True, False, False, False]
-    assert not any(lean(4, n) for n in widths)
-    assert [stream("layer_norm", 4, n) for n in (1024, 2048, 4096, 8192)] == [
-        True, False, False, False]
+    assert [lean(4, n) for n in widths] == [
+        False, False, True, True, True, False, False, False, False]
+    assert [stream("layer_norm", 4, n) for n in (1016, 1024, 2048, 4096, 8192)] == [
+        True, False, False, False, False]
     assert [stream("rms_norm", 2, n) for n in (1016, 1024, 2048, 4096)] == [
         True, False, False, False]
     assert [rows("rms_norm", 2, n) for n in (1016, 1024, 2048, 4096, 8192)] == [
@@ -1340,9 +1343,9 @@ def test_stream_config_fills_shared_memory_to_the_aims():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
     """WHOLE_ROWS = "auto": layer_norm_two_pass where the rows fit in one wave of its blocks (the
-    emulated device holds 4) and for fp32 at every row count, else layer_norm_lean for 16-bit
-    rows of 1025-4096 (lean_auto_applies), else layer_norm_compact where that applies, else
-    layer_norm_fwd."""
+    emulated device holds 4), else layer_norm_lean where lean_auto_applies (16-bit rows of
+    1024-4096, fp32 1024-2048), else two_pass for fp32, else layer_norm_compact where that
+    applies, else layer_norm_fwd."""
     monkeypatch.setattr(N, "WHOLE_ROWS", "auto")
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     dev = emulated
@@ -1358,20 +1361,58 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
         threads, ty, packs, C = N.plan_shape(N.TUNING["layer_norm"], vec, shape[-1])
         if not _whole_rows_applies("two_pass", vec, threads, ty, packs, C):
             expected = "layer_norm_fwd<"
-        elif shape[0] <= 4 or dtype == "float32":
+        elif shape[0] <= 4:
             expected = "layer_norm_two_pass<"
         elif (N.lean_auto_applies(x.dtype.itemsize, shape[-1])
               and _whole_rows_applies("lean", vec, threads, ty, packs, C)):
             expected = "layer_norm_lean<"
+        elif dtype == "float32":
+            expected = "layer_norm_two_pass<"
         elif _whole_rows_applies("compact", vec, threads, ty, packs, C):
             expected = "layer_norm_compact<"
         else:
             expected = "layer_norm_fwd<"
         assert expected in name, (shape, name)
         seen.add(expected)
-    assert seen == ({"layer_norm_two_pass<", "layer_norm_fwd<"} if dtype == "float32" else
+    assert seen == ({"layer_norm_two_pass<", "layer_norm_lean<", "layer_norm_fwd<"}
+                    if dtype == "float32" else
                     {"layer_norm_two_pass<", "layer_norm_lean<", "layer_norm_compact<",
                      "layer_norm_fwd<"})
+
+
+@needs_emu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1024, 2048])
+def test_emulated_wide_rows_past_one_wave(emulated, dtype, n, rng, monkeypatch):
+    """WIDE_ROWS: layer_norm_lean (which "auto" runs only past one wave) and rms_norm_rows past
+    one wave (9 rows on the emulated 4 blocks) take two packs per thread in half the plan's
+    threads where the plan gives one pack to 128+ threads (fp32 1024: 128 x 2 instead of
+    256 x 1; 16-bit 1024: 64 x 2 instead of 128 x 1; 16-bit 2048: 128 x 2); rms_norm_rows'
+    one-wave instance keeps the plan's shape; every shape gives the float64 reference."""
+    monkeypatch.setattr(N, "STREAM_ROWS", "off")
+    monkeypatch.setattr(N, "ROWS_MAX_WAVES", None)
+    monkeypatch.setattr(N, "WHOLE_ROWS", "lean")
+    dev = emulated
+    d = dt.BY_NAME[dtype]
+    threads, _, packs, _ = N.plan_shape(N.TUNING["layer_norm"], 16 // d.itemsize, n)
+    if packs != 1:
+        pytest.skip(f"{dtype} rows of {n}: the plan has {packs} packs per thread already")
+    assert threads in (128, 256)
+    for wide, rows in ((True, 9), (False, 9), (True, 3)):
+        monkeypatch.setattr(N, "WIDE_ROWS", wide)
+        x, w, b, _ = _emu_case(rng, (rows, n), dtype)
+        emu.Device.launches = []
+        (y,) = _emu_run(dev, "layer_norm", dtype, x, (n,), w, b)
+        (r,) = _emu_run(dev, "rms_norm", dtype, x, (n,), w, 1e-6)
+        (ln, rms) = emu.Device.launches
+        assert "layer_norm_lean<" in ln[0] and "rms_norm_rows<" in rms[0], (ln, rms)
+        for (name, _, block, _), widened in ((ln, wide), (rms, wide and rows > 4)):
+            got = (block[0], int(name.replace(" ", "").split(",")[2]))
+            assert got == ((threads // 2, 2) if widened else (threads, 1)), (wide, rows, name)
+        ry, _, _ = N.ref_layer_norm_forward(_f64(x), (n,), _f64(w), _f64(b), 1e-5)
+        assert_close(_f64(y), ry, dtype, f"layer_norm_lean wide={wide} {rows} x {n}")
+        assert_close(_f64(r), N.ref_rms_norm(_f64(x), (n,), _f64(w), 1e-6), dtype,
+                     f"rms_norm_rows wide={wide} {rows} x {n}")
 
 
 @needs_emu
@@ -1434,7 +1475,9 @@ def test_emulated_decode_rows_equal_rms_norm_fwd(emulated, dtype, rng, monkeypat
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_rows_kernel_at_every_row_count(emulated, dtype, rng, monkeypatch):
     """ROWS_MAX_WAVES = None: rms_norm_rows (a block per row, w loaded with x) past one wave of
-    its blocks too (9 rows on the emulated 4 blocks), bit-equal to rms_norm_fwd (y, h, rstd)."""
+    its blocks too (9 rows on the emulated 4 blocks), bit-equal to rms_norm_fwd (y, h, rstd) at
+    the plan's shape (WIDE_ROWS off: two packs per thread sum in another order)."""
+    monkeypatch.setattr(N, "WIDE_ROWS", False)
     dev = emulated
     x, w, _, r = _emu_case(rng, (9, 2048), dtype)
     got = {}
@@ -1972,10 +2015,11 @@ def test_gpu_stream_rows(config, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     """Decode-sized whole rows: layer_norm under WHOLE_ROWS = "auto" takes layer_norm_two_pass
-    where the grid fits in one wave ([16, 2048]) and layer_norm_lean past it (16-bit; fp32:
-    two_pass; compact where the row length is not given); rms_norm /
+    where the grid fits in one wave ([16, 2048]) and layer_norm_lean past it (lean_auto_applies;
+    compact for 16-bit and two_pass for fp32 where the row length is not given); rms_norm /
     add_rms_norm take rms_norm_rows there on 16-byte units (DECODE_ROWS), bit-equal to
-    rms_norm_fwd (y, h, rstd; with and without weight; single elements keep rms_norm_fwd),
+    rms_norm_fwd (y, h, rstd; with and without weight; single elements keep rms_norm_fwd) where
+    it runs the plan's shape, and rms_norm past one wave at 1024 / 2048 at two packs per thread,
     outputs NaN-poisoned."""
     dev = torch.cuda.current_device()
     d = dt.BY_NAME[dtype]
@@ -1985,13 +2029,30 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     many = N._whole_rows_option("two_pass", plan, d, vec, dev, 1).capacity + 1
     assert ("layer_norm_compact<" if d.itemsize == 2 else "layer_norm_two_pass<") in \
         N._whole_rows_plan(plan, d, vec, dev, many).kernel.name
-    # (the row length known: 16-bit rows of 1025-4096 take layer_norm_lean, lean_auto_applies)
-    assert ("layer_norm_lean<" if d.itemsize == 2 else "layer_norm_two_pass<") in \
-        N._whole_rows_plan(plan, d, vec, dev, many, 2048).kernel.name
-    for shape in ((16, 2048), (1, 4096), (7, 1000), (5, 1001), (3, 128), (many, 2048)):
+    # (the row length known: 16-bit rows of 1024-4096 and fp32 rows of 1024-2048 take
+    # layer_norm_lean, lean_auto_applies; fp32 at two packs per thread where the plan has one)
+    assert "layer_norm_lean<" in N._whole_rows_plan(plan, d, vec, dev, many, 2048).kernel.name
+    # (at 1024 the plan has one pack per thread: lean runs two in half the threads,
+    # wide_rows_shape)
+    plan1024 = N._plan("layer_norm", d, vec, 1024, dev)
+    many1024 = N._whole_rows_option("two_pass", plan1024, d, vec, dev, 1).capacity + 1
+    lean1024 = N._whole_rows_plan(plan1024, d, vec, dev, many1024, 1024)
+    assert "layer_norm_lean<" in lean1024.kernel.name
+    assert (lean1024.block[0], lean1024.packs) == ((128, 2) if d.itemsize == 4 else (64, 2))
+    for shape in ((16, 2048), (1, 4096), (7, 1000), (5, 1001), (3, 128), (many, 2048),
+                  (many1024, 1024)):
         x, w, b = _ln_case(shape, dtype)
         r = _randn(shape, dtype, 1.0, 0.0)
         _check_ln(x, w, b, dtype, f"{shape} {dtype} auto", out=torch.full_like(x, float("nan")))
+        v = 16 // d.itemsize if shape[-1] % (16 // d.itemsize) == 0 else 1
+        rms_plan = N._plan("rms_norm", d, v, shape[-1], dev)
+        monkeypatch.setattr(N, "DECODE_ROWS", True)
+        used = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev, shape[-1])
+        # rms_norm_rows past one wave at two packs where the plan has one (wide_rows_shape):
+        # the sums' order differs from rms_norm_fwd's, so its rms_norm outputs are checked
+        # against the reference instead of bit for bit
+        wide = used is not None and (used.block[0], used.packs) != (rms_plan.block[0],
+                                                                     rms_plan.packs)
         got = {}
         for rows_kernel in (True, False):
             monkeypatch.setattr(N, "DECODE_ROWS", rows_kernel)
@@ -2000,13 +2061,15 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
             plain = go.rms_norm(x, (shape[-1],), None, 1e-6, out=torch.full_like(x, float("nan")))
             normed, h, arstd = go.add_rms_norm_forward(x, r, w, 1e-6)
             got[rows_kernel] = (y, rstd, plain, normed, h, arstd)
-        for a, c in zip(got[True], got[False]):
+        for a, c in zip(got[True][3 if wide else 0:], got[False][3 if wide else 0:]):
             assert torch.equal(a, c), shape
-        ry, _ = N.ref_rms_norm_forward(_np(x), (shape[-1],), _np(w), 1e-6)
+        ry, rr = N.ref_rms_norm_forward(_np(x), (shape[-1],), _np(w), 1e-6)
         assert_close(_np(got[True][0]), ry, dtype, f"rms_norm {shape} {dtype}")
+        if wide:
+            assert_close(_np(got[True][1]), rr, "float32", f"rms_norm rstd {shape} {dtype}")
+            assert_close(_np(got[True][2]), N.ref_rms_norm(_np(x), (shape[-1],), None, 1e-6),
+                         dtype, f"rms_norm without weight {shape} {dtype}")
         monkeypatch.setattr(N, "DECODE_ROWS", True)
-        v = 16 // d.itemsize if shape[-1] % (16 // d.itemsize) == 0 else 1
-        rms_plan = N._plan("rms_norm", d, v, shape[-1], dev)
         lean = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev)
         if v > 1 and rms_plan.block[0] > 32 and rms_plan.block[1] == 1 and rms_plan.C == 1:
             cap = N._decode_rows_plan("rms_norm", rms_plan, d, v, 1, dev).capacity

@@ -130,6 +130,16 @@ def test_row_and_split_configs(monkeypatch):
     assert sm.row_config(512, sm.ROW_P[True]) == (128, 4)        # [*, 4096] bf16
     assert sm.row_config(1024, sm.ROW_P[True]) == (256, 4)       # [*, 4096] fp32
     assert sm.row_config(256, sm.ROW_P[True]) == (32, 8)         # [*, 2048] bf16: a warp per row
+    # the forward's 16-byte rows: a warp holds at most WARP_ROW_MAX_PACKS (4) packs per thread
+    # (run 173): rows of 256 packs ([*, 2048] bf16, [*, 1024] fp32) take 64 threads x 4 packs
+    warp4 = sm.WARP_ROW_MAX_PACKS
+    assert sm.row_config(256, sm.ROW_P[True], False, warp4) == (64, 4)
+    assert sm.row_config(128, sm.ROW_P[True], False, warp4) == (32, 4)   # [*, 1024] bf16
+    assert sm.row_config(129, sm.ROW_P[True], False, warp4) == (64, 4)
+    assert sm.row_config(512, sm.ROW_P[True], False, warp4) == (128, 4)
+    for packs in list(range(1, 300)) + [1024, 8192]:
+        tx, p = sm.row_config(packs, sm.ROW_P[True], False, warp4)
+        assert tx * p >= packs and (tx >= 64 or p <= warp4), packs
     assert sm.row_config(256, sm.ROW_P[True], True) == (128, 2)  # [16, 2048] bf16: 128 threads
     assert sm.row_config(512, sm.ROW_P[True], True) == (256, 2)  # [16, 2048] fp32
     assert sm.row_config(256, sm.ROW_BWD_P[True], True) == (128, 2)

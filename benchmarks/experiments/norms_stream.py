@@ -7,7 +7,9 @@ Configs (--configs): off, auto (stream_config's pick), lean / lean_two / two_pas
 stream plan off; layer_norm under that WHOLE_ROWS option; "lean*" also puts rms_norm and add_rms_norm on
 rms_norm_rows at every row count: Liger's structure), and forced tTkKdD (teams of T warps per
 row, K teams per block, D stages per team: STREAM_TEAM, STREAM_TEAMS, STREAM_DEPTH; skipped where
-the stages do not fit). Each stream row also prints the largest
+the stages do not fit); any of them with "/wide" or "/narrow" (WIDE_ROWS True / False: two
+packs per thread in half the threads for layer_norm_lean and rms_norm_rows, or the plan's shape;
+none: "auto"). Each stream row also prints the largest
 difference from the "off" output (both rounded to the dtype: 0 or one rounding step expected,
 the sums' order differs).
 
@@ -35,14 +37,24 @@ sys.path.insert(0, "benchmarks/experiments")
 from norms_long_rows import _norm_peers  # noqa: E402
 
 KNOBS = ("STREAM_ROWS", "STREAM_TEAM", "STREAM_TEAMS", "STREAM_DEPTH", "WHOLE_ROWS",
-         "ROWS_MAX_WAVES")
+         "ROWS_MAX_WAVES", "WIDE_ROWS")
 
 
 class _Config:
     """Sets STREAM_ROWS / STREAM_TEAM / STREAM_TEAMS / STREAM_DEPTH for one config ("off",
-    "auto", "tTkKdD": teams of T warps, K teams per block, D stages)."""
+    "auto", "tTkKdD": teams of T warps, K teams per block, D stages), WHOLE_ROWS and
+    ROWS_MAX_WAVES for the per-block configs, and WIDE_ROWS ("/wide", "/narrow" suffixes)."""
 
     def __init__(self, name):
+        # a suffix "/wide" or "/narrow": WIDE_ROWS True or False under that config (two packs
+        # per thread in half the threads for layer_norm_lean / rms_norm_rows, or the plan's)
+        name, _, wide = name.partition("/")
+        if wide not in ("", "wide", "narrow"):
+            raise SystemExit(f"config suffix {wide!r}: /wide or /narrow")
+        self._init(name)
+        self.values["WIDE_ROWS"] = {"": "auto", "wide": True, "narrow": False}[wide]
+
+    def _init(self, name):
         if name in ("off", "auto"):
             self.values = dict(STREAM_ROWS=name, STREAM_TEAM=None, STREAM_TEAMS=None,
                                STREAM_DEPTH=None, WHOLE_ROWS="auto",

@@ -224,6 +224,10 @@ WHOLE_ROWS_PLANS = ("auto", "per_row", "two_pass", "compact", "lean", "lean_two"
 # __launch_bounds__(256, 6) of layer_norm_lean's one-exchange instance (40 registers on sm_90:
 # 6 blocks per SM against the two-sum instance's 5 at 47); wider blocks take the two-sum one
 LEAN_ONE_EXCHANGE_MAX_THREADS = 256
+# Whole rows past one wave (layer_norm_lean, which "auto" runs only there, and rms_norm_rows'
+# untriggered instance): two 16-byte packs per thread in half the threads where the plan gives
+# one pack to blocks of >= 128 threads (wide_rows_shape); False: the plan's shape (A/B runs).
+WIDE_ROWS = True
 WHOLE_ROWS = "auto"
 RING_MAX_DEPTH = 8          # ring slots per block, at most
 RESIDENT_MAX_DEPTH = 7      # "resident": its header holds 8 tiles' statistics (norm_ring.cuh)
@@ -247,13 +251,14 @@ def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
     2048, 4096, 8192, against every per-block kernel; benchmarks/notes_norms.md). The stream
     kernels ran at 81-92% of copy at every width, the best per-block kernel at 72-100%: 16-bit
     layer_norm at every width but 1024-4096 (1.0-1.7x the per-block kernels; there
-    layer_norm_lean was faster, runs 162-170: lean_auto_applies), fp32 layer_norm at 1024 (290.7
-    us against compact's 403.2; lean ties), 16-bit rms_norm below 1024 (at 1024 rms_norm_rows
-    has been faster since it has no PDL trigger: rows_kernel_applies). Elsewhere a per-block
-    kernel was faster (WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
+    layer_norm_lean was faster, runs 162-170: lean_auto_applies), fp32 layer_norm below 1024 (at
+    1024 290.7 us against compact's 403.2; since run 172 layer_norm_lean at two packs per thread
+    there: lean_auto_applies), 16-bit rms_norm below 1024 (at 1024 rms_norm_rows has been faster
+    since it has no PDL trigger: rows_kernel_applies). Elsewhere a per-block kernel was faster
+    (WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
     if kind_name == "layer_norm":
-        return (itemsize == 4 and n <= 1024) or (itemsize == 2
-                                                  and not lean_auto_applies(itemsize, n))
+        return (itemsize == 4 and n < 1024) or (itemsize == 2
+                                                 and not lean_auto_applies(itemsize, n))
     if kind_name == "rms_norm":
         return itemsize == 2 and n < 1024
     return False
@@ -265,7 +270,14 @@ def lean_auto_applies(itemsize: int, n: int) -> bool:
     plan's 157.6 / 157.8 and Liger's 148.3 / 146.1; [32768, 4096] 141.2 / 141.6 against 154.1 /
     152.9 and 140.6 / 140.2, 133.4 / 132.9 since the one-exchange instance (run 163); at 1024
     142.7 against the stream plan's 154.4 once the kernel has no PDL trigger (runs 165, 167,
-    169; run 170: 142.4, Liger 141.0); at 8192 the stream plan, 151.8 against 173.0)."""
+    169; run 170: 142.4, Liger 141.0; at two packs per thread since run 173, wide_rows_shape:
+    128.6 at 1024 and 129.7 at 2048, Liger 142.5 / 147.7); at 8192 the stream plan, 151.8
+    against 173.0); fp32 rows of 1024 to 2048 (run 172: [65536, 2048] 255.3 us against
+    two_pass's 260.0 and Liger's 257.8; [131072, 1024] 288.0 against the stream plan's 290.0 at
+    one pack per thread, 253.3 at two (run 173), Liger 256.5); fp32 4096 and 8192 keep two_pass
+    (its 4 packs: lean holds 2)."""
+    if itemsize == 4:
+        return 1024 <= n <= 2048
     return itemsize == 2 and 1024 <= n <= 4096
 
 
@@ -275,9 +287,26 @@ def lean_one_exchange(option: str, itemsize: int, packs: int, threads: int) -> b
     SM instead of 5 (run 163, H200, [32768, 4096]: 133.4 us bf16 / 132.9 fp16 against the
     two-sum instance's 139.9 / 140.5). At one pack both fit 8 blocks of 256 threads in 32
     registers and the two sums ran faster ([65536, 2048]: 148.6 / 149.9 against 151.7 / 152.8:
-    x converted twice, the shifted sums' extra work), at 1024 the same (160.7-160.9)."""
+    x converted twice, the shifted sums' extra work), at 1024 the same (160.7-160.9); since run
+    173 rows of 1024 and 2048 run at two packs too (wide_rows_shape), on this instance."""
     return (option == "lean" and itemsize == 2 and packs == 2
             and threads <= LEAN_ONE_EXCHANGE_MAX_THREADS)
+
+
+def wide_rows_shape(threads: int, packs: int) -> tuple:
+    """(threads, packs) of a whole-row kernel past one wave, from the plan's: under WIDE_ROWS,
+    half the threads at two packs where the plan has one pack in blocks of >= 128 threads (the
+    same units covered; the half stays a whole number of warps). Measured on the H200 (runs
+    172-173, CUDA-graph replay, Liger in the same run): a block of one 16-byte load per thread
+    spends most of its life waiting on that load and on its reductions, so the SM keeps half the
+    bytes in flight that two packs give. fp32 [131072, 1024] layer_norm_lean 253.3 us against
+    287.9 at 256 x 1 (Liger 256.5), rms_norm_rows 254.2 against 269.8 (Liger 256.5); bf16
+    [131072, 1024] (64 x 2 against 128 x 1) layer_norm 128.6 against 144.1 (Liger 142.5),
+    rms_norm 128.3 against 134.0 (133.3); bf16 [65536, 2048] (128 x 2 against 256 x 1) 129.7
+    against 150.1 (147.7) and 128.9 against 139.3 (139.1)."""
+    if WIDE_ROWS and packs == 1 and threads >= 128 and threads % 64 == 0:
+        return threads // 2, 2
+    return threads, packs
 
 
 def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
@@ -683,8 +712,10 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
     waves = ROWS_MAX_WAVES
     if waves == "auto":
         waves = None if n is not None and rows_kernel_applies(kind_name, dtype.itemsize, n) else 1
-    many = _rows_instance(kind_name, dtype, vec, plan.packs, threads, False, dev)
-    return many if waves is None or rows <= waves * many.capacity else None
+    wide_threads, wide_packs = wide_rows_shape(threads, plan.packs)
+    many = _rows_instance(kind_name, dtype, vec, wide_packs, wide_threads, False, dev)
+    # (waves of the plan's shape: the wide instance's smaller blocks fit more per SM)
+    return many if waves is None or rows <= waves * one_wave.capacity else None
 
 
 def _rows_instance(kind_name: str, dtype, vec: int, packs: int, threads: int, trigger: bool,
@@ -705,20 +736,22 @@ def _whole_rows_plan(plan: Plan, dtype, vec: int, dev: int, rows: int = 1,
     layer_norm_fwd plan), or None where layer_norm_fwd runs: "per_row", split or warp rows,
     single-element units, or rows the option's kernel does not take (compact: more than 2 packs,
     more than COMPACT_MAX_THREADS threads, or 2^31 rows or more: one block per row, no loop).
-    "auto": two_pass where its grid fits in one wave (decode-sized calls) or for fp32, else
-    lean where lean_auto_applies (n given), else compact. n (lean): its bounds-free instance
-    where the row fills every thread's packs (n = None: the checked one)."""
+    "auto": two_pass where its grid fits in one wave (decode-sized calls), else lean where
+    lean_auto_applies (n given), else two_pass for fp32, else compact. n (lean): its bounds-free
+    instance where the row fills every thread's packs (n = None: the checked one)."""
     if WHOLE_ROWS not in WHOLE_ROWS_PLANS:
         raise ValueError(f"gpuops.ops.norms.WHOLE_ROWS = {WHOLE_ROWS!r}: one of "
                          f"{WHOLE_ROWS_PLANS}")
     if WHOLE_ROWS == "auto":
         two_pass = _whole_rows_option("two_pass", plan, dtype, vec, dev, rows)
-        if two_pass is not None and (rows <= two_pass.capacity or dtype.itemsize == 4):
+        if two_pass is not None and rows <= two_pass.capacity:
             return two_pass
         if n is not None and lean_auto_applies(dtype.itemsize, n):
             lean = _whole_rows_option("lean", plan, dtype, vec, dev, rows, n)
             if lean is not None:
                 return lean
+        if two_pass is not None and dtype.itemsize == 4:
+            return two_pass
         return _whole_rows_option("compact", plan, dtype, vec, dev, rows)
     return _whole_rows_option(WHOLE_ROWS, plan, dtype, vec, dev, rows, n)
 
@@ -733,20 +766,23 @@ def _whole_rows_option(option: str, plan: Plan, dtype, vec: int, dev: int, rows:
                                 or rows > (1 << 31) - 1):
         return None
     lean = option in ("lean", "lean_two")
-    if lean and (plan.packs > 2 or rows > (1 << 31) - 1):
+    packs = plan.packs
+    if lean and (packs > 2 or rows > (1 << 31) - 1):
         return None
     exprs = _LEAN_EXPRS if lean else {"two_pass": _TWO_PASS_EXPRS,
                                       "compact": _COMPACT_EXPRS}[option]
-    expr_key = (dtype, vec, plan.packs)
     if lean:
-        expr_key += (n is not None and n == vec * threads * plan.packs,
-                     lean_one_exchange(option, dtype.itemsize, plan.packs, threads))
+        threads, packs = wide_rows_shape(threads, packs)
+    expr_key = (dtype, vec, packs)
+    if lean:
+        expr_key += (n is not None and n == vec * threads * packs,
+                     lean_one_exchange(option, dtype.itemsize, packs, threads))
     key = (option, *expr_key, threads, dev)
     hit = _plans.get(key)
     if hit is None:
         kernel = loader.load(_MODULE_OF["layer_norm"], dev).kernel(exprs[expr_key])
         per_sm = loader.blocks_per_sm(kernel, threads)
-        hit = Plan(kernel, (threads, 1, 1), plan.packs, 1,
+        hit = Plan(kernel, (threads, 1, 1), packs, 1,
                    per_sm * device.device_info(dev).sm_count)
         _plans[key] = hit
     return hit

@@ -38,6 +38,12 @@ _B = {True: "true", False: "false"}
 # Packs per thread of the row kernels (16-byte packs, or single elements on the scalar path); each
 # value is one instantiation per dtype and op, so the lists are kept short.
 ROW_P = {True: (2, 4, 8), False: (4, 16)}
+# The forward's 16-byte rows: a warp per row holds at most this many packs per thread; longer rows
+# take a block of 64+ threads (run 173, H200, rows of 256 packs: fp32 [131072, 1024] softmax
+# 254.4 us at 64 threads x 4 packs against 260.6 for a warp of 8 packs, Liger 254.4; bf16
+# [65536, 2048] 129.7 against 132.1, Liger 145.5; the warp of 4 packs stays best at 128 packs:
+# bf16 [131072, 1024] 130.6 us against 159.1 at 64 x 4 with half the threads idle)
+WARP_ROW_MAX_PACKS = 4
 ROW_BWD_P = {True: (2, 4), False: (2, 4)}       # backward: two inputs in registers
 SPLIT_THREADS = 256             # as in softmax_split.cu (and the CE kernels)
 COL_THREADS = 256               # kColThreads in softmax_cols.cu
@@ -241,11 +247,11 @@ class Layout:
         return lay
 
 
-def row_config(packs: int, choices: tuple, few_rows: bool = False):
+def row_config(packs: int, choices: tuple, few_rows: bool = False, warp_max: int | None = None):
     """(threads per row, packs per thread) for a register-resident row, or None if the row is
     longer than 1024 threads x max(choices) packs. Threads: a power of two, up to a warp for
-    rows of up to 32 x max(choices) packs (then several rows per block), else 64..1024;
-    packs per thread: the smallest of ``choices`` that covers the row.
+    rows of up to 32 x warp_max packs (default max(choices); then several rows per block), else
+    64..1024; packs per thread: the smallest of ``choices`` that covers the row.
 
     few_rows (fewer rows than SMs: decode-sized calls): rows of at least 64 x min(choices) packs
     take a block of 64..1024 threads with about min(choices) packs each. The GPU is mostly idle
@@ -256,9 +262,10 @@ def row_config(packs: int, choices: tuple, few_rows: bool = False):
     if few_rows and 64 * choices[0] <= packs <= 1024 * pmax:
         tx = min(1024, pow2ceil(cdiv(packs, choices[0])))
         return tx, next(p for p in choices if p >= cdiv(packs, tx))
-    if packs <= 32 * pmax:
+    wmax = pmax if warp_max is None else min(warp_max, pmax)
+    if packs <= 32 * wmax:
         tx = min(32, pow2ceil(cdiv(packs, 2)))
-        if cdiv(packs, tx) > pmax:
+        if cdiv(packs, tx) > wmax:
             tx = 32
     elif packs <= 1024 * pmax:
         tx = min(1024, max(64, pow2ceil(cdiv(packs, 4))))
@@ -401,7 +408,8 @@ def _forward_plan(lay: Layout, log: bool, dtype, dev: int, aligned) -> Plan:
         rows = lay.rows
         v = n % vec == 0 and xs % vec == 0 and ys % vec == 0 and all(aligned)
         N = vec if v else 1
-        cfg = row_config(n // N, ROW_P[v], rows < sm_count(dev))
+        cfg = row_config(n // N, ROW_P[v], rows < sm_count(dev),
+                         WARP_ROW_MAX_PACKS if v else None)
         if not _use_split(rows, n, dtype.itemsize, dev, cfg is not None):
             tx, p = cfg
             ty = max(1, COL_THREADS // tx) if tx <= 32 else 1
