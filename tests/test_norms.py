@@ -1319,6 +1319,7 @@ def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
     assert not stream("rms_norm", 4, 1024)
     assert not any(stream("add_rms_norm", i, n) or rows("add_rms_norm", i, n)
                    or rows("layer_norm", i, n) for i in (2, 4) for n in (1024, 4096))
+    assert all(rows("add_rms_norm", i, n) for i in (2, 4) for n in (1032, 2048))   # (run 176)
 
 
 def test_stream_config_fills_shared_memory_to_the_aims():
@@ -1490,8 +1491,8 @@ def test_emulated_rows_kernel_at_every_row_count(emulated, dtype, rng, monkeypat
         assert all(("rms_norm_rows<" in n) == (waves is None) for n in names), names
     for a, b in zip(got[None], got[1]):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    # "auto": rms_norm_rows past one wave where rows_kernel_applies (16-bit from 2048, fp32 to
-    # 1024), rms_norm_fwd elsewhere and for add_rms_norm
+    # "auto": rms_norm_rows past one wave where rows_kernel_applies (rms_norm 16-bit from 1024,
+    # fp32 to 1024; add_rms_norm above 1024 to 2048), rms_norm_fwd elsewhere
     monkeypatch.setattr(N, "ROWS_MAX_WAVES", "auto")
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     for n in (1024, 2048):
@@ -1502,7 +1503,8 @@ def test_emulated_rows_kernel_at_every_row_count(emulated, dtype, rng, monkeypat
         (rms, add) = [launch[0] for launch in emu.Device.launches]
         assert ("rms_norm_rows<" in rms) == N.rows_kernel_applies(
             "rms_norm", dt.BY_NAME[dtype].itemsize, n), (n, rms)
-        assert "rms_norm_fwd<" in add
+        assert ("rms_norm_rows<" in add) == N.rows_kernel_applies(
+            "add_rms_norm", dt.BY_NAME[dtype].itemsize, n), (n, add)
 
 
 def _emu_backward_all(dev, x, w, r, dtype, what):
@@ -2019,8 +2021,8 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
     compact for 16-bit and two_pass for fp32 where the row length is not given); rms_norm /
     add_rms_norm take rms_norm_rows there on 16-byte units (DECODE_ROWS), bit-equal to
     rms_norm_fwd (y, h, rstd; with and without weight; single elements keep rms_norm_fwd) where
-    it runs the plan's shape, and rms_norm past one wave at 1024 / 2048 at two packs per thread,
-    outputs NaN-poisoned."""
+    it runs the plan's shape, and rms_norm / add_rms_norm past one wave at 1024 / 2048 at two
+    packs per thread against the references, outputs NaN-poisoned."""
     dev = torch.cuda.current_device()
     d = dt.BY_NAME[dtype]
     vec = 16 // d.itemsize
@@ -2047,12 +2049,16 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
         v = 16 // d.itemsize if shape[-1] % (16 // d.itemsize) == 0 else 1
         rms_plan = N._plan("rms_norm", d, v, shape[-1], dev)
         monkeypatch.setattr(N, "DECODE_ROWS", True)
-        used = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev, shape[-1])
-        # rms_norm_rows past one wave at two packs where the plan has one (wide_rows_shape):
-        # the sums' order differs from rms_norm_fwd's, so its rms_norm outputs are checked
-        # against the reference instead of bit for bit
-        wide = used is not None and (used.block[0], used.packs) != (rms_plan.block[0],
-                                                                     rms_plan.packs)
+
+        def widened(kind):
+            # rms_norm_rows past one wave at two packs where the plan has one (wide_rows_shape):
+            # the sums' order differs from rms_norm_fwd's, so those outputs are checked against
+            # the reference instead of bit for bit
+            plan_k = N._plan(kind, d, v, shape[-1], dev)
+            used = N._decode_rows_plan(kind, plan_k, d, v, shape[0], dev, shape[-1])
+            return used is not None and (used.block[0], used.packs) != (plan_k.block[0],
+                                                                         plan_k.packs)
+        wide, wide_add = widened("rms_norm"), widened("add_rms_norm")
         got = {}
         for rows_kernel in (True, False):
             monkeypatch.setattr(N, "DECODE_ROWS", rows_kernel)
@@ -2061,14 +2067,20 @@ def test_gpu_whole_rows_auto_and_decode_rows(dtype, monkeypatch):
             plain = go.rms_norm(x, (shape[-1],), None, 1e-6, out=torch.full_like(x, float("nan")))
             normed, h, arstd = go.add_rms_norm_forward(x, r, w, 1e-6)
             got[rows_kernel] = (y, rstd, plain, normed, h, arstd)
-        for a, c in zip(got[True][3 if wide else 0:], got[False][3 if wide else 0:]):
-            assert torch.equal(a, c), shape
+        exact = ([] if wide else [0, 1, 2]) + ([4] if wide_add else [3, 4, 5])   # (h: x + r)
+        for i in exact:
+            assert torch.equal(got[True][i], got[False][i]), (shape, i)
         ry, rr = N.ref_rms_norm_forward(_np(x), (shape[-1],), _np(w), 1e-6)
         assert_close(_np(got[True][0]), ry, dtype, f"rms_norm {shape} {dtype}")
         if wide:
             assert_close(_np(got[True][1]), rr, "float32", f"rms_norm rstd {shape} {dtype}")
             assert_close(_np(got[True][2]), N.ref_rms_norm(_np(x), (shape[-1],), None, 1e-6),
                          dtype, f"rms_norm without weight {shape} {dtype}")
+        if wide_add:
+            h64 = _np(got[True][4]).astype(np.float64)       # (the sum as stored, then normed)
+            ay, ar = N.ref_rms_norm_forward(h64, (shape[-1],), _np(w), 1e-6)
+            assert_close(_np(got[True][3]), ay, dtype, f"add_rms_norm {shape} {dtype}")
+            assert_close(_np(got[True][5]), ar, "float32", f"add_rms_norm rstd {shape} {dtype}")
         monkeypatch.setattr(N, "DECODE_ROWS", True)
         lean = N._decode_rows_plan("rms_norm", rms_plan, d, v, shape[0], dev)
         if v > 1 and rms_plan.block[0] > 32 and rms_plan.block[1] == 1 and rms_plan.C == 1:

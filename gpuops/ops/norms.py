@@ -315,7 +315,12 @@ def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
     bf16 127.9 us against rms_norm_fwd's 139.4 and Liger's 129.6; 2048 137.1 against 162.7;
     8192 132.2 against 173.8; 1024 133.0 against the stream plan's 142.0 once the kernel has no
     PDL trigger, runs 165-169; run 170: 132.7, Liger 132.4) and in fp32 to 1024 (266.1 against
-    307.4). fp32 2048 was 2% slower than rms_norm_fwd, add_rms_norm level with it everywhere."""
+    307.4; fp32 2048 was 2% slower than rms_norm_fwd: 261.6 against 255.2 at two packs, run 176);
+    add_rms_norm above 1024 to 2048 (run 176, at two packs per thread, wide_rows_shape: [65536,
+    2048] bf16 254.6 us against rms_norm_fwd's 256.6, fp32 519.7 against 527.3, Liger 255.1 /
+    528.7; level at 1024, 0.4-0.5% slower at 4096 and 8192 in bf16)."""
+    if kind_name == "add_rms_norm":
+        return 1024 < n <= 2048
     if kind_name != "rms_norm":
         return False
     return n >= 1024 if itemsize == 2 else n <= 1024
