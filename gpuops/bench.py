@@ -220,6 +220,16 @@ def write_rows_json(path, copy_gbps, rows):
                   indent=1)
 
 
+def add_bandwidth_row(rows, copy_gbps, op, shape, d, config, us, nbytes, what=""):
+    """An experiment's row (benchmarks/experiments): ``us`` per call moving ``nbytes``, as GB/s
+    and % of the run's copy bandwidth, appended to ``rows`` (write_rows_json's) and printed."""
+    gbps = nbytes / (us * 1e-6) / 1e9
+    rows.append(dict(op=op, shape=list(shape), dtype=d.name, plan=config, us=us, gbps=gbps,
+                     pct_copy=100 * gbps / copy_gbps, launch=what))
+    print(f"{op:<13}{str(shape):<15}{d.name:<9} {config:<14}{us:9.1f} us {gbps:7.0f} GB/s "
+          f"{100 * gbps / copy_gbps:5.1f}%   {what}", flush=True)
+
+
 def graph_replay_us(fn, calls=20, replays=20, stat=statistics.median):
     """GPU microseconds per call of fn: ``calls`` calls captured in one graph, replayed
     ``replays`` times with CUDA events around each replay; ``stat`` (median by default) of the

@@ -29,7 +29,8 @@ sys.path.insert(0, ".")
 
 import gpuops as go  # noqa: E402
 from gpuops import dtypes as dt  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us, write_rows_json  # noqa: E402
+from gpuops.bench import (_Framework, add_bandwidth_row, graph_replay_us,  # noqa: E402
+                          write_rows_json)
 from gpuops.ops import norms as N  # noqa: E402
 from gpuops.runtime import device  # noqa: E402
 
@@ -144,7 +145,7 @@ def main():
                         diff = ("" if reference is None or config == "off" else
                                 f" maxdiff {float((first.float() - reference.float()).abs().max()):.3g}")
                         us = graph_replay_us(fn, calls=5)
-                    _row(rows, copy, op, shape, d, config, us, nbytes, what + diff)
+                    add_bandwidth_row(rows, copy, op, shape, d, config, us, nbytes, what + diff)
                 for (pop, peer), pfn in peer_fns.items():
                     if pop != op:
                         continue
@@ -155,18 +156,11 @@ def main():
                         print(f"{op:<13}{str(shape):<15}{d.name:<9} {peer:<14} failed: "
                               f"{type(e).__name__}: {str(e)[:100]}", flush=True)
                         continue
-                    _row(rows, copy, op, shape, d, peer, us, nbytes, "")
+                    add_bandwidth_row(rows, copy, op, shape, d, peer, us, nbytes, "")
             del x, r
             torch.cuda.empty_cache()
     write_rows_json(args.json, copy, rows)
 
-
-def _row(rows, copy, op, shape, d, config, us, nbytes, what):
-    gbps = nbytes / (us * 1e-6) / 1e9
-    rows.append(dict(op=op, shape=list(shape), dtype=d.name, plan=config, us=us, gbps=gbps,
-                     pct_copy=100 * gbps / copy, launch=what))
-    print(f"{op:<13}{str(shape):<15}{d.name:<9} {config:<14}{us:9.1f} us {gbps:7.0f} GB/s "
-          f"{100 * gbps / copy:5.1f}%   {what}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ sys.path.insert(0, ".")
 
 import gpuops as go  # noqa: E402
 from gpuops import dtypes as dt  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us, write_rows_json  # noqa: E402
+from gpuops.bench import (_Framework, add_bandwidth_row, graph_replay_us,  # noqa: E402
+                          write_rows_json)
 from gpuops.ops import softmax as S  # noqa: E402
 
 
@@ -82,22 +83,16 @@ def main():
                         plan = S._PLANS[next(iter(S._PLANS))]
                         (_, expr, grid, block, _), = plan.steps
                         us = graph_replay_us(lambda: fn(x), calls=5)
-                    _row(rows, copy, op, shape, d, config, us, nbytes,
-                         f"{expr.split('::')[-1]} block {block[:2]} maxdiff {diff:.3g}")
+                    add_bandwidth_row(rows, copy, op, shape, d, config, us, nbytes,
+                                      f"{expr.split('::')[-1]} block {block[:2]} "
+                                      f"maxdiff {diff:.3g}")
                 if liger is not None and op == "softmax":
                     us = graph_replay_us(lambda: liger(x), calls=5)
-                    _row(rows, copy, op, shape, d, "liger", us, nbytes, "")
+                    add_bandwidth_row(rows, copy, op, shape, d, "liger", us, nbytes, "")
             del x
             torch.cuda.empty_cache()
     write_rows_json(args.json, copy, rows)
 
-
-def _row(rows, copy, op, shape, d, config, us, nbytes, what):
-    gbps = nbytes / (us * 1e-6) / 1e9
-    rows.append(dict(op=op, shape=list(shape), dtype=d.name, plan=config, us=us, gbps=gbps,
-                     pct_copy=100 * gbps / copy, launch=what))
-    print(f"{op:<12}{str(shape):<15}{d.name:<9} {config:<8}{us:9.1f} us {gbps:7.0f} GB/s "
-          f"{100 * gbps / copy:5.1f}%   {what}", flush=True)
 
 
 if __name__ == "__main__":
