@@ -1383,13 +1383,14 @@ def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1024, 2048])
+@pytest.mark.parametrize("n", [1000, 1024, 2048])
 def test_emulated_wide_rows_past_one_wave(emulated, dtype, n, rng, monkeypatch):
     """WIDE_ROWS: layer_norm_lean (which "auto" runs only past one wave) and rms_norm_rows past
     one wave (9 rows on the emulated 4 blocks) take two packs per thread in half the plan's
     threads where the plan gives one pack to 128+ threads (fp32 1024: 128 x 2 instead of
-    256 x 1; 16-bit 1024: 64 x 2 instead of 128 x 1; 16-bit 2048: 128 x 2); rms_norm_rows'
-    one-wave instance keeps the plan's shape; every shape gives the float64 reference."""
+    256 x 1; 16-bit 1024: 64 x 2 instead of 128 x 1; 16-bit 2048: 128 x 2; rows of 1000: the
+    same shapes with the last packs past the row); rms_norm_rows' one-wave instance keeps the
+    plan's shape; every shape gives the float64 reference."""
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     monkeypatch.setattr(N, "ROWS_MAX_WAVES", None)
     monkeypatch.setattr(N, "WHOLE_ROWS", "lean")
