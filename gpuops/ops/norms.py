@@ -206,9 +206,9 @@ LONG_ROWS_PLANS = ("auto", "resident", "ring2", "ring", "split")
 # [16, 2048]): rms_norm_rows (w loaded with x and held, no row loop; bit-equal to rms_norm_fwd)
 # instead of rms_norm_fwd. Tests switch it off to reach rms_norm_fwd at small sizes.
 DECODE_ROWS = True
-# ... for grids of at most this many waves of its blocks (None: every row count; it has no row
-# loop, a block per row: Liger's structure, w loaded with x); "auto": every row count where
-# rows_kernel_applies, else 1.
+# ... for grids of at most this many waves of the plan's blocks (None: every row count; it has
+# no row loop, a block per row: Liger's structure, w loaded with x); "auto": every row count
+# where rows_kernel_applies, else 1.
 ROWS_MAX_WAVES = "auto"
 # "auto" (run 77): two_pass where the grid fits in one wave, else compact; fp32 two_pass at every
 # row count (run 159, H200, [rows, n] of 537 MB: two_pass 258.4 us at n = 2048 against compact's
@@ -705,7 +705,8 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
     """The Plan of rms_norm_rows for `rows` whole rows of the shape of `plan` (an rms_norm_fwd
     plan; n: the row length, for ROWS_MAX_WAVES "auto"), or None where rms_norm_fwd runs:
     DECODE_ROWS off, single-element units, split or warp rows, or more rows than ROWS_MAX_WAVES
-    waves of its blocks."""
+    waves of the one-wave instance's blocks (the plan's shape; past one wave the instance without
+    PDL's trigger runs, at wide_rows_shape)."""
     threads = plan.block[0]
     if not DECODE_ROWS or vec == 1 or plan.C != 1 or plan.block[1] != 1 or threads <= 32:
         return None
@@ -717,10 +718,11 @@ def _decode_rows_plan(kind_name: str, plan: Plan, dtype, vec: int, rows: int, de
     waves = ROWS_MAX_WAVES
     if waves == "auto":
         waves = None if n is not None and rows_kernel_applies(kind_name, dtype.itemsize, n) else 1
-    wide_threads, wide_packs = wide_rows_shape(threads, plan.packs)
-    many = _rows_instance(kind_name, dtype, vec, wide_packs, wide_threads, False, dev)
     # (waves of the plan's shape: the wide instance's smaller blocks fit more per SM)
-    return many if waves is None or rows <= waves * one_wave.capacity else None
+    if waves is not None and rows > waves * one_wave.capacity:
+        return None
+    wide_threads, wide_packs = wide_rows_shape(threads, plan.packs)
+    return _rows_instance(kind_name, dtype, vec, wide_packs, wide_threads, False, dev)
 
 
 def _rows_instance(kind_name: str, dtype, vec: int, packs: int, threads: int, trigger: bool,
