@@ -11,7 +11,8 @@
 #   shards     every GPU test of $TEST_FILES (default: all), natively (on the prebuilt native
 #              bundle) and on the compute_61 bundle, each arch's tests dealt round-robin into
 #              $SHARDS pytest processes, all at once: the whole suite in one call's 10 minutes
-#              (one file alone, test_gemm or test_attention, took ~9 minutes in a file pool)
+#              (one file alone, test_gemm or test_attention, took ~9 minutes in a file pool);
+#              SHARD_TAGS="native" (or "sm61") runs one arch only
 #   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
 #   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
@@ -124,8 +125,11 @@ for stage in $stages; do
       done ;;
     shards)
       prebuild
+      shard_tags=${SHARD_TAGS:-native sm61}
       b61=${BUNDLE61:-.bundle61}
-      [ -f "$b61/manifest.json" ] || { echo "no $b61: bash scripts/prepare_device_run.sh"; status=1; continue; }
+      if [[ " $shard_tags " == *" sm61 "* ]] && [ ! -f "$b61/manifest.json" ]; then
+        echo "no $b61: bash scripts/prepare_device_run.sh"; status=1; continue
+      fi
       $PY -m pytest -m gpu --co -q -p no:cacheprovider ${TEST_FILES:-tests} ${TEST_K:+-k "$TEST_K"} 2>/dev/null \
         | grep '::' > "$DETAIL/gpu_test_ids.txt"
       # dealt in a shuffled order (fixed seed): pytest runs the ids in the order given, so each
@@ -136,7 +140,7 @@ for stage in $stages; do
       mapfile -t ids < "$DETAIL/gpu_test_ids_dealt.txt"
       n=${#ids[@]}; shards=${SHARDS:-7}
       echo "${n} GPU tests, ${shards} shards per arch"
-      for tag in native sm61; do
+      for tag in $shard_tags; do
         envs=()
         [ "$tag" = sm61 ] && envs=(GPUOPS_KERNEL_BUNDLE="$PWD/$b61" GPUOPS_ARCH=61)
         for ((s = 0; s < shards; s++)); do
@@ -152,7 +156,7 @@ for stage in $stages; do
       done
       wait
       sleep 0.2
-      for tag in native sm61; do
+      for tag in $shard_tags; do
         grep -h "^FAILED\|^ERROR" "$DETAIL"/${tag}_shard*.log > "$OUT/failures_${tag}.txt" 2>/dev/null
         for l in "$DETAIL"/${tag}_shard*.log; do
           grep -q "^FAILED\|^ERROR" "$l" && { echo "##### $l"; sed -n '/= FAILURES =/,$p;/= ERRORS =/,$p' "$l" | head -c 60000; }

@@ -25,6 +25,10 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   wgmma_bare / wgmma_bias_gelu / wgmma_bias_gelu_tanh / wgmma_residual
                       go.linear bf16 4096x6144x2048 (M x N x K) under PLAN['wgmma'] 'tma_fused'
                       (bare: 'tma_store')
+  hgemm_mma_<M>x<N>x<K> / hgemm_cublas_<M>x<N>x<K>
+                      bf16 linear x [M, K] @ w [N, K].T by variant 'mma' (mma.sync, the tile of
+                      _mma_config) or torch F.linear, at 8192^3 and the two LLM shapes (issue 4:
+                      mma >= 50% of cuBLAS; the K = 2048 / 6144 shapes ran 38-49%, 8192^3 55%)
   decode_m1 / decode_m2 / decode_m2_ahead2 / decode_m2_cublas
                       bf16 linear x [M, 2048] @ w [6144, 2048].T: SIMT gemv (M = 1), gemv_mma
                       (PLAN['gemv_ahead'] 'auto' = 0 here, or 2), cuBLAS
@@ -155,6 +159,20 @@ def _wgmma(epi):
     return build
 
 
+def _hgemm(shape, variant):
+    def build():
+        M, N, K = shape
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        if variant is None:
+            return lambda: torch.nn.functional.linear(x, w)
+        return lambda: go.linear(x, w, variant=variant)
+    return build
+
+
+HGEMM_SHAPES = ((8192, 8192, 8192), (4096, 6144, 2048), (4096, 2048, 6144))
+
+
 def _decode(M, ahead="auto", peer=False):
     """A decode linear, bf16 x [M, 2048] @ w [6144, 2048].T (the weight is cold: ncu flushes the
     caches before each pass): the SIMT gemv at M = 1, gemv_mma (one wave of 384 blocks) above,
@@ -192,6 +210,8 @@ TARGETS = {
        for impl in ("stream", "lean", "liger")},
     "rows_copy": _rows("copy", None),
     **{f"wgmma_{e}": _wgmma(e) for e in ("bare", "bias_gelu", "bias_gelu_tanh", "residual")},
+    **{f"hgemm_{v or 'cublas'}_{'x'.join(map(str, sh))}": _hgemm(sh, v)
+       for sh in HGEMM_SHAPES for v in ("mma", None)},
     "decode_m1": _decode(1),
     "decode_m2": _decode(2),
     "decode_m2_ahead2": _decode(2, 2),
