@@ -387,7 +387,7 @@ def test_mma_residual_vector_flag():
 
 def test_wgmma_auto_is_behind_its_flag(monkeypatch):
     """variant=None picks wgmma only with WGMMA_AUTO (on since run 21 proved it on the GPU),
-    only on sm_90, for fp16/bf16 beyond decode sizes and not for the dual (SwiGLU) product."""
+    only on sm_90, for fp16/bf16 beyond decode sizes."""
     c = G._choose
     monkeypatch.setattr(G, "WGMMA_AUTO", False)
     assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "mma"
@@ -395,12 +395,14 @@ def test_wgmma_auto_is_behind_its_flag(monkeypatch):
     assert c("t", None, dt.bfloat16, 90, 4096, False, True) == "wgmma"
     assert c("t", None, dt.float16, 90, 17, False, False) == "wgmma"
     assert c("t", None, dt.bfloat16, 90, 16, False, True) == "gemv_mma"
-    assert c("t", None, dt.bfloat16, 90, 4096, False, True, dual=True) == "mma"
+    # the dual (SwiGLU) product too: gemm() then runs the two wgmma products where they fill
+    # the GPU (SWIGLU_WGMMA_MIN_WAVES), else the dual 'mma' kernel
+    assert c("t", None, dt.bfloat16, 90, 4096, False, True, dual=True) == "wgmma"
+    assert c("t", None, dt.bfloat16, 90, 16, False, True, dual=True) == "gemv_mma"
     assert c("t", None, dt.bfloat16, 89, 4096, False, True) == "mma"
+    assert c("t", None, dt.bfloat16, 89, 4096, False, True, dual=True) == "mma"
     assert c("t", None, dt.float32, 90, 4096, True, True) == "mma"
-    assert "wgmma" not in G._DUAL_VARIANTS
-    with pytest.raises(ValueError, match="variant"):
-        go.swiglu_linear(np.ones((2, 3)), np.ones((4, 3)), np.ones((4, 3)), variant="wgmma")
+    assert "wgmma" in G._DUAL_VARIANTS
 
 
 # ----------------------------------------------------------------------------- CPU: wgmma
@@ -1286,8 +1288,11 @@ def _randn(shape, dtype, scale=1.0):
 
 
 def _check(out, a, b, dtype, *, bias=None, act=None, residual=None, alpha=1.0, tf32=False,
-           out_dtype=None, b2=None, what="", tile=None):
+           out_dtype=None, b2=None, gate_rounded=False, what="", tile=None):
     """out against float64 products on the GPU, with the bound of the module docstring.
+    gate_rounded (SwiGLU on Hopper: the gate product is stored in the output dtype, then silu'd):
+    + 1.1 U_OUT |g| |u| (|silu'| <= 1.1, the gate's relative rounding U_OUT), with the products'
+    own errors added to g and u.
     tile=(BM, BN): on failure also name the first output tile (of the last matrix dims) with a
     bad element and how many tiles are bad, to tell a pipeline error from an edge error."""
     A, B = a.double(), b.double()
@@ -1314,6 +1319,8 @@ def _check(out, a, b, dtype, *, bias=None, act=None, residual=None, alpha=1.0, t
         ref = sg * u
         bound = (1.2 * eg * u.abs() + sg.abs() * eu + 1.2 * eg * eu + 1e-5 * ref.abs()
                  + 2 * U_ACC * ref.abs() + 2 * U_OUT[out_name] * ref.abs() + TINY[out_name])
+        if gate_rounded:
+            bound = bound + 1.1 * U_OUT[out_name] * (g.abs() + eg) * (u.abs() + eu)
     got = out.double()
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(got).any(), f"{what}: NaN in the output (unwritten elements?)"
@@ -2107,12 +2114,95 @@ def test_gpu_wgmma_errors():
     _skip_unless_hopper()
     with pytest.raises(TypeError, match="float16/bfloat16"):
         go.matmul(_randn((64, 64), "float32"), _randn((64, 64), "float32"), variant="wgmma")
-    with pytest.raises(ValueError, match="variant"):
-        x, w = _randn((64, 64), "bfloat16"), _randn((64, 64), "bfloat16")
-        go.swiglu_linear(x, w, w, variant="wgmma")
+    x, w = _randn((64, 64), "bfloat16"), _randn((60, 64), "bfloat16")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        go.swiglu_linear(x, w, w, variant="wgmma")        # N = 60: no tensor stores
+    with pytest.raises(ValueError, match="cannot read 'w_up' with TMA"):
+        w_up = _randn((64 * 65,), "bfloat16")[1:4097].view(64, 64)   # 2-byte aligned
+        go.swiglu_linear(x, _randn((64, 64), "bfloat16"), w_up, variant="wgmma")
     a = _randn((64, 65), "bfloat16")                      # row stride 130 bytes
     with pytest.raises(ValueError, match="cannot read 'a' with TMA.*multiple of 16"):
         go.matmul(a, _randn((65, 64), "bfloat16"), variant="wgmma")
+
+
+def _spy_wgmma_launches(monkeypatch):
+    """The configurations of the wgmma launches made from now on (a list that fills up)."""
+    seen = []
+    real = G._launch_wgmma
+
+    def spy(call, p, L, dtype, maps, config="base"):
+        seen.append(config)
+        return real(call, p, L, dtype, maps, config)
+    monkeypatch.setattr(G, "_launch_wgmma", spy)
+    return seen
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", WG_DTYPES)
+def test_gpu_wgmma_swiglu(dtype, monkeypatch):
+    """swiglu_linear on Hopper as two wgmma products (gate, then up with the gated epilogue that
+    reads the gate by TMA): ragged M / N / K, 3-D inputs, NaN padding past K; variant=None takes
+    it only where the gate product fills the GPU, else the dual 'mma' kernel; N % 8 != 0 falls
+    back. The gate is rounded to the output dtype before silu (as torch rounds F.linear's
+    output), which _check(gate_rounded=True) adds to the bound."""
+    _skip_unless_hopper()
+    seen = _spy_wgmma_launches(monkeypatch)
+    for M, N, K in ((1, 8, 1), (130, 264, 77), (300, 520, 1024), (4097, 1032, 1000)):
+        x = _padded(M, K, dtype).mul_(K ** -0.25)          # in place: the padding stays NaN
+        wg, wu = _padded(N, K, dtype), _padded(N, K, dtype)
+        seen.clear()
+        out = go.swiglu_linear(x, wg, wu, variant="wgmma")
+        assert seen == ["tma_store", "tma_fused"], seen
+        _check(out, x, wg.T, dtype, b2=wu.T, gate_rounded=True, what=f"wgmma swiglu {M}x{N}x{K}")
+    x3 = _randn((2, 150, 256), dtype, scale=256 ** -0.25)
+    wg, wu = _randn((264, 256), dtype), _randn((264, 256), dtype)
+    out = go.swiglu_linear(x3, wg, wu, variant="wgmma")
+    assert out.shape == (2, 150, 264)
+    _check(out, x3, wg.T, dtype, b2=wu.T, gate_rounded=True, what="wgmma swiglu 3-D")
+    # variant=None: the two products only where the gate product has a wave of tiles
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    M = G.WGMMA_BM * -(-sms // 4)
+    x = _randn((M, 128), dtype, scale=128 ** -0.25)
+    wg, wu = _randn((4 * G.WGMMA_BN, 128), dtype), _randn((4 * G.WGMMA_BN, 128), dtype)
+    seen.clear()
+    out = go.swiglu_linear(x, wg, wu)
+    assert seen == ["tma_store", "tma_fused"], seen
+    _check(out, x, wg.T, dtype, b2=wu.T, gate_rounded=True, what="auto swiglu, one wave")
+    seen.clear()
+    out = go.swiglu_linear(x[:G.WGMMA_BM], wg, wu)          # 4 tiles: the dual mma kernel
+    assert seen == [], seen
+    _check(out, x[:G.WGMMA_BM], wg.T, dtype, b2=wu.T, what="auto swiglu, small")
+    w = _randn((60 * sms, 128), dtype)                      # N % 8 != 0: the dual mma kernel
+    seen.clear()
+    out = go.swiglu_linear(x, w[:-4], w[4:])
+    assert seen == [], seen
+    _check(out, x, w[:-4].T, dtype, b2=w[4:].T, what="auto swiglu, N % 8")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_wgmma_swiglu_in_cuda_graph():
+    """The gate workspace comes from the framework's allocator inside the capture; replays with
+    new data give the new product."""
+    _skip_unless_hopper()
+    x, wg, wu = (_randn((512, 256), "bfloat16"), _randn((776, 256), "bfloat16"),
+                 _randn((776, 256), "bfloat16"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.swiglu_linear(x, wg, wu, variant="wgmma")        # warm-up: loads the modules
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = go.swiglu_linear(x, wg, wu, variant="wgmma")
+    for _ in range(2):
+        x.copy_(_randn(x.shape, "bfloat16", scale=256 ** -0.25))
+        wg.copy_(_randn(wg.shape, "bfloat16"))
+        wu.copy_(_randn(wu.shape, "bfloat16"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, wg.T, "bfloat16", b2=wu.T, gate_rounded=True, what="graph wgmma swiglu")
 
 
 @gpu

@@ -335,8 +335,14 @@ struct WgChunks {
   }
 };
 
+// GemmArgs::flags bit of 'tma_fused' calls (the other GEMM kernels never see it): out = (alpha *
+// acc + bias) * silu(residual), no activation: swiglu_linear's up product with the gate product
+// as its residual (gpuops/ops/gemm.py, RES_GATE; outside the low bits of gemm_common.cuh's flags).
+constexpr int kResGate = 1 << 16;
+
 // Epilogue 'tma_fused' (EPI 4) of a fused call (bias, activation and / or residual; 16-bit C,
-// N % 8 == 0, and a residual TMA can read: the host checks): act(alpha * acc + bias) + residual
+// N % 8 == 0, and a residual TMA can read: the host checks): act(alpha * acc + bias) + residual,
+// or with kGate (flag kResGate: swiglu_linear on Hopper) (alpha * acc + bias) * silu(residual),
 // with no global load in the chunk loop, so the proxy fence before each tensor store has only
 // this thread's shared-memory accesses to order (run 30: with generic bias / residual loads in
 // flight across it, the tma_store epilogue cost +37-39%).
@@ -354,7 +360,7 @@ struct WgChunks {
 // Chunks wholly past N (or M) are skipped (no load, no math, no store); the live chunks are
 // handled in order as s = 0, 1, .. (WgChunks), box s % 4, so the bulk groups of a tile are
 // consecutive. kHalves: the accumulators' geometry (WgChunks).
-template <class T, Act A, int kHalves>
+template <class T, Act A, int kHalves, bool kGate = false>
 __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const float (&acc)[128],
                                                       long long m_base, long long n0, int lane,
                                                       unsigned char* buf,
@@ -416,8 +422,14 @@ __device__ __forceinline__ void wg_epilogue_tma_fused(const GemmArgs& p, const f
       float lo[2], hi[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        lo[e] = activate<A>(p.alpha * acc[4 * j + e] + bz[e]) + r_lo[e];
-        hi[e] = activate<A>(p.alpha * acc[4 * j + 2 + e] + bz[e]) + r_hi[e];
+        if constexpr (kGate) {
+          static_assert(A == Act::kIdentity, "the gated epilogue takes no activation");
+          lo[e] = (p.alpha * acc[4 * j + e] + bz[e]) * silu_f(r_lo[e]);
+          hi[e] = (p.alpha * acc[4 * j + 2 + e] + bz[e]) * silu_f(r_hi[e]);
+        } else {
+          lo[e] = activate<A>(p.alpha * acc[4 * j + e] + bz[e]) + r_lo[e];
+          hi[e] = activate<A>(p.alpha * acc[4 * j + 2 + e] + bz[e]) + r_hi[e];
+        }
       }
       *lo_at = Vec16<T>::pack2(lo[0], lo[1]);
       *hi_at = Vec16<T>::pack2(hi[0], hi[1]);
@@ -675,15 +687,19 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
         }
         int rc[3] = {0, 0, 0};
         if (sh.batched && p.residual != nullptr) batch_coords(p, t.z, p.r_sb, rc);
-#define GPUOPS_WG_FUSED(A)                                                                   \
-  wg_epilogue_tma_fused<T, A, 1>(p, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), \
+#define GPUOPS_WG_FUSED(A, G)                                                                \
+  wg_epilogue_tma_fused<T, A, 1, G>(p, acc, m_base, t.n0, lane, reinterpret_cast<unsigned char*>(stage_c), \
                               bias_row, tma_c, tma_r, (int)t.z, res_bar, epi_state, sh.batched, rc)
-        switch (p.act) {
-          case 1: GPUOPS_WG_FUSED(Act::kRelu); break;
-          case 2: GPUOPS_WG_FUSED(Act::kSilu); break;
-          case 3: GPUOPS_WG_FUSED(Act::kGeluErf); break;
-          case 4: GPUOPS_WG_FUSED(Act::kGeluTanh); break;
-          default: GPUOPS_WG_FUSED(Act::kIdentity); break;
+        if (p.flags & kResGate) {
+          GPUOPS_WG_FUSED(Act::kIdentity, true);
+        } else {
+          switch (p.act) {
+            case 1: GPUOPS_WG_FUSED(Act::kRelu, false); break;
+            case 2: GPUOPS_WG_FUSED(Act::kSilu, false); break;
+            case 3: GPUOPS_WG_FUSED(Act::kGeluErf, false); break;
+            case 4: GPUOPS_WG_FUSED(Act::kGeluTanh, false); break;
+            default: GPUOPS_WG_FUSED(Act::kIdentity, false); break;
+          }
         }
 #undef GPUOPS_WG_FUSED
         continue;

@@ -395,13 +395,14 @@ WGMMA_AUTO = True
 # flags of GemmArgs (gemm_common.cuh)
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
 RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
+RES_GATE = 1 << 16                   # wgmma 'tma_fused': (alpha * acc + bias) * silu(residual)
 W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight slice into L2 first
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
-_DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma")
+_DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
 INT8_VARIANTS = ("dp4a", "mma")
 MAX_GRID_Z = 65535
 
@@ -1034,7 +1035,7 @@ def _wgmma_config():
     return cfg
 
 
-def _wgmma_maps(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN):
+def _wgmma_maps(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN, names=None):
     """The two tensor maps and layouts of a wgmma launch with output tiles WGMMA_BM x bn:
     ((a_mn, map_a), (b_mn, map_b)), remembered per pointers, extents and strides (a model repeats
     the same GEMMs). Raises ValueError naming the operand TMA cannot read (the caller falls back
@@ -1042,11 +1043,12 @@ def _wgmma_maps(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN):
     key = (L.a, L.b, p.M, p.N, p.K, p.a_sm, p.a_sk, p.b_sk, p.b_sn, p.bshape, p.a_sb, p.b_sb,
            dtype.itemsize, bn)
     return _remembered(_wgmma_map_cache, key,
-                       lambda: _wgmma_maps_uncached(op, p, L, dtype, bn))
+                       lambda: _wgmma_maps_uncached(op, p, L, dtype, bn, names))
 
 
-def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN):
-    names = _OPERAND_NAMES.get(op, ("a", "b"))
+def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN, names=None):
+    """names: what the user calls A and B (default: _OPERAND_NAMES of op, else 'a', 'b')."""
+    names = names or _OPERAND_NAMES.get(op, ("a", "b"))
     tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, bn) * p.batch
     if tiles >= 2 ** 31 or max(p.M, p.N, p.K) >= 2 ** 31:
         raise ValueError(f"gpuops.{op}: variant='wgmma' takes at most 2^31 - 1 output tiles and "
@@ -1174,8 +1176,9 @@ def _choose(op, variant, dtype, cc, M, allow_tf32, b_kcontig, dual=False):
                     else "gemv")
         if dtype is dt.float32:
             return "mma" if (allow_tf32 and cc >= 80) else "warp_tiled"
-        if WGMMA_AUTO and cc == WGMMA_ARCH and not dual:
-            return "wgmma"   # gemm() falls back to 'mma' for operands TMA cannot read
+        if WGMMA_AUTO and cc == WGMMA_ARCH:
+            return "wgmma"   # gemm() falls back to 'mma' for operands TMA cannot read (and
+            #                  swiglu_linear where its two products would not fill the GPU)
         return "mma" if cc >= 80 else "warp_tiled"
     if variant in ("mma", "gemv_mma") and cc < 80:
         raise RuntimeError(f"gpuops.{op}: variant={variant!r} uses tensor-core instructions of "
@@ -1229,6 +1232,10 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
     if v == "wgmma":
         if p.K == 0:    # no product, only the epilogue: any kernel gives the same; no TMA needed
             v = "mma"
+        elif dual:
+            if _launch_swiglu_wgmma(call, op, p, L, a, b, b2, out, dtype, out_dt, variant):
+                return out
+            v = "mma"
         else:
             config = _wgmma_call_config(p, L)
             try:
@@ -1245,6 +1252,52 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
     else:
         _launch_tiled(call, p, L, dtype, v, dual)
     return out
+
+
+# swiglu_linear on Hopper: variant=None takes the two wgmma products below only where the gate
+# product alone has at least this many waves of 128 x 256 tiles (one CTA per SM); smaller calls
+# run the one-kernel 'mma' dual product. Run 178 (H200, bf16, graph replay, [4096, 4096, 4096]):
+# the dual mma kernel 772 us against torch's silu(linear) * linear 463 us.
+SWIGLU_WGMMA_MIN_WAVES = 1.0
+
+
+def _launch_swiglu_wgmma(call, op, p: _Plan, L: _Launch, a: Tensor, b: Tensor, b2: Tensor,
+                         out: Tensor, dtype, out_dt, variant) -> bool:
+    """swiglu_linear as two wgmma products: gate = x @ w_gate.T ('tma_store', written in the
+    output dtype to a workspace from call.empty), then out = (x @ w_up.T) * silu(gate) ('tma_fused'
+    with the gate as its residual, flag RES_GATE). The gate is rounded once to the output dtype
+    before silu, as torch's ``silu(linear(x, w_gate)) * linear(x, w_up)`` rounds it. False (the
+    caller runs 'mma') where variant=None and the call is small or TMA cannot take an operand;
+    an explicit variant='wgmma' raises instead."""
+    explicit = variant == "wgmma"
+    if L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31:
+        if explicit:
+            raise ValueError(f"gpuops.{op}: variant='wgmma' writes 16-bit outputs with N a "
+                             f"multiple of 8 (N={p.N})")
+        return False
+    sms = device.sm_count(call.device)
+    if not explicit and (_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
+                         < SWIGLU_WGMMA_MIN_WAVES * sms):
+        return False
+    try:
+        maps_gate = _wgmma_maps(op, p, L, dtype, WGMMA_BN)
+        L2 = _Launch()
+        L2.a, L2.b, L2.c, L2.out_f32 = L.a, L.b2, L.c, L.out_f32
+        maps_up = _wgmma_maps(op, p, L2, dtype, WGMMA_BN)
+    except ValueError:
+        if explicit:
+            raise
+        return False
+    gate = call.empty(p.out_shape, out_dt)
+    p_up = _plan(op, a, b2, gate)
+    L2.residual, L2.flags = gate.ptr, RES_GATE
+    if _wgmma_residual_plan(p_up, L2, 2) is None:   # not reached: the gate is contiguous
+        raise RuntimeError(f"gpuops.{op}: no tensor map for the gate workspace")
+    L1 = _Launch()
+    L1.a, L1.b, L1.c, L1.out_f32 = L.a, L.b, gate.ptr, L.out_f32
+    _launch_wgmma(call, p, L1, dtype, maps_gate, "tma_store")
+    _launch_wgmma(call, p_up, L2, dtype, maps_up, "tma_fused")
+    return True
 
 
 def _transposed(t: Tensor) -> Tensor:
@@ -1475,12 +1528,16 @@ def linear(call, x: Tensor, weight: Tensor, bias: Tensor | None = None,
                           extra_shapes=DECODE_SHAPES))
 def swiglu_linear(call, x: Tensor, w_gate: Tensor, w_up: Tensor, *,
                   variant: str | None = None) -> Tensor:
-    """SwiGLU's first half: ``silu(x @ w_gate.T) * (x @ w_up.T)`` in one kernel that shares each
-    tile of ``x`` between the two weights and never writes the two products.
+    """SwiGLU's first half: ``silu(x @ w_gate.T) * (x @ w_up.T)``.
 
     Weights ``[hidden, in_features]`` (torch layout, same shape and strides); fp32 accumulation of
-    both products, silu and product in fp32, one rounding. ``variant``: None, 'warp_tiled', 'mma',
-    'gemv', 'gemv_mma'.
+    both products. 'warp_tiled', 'mma', 'gemv' and 'gemv_mma' are one kernel that shares each tile
+    of ``x`` between the two weights and never writes the products (silu and product in fp32, one
+    rounding). 'wgmma' (Hopper, fp16/bf16) is two products: the gate is written once in the output
+    dtype to a workspace (rounded there, as torch's ``silu(linear) * linear`` rounds it), and the
+    up product's epilogue reads it and writes ``up * silu(gate)``. variant=None takes 'wgmma' on
+    Hopper where the gate product fills the GPU (SWIGLU_WGMMA_MIN_WAVES), 'gemv_mma' / 'gemv' for
+    M <= 16, else 'mma' (sm_80+) or 'warp_tiled'.
     """
     _check_weight("swiglu_linear", x.shape, w_gate.shape, "w_gate")
     _check_weight("swiglu_linear", x.shape, w_up.shape, "w_up")
