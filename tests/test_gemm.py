@@ -526,6 +526,43 @@ def test_wgmma_grid_is_one_block_per_sm_at_most():
     small = SimpleNamespace(M=300, N=520, batch=2)             # 3 x 3 tiles, 2 matrices
     assert G._wgmma_grid(small, 132) == 18
     assert G._wgmma_grid(small, 132, bn=G.WGMMA_PP_BN) == 30   # 3 x 5 tiles of 128 x 128
+    assert G._wgmma_grid(small, 132, splits=4) == 72           # 18 tiles x 4 K splits
+    assert G._wgmma_grid(small, 132, splits=8) == 132
+
+
+def test_wgmma_split_k_plan(monkeypatch):
+    """Split-K only where the tiles fill at most WGMMA_SPLIT_MAX_FILL of the SMs, each split at
+    least WGMMA_SPLIT_MIN_KTILES k-tiles, splits x tiles within the SMs, whole k-tiles per split
+    and every k-tile in exactly one split; not where the estimated reduce outweighs the saving."""
+    from types import SimpleNamespace as P
+    for M, N, K, batch in ((128, 6144, 2048, 1), (256, 6144, 2048, 1), (64, 80, 65536, 1),
+                           (300, 520, 1024, 1), (100, 264, 1024, 3), (17, 33, 65, 1),
+                           (512, 6144, 2048, 1), (4096, 4096, 4096, 1), (128, 256, 64, 1),
+                           (128, 6143, 2048, 1)):
+        p = P(M=M, N=N, K=K, batch=batch)
+        tiles = -(-M // G.WGMMA_BM) * -(-N // G.WGMMA_BN) * batch
+        ktiles = -(-K // G.WGMMA_BK)
+        splits, k_split = G._wgmma_split(p, 132)
+        if splits == 1:
+            assert k_split == 0
+            continue
+        assert tiles <= G.WGMMA_SPLIT_MAX_FILL * 132 and 2 <= splits <= G.WGMMA_SPLIT_MAX
+        assert splits * tiles <= 132 and k_split % G.WGMMA_BK == 0
+        assert k_split // G.WGMMA_BK >= G.WGMMA_SPLIT_MIN_KTILES
+        assert (splits - 1) * k_split < K <= splits * k_split, (M, N, K, splits, k_split)
+    # run 183's measured cases: long K splits 16 ways; [128, 6144, 2048]'s 5 splits measured no
+    # faster than the unsplit product (24.3 against 23.4 us): the estimate keeps it whole
+    assert G._wgmma_split(P(M=32, N=2048, K=6144, batch=1), 132) == (16, 384)
+    assert G._wgmma_split(P(M=32, N=6144, K=2048, batch=1), 132) == (5, 448)
+    assert G._wgmma_split(P(M=128, N=6144, K=2048, batch=1), 132) == (1, 0)
+    assert G._wgmma_split(P(M=32, N=6143, K=2048, batch=1), 132) == (1, 0)    # odd N
+    assert G._wgmma_split(P(M=4096, N=2048, K=6144, batch=1), 132) == (1, 0)  # tiles fill it
+    # SwiGLU (two products, gain SWIGLU_SPLIT_GAIN against the dual kernel)
+    two = dict(products=2, gain=G.SWIGLU_SPLIT_GAIN)
+    assert G._wgmma_split(P(M=32, N=6144, K=2048, batch=1), 132, **two) == (5, 448)
+    assert G._wgmma_split(P(M=300, N=520, K=1024, batch=1), 132, **two) == (1, 0)
+    monkeypatch.setattr(G, "WGMMA_SPLIT_K", False)
+    assert G._wgmma_split(P(M=32, N=2048, K=6144, batch=1), 132) == (1, 0)
 
 
 @pytest.mark.parametrize("config", sorted(G.WGMMA_CONFIGS))
@@ -1582,7 +1619,11 @@ def test_gpu_gemv_mma_pipe(case, dtype, monkeypatch):
     K0 = 256 * u
     for M, N, K in ((1, 6144, 2048 + K0), (2, 2048, 6144), (13, 40000, K0 + 8), (16, 777, K0 + 3),
                     (16, 151936 // 4, K0 + 264)):
-        x, w = _randn((M, K), dtype), _randn((N, K), dtype)
+        # SwiGLU: x scaled by K^-1/4 (as test_gpu_swiglu_linear): unscaled, silu(x wg) * (x wu)
+        # grows like K and can pass fp16's 65504 (run 184: -68065 in the float64 reference,
+        # rounded to -inf by the kernel, as any fp16 store would)
+        x = _randn((M, K), dtype, scale=K ** -0.25 if dual else 1.0)
+        w = _randn((N, K), dtype)
         if dual:
             w2 = _randn((N, K), dtype)
             _check(go.swiglu_linear(x, w, w2, variant="gemv_mma"), x, w.T, dtype, b2=w2.T,
@@ -1980,6 +2021,7 @@ def test_gpu_wgmma_tma_fused(dtype, config, monkeypatch):
     pingpong's turns and bias rows across tiles, ragged tiles among them)."""
     _skip_unless_hopper()
     monkeypatch.setitem(G.PLAN, "wgmma", config)
+    monkeypatch.setattr(G, "WGMMA_SPLIT_K", False)   # (130, 776, 1000) would split K ('direct')
     ran = _spy_wgmma_configs(monkeypatch)
     for M, N, K in ((200, 264, 136), (70, 72, 64), (130, 776, 1000), (4097, 4104, 640),
                     (100, 200, 72)):
@@ -2148,20 +2190,26 @@ def test_gpu_wgmma_swiglu(dtype, monkeypatch):
     output), which _check(gate_rounded=True) adds to the bound."""
     _skip_unless_hopper()
     seen = _spy_wgmma_launches(monkeypatch)
-    for M, N, K in ((1, 8, 1), (130, 264, 77), (300, 520, 1024), (4097, 1032, 1000)):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # (64, 264, 2048): few tiles, K split (G._wgmma_split): both products as fp32 partials,
+    # silu(gate) * up in the reduce, no rounded gate
+    for M, N, K in ((1, 8, 1), (130, 264, 77), (300, 520, 1024), (64, 264, 2048),
+                    (4097, 1032, 1000)):
         x = _padded(M, K, dtype).mul_(K ** -0.25)          # in place: the padding stays NaN
         wg, wu = _padded(N, K, dtype), _padded(N, K, dtype)
+        split = G._wgmma_split(types.SimpleNamespace(M=M, N=N, K=K, batch=1), sms, products=2,
+                               gain=G.SWIGLU_SPLIT_GAIN)[0] > 1
         seen.clear()
         out = go.swiglu_linear(x, wg, wu, variant="wgmma")
-        assert seen == ["tma_store", "tma_fused"], seen
-        _check(out, x, wg.T, dtype, b2=wu.T, gate_rounded=True, what=f"wgmma swiglu {M}x{N}x{K}")
+        assert seen == (["direct", "direct"] if split else ["tma_store", "tma_fused"]), seen
+        _check(out, x, wg.T, dtype, b2=wu.T, gate_rounded=not split,
+               what=f"wgmma swiglu {M}x{N}x{K}")
     x3 = _randn((2, 150, 256), dtype, scale=256 ** -0.25)
     wg, wu = _randn((264, 256), dtype), _randn((264, 256), dtype)
     out = go.swiglu_linear(x3, wg, wu, variant="wgmma")
     assert out.shape == (2, 150, 264)
     _check(out, x3, wg.T, dtype, b2=wu.T, gate_rounded=True, what="wgmma swiglu 3-D")
     # variant=None: the two products only where the gate product has a wave of tiles
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     M = G.WGMMA_BM * -(-sms // 4)
     x = _randn((M, 128), dtype, scale=128 ** -0.25)
     wg, wu = _randn((4 * G.WGMMA_BN, 128), dtype), _randn((4 * G.WGMMA_BN, 128), dtype)
@@ -2178,6 +2226,41 @@ def test_gpu_wgmma_swiglu(dtype, monkeypatch):
     out = go.swiglu_linear(x, w[:-4], w[4:])
     assert seen == [], seen
     _check(out, x, w[:-4].T, dtype, b2=w[4:].T, what="auto swiglu, N % 8")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", WG_DTYPES)
+def test_gpu_wgmma_split_k(dtype, monkeypatch):
+    """Products of few tiles run their K in splits (fp32 partials from the 'direct' kernel, then
+    gemv_splitk_reduce's epilogue): bias + gelu + residual, a ragged last split, a folded and a
+    real batch, transposed operands, NaN padding past K; variant=None takes it too."""
+    _skip_unless_hopper()
+    seen = _spy_wgmma_launches(monkeypatch)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    M, N, K = 128, 520, 4000                       # 3 tiles; K = 62.5 k-tiles: a short last split
+    assert G._wgmma_split(types.SimpleNamespace(M=M, N=N, K=K, batch=1), sms)[0] > 1
+    a, b = _padded(M, K, dtype).mul_(K ** -0.5), _padded(K, N, dtype)
+    bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+    out = go.matmul(a, b, bias=bias, activation="gelu", residual=res, variant="wgmma")
+    assert seen == ["direct"], seen
+    _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what="split-K bias gelu res",
+           tile=WG_TILE)
+    seen.clear()
+    x, w = _randn((3, 100, 1024), dtype, scale=1024 ** -0.5), _randn((264, 1024), dtype)
+    out = go.linear(x, w)                          # variant=None; batch folded into M = 300
+    assert seen == ["direct"], seen
+    _check(out, x, w.T, dtype, what="split-K linear, folded batch")
+    seen.clear()
+    a3, b3 = _randn((3, 100, 1024), dtype, scale=1024 ** -0.5), _randn((3, 264, 1024), dtype)
+    out = go.matmul(a3, b3.transpose(1, 2), alpha=0.5, variant="wgmma")   # 3 matrices, B K-major
+    assert seen == ["direct"], seen
+    _check(out, a3, b3.transpose(1, 2), dtype, alpha=0.5, what="split-K batched")
+    monkeypatch.setattr(G, "WGMMA_SPLIT_K", False)
+    seen.clear()
+    out = go.matmul(a, b, bias=bias, activation="gelu", residual=res, variant="wgmma")
+    assert seen == [G.PLAN["wgmma"]], seen         # one launch of the configured epilogue
+    _check(out, a, b, dtype, bias=bias, act="gelu", residual=res, what="unsplit", tile=WG_TILE)
 
 
 @gpu

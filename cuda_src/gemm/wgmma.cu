@@ -93,38 +93,49 @@ static_assert(kPpSmemBytes <= 227 * 1024, "pingpong shared memory exceeds 227 Ki
 constexpr int kWgProducerRegs = 40, kWgConsumerRegs = 232;
 static_assert((2 * kWgConsumerRegs + kWgProducerRegs) * 128 <= 65536, "register file");
 
-// The work of one launch: batch x tiles_m x tiles_n output tiles of BM x BN (the host keeps the
-// count below 2^31), ktiles steps of K each. Computed by each warpgroup after its setmaxnreg: a
-// value live across setmaxnreg would be spilled by ptxas.
+// The work of one launch: splits x batch x tiles_m x tiles_n output tiles of BM x BN (the host
+// keeps the count below 2^31), ktiles steps of K each, or with split-K (p.splits > 1: 'direct'
+// launches only, whose fp32 partial tiles go to the workspace p.c as [split][batch][M][N], the
+// host's reduce adds them) ksteps = k_split / kWgBK steps per split. Computed by each warpgroup
+// after its setmaxnreg: a value live across setmaxnreg would be spilled by ptxas.
 template <int BM = kWgBM, int BN = kWgBN>
 struct WgShape {
   static constexpr int kBM = BM, kBN = BN;
-  int tiles_m, tiles_n, tiles, work, ktiles;
+  int tiles_m, tiles_n, tiles, per_split, work, ktiles, ksteps;
   bool batched;
   __device__ __forceinline__ explicit WgShape(const GemmArgs& p) {
     tiles_m = (int)((p.M + BM - 1) / BM);
     tiles_n = (int)((p.N + BN - 1) / BN);
     tiles = tiles_m * tiles_n;
-    work = tiles * (int)p.batch;
+    per_split = tiles * (int)p.batch;
     ktiles = (int)((p.K + kWgBK - 1) / kWgBK);
+    const int splits = p.splits > 1 ? p.splits : 1;
+    ksteps = splits > 1 ? (int)(p.k_split / kWgBK) : ktiles;
+    work = per_split * splits;
     batched = p.batch > 1;
   }
 };
 
-// The output tile and batch matrix of work item w.
+// The output tile, batch matrix and K range (k-tiles kt0 .. kt0 + kn - 1) of work item w.
 struct WgTile {
   long long z, m0, n0;
+  int split, kt0, kn;
 };
 
 template <class Shape>
 __device__ __forceinline__ WgTile wg_tile(const Shape& sh, int w) {
   WgTile t;
+  const int split = w / sh.per_split;
+  w -= split * sh.per_split;
   const int z = w / sh.tiles;
   int tm, tn;
   tile_coords(w - z * sh.tiles, sh.tiles_m, sh.tiles_n, tm, tn);
   t.z = z;
   t.m0 = (long long)tm * Shape::kBM;
   t.n0 = (long long)tn * Shape::kBN;
+  t.split = split;
+  t.kt0 = split * sh.ksteps;
+  t.kn = min(sh.ktiles - t.kt0, sh.ksteps);
   return t;
 }
 
@@ -335,10 +346,37 @@ struct WgChunks {
   }
 };
 
+// A split-K work item's partial tile (p.splits > 1: 'direct' launches, fp32 C = the workspace,
+// the host checks N % 2 == 0): each thread's accumulator pairs stored straight from registers as
+// float2, rows g and g + 8 of the warp's 16, columns 8 j + 2 t, + 1 (a warp's store fills whole
+// 32-byte sectors). The generic staged epilogue took ~12 us more per 128 x 256 fp32 tile than the
+// bf16 one (run 182: [128, 6144, 2048] 37.7 us against 25.9).
+__device__ __forceinline__ void wg_store_partials(const GemmArgs& p, const BatchOffsets& o,
+                                                  const float (&acc)[128], long long m_base,
+                                                  long long n0, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  float* c = static_cast<float*>(p.c) + o.c;
+  const long long m_lo = m_base + g, m_hi = m_lo + 8;
+#pragma unroll
+  for (int j = 0; j < kWgBN / 8; ++j) {
+    const long long n = n0 + 8 * j + 2 * tq;
+    if (n < p.N) {
+      if (m_lo < p.M)
+        *reinterpret_cast<float2*>(c + m_lo * p.N + n) = make_float2(acc[4 * j], acc[4 * j + 1]);
+      if (m_hi < p.M)
+        *reinterpret_cast<float2*>(c + m_hi * p.N + n) =
+            make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+}
+
 // GemmArgs::flags bit of 'tma_fused' calls (the other GEMM kernels never see it): out = (alpha *
 // acc + bias) * silu(residual), no activation: swiglu_linear's up product with the gate product
 // as its residual (gpuops/ops/gemm.py, RES_GATE; outside the low bits of gemm_common.cuh's flags).
 constexpr int kResGate = 1 << 16;
+// GemmArgs::flags bit of split-K 'direct' launches of swiglu_linear: each split's partials are
+// two products apart in the workspace (gemv_splitk_reduce's [split][2][batch][M][N]).
+constexpr int kSplitPair = 1 << 17;
 
 // Epilogue 'tma_fused' (EPI 4) of a fused call (bias, activation and / or residual; 16-bit C,
 // N % 8 == 0, and a residual TMA can read: the host checks): act(alpha * acc + bias) + residual,
@@ -508,7 +546,7 @@ __device__ __forceinline__ void wg_produce(const TmaDesc& tma_a, const TmaDesc& 
     const int b_live = (int)min(1LL, (p.N - t.n0 + BN - 1) / BN);   // K-major B: 0 or 1
     const unsigned int a_bytes = AMN ? a_boxes * kWgBoxBytes : (a_live ? kWgABytes : 0);
     const unsigned int bytes = a_bytes + (BMN ? b_boxes * kWgBoxBytes : b_live * kBBytes);
-    for (int kt = 0; kt < sh.ktiles; ++kt) {
+    for (int kt = t.kt0; kt < t.kt0 + t.kn; ++kt) {
       mbar_wait(empty_bar + 8 * stage, phase ^ 1);
       const unsigned int fb = full_bar + 8 * stage;
       mbar_arrive_expect_tx(fb, bytes);
@@ -599,7 +637,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   float* stage_c = reinterpret_cast<float*>(
       smem + kWgEpiOffset + (cg * 4 + cwarp) * (EPI == 4 ? kWgFusedWarpBytes : kWgEpiWarpBytes));
   const bool prefetch_res = p.residual != nullptr && p.r_sn == 1;
-  const int pf_kt = sh.ktiles > 8 ? sh.ktiles - 8 : 0;
   // EPI 4: fused calls (bias / activation / residual) take wg_epilogue_tma_fused; this warp's
   // residual barriers; epi_state: bits 0..3 the barriers' parities, bit 4 the bias row in use
   // (one register across the main loop: the consumers have none to spare there)
@@ -617,11 +654,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
   unsigned int phase = 0;
   for (int w = blockIdx.x; w < sh.work; w += gridDim.x) {
     const WgTile t = wg_tile(sh, w);
-    const BatchOffsets o = batch_offsets(p, t.z);
+    BatchOffsets o = batch_offsets(p, t.z);
+    // split-K: this split's partial tile in the workspace ([split][batch][M][N]; kSplitPair: the
+    // gate and up products of swiglu_linear interleave per split, [split][2][batch][M][N])
+    if (t.split > 0)
+      o.c += (long long)t.split * p.batch * p.M * p.N * ((p.flags & kSplitPair) ? 2 : 1);
+    const int pf_kt = t.kn > 8 ? t.kn - 8 : 0;
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int prev = 0;
-    for (int kt = 0; kt < sh.ktiles; ++kt) {
+    for (int kt = 0; kt < t.kn; ++kt) {
       mbar_wait(full_bar + 8 * stage, phase);
       const unsigned int sa = sbase + stage * kWgStageBytes + a_off;
       const unsigned int sb = sbase + stage * kWgStageBytes + kWgABytes;
@@ -665,12 +707,16 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc& tma_a, const TmaD
     }
     wgmma_wait<0>();
     reg_fence(acc);
-    if (sh.ktiles > 0) release(prev);
+    if (t.kn > 0) release(prev);
 
     // ---------------------------------------------------------------- epilogue
     // Warp cwarp holds rows 16 cwarp + g and + 8 (g = lane / 4) of this warpgroup's 64; its 32
     // n8 blocks j hold columns 8j + 2t, + 1 (t = lane % 4) in acc[4j .. 4j + 3].
     const long long m_base = t.m0 + 64 * cg + 16 * cwarp;
+    if (EPI == 1 && sh.ksteps < sh.ktiles) {   // split-K (p.splits > 1): fp32 partials
+      wg_store_partials(p, o, acc, m_base, t.n0, lane);
+      continue;
+    }
     const bool whole = !p.out_f32 && t.n0 + kWgBN <= p.N;
     if constexpr (EPI == 4) {
       if (fused4) {

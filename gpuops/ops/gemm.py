@@ -396,6 +396,7 @@ WGMMA_AUTO = True
 A_KCONTIG, A_VEC, B_KCONTIG, B_VEC = 1, 2, 4, 8
 RES_VEC = 32                         # mma: residual read in 16-byte runs of 8 columns
 RES_GATE = 1 << 16                   # wgmma 'tma_fused': (alpha * acc + bias) * silu(residual)
+WG_SPLIT_PAIR = 1 << 17              # wgmma split-K of swiglu_linear: partials two products apart
 W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight slice into L2 first
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
@@ -968,7 +969,8 @@ def _launch_tiled(call, p, L, dtype, variant, dual):
 # ---------------------------------------------------------------------------------------------
 # wgmma: what TMA can read, the tensor maps, the persistent launch.
 
-_OPERAND_NAMES = {"linear": ("x", "weight")}     # what the user calls A and B (default 'a', 'b')
+# what the user calls A and B (default 'a', 'b')
+_OPERAND_NAMES = {"linear": ("x", "weight"), "swiglu_linear": ("x", "w_gate")}
 
 
 def _round16(n):
@@ -1077,9 +1079,71 @@ def _wgmma_maps_uncached(op, p: _Plan, L: _Launch, dtype, bn=WGMMA_BN, names=Non
     return tuple(out)
 
 
-def _wgmma_grid(p: _Plan, sms, bn=WGMMA_BN):
-    """Persistent grid: one CTA per SM at most, never more than the output tiles."""
-    return min(_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, bn) * p.batch, max(sms, 1))
+def _wgmma_grid(p: _Plan, sms, bn=WGMMA_BN, splits=1):
+    """Persistent grid: one CTA per SM at most, never more than the work items (output tiles x
+    K splits)."""
+    return min(_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, bn) * p.batch * splits, max(sms, 1))
+
+
+# Split-K for wgmma products that leave most SMs idle: a product of at most WGMMA_SPLIT_MAX_FILL x
+# SMs output tiles (128 x 256) may run its K in up to SMs / tiles splits of at least
+# WGMMA_SPLIT_MIN_KTILES k-tiles (64 each), every split's fp32 partial tile stored by the 'direct'
+# kernel to a workspace, then gemv_splitk_reduce adds them in split order and applies the
+# epilogue. Without it a product under one wave takes one tile's whole K loop. The split count is
+# the one of least estimated time, taken where that beats the unsplit estimate times
+# WGMMA_SPLIT_GAIN. Estimates fitted to run 183 (H200, bf16, graph replay; within 1-2 us at the
+# six measured shapes): unsplit WG_EST_FIXED_US + WG_EST_KTILE_US per k-tile of a tile; split
+# WG_EST_SPLIT_FIXED_US + WG_EST_KTILE_US per k-tile of a split + the partials read back by the
+# reduce at WG_EST_REDUCE_GBPS (one thread per output: [128, 6144] x 5 splits took 9.6 us).
+# Measured: [32, 2048, 6144] 59.5 -> 15.0 us (cuBLAS 8.9), [128, 2048, 6144] 59.8 -> 18.5 (12.5),
+# [32, 6144, 2048] 23.0 -> 16.0 (6.9); [128, 6144, 2048] split 24.3 against 23.4 unsplit: not split.
+WGMMA_SPLIT_K = True
+WGMMA_SPLIT_MAX_FILL = 0.5
+WGMMA_SPLIT_MIN_KTILES = 4
+WGMMA_SPLIT_MAX = 16
+WGMMA_SPLIT_GAIN = 0.9
+WG_EST_FIXED_US, WG_EST_SPLIT_FIXED_US, WG_EST_KTILE_US, WG_EST_REDUCE_GBPS = 6.0, 9.0, 0.55, 1500.0
+
+
+def _wgmma_split(p: _Plan, sms: int, products: int = 1, gain: float | None = None):
+    """(splits, k_split) of a wgmma launch of ``products`` products of p's shape (swiglu_linear:
+    2, its partials together in one reduce): (1, 0) unless WGMMA_SPLIT_K applies and the
+    estimated time of the best split count is under ``gain`` (default WGMMA_SPLIT_GAIN) times
+    the unsplit estimate."""
+    tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
+    ktiles = _cdiv(p.K, WGMMA_BK)
+    if not WGMMA_SPLIT_K or tiles > WGMMA_SPLIT_MAX_FILL * sms or p.N % 2:
+        return 1, 0   # (odd N: the partials are stored as float2 pairs)
+    best = (products * (WG_EST_FIXED_US + WG_EST_KTILE_US * ktiles)
+            * (WGMMA_SPLIT_GAIN if gain is None else gain), 1, 0)
+    for want in range(2, min(sms // max(tiles, 1), ktiles // WGMMA_SPLIT_MIN_KTILES,
+                             WGMMA_SPLIT_MAX) + 1):
+        ksteps = _cdiv(ktiles, want)
+        splits = _cdiv(ktiles, ksteps)
+        partial_bytes = products * splits * p.batch * p.M * p.N * 4
+        est = (products * (WG_EST_SPLIT_FIXED_US + WG_EST_KTILE_US * ksteps)
+               + partial_bytes / (WG_EST_REDUCE_GBPS * 1e3))
+        if est < best[0]:
+            best = (est, splits, ksteps * WGMMA_BK)
+    return best[1], best[2]
+
+
+def _launch_wgmma_split(call, p: _Plan, L: _Launch, dtype, maps, splits, k_split, b2_maps=None):
+    """A wgmma product (two for swiglu_linear: b2_maps, the up product's maps) in K splits through
+    an fp32 workspace from call.empty, then one gemv_splitk_reduce launch for the epilogue (bias,
+    activation, residual; or silu(gate) * up)."""
+    nb = 2 if b2_maps is not None else 1
+    ws = call.empty((splits * nb * p.batch * p.M * p.N,), dt.float32)
+    for d, m in enumerate((maps,) if b2_maps is None else (maps, b2_maps)):
+        S = _Launch()
+        S.a, S.b, S.c = L.a, (L.b if d == 0 else L.b2), ws.ptr + 4 * d * p.batch * p.M * p.N
+        S.out_f32, S.splits, S.k_split = 1, splits, k_split
+        S.flags = WG_SPLIT_PAIR if nb == 2 else 0
+        _launch_wgmma(call, p, S, dtype, m, "direct")
+    L.ws, L.splits, L.k_split = ws.ptr, splits, k_split
+    kernel = _kernels.get(GEMV[dtype], _kname("gemv_splitk_reduce", dtype.ctype), call.device)
+    kernel.launch((_cdiv(p.batch * p.M * p.N, 256), 1, 1), (256, 1, 1), call.stream,
+                  *_gemm_args(p, L, 0))
 
 
 def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
@@ -1088,7 +1152,7 @@ def _launch_wgmma(call, p: _Plan, L: _Launch, dtype, maps, config="base"):
     kernel = _kernels.get(WGMMA_MODULES[config][dtype], _wgmma_expr(dtype, a_mn, b_mn, config),
                           call.device)
     smem = _wgmma_smem(config)
-    blocks = _wgmma_grid(p, device.sm_count(call.device), _wgmma_bn(config))
+    blocks = _wgmma_grid(p, device.sm_count(call.device), _wgmma_bn(config), L.splits)
     epi = WGMMA_CONFIGS[config]
     maps_c = ()
     if epi in (3, 4, 6):
@@ -1237,7 +1301,9 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
                 return out
             v = "mma"
         else:
-            config = _wgmma_call_config(p, L)
+            splits, k_split = _wgmma_split(p, device.sm_count(call.device))
+            # split-K launches run 'direct' (fp32 partials), whose tiles are WGMMA_BN wide
+            config = "direct" if splits > 1 else _wgmma_call_config(p, L)
             try:
                 maps = _wgmma_maps(op, p, L, dtype, _wgmma_bn(config))
             except ValueError:
@@ -1245,7 +1311,10 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
                     raise
                 v = "mma"
             else:
-                _launch_wgmma(call, p, L, dtype, maps, config)
+                if splits > 1:
+                    _launch_wgmma_split(call, p, L, dtype, maps, splits, k_split)
+                else:
+                    _launch_wgmma(call, p, L, dtype, maps, config)
                 return out
     if v in ("gemv", "gemv_mma"):
         _launch_gemv(call, p, L, dtype, dual, v == "gemv_mma")
@@ -1256,9 +1325,12 @@ def gemm(call, op, a: Tensor, b: Tensor, *, bias=None, activation=None, residual
 
 # swiglu_linear on Hopper: variant=None takes the two wgmma products below only where the gate
 # product alone has at least this many waves of 128 x 256 tiles (one CTA per SM); smaller calls
-# run the one-kernel 'mma' dual product. Run 178 (H200, bf16, graph replay, [4096, 4096, 4096]):
-# the dual mma kernel 772 us against torch's silu(linear) * linear 463 us.
-SWIGLU_WGMMA_MIN_WAVES = 1.0
+# run the one-kernel 'mma' dual product. Runs 179-180 (H200, bf16, graph replay): [4096^3] dual
+# 772-796 us, pair 392-412, torch's silu(linear) * linear 402-463; [M, 6144, 2048]: M = 512
+# (0.73 waves) pair 58.1 us against dual 92.3, M = 256 (0.36) 55.9 against 47.0, M = 128 55.6
+# against 35.0 (a wave or less of the pair costs one tile's whole K loop, ~27 us per product).
+SWIGLU_WGMMA_MIN_WAVES = 0.5
+SWIGLU_SPLIT_GAIN = 0.75
 
 
 def _launch_swiglu_wgmma(call, op, p: _Plan, L: _Launch, a: Tensor, b: Tensor, b2: Tensor,
@@ -1276,18 +1348,25 @@ def _launch_swiglu_wgmma(call, op, p: _Plan, L: _Launch, a: Tensor, b: Tensor, b
                              f"multiple of 8 (N={p.N})")
         return False
     sms = device.sm_count(call.device)
-    if not explicit and (_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
-                         < SWIGLU_WGMMA_MIN_WAVES * sms):
+    # the pair in K splits only where it beats the dual 'mma' kernel (run 183, [M, 6144, 2048]:
+    # split pair 32.4 us against dual 37.9 at M = 32, 43.9 against 36.0 at M = 128): a gain
+    # SWIGLU_SPLIT_GAIN over the unsplit pair's estimate
+    splits, k_split = _wgmma_split(p, sms, products=2, gain=SWIGLU_SPLIT_GAIN)
+    if not explicit and splits == 1 and (_cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
+                                         < SWIGLU_WGMMA_MIN_WAVES * sms):
         return False
     try:
         maps_gate = _wgmma_maps(op, p, L, dtype, WGMMA_BN)
         L2 = _Launch()
         L2.a, L2.b, L2.c, L2.out_f32 = L.a, L.b2, L.c, L.out_f32
-        maps_up = _wgmma_maps(op, p, L2, dtype, WGMMA_BN)
+        maps_up = _wgmma_maps(op, p, L2, dtype, WGMMA_BN, names=("x", "w_up"))
     except ValueError:
         if explicit:
             raise
         return False
+    if splits > 1:   # both products in K splits, silu(gate) * up in the reduce (no rounded gate)
+        _launch_wgmma_split(call, p, L, dtype, maps_gate, splits, k_split, maps_up)
+        return True
     gate = call.empty(p.out_shape, out_dt)
     p_up = _plan(op, a, b2, gate)
     L2.residual, L2.flags = gate.ptr, RES_GATE
