@@ -8,8 +8,9 @@ default for fp16/bf16 there); for decode-sized M (1..16) ``gemv`` (SIMT, any arc
 dependent launches on sm_90 (their launch and ramp under the previous kernel's tail);
 ``int8_dp4a`` for int8_matmul; ``wgmma`` (Hopper sm_90a, fp16/bf16: warpgroup MMA fed by TMA
 from a warp-specialized, persistent pipeline; operands TMA can describe, see
-``_wgmma_operand``). ``variant=None`` picks
-``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU). Tuning switches
+``_wgmma_operand``; products of few output tiles split K: ``WGMMA_SPLIT_K``). ``variant=None``
+picks ``wgmma`` on sm_90 (``WGMMA_AUTO`` below: on since run 21 proved it on the GPU), for
+swiglu_linear too (two products, see ``_launch_swiglu_wgmma``). Tuning switches
 (``PLAN`` below): ``warp_tiled``'s tile configuration (``WARP_TILED_CONFIGS``), and the decode
 plan, whose 'pipe' / 'pipe_deep' run ``gemv_mma_pipe`` (persistent, a ring of weight loads in
 flight per warp) for gemv_mma's calls, gemv_mma's block size, steps of loads ahead and an L2
