@@ -1339,9 +1339,11 @@ def _launch_swiglu_wgmma(call, op, p: _Plan, L: _Launch, a: Tensor, b: Tensor, b
     """swiglu_linear as two wgmma products: gate = x @ w_gate.T ('tma_store', written in the
     output dtype to a workspace from call.empty), then out = (x @ w_up.T) * silu(gate) ('tma_fused'
     with the gate as its residual, flag RES_GATE). The gate is rounded once to the output dtype
-    before silu, as torch's ``silu(linear(x, w_gate)) * linear(x, w_up)`` rounds it. False (the
-    caller runs 'mma') where variant=None and the call is small or TMA cannot take an operand;
-    an explicit variant='wgmma' raises instead."""
+    before silu, as torch's ``silu(linear(x, w_gate)) * linear(x, w_up)`` rounds it. Products of
+    few tiles whose K splits pay (_wgmma_split, products=2) run both in K splits instead, fp32
+    partials of both, silu(gate) * up in the reduce (no rounded gate). False (the caller runs
+    'mma') where variant=None and the call is small or TMA cannot take an operand; an explicit
+    variant='wgmma' raises instead."""
     explicit = variant == "wgmma"
     if L.out_f32 or p.N % 8 or L.c % 16 or p.batch >= 2 ** 31:
         if explicit:
@@ -1615,9 +1617,11 @@ def swiglu_linear(call, x: Tensor, w_gate: Tensor, w_up: Tensor, *,
     of ``x`` between the two weights and never writes the products (silu and product in fp32, one
     rounding). 'wgmma' (Hopper, fp16/bf16) is two products: the gate is written once in the output
     dtype to a workspace (rounded there, as torch's ``silu(linear) * linear`` rounds it), and the
-    up product's epilogue reads it and writes ``up * silu(gate)``. variant=None takes 'wgmma' on
-    Hopper where the gate product fills the GPU (SWIGLU_WGMMA_MIN_WAVES), 'gemv_mma' / 'gemv' for
-    M <= 16, else 'mma' (sm_80+) or 'warp_tiled'.
+    up product's epilogue reads it and writes ``up * silu(gate)``; with few output tiles both
+    products may run in K splits whose fp32 partials one reduce combines (no rounded gate).
+    variant=None takes 'wgmma' on Hopper where the gate product fills half the GPU
+    (SWIGLU_WGMMA_MIN_WAVES) or its K splits pay, 'gemv_mma' / 'gemv' for M <= 16, else 'mma'
+    (sm_80+) or 'warp_tiled'.
     """
     _check_weight("swiglu_linear", x.shape, w_gate.shape, "w_gate")
     _check_weight("swiglu_linear", x.shape, w_up.shape, "w_up")
