@@ -1296,30 +1296,34 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
 
 def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
     """stream_auto_applies, lean_auto_applies and rows_kernel_applies: runs 156-168's fastest
-    kernel per op, dtype and width (16-bit layer_norm streams but at 1024-4096, where
-    layer_norm_lean runs; fp32 streams below 1024 and runs layer_norm_lean at 1024-2048 (run
-    172); 16-bit rms_norm streams below 1024 and takes
-    rms_norm_rows from 1024; fp32 rms_norm takes rms_norm_rows to 1024); add_rms_norm keeps
-    rms_norm_fwd (its per-block kernel ran at 96-100% of copy)."""
+    kernel per op, dtype and width (16-bit layer_norm streams but at 768-4096, where
+    layer_norm_lean runs (768: run 186); fp32 streams below 1024 and runs layer_norm_lean at
+    1024-2048 (run 172); 16-bit rms_norm streams below 768 and takes rms_norm_rows from 768;
+    fp32 rms_norm takes rms_norm_rows to 1024); add_rms_norm keeps rms_norm_fwd (its per-block
+    kernel ran at 96-100% of copy) but for 16-bit rows of 512-1023 (run 186) and rows of
+    1025-2048 (run 176), which take rms_norm_rows."""
     stream, rows, lean = N.stream_auto_applies, N.rows_kernel_applies, N.lean_auto_applies
-    widths = (256, 1016, 1024, 1032, 2048, 4096, 4104, 5120, 8192)
+    widths = (256, 512, 760, 768, 1016, 1024, 1032, 2048, 4096, 4104, 5120, 8192)
     assert [stream("layer_norm", 2, n) for n in widths] == [
-        True, True, False, False, False, False, True, True, True]
+        True, True, True, False, False, False, False, False, False, True, True, True]
     assert [lean(2, n) for n in widths] == [
-        False, False, True, True, True, True, False, False, False]
+        False, False, False, True, True, True, True, True, True, False, False, False]
     assert [lean(4, n) for n in widths] == [
-        False, False, True, True, True, False, False, False, False]
-    assert [stream("layer_norm", 4, n) for n in (1016, 1024, 2048, 4096, 8192)] == [
-        True, False, False, False, False]
-    assert [stream("rms_norm", 2, n) for n in (1016, 1024, 2048, 4096)] == [
-        True, False, False, False]
-    assert [rows("rms_norm", 2, n) for n in (1016, 1024, 2048, 4096, 8192)] == [
-        False, True, True, True, True]
+        False, False, False, False, False, True, True, True, False, False, False, False]
+    assert [stream("layer_norm", 4, n) for n in (512, 768, 1016, 1024, 2048, 4096, 8192)] == [
+        True, True, True, False, False, False, False]
+    assert [stream("rms_norm", 2, n) for n in (512, 760, 768, 1016, 1024, 2048, 4096)] == [
+        True, True, False, False, False, False, False]
+    assert [rows("rms_norm", 2, n) for n in (512, 760, 768, 1016, 1024, 2048, 4096, 8192)] == [
+        False, False, True, True, True, True, True, True]
     assert [rows("rms_norm", 4, n) for n in (1024, 2048, 4096)] == [True, False, False]
     assert not stream("rms_norm", 4, 1024)
     assert not any(stream("add_rms_norm", i, n) or rows("add_rms_norm", i, n)
                    or rows("layer_norm", i, n) for i in (2, 4) for n in (1024, 4096))
     assert all(rows("add_rms_norm", i, n) for i in (2, 4) for n in (1032, 2048))   # (run 176)
+    assert [rows("add_rms_norm", 2, n) for n in (256, 504, 512, 768, 1016)] == [
+        False, False, True, True, True]                                            # (run 186)
+    assert not any(rows("add_rms_norm", 4, n) for n in (512, 768, 1016))
 
 
 def test_stream_config_fills_shared_memory_to_the_aims():
@@ -1345,13 +1349,14 @@ def test_stream_config_fills_shared_memory_to_the_aims():
 def test_emulated_whole_rows_auto(emulated, dtype, rng, monkeypatch):
     """WHOLE_ROWS = "auto": layer_norm_two_pass where the rows fit in one wave of its blocks (the
     emulated device holds 4), else layer_norm_lean where lean_auto_applies (16-bit rows of
-    1024-4096, fp32 1024-2048), else two_pass for fp32, else layer_norm_compact where that
+    768-4096, fp32 1024-2048), else two_pass for fp32, else layer_norm_compact where that
     applies, else layer_norm_fwd."""
     monkeypatch.setattr(N, "WHOLE_ROWS", "auto")
     monkeypatch.setattr(N, "STREAM_ROWS", "off")
     dev = emulated
     seen = set()
-    for shape in ((3, 4096), (4, 2048), (5, 2048), (9, 4096), (2, 4097), (6, 64), (7, 1000)):
+    for shape in ((3, 4096), (4, 2048), (5, 2048), (9, 4096), (2, 4097), (6, 64), (7, 1000),
+                  (8, 520)):
         x, w, b, r = _emu_case(rng, shape, dtype)
         emu.Device.launches = []
         (y,) = _emu_run(dev, "layer_norm", dtype, x, (shape[-1],), w, b)

@@ -255,12 +255,17 @@ def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
     1024 290.7 us against compact's 403.2; since run 172 layer_norm_lean at two packs per thread
     there: lean_auto_applies), 16-bit rms_norm below 1024 (at 1024 rms_norm_rows has been faster
     since it has no PDL trigger: rows_kernel_applies). Elsewhere a per-block kernel was faster
-    (WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%)."""
+    (WHOLE_ROWS); never add_rms_norm (its per-block kernel: 96-100%). Run 186 (H200, bf16, Liger in
+    the same run): at 512 the stream plan stays the fastest (layer_norm 146.4 us against lean's
+    161.6 and Liger's 201.6; rms_norm 153.3 against rms_norm_rows' 161.1 and 166.7); at 768 the
+    per-block kernels are (layer_norm_lean 142.8 against 152.3, Liger 168.2; rms_norm_rows 133.2
+    against 144.9, Liger 145.1): 16-bit rms_norm streams below 768, layer_norm where lean does
+    not apply."""
     if kind_name == "layer_norm":
         return (itemsize == 4 and n < 1024) or (itemsize == 2
                                                  and not lean_auto_applies(itemsize, n))
     if kind_name == "rms_norm":
-        return itemsize == 2 and n < 1024
+        return itemsize == 2 and n < 768
     return False
 
 
@@ -275,10 +280,11 @@ def lean_auto_applies(itemsize: int, n: int) -> bool:
     against 173.0); fp32 rows of 1024 to 2048 (run 172: [65536, 2048] 255.3 us against
     two_pass's 260.0 and Liger's 257.8; [131072, 1024] 288.0 against the stream plan's 290.0 at
     one pack per thread, 253.3 at two (run 173), Liger 256.5); fp32 4096 and 8192 keep two_pass
-    (its 4 packs: lean holds 2)."""
+    (its 4 packs: lean holds 2). 16-bit from 768 (run 186: [174763, 768] bf16 142.8 us against the
+    stream plan's 152.3 and Liger's 168.2; at 512 the stream plan's 146.4 beat lean's 161.6)."""
     if itemsize == 4:
         return 1024 <= n <= 2048
-    return itemsize == 2 and 1024 <= n <= 4096
+    return itemsize == 2 and 768 <= n <= 4096
 
 
 def lean_one_exchange(option: str, itemsize: int, packs: int, threads: int) -> bool:
@@ -318,12 +324,16 @@ def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
     307.4; fp32 2048 was 2% slower than rms_norm_fwd: 261.6 against 255.2 at two packs, run 176);
     add_rms_norm above 1024 to 2048 (run 176, at two packs per thread, wide_rows_shape: [65536,
     2048] bf16 254.6 us against rms_norm_fwd's 256.6, fp32 519.7 against 527.3, Liger 255.1 /
-    528.7; level at 1024, 0.4-0.5% slower at 4096 and 8192 in bf16)."""
+    528.7; level at 1024, 0.4-0.5% slower at 4096 and 8192 in bf16). Run 186 (H200): 16-bit
+    add_rms_norm at 512 253.5 us against rms_norm_fwd's 316.3 (Liger 260.9), level at 768
+    (254.3 / 254.4): rms_norm_rows from 512 below 1024; 16-bit rms_norm from 768 (133.2 against
+    the stream plan's 144.9, Liger 145.1). fp32 at 512-768 level with rms_norm_fwd (not
+    changed)."""
     if kind_name == "add_rms_norm":
-        return 1024 < n <= 2048
+        return (itemsize == 2 and 512 <= n < 1024) or 1024 < n <= 2048
     if kind_name != "rms_norm":
         return False
-    return n >= 1024 if itemsize == 2 else n <= 1024
+    return n >= 768 if itemsize == 2 else n <= 1024
 
 
 # (warps per row, teams per block, stages per team) of the stream plan: None picks
