@@ -1106,17 +1106,28 @@ WGMMA_SPLIT_GAIN = 0.9
 WG_EST_FIXED_US, WG_EST_SPLIT_FIXED_US, WG_EST_KTILE_US, WG_EST_REDUCE_GBPS = 6.0, 9.0, 0.55, 1500.0
 
 
+_wgmma_split_cache: dict = {}
+
+
 def _wgmma_split(p: _Plan, sms: int, products: int = 1, gain: float | None = None):
     """(splits, k_split) of a wgmma launch of ``products`` products of p's shape (swiglu_linear:
     2, its partials together in one reduce): (1, 0) unless WGMMA_SPLIT_K applies and the
     estimated time of the best split count is under ``gain`` (default WGMMA_SPLIT_GAIN) times
-    the unsplit estimate."""
+    the unsplit estimate. Remembered per shape and switches (the search over split counts took
+    ~17 us of host time per call at [32, 2048, 6144], as much as the rest of the dispatch)."""
+    gain = WGMMA_SPLIT_GAIN if gain is None else gain
+    key = (p.M, p.N, p.K, p.batch, sms, products, gain, WGMMA_SPLIT_K, WGMMA_SPLIT_MAX_FILL,
+           WGMMA_SPLIT_MIN_KTILES, WGMMA_SPLIT_MAX)
+    return _remembered(_wgmma_split_cache, key,
+                       lambda: _wgmma_split_uncached(p, sms, products, gain))
+
+
+def _wgmma_split_uncached(p: _Plan, sms: int, products: int, gain: float):
     tiles = _cdiv(p.M, WGMMA_BM) * _cdiv(p.N, WGMMA_BN) * p.batch
     ktiles = _cdiv(p.K, WGMMA_BK)
     if not WGMMA_SPLIT_K or tiles > WGMMA_SPLIT_MAX_FILL * sms or p.N % 2:
         return 1, 0   # (odd N: the partials are stored as float2 pairs)
-    best = (products * (WG_EST_FIXED_US + WG_EST_KTILE_US * ktiles)
-            * (WGMMA_SPLIT_GAIN if gain is None else gain), 1, 0)
+    best = (products * (WG_EST_FIXED_US + WG_EST_KTILE_US * ktiles) * gain, 1, 0)
     for want in range(2, min(sms // max(tiles, 1), ktiles // WGMMA_SPLIT_MIN_KTILES,
                              WGMMA_SPLIT_MAX) + 1):
         ksteps = _cdiv(ktiles, want)
@@ -1372,9 +1383,7 @@ def _launch_swiglu_wgmma(call, op, p: _Plan, L: _Launch, a: Tensor, b: Tensor, b
         return True
     gate = call.empty(p.out_shape, out_dt)
     p_up = _plan(op, a, b2, gate)
-    L2.residual, L2.flags = gate.ptr, RES_GATE
-    if _wgmma_residual_plan(p_up, L2, 2) is None:   # not reached: the gate is contiguous
-        raise RuntimeError(f"gpuops.{op}: no tensor map for the gate workspace")
+    L2.residual, L2.flags = gate.ptr, RES_GATE   # (contiguous: _wgmma_map_r can always map it)
     L1 = _Launch()
     L1.a, L1.b, L1.c, L1.out_f32 = L.a, L.b, gate.ptr, L.out_f32
     _launch_wgmma(call, p, L1, dtype, maps_gate, "tma_store")
