@@ -12,7 +12,8 @@
 #              bundle) and on the compute_61 bundle, each arch's tests dealt round-robin into
 #              $SHARDS pytest processes, all at once: the whole suite in one call's 10 minutes
 #              (one file alone, test_gemm or test_attention, took ~9 minutes in a file pool);
-#              SHARD_TAGS="native" (or "sm61") runs one arch only
+#              SHARD_TAGS="native" (or "sm61") runs one arch only; TEST_IDS_FILE: the node ids
+#              to run (one per line) instead of collecting $TEST_FILES
 #   bench      every op, torch eager and Liger peers, --runtime (dispatch cost, module loads)
 #   benchfull  every op with torch.compile peers and every extra shape (long rows, decode)
 #   xent       benchmarks/experiments/cross_entropy_memory.py (time and peak memory)
@@ -130,8 +131,13 @@ for stage in $stages; do
       if [[ " $shard_tags " == *" sm61 "* ]] && [ ! -f "$b61/manifest.json" ]; then
         echo "no $b61: bash scripts/prepare_device_run.sh"; status=1; continue
       fi
-      $PY -m pytest -m gpu --co -q -p no:cacheprovider ${TEST_FILES:-tests} ${TEST_K:+-k "$TEST_K"} 2>/dev/null \
-        | grep '::' > "$DETAIL/gpu_test_ids.txt"
+      if [ -n "${TEST_IDS_FILE:-}" ]; then
+        # node ids one per line (e.g. the tests an earlier call's timeout left unrun)
+        grep '::' "$TEST_IDS_FILE" > "$DETAIL/gpu_test_ids.txt"
+      else
+        $PY -m pytest -m gpu --co -q -p no:cacheprovider ${TEST_FILES:-tests} ${TEST_K:+-k "$TEST_K"} 2>/dev/null \
+          | grep '::' > "$DETAIL/gpu_test_ids.txt"
+      fi
       # dealt in a shuffled order (fixed seed): pytest runs the ids in the order given, so each
       # shard gets a mix of every file instead of all shards starting on the slow attention
       # files (run 154: 460 s went on test_attention*, every other file NOT RUN)

@@ -1131,19 +1131,24 @@ def test_cpu_fallback_varlen_and_block_sparse_torch(rng):
 
 
 def test_variants_without_extras_send_auto_to_mma_and_refuse_them(monkeypatch):
-    """'simt' and 'mma' read the appended fields (varlen, block mask, rotary); 'wgmma' does not.
-    'auto' reaches its own launcher (wgmma first) for plain calls; varlen / block-sparse /
-    rotary calls go to 'mma' (the tensor-core kernel where it applies, else SIMT), and naming
-    'wgmma' for them is an error. Were 'mma' to lose that support too, they would go to 'simt'."""
+    """'simt' and 'mma' read the appended fields (varlen, block mask, rotary); 'wgmma' reads the
+    block mask and refuses the others in its launcher (wgmma_unsupported). So 'auto' reaches its
+    own launcher (wgmma first, then 'mma') for every call, and an explicit variant is its own
+    launcher. Were a variant to lose that support, 'auto' would go to the best of those left and
+    naming it would be an error."""
     exts = (at.FlashExtras(cu_q=1, cu_k=1), at.FlashExtras(block_mask=1, block_size=64),
             at.FlashExtras(rot_half=4))
-    assert "wgmma" in at._AUTO_PICKS and "wgmma" not in at._EXTRAS_VARIANTS
+    assert "wgmma" in at._AUTO_PICKS and "wgmma" in at._EXTRAS_VARIANTS
     assert at._variant_launcher(at.OP, "auto", at.NO_EXTRAS) is at._launch_auto
     assert at._variant_launcher(at.OP, "wgmma", at.NO_EXTRAS) is at._launch_wgmma
     for ext in exts:
-        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_best
+        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_auto
+        assert at._variant_launcher(at.OP, "wgmma", ext) is at._launch_wgmma
         assert at._variant_launcher(at.OP, "mma", ext) is at._launch_best
         assert at._variant_launcher(at.OP, "simt", ext) is at._launch_simt
+    monkeypatch.setattr(at, "_EXTRAS_VARIANTS", {"simt", "mma"})
+    for ext in exts:
+        assert at._variant_launcher(at.OP, "auto", ext) is at._launch_best
         with pytest.raises(ValueError, match="variant='wgmma' does not support varlen"):
             at._variant_launcher(at.VARLEN_OP, "wgmma", ext)
     monkeypatch.setattr(at, "_EXTRAS_VARIANTS", {"simt"})
@@ -1160,13 +1165,25 @@ def _problem(B=1, Hq=2, Hkv=2, Sq=300, Sk=300, D=128, scale=0.1, left=-1, right=
 
 def test_wgmma_takes_only_what_its_kernel_has(monkeypatch):
     """wgmma_unsupported names why the Hopper kernel cannot take a call (None: it can): 16-bit
-    dtypes, head dims 64 / 128, no attn_mask, no varlen / sparsity / rotary / bottom-right
-    diagonal, a positive scale, keys present, an sm_90 device."""
+    dtypes, head dims 64 / 128, no attn_mask, no varlen / rotary / bottom-right diagonal, block
+    sparsity only with blocks a multiple of 64 (and no window: the sparse op has only causal),
+    a positive scale, keys present, an sm_90 device."""
     monkeypatch.setattr(at, "wgmma_device", lambda dev: True)
     bf, f16 = dt.bfloat16, dt.float16
     assert at.wgmma_unsupported(FakeCall(bf), _problem(), None, at.NO_EXTRAS) is None
     assert at.wgmma_unsupported(FakeCall(f16), _problem(D=64), None, at.NO_EXTRAS) is None
+    for bs in (64, 128, 192, 512):
+        sparse = at.FlashExtras(block_mask=1, block_size=bs)
+        assert at.wgmma_unsupported(FakeCall(bf), _problem(), None, sparse) is None
+        assert at.wgmma_unsupported(FakeCall(bf), _problem(right=-1), None, sparse) is None
     cases = [((dt.float32, _problem(), None, at.NO_EXTRAS), "dtype"),
+             ((bf, _problem(), None, at.FlashExtras(block_mask=1, block_size=32)),
+              "block_size 32"),
+             ((bf, _problem(), None, at.FlashExtras(block_mask=1, block_size=96)),
+              "block_size 96"),
+             ((bf, _problem(left=100), None, at.FlashExtras(block_mask=1, block_size=64)),
+              "block_size 64"),
+             ((bf, _problem(), None, at.FlashExtras(cu_q=1, cu_k=1)), "varlen"),
              ((bf, _problem(D=96), None, at.NO_EXTRAS), "head dim 96"),
              ((bf, _problem(D=256), None, at.NO_EXTRAS), "head dim 256"),
              ((bf, _problem(), object(), at.NO_EXTRAS), "attn_mask"),
@@ -2183,6 +2200,79 @@ GPU_MMA_SPARSE_CASES = [c for c in GPU_SPARSE_CASES if c[5] in at.MMA_TILES] + [
 def test_gpu_mma_block_sparse_against_reference(case, dtype, rng, mma_only):
     """'auto' takes the tensor-core kernel (mma_only: a fallback to SIMT fails)."""
     _gpu_sparse_case(case, dtype, rng, "auto", True)
+
+
+# The Hopper kernel's sparse instance (block sizes that are multiples of 64): blocks of 64 (a
+# tile covers 2 x 2 blocks: halves hidden per warpgroup), 128 (one block per tile), 192 and 256
+# (tiles straddle block edges), causal, GQA, ragged tails, query blocks with every block off
+# (density 0.2 without the diagonal: rows of 0 and lse -inf).
+GPU_WGMMA_SPARSE_CASES = [
+    (2, 8, 8, 1024, 1024, 128, 64, 0.5, {}),
+    (1, 8, 2, 2000, 2000, 64, 128, 0.3, {"is_causal": True}),
+    (1, 4, 4, 777, 1500, 128, 192, 0.5, {}),
+    (2, 4, 2, 1000, 1000, 64, 64, 0.2, {"is_causal": True}),
+    (1, 2, 2, 300, 4097, 128, 256, 0.4, {}),
+    (1, 4, 1, 4097, 700, 64, 64, 0.3, {}),
+]
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("case", GPU_WGMMA_SPARSE_CASES,
+                         ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", ["auto", "wgmma"])
+def test_gpu_wgmma_block_sparse_against_reference(case, dtype, variant, rng, wgmma_only):
+    """'auto' and 'wgmma' run the sparse wgmma instance (wgmma_only: a fallback fails)."""
+    _gpu_sparse_case(case, dtype, rng, variant, True)
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("bs", [64, 128])
+def test_gpu_wgmma_block_sparse_skips_tiles_and_takes_strided_views(bs, rng, wgmma_only):
+    """Key tiles whose blocks are off for every query row are never read: their K and V are NaN
+    here, and the output matches the reference on zeros there (a tile that were read would turn
+    a row NaN: p = 0 times V = NaN). Also: a per-batch mask (broadcast over heads), [B, S, H, D]
+    tensors as .transpose(1, 2) views, a CUDA graph replayed on a new mask."""
+    B, H, S, D = 2, 4, 1000, 128
+    n = -(-S // bs)
+    per_tile = max(1, 128 // bs)                 # mask columns per 128-key tile
+    q, k, v = (_rand(rng, (B, S, H, D), "bfloat16") for _ in range(3))
+    bm = rng.random((B, 1, n, n)) < 0.5
+    dead = [c for c in range(n) if (c // per_tile) % 3 == 1]    # whole tiles of keys
+    bm[..., dead] = False
+    bm[..., 0] = True
+    k0, v0 = k.copy(), v.copy()
+    for c in dead:
+        k0[:, c * bs:(c + 1) * bs] = 0
+        v0[:, c * bs:(c + 1) * bs] = 0
+        k[:, c * bs:(c + 1) * bs] = np.nan
+        v[:, c * bs:(c + 1) * bs] = np.nan
+    tq, tk, tv = (_cuda(x, "bfloat16").transpose(1, 2) for x in (q, k, v))
+    tbm = torch.from_numpy(bm).cuda()
+    out = go.block_sparse_attention(tq, tk, tv, tbm, bs, variant="wgmma")
+    mask = at.expand_block_mask(bm, bs, S, S)
+    exp, _, bound, _ = attn_bound(*(x.transpose(0, 2, 1, 3) for x in (q, k0, v0)), mask,
+                                  dtype="bfloat16", mma=True)
+    got = _host(out)
+    assert np.isfinite(got).all()
+    check(got, exp, bound, f"skipped tiles bs {bs}")
+    # graph capture, replayed after the mask changed on the device
+    g_bm = tbm.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = go.block_sparse_attention(tq, tk, tv, g_bm, bs, variant="wgmma")
+    bm2 = bm.copy()
+    bm2[..., 1:] = False                       # only the first key block: no NaN read either
+    g_bm.copy_(torch.from_numpy(bm2).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    exp2, _, bound2, _ = attn_bound(*(x.transpose(0, 2, 1, 3) for x in (q, k0, v0)),
+                                    at.expand_block_mask(bm2, bs, S, S), dtype="bfloat16",
+                                    mma=True)
+    check(_host(g_out), exp2, bound2, f"graph bs {bs}")
 
 
 @gpu

@@ -1297,11 +1297,11 @@ def test_emulated_stream_rows_auto(emulated, rng, monkeypatch):
 def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
     """stream_auto_applies, lean_auto_applies and rows_kernel_applies: runs 156-168's fastest
     kernel per op, dtype and width (16-bit layer_norm streams but at 768-4096, where
-    layer_norm_lean runs (768: run 186); fp32 streams below 1024 and runs layer_norm_lean at
-    1024-2048 (run 172); 16-bit rms_norm streams below 768 and takes rms_norm_rows from 768;
+    layer_norm_lean runs (768: run 186); fp32 streams below 384 and runs layer_norm_lean at
+    384-2048 (runs 172, 187, 188); 16-bit rms_norm streams below 768 and takes rms_norm_rows from 768;
     fp32 rms_norm takes rms_norm_rows to 1024); add_rms_norm keeps rms_norm_fwd (its per-block
-    kernel ran at 96-100% of copy) but for 16-bit rows of 512-1023 (run 186) and rows of
-    1025-2048 (run 176), which take rms_norm_rows."""
+    kernel ran at 96-100% of copy) but for 16-bit rows of 384-1023 (runs 186, 188), fp32 rows
+    of 256-384 (run 188) and rows of 1025-2048 (run 176), which take rms_norm_rows."""
     stream, rows, lean = N.stream_auto_applies, N.rows_kernel_applies, N.lean_auto_applies
     widths = (256, 512, 760, 768, 1016, 1024, 1032, 2048, 4096, 4104, 5120, 8192)
     assert [stream("layer_norm", 2, n) for n in widths] == [
@@ -1309,9 +1309,10 @@ def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
     assert [lean(2, n) for n in widths] == [
         False, False, False, True, True, True, True, True, True, False, False, False]
     assert [lean(4, n) for n in widths] == [
-        False, False, False, False, False, True, True, True, False, False, False, False]
-    assert [stream("layer_norm", 4, n) for n in (512, 768, 1016, 1024, 2048, 4096, 8192)] == [
-        True, True, True, False, False, False, False]
+        False, True, True, True, True, True, True, True, False, False, False, False]
+    assert [stream("layer_norm", 4, n) for n in (256, 376, 384, 512, 768, 1024, 2048, 4096)] == [
+        True, True, False, False, False, False, False, False]
+    assert [lean(4, n) for n in (256, 376, 384, 504)] == [False, False, True, True]
     assert [stream("rms_norm", 2, n) for n in (512, 760, 768, 1016, 1024, 2048, 4096)] == [
         True, True, False, False, False, False, False]
     assert [rows("rms_norm", 2, n) for n in (512, 760, 768, 1016, 1024, 2048, 4096, 8192)] == [
@@ -1321,9 +1322,10 @@ def test_stream_auto_and_rows_kernel_follow_the_measured_tables():
     assert not any(stream("add_rms_norm", i, n) or rows("add_rms_norm", i, n)
                    or rows("layer_norm", i, n) for i in (2, 4) for n in (1024, 4096))
     assert all(rows("add_rms_norm", i, n) for i in (2, 4) for n in (1032, 2048))   # (run 176)
-    assert [rows("add_rms_norm", 2, n) for n in (256, 504, 512, 768, 1016)] == [
-        False, False, True, True, True]                                            # (run 186)
-    assert not any(rows("add_rms_norm", 4, n) for n in (512, 768, 1016))
+    assert [rows("add_rms_norm", 2, n) for n in (256, 376, 384, 504, 512, 768, 1016)] == [
+        False, False, True, True, True, True, True]                         # (runs 186, 188)
+    assert [rows("add_rms_norm", 4, n) for n in (128, 248, 256, 384, 392, 512, 768, 1016)] == [
+        False, False, True, True, False, False, False, False]                      # (run 188)
 
 
 def test_stream_config_fills_shared_memory_to_the_aims():

@@ -32,9 +32,17 @@
 // query tails are never stored. Same semantics as the mma kernel (flash_fwd_mma.cu): a row that
 // sees no key gives 0 and lse -inf; NaN scores keep NaN; l sums the fp32 p.
 //
-// What it does not take (the host routes these to 'mma'): attn_mask, varlen, block sparsity,
-// rotary, the bottom-right diagonal, a non-positive scale, head dims other than 64 / 128,
-// operands TMA cannot describe (16-byte aligned bases and strides).
+// SPARSE (block_sparse_attention, template flag): the block walks only the key tiles with a
+// block_mask entry on for its rows (producer and consumers walk the same list, WgaTiles); the
+// host takes block sizes that are multiples of 64 only, so each consumer warpgroup's 64 rows lie
+// in one query block and each 64-key half of a tile in one key block: a tile on for the block
+// but off for a warpgroup's half hides that half's scores (wga_hide_halves), two mask bytes per
+// tile, no per-score lookups.
+//
+// What it does not take (the host routes these to 'mma'): attn_mask, varlen, rotary, block
+// sparsity with blocks not a multiple of 64, the bottom-right diagonal, a non-positive scale,
+// head dims other than 64 / 128, operands TMA cannot describe (16-byte aligned bases and
+// strides).
 #include "attention/attn_common.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -72,6 +80,12 @@ constexpr int kWgaProducerRegs = 24, kWgaConsumerRegs = 240;
 // its turn on the tensor cores (PINGPONG: 256 threads, both consumer warpgroups)
 constexpr int kWgaTurnBar = 3;
 static_assert((2 * kWgaConsumerRegs + kWgaProducerRegs) * 128 <= 65536, "register file");
+// SPARSE: the producer warp walks the tile list (WgaTiles) besides issuing the loads, which
+// spilled in 24 registers; 40 for it and 232 for the consumers move the same registers (the
+// launch's 168 x 384: 2 x 64 x 256 given = 128 x 128 taken)
+constexpr int kWgaSparseProducerRegs = 40, kWgaSparseConsumerRegs = 232;
+static_assert((2 * kWgaSparseConsumerRegs + kWgaSparseProducerRegs) ==
+                  (2 * kWgaConsumerRegs + kWgaProducerRegs), "the same registers moved");
 
 // Shared memory, from a 1024-byte aligned base (the 128-byte swizzle's period): Q as D / 64 boxes
 // of [128 rows][64]; per stage K as D / 64 boxes of [128 keys][64] and V as (128 / 64) x (D / 64)
@@ -105,7 +119,7 @@ struct WgaLayout {
 // its lightest tiles (run 39 had each head's tiles consecutive: the last heads' heavy tiles ran
 // in the tail, causal B1 -8%).
 struct WgaWork {
-  int b, h, hk, q0, jlo, ntiles;
+  int b, h, hk, q0, jlo, jhi, ntiles;
   __device__ __forceinline__ WgaWork(const FlashFwdArgs& a, int head_chunk) {
     const int ntq = (a.sq + kWgaBM - 1) / kWgaBM;
     const int bhs = static_cast<int>(gridDim.x) / ntq;               // B x Hq
@@ -121,7 +135,7 @@ struct WgaWork {
     q0 = (ntq - 1 - tile) * kWgaBM;
     const int qlast = attn_imin(q0 + kWgaBM, a.sq) - 1;
     jlo = 0;
-    int jhi = a.sk;
+    jhi = a.sk;
     if (a.left >= 0) jlo = attn_imax(0, q0 - a.left);
     if (a.right >= 0) jhi = attn_imin(a.sk, qlast + a.right + 1);
     ntiles = jhi > jlo ? (jhi - jlo + kWgaBN - 1) / kWgaBN : 0;
@@ -147,6 +161,85 @@ __device__ __forceinline__ void wga_hide(float (&s)[64], const FlashFwdArgs& a, 
         if (c < lo || c > hi) s[4 * j + 2 * hr + e] = attn_neg_inf();
       }
   }
+}
+
+// Block sparsity (SPARSE): which key tiles the block walks, 32 tiles at a time. Lane l of the warp
+// tests tile base + l in one round of loads (blocks are multiples of 64: the block's 128 rows and
+// a tile's 128 keys cover at most 2 x 2 mask entries; each 64-key half of the tile lies in one key
+// block), and __ballot_sync gathers the bits: `on` (a block on for any of the block's rows: the
+// tile is loaded and multiplied), half0 / half1 (the half's block on for the query block `qrow`
+// of the caller's warpgroup: else its scores are hidden). Run 187 had each thread test its tiles
+// one at a time with dependent loads on the consumers' critical path: 36% slower than the dense
+// instance at density 1. Every lane of the warp walks (next) with the same j.
+struct WgaTiles {
+  int base = -32;                      // the window's first tile
+  unsigned on = 0, half0 = 0, half1 = 0;
+
+  template <bool HALVES>
+  __device__ __forceinline__ void load(const FlashFwdArgs& a, const unsigned char* bm,
+                                       const WgaWork& w, int qrow, int b) {
+    const int j = b + static_cast<int>(threadIdx.x & 31);
+    bool t = false, h0 = false, h1 = false;
+    if (j < w.ntiles) {
+      const int bs = a.block_size;
+      const int k0 = w.jlo + j * kWgaBN;
+      const int klast = attn_imin(k0 + kWgaBN, w.jhi) - 1;
+      const int qlast = attn_imin(w.q0 + kWgaBM, a.sq) - 1;
+      const unsigned char* r0 = bm + (w.q0 / bs) * a.bms[2];
+      const unsigned char* r1 = bm + (qlast / bs) * a.bms[2];
+      const long long c0 = (k0 / bs) * a.bms[3], c1 = (klast / bs) * a.bms[3];
+      const unsigned char m00 = r0[c0], m01 = r0[c1], m10 = r1[c0], m11 = r1[c1];
+      if constexpr (HALVES) {
+        const unsigned char* rw = bm + qrow * a.bms[2];
+        const long long ch = (attn_imin(k0 + 64, a.sk - 1) / bs) * a.bms[3];
+        const unsigned char mh0 = rw[c0], mh1 = rw[ch];
+        h0 = mh0 != 0;
+        h1 = mh1 != 0;
+      }
+      t = (m00 | m01 | m10 | m11) != 0;
+    }
+    on = __ballot_sync(0xffffffffu, t);
+    if constexpr (HALVES) {
+      half0 = __ballot_sync(0xffffffffu, h0);
+      half1 = __ballot_sync(0xffffffffu, h1);
+    }
+    base = b;
+  }
+
+  // the first tile at or after j that is on (w.ntiles when none); without SPARSE: j. HALVES:
+  // also the halves' bits of the caller's warpgroup (the consumers; the producer needs only `on`)
+  template <bool SPARSE, bool HALVES = true>
+  __device__ __forceinline__ int next(const FlashFwdArgs& a, const unsigned char* bm,
+                                      const WgaWork& w, int qrow, int j) {
+    if constexpr (SPARSE) {
+#pragma unroll 1
+      while (j < w.ntiles) {
+        const int b = j & ~31;
+        if (b != base) load<HALVES>(a, bm, w, qrow, b);
+        const unsigned rest = on >> (j - b);
+        if (rest != 0u) return j + __ffs(rest) - 1;
+        j = b + 32;
+      }
+      return w.ntiles;
+    }
+    return j;
+  }
+
+  // whether tile j's 64-key half is on for the warpgroup (j in the current window)
+  __device__ __forceinline__ bool half_on(int j, int half) const {
+    return (((half ? half1 : half0) >> (j - base)) & 1u) != 0u;
+  }
+};
+
+// Hides the scores of the 64-key halves of a tile that are off for the warpgroup's rows (SPARSE:
+// s[4j + ..] is key k0 + 8j + 2t + e, half j / 8).
+__device__ __forceinline__ void wga_hide_halves(float (&s)[64], bool on0, bool on1) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    if (!(j < 8 ? on0 : on1)) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * j + e] = attn_neg_inf();
+    }
 }
 
 // One tile's online softmax on raw scores s (in place: s becomes p = exp2(s scale_log2 - m)):
@@ -216,7 +309,7 @@ __device__ __forceinline__ void wga_pack_p(unsigned int (&pf)[8][4], const float
 // O rescale; bit 3 (a trace, not a leave-out): thread 0 of each consumer warpgroup of block
 // gridDim.x / 2 writes clock64() at 7 points of each k-tile iteration into the lse buffer (as
 // int64 [cg][tile][8]; lse itself is not written).
-template <class T, int D, bool PINGPONG, int PROBE>
+template <class T, int D, bool PINGPONG, int PROBE, bool SPARSE>
 __global__ void __launch_bounds__(kWgaThreads, 1)
     flash_fwd_wgmma(const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                     const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o,
@@ -254,17 +347,35 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
 
   if (wg == 0) {
     // ------------------------------------------------------------------ producer warpgroup
-    setmaxnreg_dec<kWgaProducerRegs>();
-    if (tid == 0) {
+    setmaxnreg_dec<SPARSE ? kWgaSparseProducerRegs : kWgaProducerRegs>();
+    // thread 0 issues every load; SPARSE: its warp walks the tile list with it (WgaTiles).
+    // (Without SPARSE the loops below are the dense kernel's as before the sparse instance: its
+    // machine code was 16 instructions longer with one loop for both, run 188.)
+    if (SPARSE ? tid < 32 : tid == 0) {
+      const bool issuer = tid == 0;
       const WgaWork w(args, head_chunk);
-      mbar_arrive_expect_tx(q_bar, L::kQ);
+      const unsigned char* bm =
+          SPARSE ? args.block_mask + w.b * args.bms[0] + w.h * args.bms[1] : nullptr;
+      if (issuer) {
+        mbar_arrive_expect_tx(q_bar, L::kQ);
 #pragma unroll
-      for (int dc = 0; dc < L::kDC; ++dc)
-        tma_load_4d(q_s + dc * L::kQBox, &tma_q, q_bar, 64 * dc, w.q0, w.h, w.b);
-      for (int it = 0; it < w.ntiles; ++it) {
+        for (int dc = 0; dc < L::kDC; ++dc)
+          tma_load_4d(q_s + dc * L::kQBox, &tma_q, q_bar, 64 * dc, w.q0, w.h, w.b);
+      }
+      // it counts the tiles loaded (the ring's stage and phase), j is the key tile
+      WgaTiles tiles;
+      int j = tiles.next<SPARSE, false>(args, bm, w, 0, 0);
+      for (int it = 0; SPARSE ? j < w.ntiles : it < w.ntiles; ++it) {
+        if constexpr (SPARSE) {
+          if (it > 0) j = tiles.next<SPARSE, false>(args, bm, w, 0, j + 1);
+          if (j >= w.ntiles) break;
+          if (!issuer) continue;
+        } else {
+          j = it;
+        }
         const int stage = it % kStages;
         mbar_wait(empty_bar + 8 * stage, ((it / kStages) & 1) ^ 1);
-        const int k0 = w.jlo + it * kWgaBN;
+        const int k0 = w.jlo + j * kWgaBN;
         const unsigned int kb = kfull_bar + 8 * stage, vb = vfull_bar + 8 * stage;
         mbar_arrive_expect_tx(kb, L::kK);
 #pragma unroll
@@ -283,9 +394,10 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
   }
 
   // -------------------------------------------------------------------- consumer warpgroups
-  setmaxnreg_inc<kWgaConsumerRegs>();
+  setmaxnreg_inc<SPARSE ? kWgaSparseConsumerRegs : kWgaConsumerRegs>();
   const FlashFwdArgs& a = args;
   const WgaWork w(a, head_chunk);
+  const unsigned char* bm = SPARSE ? a.block_mask + w.b * a.bms[0] + w.h * a.bms[1] : nullptr;
   const int cg = wg - 1;                          // rows 64 cg .. 64 cg + 63 of the block
   const int ctid = tid - 128 * wg, cwarp = ctid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const int w0 = w.q0 + 64 * cg + 16 * cwarp;     // the warp's first query row
@@ -346,13 +458,22 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
   };
-  // an edge tile: some score of the warp's rows may be hidden (key tail, window / causal bound)
-  auto softmax_tile = [&](int it) {
+  // SPARSE: the tile list (WgaTiles), with the halves on for this warpgroup's query block (rows
+  // past sq read the last row's, inside the mask; so does a half past sk, hidden anyway)
+  WgaTiles tiles;
+  const int sparse_qrow = SPARSE ? attn_imin(w.q0 + 64 * cg, a.sq - 1) / a.block_size : 0;
+  // an edge tile: some score of the warp's rows may be hidden (key tail, window / causal bound);
+  // SPARSE: a 64-key half whose block is off for the warpgroup's rows
+  auto softmax_tile = [&](int j) {
     if (PROBE & 1) return;
-    const int k0 = w.jlo + it * kWgaBN;
+    const int k0 = w.jlo + j * kWgaBN;
     const bool edge = k0 + kWgaBN > a.sk || (a.right >= 0 && k0 + kWgaBN - 1 > w0 + a.right) ||
                       (a.left >= 0 && k0 < w0 + 15 - a.left);
     if (edge) wga_hide(s, a, w0, k0, g, t);
+    if constexpr (SPARSE) {
+      const bool on0 = tiles.half_on(j, 0), on1 = tiles.half_on(j, 1);
+      if (!(on0 && on1)) wga_hide_halves(s, on0, on1);
+    }
     wga_softmax(s, m, l, alpha, sl2);
   };
 
@@ -375,7 +496,10 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     if ((PROBE & 8) && tracer) trace[cg * 4096 + it * 8 + ev] = clock64();
   };
   mbar_wait(q_bar, 0);
-  if (w.ntiles > 0) {
+  // it counts the tiles processed (the ring's stage and phase), j is the key tile (SPARSE: the
+  // producer's list, WgaTiles)
+  int j = tiles.next<SPARSE>(a, bm, w, sparse_qrow, 0);
+  if (j < w.ntiles) {
     int stage = 0;
     unsigned int phase = 0;
     mbar_wait(kfull_bar, 0);
@@ -384,9 +508,15 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
     turn_end();
     wgmma_wait<0>();
     reg_fence(s);
-    softmax_tile(0);                   // (its alpha meets O = 0)
+    softmax_tile(j);                   // (its alpha meets O = 0)
     wga_pack_p<T>(pf, s);
-    for (int it = 1; it < w.ntiles; ++it) {
+    for (int it = 1; SPARSE || it < w.ntiles; ++it) {
+      if constexpr (SPARSE) {
+        j = tiles.next<SPARSE>(a, bm, w, sparse_qrow, j + 1);
+        if (j >= w.ntiles) break;
+      } else {
+        j = it;
+      }
       const int next = stage + 1 == kStages ? 0 : stage + 1;
       const unsigned int next_phase = next == 0 ? phase ^ 1 : phase;
       mbar_wait(kfull_bar + 8 * next, next_phase);
@@ -402,7 +532,7 @@ __global__ void __launch_bounds__(kWgaThreads, 1)
       wgmma_wait<1>();                 // groups complete in order: S_it is done
       reg_fence(s);
       mark(it, 3);
-      softmax_tile(it);                // under O += P V
+      softmax_tile(j);                 // under O += P V
       if (PROBE & 8) reg_fence(s);
       mark(it, 4);
       if constexpr (wga_wait_after<D>())

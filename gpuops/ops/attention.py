@@ -21,13 +21,15 @@ Kernels (cuda_src/attention/flash_fwd.cu), fp32 math for fp32/fp16/bf16 storage:
   128): FlashAttention-3's structure: one producer warpgroup issues TMA loads of Q and of K/V
   tiles into a 2-stage mbarrier ring, two consumer warpgroups of 64 query rows run S = Q K^T and
   O += P V as warpgroup MMAs (P from registers), S of the next tile issued before P V of this
-  one. Dense calls without attn_mask whose q, k, v and out TMA can describe; ``'auto'`` takes it
-  on sm_90 where it applies (``WGMMA_AUTO``), else as ``'mma'``.
+  one. Calls without attn_mask whose q, k, v and out TMA can describe, dense or block-sparse
+  with block sizes that are multiples of 64 (a sparse instance in its own module,
+  ``attention.flash_wgmma_sparse_{f16,bf16}``: the block walks the key tiles on for its rows);
+  ``'auto'`` takes it on sm_90 where it applies (``WGMMA_AUTO``), else as ``'mma'``.
 
 The three ops share the kernel and its one argument struct (FlashFwdArgs): packed sequences
 (varlen), block sparsity and rotary tables are fields that are null / 0 when unused, filled by one
 builder (``flash_launch_args``). 'simt' and 'mma' read them all (``_EXTRAS_VARIANTS``; 'wgmma'
-does not, and ``'auto'`` sends calls that use them to ``'mma'``). Block
+reads only the block mask, and ``'auto'`` sends the other calls that use them to ``'mma'``). Block
 sparsity is a template flag of the SIMT kernel, instantiated in its own module
 (``attention.flash_fwd_sparse``) so the dense kernels keep their register budget; the mma kernel
 likewise has EXTRAS bits (varlen, block sparsity, rotary) instantiated in
@@ -285,11 +287,12 @@ def wgmma_smem(d: int) -> int:
             + 1024)
 
 
-def wgmma_expr(dtype, d: int, schedule: str, probe: int = 0) -> str:
+def wgmma_expr(dtype, d: int, schedule: str, probe: int = 0, sparse: bool = False) -> str:
     """probe != 0: a timing probe of benchmarks/experiments/attention_wgmma_probe.py (not
-    compiled into the module; wrong results by design)."""
+    compiled into the module; wrong results by design). sparse: block_sparse_attention's
+    instance (its own module, WGMMA_SPARSE_MODULES: dense callers never compile it)."""
     return (f"gpuops::flash_fwd_wgmma<{dtype.ctype}, {d}, {_B[schedule == 'pingpong']}, "
-            f"{probe}>")
+            f"{probe}, {_B[sparse]}>")
 
 
 def wgmma_schedule() -> str:
@@ -306,6 +309,16 @@ WGMMA_MODULES = {
                          for sch in WGMMA_SCHEDULES}, archs=("90a",))
     for dtype, short in _SHORT.items()}
 _WGMMA_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in WGMMA_MODULES.items()}
+WGMMA_SPARSE_MODULES = {
+    dtype: KernelModule(f"attention.flash_wgmma_sparse_{short}", "attention/flash_fwd_wgmma.cu",
+                        {wgmma_expr(dtype, d, sch, sparse=True): WGMMA_ARGS for d in WGMMA_DIMS
+                         for sch in WGMMA_SCHEDULES}, archs=("90a",))
+    for dtype, short in _SHORT.items()}
+_WGMMA_SPARSE_KERNELS = {dtype: lay.KernelTable(m) for dtype, m in WGMMA_SPARSE_MODULES.items()}
+# block_sparse_attention on the wgmma kernel: block sizes that are multiples of this (a consumer
+# warpgroup's 64 rows in one query block, each 64-key half of a tile in one key block); others
+# run 'mma', which tests mixed tiles score by score
+WGMMA_SPARSE_BLOCK = 64
 for _d in WGMMA_DIMS:
     assert wgmma_smem(_d) <= 227 * 1024, _d
 
@@ -842,12 +855,13 @@ def _launch_simt(call, p, query, key, value, attn_mask, mask_kind, out, lse, lay
 
 # variants whose kernels read FlashFwdArgs' appended fields (varlen, block mask, rotary); 'auto'
 # would route calls that use them to 'simt' for a variant not listed ('mma' reads them all:
-# varlen in every instantiation, block mask and rotary in their own, MMA_EXTRAS_MODULES)
-_EXTRAS_VARIANTS = {"simt", "mma"}
+# varlen in every instantiation, block mask and rotary in their own, MMA_EXTRAS_MODULES;
+# 'wgmma' reads the block mask in its sparse instance and refuses the others with the reason,
+# wgmma_unsupported, where 'auto' goes on as 'mma')
+_EXTRAS_VARIANTS = {"simt", "mma", "wgmma"}
 
 
-# the variants 'auto' chooses among (_launch_auto); 'wgmma' reads none of the appended fields,
-# so calls that use them go to 'mma' (_variant_launcher)
+# the variants 'auto' chooses among (_launch_auto)
 _AUTO_PICKS = ("wgmma", "mma", "simt")
 
 
@@ -1056,8 +1070,11 @@ def wgmma_unsupported(call, p, attn_mask, ext: FlashExtras):
         return f"head dim {p.D} (only {list(WGMMA_DIMS)})"
     if attn_mask is not None:
         return "an attn_mask"
-    if ext.used or p.bottom_right:
-        return "varlen, block sparsity or rotary"
+    if ext.cu_q is not None or ext.rot_half or p.bottom_right:
+        return "varlen or rotary"
+    if ext.block_mask is not None and (ext.block_size % WGMMA_SPARSE_BLOCK or p.left >= 0):
+        return (f"block_size {ext.block_size} (block sparsity: multiples of "
+                f"{WGMMA_SPARSE_BLOCK} only)")
     if not p.scale > 0:
         return f"scale {p.scale} (positive only)"
     if p.Sk == 0:
@@ -1091,14 +1108,19 @@ def wgmma_head_chunk(p) -> int:
     return max(1, min(p.B * p.Hq, WGMMA_L2_BUDGET // max(kv_head_bytes, 1) * p.group))
 
 
-def _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps):
+def _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps,
+                       ext: FlashExtras = NO_EXTRAS):
     grid = (-(-p.Sq // WGMMA_BM) * p.B * p.Hq, 1, 1)
     if 0 in grid:
         return
-    kernel = _WGMMA_KERNELS[call.result_dtype].get(
-        call.device, wgmma_expr(call.result_dtype, p.D, wgmma_schedule()))
+    if ext.block_mask is not None:      # wgmma_unsupported let only the block mask through
+        kernel = _WGMMA_SPARSE_KERNELS[call.result_dtype].get(
+            call.device, wgmma_expr(call.result_dtype, p.D, wgmma_schedule(), sparse=True))
+    else:
+        kernel = _WGMMA_KERNELS[call.result_dtype].get(
+            call.device, wgmma_expr(call.result_dtype, p.D, wgmma_schedule()))
     kernel.launch(grid, (WGMMA_THREADS, 1, 1), call.stream, *maps,
-                  *flash_launch_args(p, query, key, value, None, 0, out, lse, layout, True),
+                  *flash_launch_args(p, query, key, value, None, 0, out, lse, layout, True, ext),
                   wgmma_head_chunk(p), smem=wgmma_smem(p.D))
 
 
@@ -1113,7 +1135,7 @@ def _launch_wgmma(call, p, query, key, value, attn_mask, mask_kind, out, lse, la
     if why:
         raise ValueError(f"gpuops.{call.op.name}: variant='wgmma' does not take {why}; use "
                          "variant='auto'")
-    _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps)
+    _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps, ext)
 
 
 def _launch_auto(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout,
@@ -1122,7 +1144,7 @@ def _launch_auto(call, p, query, key, value, attn_mask, mask_kind, out, lse, lay
     if WGMMA_AUTO and wgmma_unsupported(call, p, attn_mask, ext) is None:
         maps = _wgmma_maps(p, query, key, value, out, layout)
         if maps is not None:
-            _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps)
+            _launch_wgmma_maps(call, p, query, key, value, out, lse, layout, maps, ext)
             return
     _launch_best(call, p, query, key, value, attn_mask, mask_kind, out, lse, layout, ext)
 
@@ -1548,12 +1570,15 @@ def block_sparse_attention(call, q: Tensor, k: Tensor, v: Tensor, block_mask: Te
       128 rows of 16-row warps, each of which skips tiles off for its own rows) makes every tile
       one block: one mask byte per tile and no per-score test. Smaller blocks make the kernel
       read every block entry a tile covers and test tiles that mix on and off blocks score by
-      score.
+      score. On Hopper (sm_90) the 'wgmma' kernel takes multiples of 64 (fp16 / bf16, head
+      dims 64 and 128): its tiles are 128 queries x 128 keys, so a tile is skipped only where
+      all of the (up to 2 x 2) blocks it covers are off; a multiple of 128 skips block by
+      block.
     * ``is_causal``: top-left aligned, as ``scaled_dot_product_attention`` (applied on top of the
       block mask; blocks above the diagonal cost nothing either way).
     * A query row whose blocks are all off gives 0 (lse -inf). ``return_lse``: lse [B, Hq, Sq]
-      float32. ``scale``: default 1 / sqrt(D). ``variant``: 'auto', 'mma' or 'simt', as in
-      ``scaled_dot_product_attention``.
+      float32. ``scale``: default 1 / sqrt(D). ``variant``: 'auto', 'wgmma', 'mma' or 'simt',
+      as in ``scaled_dot_product_attention``.
     """
     return _sparse_forward(call, q, k, v, block_mask, block_size, is_causal, scale, return_lse,
                            variant)

@@ -260,10 +260,12 @@ def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
     161.6 and Liger's 201.6; rms_norm 153.3 against rms_norm_rows' 161.1 and 166.7); at 768 the
     per-block kernels are (layer_norm_lean 142.8 against 152.3, Liger 168.2; rms_norm_rows 133.2
     against 144.9, Liger 145.1): 16-bit rms_norm streams below 768, layer_norm where lean does
-    not apply."""
+    not apply. Run 187 (fp32, Liger in the same run): at 512 and 768 layer_norm_lean at two packs
+    per thread beat the stream plan (lean_auto_applies); run 188 also at 384 (274.5 us against
+    286.2, Liger 293.0), not at 256 (320.9 against 297.8): fp32 layer_norm streams below 384."""
     if kind_name == "layer_norm":
-        return (itemsize == 4 and n < 1024) or (itemsize == 2
-                                                 and not lean_auto_applies(itemsize, n))
+        return (itemsize == 4 and n < 384) or (itemsize == 2
+                                                and not lean_auto_applies(itemsize, n))
     if kind_name == "rms_norm":
         return itemsize == 2 and n < 768
     return False
@@ -281,9 +283,13 @@ def lean_auto_applies(itemsize: int, n: int) -> bool:
     two_pass's 260.0 and Liger's 257.8; [131072, 1024] 288.0 against the stream plan's 290.0 at
     one pack per thread, 253.3 at two (run 173), Liger 256.5); fp32 4096 and 8192 keep two_pass
     (its 4 packs: lean holds 2). 16-bit from 768 (run 186: [174763, 768] bf16 142.8 us against the
-    stream plan's 152.3 and Liger's 168.2; at 512 the stream plan's 146.4 beat lean's 161.6)."""
+    stream plan's 152.3 and Liger's 168.2; at 512 the stream plan's 146.4 beat lean's 161.6).
+    fp32 from 384 (run 187, two packs per thread: [262144, 512] 252.1 us against the stream
+    plan's 296.0 and Liger's 267.9; [174763, 768] 252.6 against 295.4 and 261.7; run 188,
+    [349525, 384] at one pack: 274.5 against 286.2 and 293.0; at 256 the stream plan's 297.8
+    beat lean's 320.9)."""
     if itemsize == 4:
-        return 1024 <= n <= 2048
+        return 384 <= n <= 2048
     return itemsize == 2 and 768 <= n <= 4096
 
 
@@ -328,9 +334,13 @@ def rows_kernel_applies(kind_name: str, itemsize: int, n: int) -> bool:
     add_rms_norm at 512 253.5 us against rms_norm_fwd's 316.3 (Liger 260.9), level at 768
     (254.3 / 254.4): rms_norm_rows from 512 below 1024; 16-bit rms_norm from 768 (133.2 against
     the stream plan's 144.9, Liger 145.1). fp32 at 512-768 level with rms_norm_fwd (not
-    changed)."""
+    changed). Run 188 (H200, Liger in the same run): 16-bit add_rms_norm at 384 253.6 us against
+    rms_norm_fwd's 421.1 (Liger 283.0): from 384; fp32 at 256 504.4 against 631.1 (Liger 512.2),
+    level at 384 (506.3 / 503.3): fp32 rows of 256 to 384 too (at 256 in 16-bit rms_norm_fwd ran
+    at copy speed, 252.8 us)."""
     if kind_name == "add_rms_norm":
-        return (itemsize == 2 and 512 <= n < 1024) or 1024 < n <= 2048
+        return ((itemsize == 2 and 384 <= n < 1024) or (itemsize == 4 and 256 <= n <= 384)
+                or 1024 < n <= 2048)
     if kind_name != "rms_norm":
         return False
     return n >= 768 if itemsize == 2 else n <= 1024
