@@ -1164,6 +1164,33 @@ def test_emulated_gemv_mma_pipe(case, monkeypatch, rng):
 
 @needs_emu
 @needs_torch
+def test_emulated_balanced_takes_pipe_for_large_weights(monkeypatch, rng):
+    """PLAN['decode'] 'balanced' runs the 'pipe' plan where the weight has at least
+    GEMV_PIPE_MIN_BYTES (runs 188-191: LM-head-sized weights), not below it and not for SwiGLU's
+    pairs (not measured); 'pipe' itself still hands what it cannot take to 'balanced'."""
+    e = _Emu(monkeypatch, sms=2)
+    monkeypatch.setitem(G.PLAN, "decode", "balanced")
+    monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
+    f, M, N, K = "bfloat16", 4, 70, 1000
+    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2)
+    x, w, w2 = (e.arr(_emu_rand(rng, shape), f) for shape in ((M, K), (N, K), (N, K)))
+    out = e.run("matmul", f, x, w.T)
+    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="at the size")
+    assert e.launched and all(k.startswith("gpuops::gemm::gemv_mma_pipe<") for k in e.launched), \
+        e.launched
+    e.launched.clear()
+    out = e.run("swiglu_linear", f, x, w.T, b2=w2.T)
+    _check(_cpu(out), _cpu(x), _cpu(w).T, f, b2=_cpu(w2).T, what="swiglu")
+    assert not any("pipe" in k for k in e.launched), e.launched
+    e.launched.clear()
+    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2 + 1)
+    out = e.run("matmul", f, x, w.T)
+    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="below the size")
+    assert e.launched and not any("pipe" in k for k in e.launched), e.launched
+
+
+@needs_emu
+@needs_torch
 @pytest.mark.parametrize("plan,ahead,rows", [("balanced", 0, "auto"), ("balanced", 2, 8),
                                              ("legacy", "auto", "auto")])
 def test_emulated_gemv_and_gemv_mma(plan, ahead, rows, monkeypatch, rng):

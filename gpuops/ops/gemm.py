@@ -191,7 +191,8 @@ GEMV_MMA_PIPE = {
 #             the GPU 4 times over), or "pipe" / "pipe_deep" (as "balanced", but gemv_mma's
 #             M = 2..16 calls run gemv_mma_pipe: persistent blocks, a ring of 4 / 8 KiB of weight
 #             loads in flight per warp, no split-K; calls with too few weight rows for that take
-#             "balanced"'s plan). Issue 4 / benchmarks/notes_gemm.md "Decode GEMV";
+#             "balanced"'s plan). "balanced" itself runs "pipe" for weights of at least
+#             GEMV_PIPE_MIN_BYTES. Issue 4 / benchmarks/notes_gemm.md "Decode GEMV";
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
@@ -402,6 +403,13 @@ W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight sl
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
+# 'balanced' runs the 'pipe' plan for weights of at least this many bytes (not SwiGLU's pairs:
+# not measured). bf16, graphs of 20 rotated weights, % of copy at M = 2 / 4 / 8 / 16 (balanced
+# -> pipe): H200 runs 188-191, [151936, 2048] (622 MB) 78.8 / 77.9 / 76.6 / 74.2 -> 89.3 / 87.6
+# / 86.2 / 81.9; [32768, 4096] (268 MB) 82.5 / 82.7 / 82.7 / 79.6 -> 84.7 / 84.4 / 83.7 / 81.2;
+# [14336, 4096] (117 MB) 64.2 / 64.3 / 63.7 / 61.3 -> 38.8-39.1 (no). H100 run 31, [151936,
+# 2048]: balanced 85.2-89.5, pipe 90.9-95.7.
+GEMV_PIPE_MIN_BYTES = 256 << 20
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
 _DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
@@ -817,6 +825,8 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     if plan not in DECODE_PLANS:
         raise ValueError(f"gpuops: PLAN['decode'] must be one of {list(DECODE_PLANS)}, got {plan!r}")
     balanced = plan != "legacy"           # the pipe plans keep 'balanced' for what they do not take
+    if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
+        plan = "pipe"
     splits = None
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
