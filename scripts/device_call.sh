@@ -5,10 +5,11 @@
 #   TESTS="tests/test_a.py ..."   every GPU test of those files, natively and on compute_61
 #   IDS_FILE=path                 the node ids listed there (one per line), on both archs
 #   BENCH="--ops a,b --graph"     `gpuops bench` with these arguments
+#   NCU="target,..."              Nsight Compute on targets of benchmarks/experiments/ncu_targets.py
 #   EXPS="script.py args;..."     experiments under benchmarks/experiments/
 # Bundles: GPUOPS_KERNEL_BUNDLE defaults to .bundle90ga, BUNDLE61 to .bundle61ga (carried packed
 # as .bundle90gax/bundle90ga.tar.xz etc.; unpacked here). Shard sizes: SHARDS (per arch),
-# FILE_TIMEOUT (s per shard); BENCH_TIMEOUT, EXP_TIMEOUT (s per stage).
+# FILE_TIMEOUT (s per shard); BENCH_TIMEOUT, NCU_TIMEOUT, EXP_TIMEOUT (s per stage).
 #   TESTS="tests/test_norms.py" BENCH="--ops layer_norm --graph" bash scripts/device_call.sh
 set -u
 S=${OUT:?OUT must be set}
@@ -34,6 +35,11 @@ if [ -n "${BENCH:-}" ]; then
   step bench
   OUT=$S/bench STAGE_TIMEOUT=${BENCH_TIMEOUT:-200} BENCH_ARGS="$BENCH" \
     bash scripts/device_run.sh bench 2>&1 | grep -v "^  *$" | tail -60
+fi
+if [ -n "${NCU:-}" ]; then
+  step "ncu ($NCU)"
+  OUT=$S/ncu STAGE_TIMEOUT=${NCU_TIMEOUT:-200} NCU_TARGETS="$NCU" \
+    bash scripts/device_run.sh ncu 2>&1 | tail -30
 fi
 if [ -n "${EXPS:-}" ]; then
   step exp

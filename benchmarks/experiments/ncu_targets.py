@@ -32,6 +32,8 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   decode_m1 / decode_m2 / decode_m2_ahead2 / decode_m2_cublas
                       bf16 linear x [M, 2048] @ w [6144, 2048].T: SIMT gemv (M = 1), gemv_mma
                       (PLAN['gemv_ahead'] 'auto' = 0 here, or 2), cuBLAS
+  decode117_m1 / decode117_m8 / decode117_m8_ahead2 / decode117_m8_cublas
+                      the same at w [14336, 4096] (117 MB; M = 8)
 """
 from __future__ import annotations
 
@@ -173,13 +175,14 @@ def _hgemm(shape, variant):
 HGEMM_SHAPES = ((8192, 8192, 8192), (4096, 6144, 2048), (4096, 2048, 6144))
 
 
-def _decode(M, ahead="auto", peer=False):
-    """A decode linear, bf16 x [M, 2048] @ w [6144, 2048].T (the weight is cold: ncu flushes the
-    caches before each pass): the SIMT gemv at M = 1, gemv_mma (one wave of 384 blocks) above,
-    or torch F.linear (cuBLAS)."""
+def _decode(M, ahead="auto", peer=False, weight=(6144, 2048)):
+    """A decode linear, bf16 x [M, K] @ w [N, K].T (weight [N, K]; the weight is cold: ncu
+    flushes the caches before each pass): the SIMT gemv at M = 1, gemv_mma above (at [6144,
+    2048] one wave of 384 blocks), or torch F.linear (cuBLAS)."""
     def build():
-        x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(6144, 2048, device="cuda", dtype=torch.bfloat16)
+        N, K = weight
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         if peer:
             return lambda: torch.nn.functional.linear(x, w)
 
@@ -216,6 +219,12 @@ TARGETS = {
     "decode_m2": _decode(2),
     "decode_m2_ahead2": _decode(2, 2),
     "decode_m2_cublas": _decode(2, peer=True),
+    # [14336, 4096] (117 MB; runs 190-192: M = 8 on gemv_mma 64% of copy, M = 1 on the SIMT gemv
+    # 93%, cuBLAS 91-95%)
+    "decode117_m1": _decode(1, weight=(14336, 4096)),
+    "decode117_m8": _decode(8, weight=(14336, 4096)),
+    "decode117_m8_ahead2": _decode(8, 2, weight=(14336, 4096)),
+    "decode117_m8_cublas": _decode(8, peer=True, weight=(14336, 4096)),
 }
 
 
