@@ -1166,12 +1166,13 @@ def test_emulated_gemv_mma_pipe(case, monkeypatch, rng):
 @needs_torch
 def test_emulated_balanced_takes_pipe_for_large_weights(monkeypatch, rng):
     """PLAN['decode'] 'balanced' runs the 'pipe' plan where the weight has at least
-    GEMV_PIPE_MIN_BYTES (runs 188-191: LM-head-sized weights), not below it and not for SwiGLU's
-    pairs (not measured); 'pipe' itself still hands what it cannot take to 'balanced'."""
+    GEMV_PIPE_MIN_BYTES and that plan picks tiles of GEMV_PIPE_BALANCED_NT (runs 188-194), not
+    below the size, not at narrower tiles and not for SwiGLU's pairs (not measured)."""
     e = _Emu(monkeypatch, sms=2)
     monkeypatch.setitem(G.PLAN, "decode", "balanced")
     monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
     f, M, N, K = "bfloat16", 4, 70, 1000
+    assert G._gemv_pipe_plan(2, N, K, 1, False, "pipe")[0] == G.GEMV_PIPE_BALANCED_NT
     monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2)
     x, w, w2 = (e.arr(_emu_rand(rng, shape), f) for shape in ((M, K), (N, K), (N, K)))
     out = e.run("matmul", f, x, w.T)
@@ -1186,6 +1187,12 @@ def test_emulated_balanced_takes_pipe_for_large_weights(monkeypatch, rng):
     monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2 + 1)
     out = e.run("matmul", f, x, w.T)
     _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="below the size")
+    assert e.launched and not any("pipe" in k for k in e.launched), e.launched
+    e.launched.clear()
+    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2)
+    monkeypatch.setattr(G, "GEMV_PIPE_BALANCED_NT", 8)       # a tile width the plan never picks
+    out = e.run("matmul", f, x, w.T)
+    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="narrower tiles")
     assert e.launched and not any("pipe" in k for k in e.launched), e.launched
 
 
@@ -1280,11 +1287,14 @@ def test_emulated_gemv_weight_prefetch_ranges(monkeypatch, rng):
 
 
 def test_gemv_pipe_plans():
-    """gemv_mma_pipe's configuration choice: enough loads in flight, tiles spread evenly over
-    persistent blocks, larger tiles on ties, U <= steps; None (the 'balanced' plan) otherwise."""
+    """gemv_mma_pipe's configuration choice: enough loads in flight, the largest tiles first (run
+    194), then tiles spread evenly over persistent blocks, U <= steps; None (the 'balanced' plan)
+    otherwise."""
     pp = G._gemv_pipe_plan
     assert pp(132, 6144, 2048, 1, False, "pipe") == (4, 2, 2, 192)       # 192 tiles of 32 rows
     assert pp(132, 2048, 6144, 1, False, "pipe") == (1, 8, 2, 256)       # 256 tiles of 8 rows
+    assert pp(132, 14336, 4096, 1, False, "pipe") == (4, 2, 2, 264)      # not NT 1's fuller tail
+    assert pp(132, 4096, 14336, 1, False, "pipe") == (2, 4, 2, 256)      # NT 4: too few tiles
     assert pp(132, 151936, 2048, 1, False, "pipe") == (4, 2, 2, 264)     # 4748 tiles, 18 each
     assert pp(132, 256, 4096, 1, False, "pipe") is None                  # 32 tiles: split-K
     assert pp(132, 6144, 512, 1, False, "pipe_deep") is None             # 2 steps < U = 8, 16

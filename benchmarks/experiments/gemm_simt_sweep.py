@@ -84,16 +84,17 @@ class plan_set:   # noqa: N801
 
 
 class decode_variant:   # noqa: N801
-    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN]' for a block:
+    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN][+tN]' for a block:
     PLAN['decode'] = PLAN; GPUOPS_PDL on with '+pdl' (else off); PLAN['gemv_l2_prefetch'] True
     with '+prefetch', N bytes per row with '+prefetchN' (else off); PLAN['gemv_ahead'] = N or
     'auto' with '+aN' / '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else
-    'auto'); PLAN['gemv_simt_max_m'] = N with '+sN' (else 1)."""
+    'auto'); PLAN['gemv_simt_max_m'] = N with '+sN' (else 1); '+tN': the pipe plans' single-weight
+    configurations cut to those of NT = N (their plan then picks among those only)."""
 
     def __init__(self, spec):
         plan, *opts = spec.split("+")
         self.plan, self.pdl, self.prefetch, self.ahead, self.rows = plan, False, False, 0, "auto"
-        self.simt = 1
+        self.simt, self.nt = 1, None
         ok = plan in G.DECODE_PLANS
         for o in opts:
             if o == "pdl":
@@ -109,15 +110,22 @@ class decode_variant:   # noqa: N801
                 self.rows = int(o[1:])
             elif o[:1] == "s" and o[1:].isdigit() and 1 <= int(o[1:]) <= 16:
                 self.simt = int(o[1:])
+            elif o[:1] == "t" and o[1:].isdigit() and plan in G.GEMV_PIPE and any(
+                    c[0] == int(o[1:]) for c in G.GEMV_PIPE[plan][False]):
+                self.nt = int(o[1:])
             else:
                 ok = False
         if not ok:
             raise SystemExit(f"bad decode variant {spec!r}: PLAN[+pdl][+prefetch[N]][+aN|+aauto]"
-                             f"[+rN][+sN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} for "
-                             "a, 8 / 16 / 32 for r, 1..16 for s")
+                             f"[+rN][+sN][+tN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} "
+                             "for a, 8 / 16 / 32 for r, 1..16 for s, a pipe plan's NT for t")
 
     def __enter__(self):
         self.old = (dict(G.PLAN), os.environ.get("GPUOPS_PDL"))
+        self.old_pipe = {k: dict(v) for k, v in G.GEMV_PIPE.items()}
+        if self.nt is not None:
+            G.GEMV_PIPE[self.plan][False] = tuple(c for c in G.GEMV_PIPE[self.plan][False]
+                                                  if c[0] == self.nt)
         G.PLAN["decode"], G.PLAN["gemv_l2_prefetch"] = self.plan, self.prefetch
         G.PLAN["gemv_ahead"], G.PLAN["gemv_rows"] = self.ahead, self.rows
         G.PLAN["gemv_simt_max_m"] = self.simt
@@ -127,6 +135,8 @@ class decode_variant:   # noqa: N801
     def __exit__(self, *exc):
         G.PLAN.clear()
         G.PLAN.update(self.old[0])
+        for k, v in self.old_pipe.items():
+            G.GEMV_PIPE[k].update(v)
         if self.old[1] is None:
             os.environ.pop("GPUOPS_PDL", None)
         else:
@@ -191,7 +201,8 @@ def decode_kernel(variant, M, N, K):
     if M <= decode_variant(variant).simt:
         return f"gemv (SIMT) MT={next(m for m in G.GEMV_MT if M <= m)}"
     if plan in G.GEMV_PIPE:
-        got = G._gemv_pipe_plan(sms, N, K, 1, False, plan)
+        with decode_variant(variant):          # (+tN narrows the configurations)
+            got = G._gemv_pipe_plan(sms, N, K, 1, False, plan)
         if got:
             nt, u, minb, gx = got
             return f"gemv_mma_pipe NT={nt} U={u} {minb}/SM grid={gx}"

@@ -403,13 +403,18 @@ W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight sl
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
-# 'balanced' runs the 'pipe' plan for weights of at least this many bytes (not SwiGLU's pairs:
-# not measured). bf16, graphs of 20 rotated weights, % of copy at M = 2 / 4 / 8 / 16 (balanced
-# -> pipe): H200 runs 188-191, [151936, 2048] (622 MB) 78.8 / 77.9 / 76.6 / 74.2 -> 89.3 / 87.6
-# / 86.2 / 81.9; [32768, 4096] (268 MB) 82.5 / 82.7 / 82.7 / 79.6 -> 84.7 / 84.4 / 83.7 / 81.2;
-# [14336, 4096] (117 MB) 64.2 / 64.3 / 63.7 / 61.3 -> 38.8-39.1 (no). H100 run 31, [151936,
+# 'balanced' runs the 'pipe' plan for weights of at least GEMV_PIPE_MIN_BYTES where that plan
+# picks tiles of GEMV_PIPE_BALANCED_NT n8 tiles (not SwiGLU's pairs: not measured). bf16, graphs
+# of 20 rotated weights, % of copy at M = 2 / 4 / 8 / 16 (balanced -> pipe at NT = 4), H200:
+# [151936, 2048] (622 MB) 78.8 / 77.9 / 76.6 / 74.2 -> 89.3 / 87.6 / 86.2 / 81.9 (run 191);
+# [32768, 4096] (268 MB) 87.5 / 87.7 / 86.9 / 83.3 -> 87.7 / 87.6 / 87.3 / 83.2 (run 194);
+# [14336, 4096] (117 MB) 65.6 / 66.0 / 65.5 / 62.3 -> 76.6 / 76.4 / 75.6 / 74.1 (run 194);
+# [6144, 2048] (25 MB) 58.4 / 58.1 / 57.7 / 56.1 -> 53.0 / 52.9 / 53.1 / 51.5 (run 188: no).
+# At NT = 1 / 2 the pipe kernel lost everywhere ([14336, 4096] 39.0 / 55.1%, [32768, 4096] NT 2
+# 63.2%; [4096, 14336] has no NT = 4 plan and stays on balanced's 76%). H100 run 31, [151936,
 # 2048]: balanced 85.2-89.5, pipe 90.9-95.7.
-GEMV_PIPE_MIN_BYTES = 256 << 20
+GEMV_PIPE_MIN_BYTES = 96 << 20
+GEMV_PIPE_BALANCED_NT = 4
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
 _DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
@@ -760,10 +765,12 @@ def _gemv_pipe_plan(sms, N, K, batch, dual, plan):
     """(NT, U, MINB, grid.x) of gemv_mma_pipe under PLAN['decode'] = plan, or None when the row
     tiles cannot keep GEMV_PIPE_INFLIGHT bytes of loads in flight without split-K (few weight
     rows: 'balanced' takes those) or K is too short for the ring (U > ceil(K / 256) steps).
-    Blocks are persistent, grid.x = min(tiles, resident slots / batch). Score: 1 when the blocks
-    still busy in the last round of tiles keep enough in flight (the memory stays saturated to the
-    end), else the share of block-rounds that hold a tile; larger tiles (fewer reads of A per
-    weight byte) on ties."""
+    Blocks are persistent, grid.x = min(tiles, resident slots / batch). The largest tiles first
+    (fewer reads of A per weight byte: on the H200, run 194, bf16 [14336, 4096] M = 2..16 ran at
+    39% of copy with NT = 1, 55% with NT = 2, 74-77% with NT = 4; [32768, 4096] 63% with NT = 2,
+    87-88% with NT = 4), then the score: 1 when the blocks still busy in the last round of tiles
+    keep enough in flight (the memory stays saturated to the end), else the share of
+    block-rounds that hold a tile (runs 136-141 chose on this score alone)."""
     return _gemv_pipe_plan_of(sms, N, K, batch, dual, tuple(GEMV_PIPE[plan][dual]),
                               GEMV_PIPE_INFLIGHT)
 
@@ -784,7 +791,7 @@ def _gemv_pipe_plan_of(sms, N, K, batch, dual, configs, inflight):
         rounds = _cdiv(tiles, gx)
         last = tiles - gx * (rounds - 1)
         fill = 1.0 if last * per_block >= inflight else tiles / (gx * rounds)
-        key = (round(fill, 6), nt)
+        key = (nt, round(fill, 6))
         if best is None or key > best[0]:
             best = (key, (nt, u, minb, gx))
     return None if best is None else best[1]
@@ -825,13 +832,18 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     if plan not in DECODE_PLANS:
         raise ValueError(f"gpuops: PLAN['decode'] must be one of {list(DECODE_PLANS)}, got {plan!r}")
     balanced = plan != "legacy"           # the pipe plans keep 'balanced' for what they do not take
-    if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
-        plan = "pipe"
     splits = None
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
         sms = device.device_info(call.device).sm_count
         pipe = plan in GEMV_PIPE and _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, plan)
+        if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
+            # large weights: the 'pipe' plan where it runs its widest tiles (GEMV_PIPE_MIN_BYTES)
+            pipe = _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, "pipe")
+            if pipe and pipe[0] == GEMV_PIPE_BALANCED_NT:
+                plan = "pipe"
+            else:
+                pipe = None
         if pipe:
             nt, u, minb, gx = pipe
             L.splits, L.k_split = 1, 0
