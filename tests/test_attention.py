@@ -2161,9 +2161,13 @@ GPU_SPARSE_CASES = [
 ]
 
 
+def _sparse_id(case):
+    return f"D{case[5]}-bs{case[6]}-{sorted(case[8])}"
+
+
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("case", GPU_SPARSE_CASES, ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
+@pytest.mark.parametrize("case", GPU_SPARSE_CASES, ids=_sparse_id)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_block_sparse_against_reference(case, dtype, rng):
     """The SIMT kernel."""
@@ -2194,8 +2198,7 @@ GPU_MMA_SPARSE_CASES = [c for c in GPU_SPARSE_CASES if c[5] in at.MMA_TILES] + [
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("case", GPU_MMA_SPARSE_CASES,
-                         ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
+@pytest.mark.parametrize("case", GPU_MMA_SPARSE_CASES, ids=_sparse_id)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_mma_block_sparse_against_reference(case, dtype, rng, mma_only):
     """'auto' takes the tensor-core kernel (mma_only: a fallback to SIMT fails)."""
@@ -2218,8 +2221,7 @@ GPU_WGMMA_SPARSE_CASES = [
 
 @gpu
 @needs_torch_cuda
-@pytest.mark.parametrize("case", GPU_WGMMA_SPARSE_CASES,
-                         ids=lambda c: f"D{c[5]}-bs{c[6]}-{sorted(c[8])}")
+@pytest.mark.parametrize("case", GPU_WGMMA_SPARSE_CASES, ids=_sparse_id)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("variant", ["auto", "wgmma"])
 def test_gpu_wgmma_block_sparse_against_reference(case, dtype, variant, rng, wgmma_only):
