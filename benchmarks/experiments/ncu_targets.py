@@ -32,8 +32,8 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   decode_m1 / decode_m2 / decode_m2_ahead2 / decode_m2_cublas
                       bf16 linear x [M, 2048] @ w [6144, 2048].T: SIMT gemv (M = 1), gemv_mma
                       (PLAN['gemv_ahead'] 'auto' = 0 here, or 2), cuBLAS
-  decode117_m1 / decode117_m8 / decode117_m8_ahead2 / decode117_m8_cublas
-                      the same at w [14336, 4096] (117 MB; M = 8)
+  decode117_m1 / decode117_m8 / decode117_m8_ahead2 / decode117_m8_cublas / decode117_m8_pipe
+                      the same at w [14336, 4096] (117 MB; M = 8; _pipe: PLAN['decode'] 'pipe')
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def _hgemm(shape, variant):
 HGEMM_SHAPES = ((8192, 8192, 8192), (4096, 6144, 2048), (4096, 2048, 6144))
 
 
-def _decode(M, ahead="auto", peer=False, weight=(6144, 2048)):
+def _decode(M, ahead="auto", peer=False, weight=(6144, 2048), plan=None):
     """A decode linear, bf16 x [M, K] @ w [N, K].T (weight [N, K]; the weight is cold: ncu
     flushes the caches before each pass): the SIMT gemv at M = 1, gemv_mma above (at [6144,
     2048] one wave of 384 blocks), or torch F.linear (cuBLAS)."""
@@ -187,12 +187,13 @@ def _decode(M, ahead="auto", peer=False, weight=(6144, 2048)):
             return lambda: torch.nn.functional.linear(x, w)
 
         def call():
-            saved = G.PLAN["gemv_ahead"]
+            saved = G.PLAN["gemv_ahead"], G.PLAN["decode"]
             G.PLAN["gemv_ahead"] = ahead
+            G.PLAN["decode"] = plan or saved[1]
             try:
                 return go.linear(x, w)
             finally:
-                G.PLAN["gemv_ahead"] = saved
+                G.PLAN["gemv_ahead"], G.PLAN["decode"] = saved
         return call
     return build
 
@@ -225,6 +226,8 @@ TARGETS = {
     "decode117_m8": _decode(8, weight=(14336, 4096)),
     "decode117_m8_ahead2": _decode(8, 2, weight=(14336, 4096)),
     "decode117_m8_cublas": _decode(8, peer=True, weight=(14336, 4096)),
+    # the 'pipe' plan there (NT = 4 since run 194: 74-77% of copy; the default from 96 MB)
+    "decode117_m8_pipe": _decode(8, weight=(14336, 4096), plan="pipe"),
 }
 
 
