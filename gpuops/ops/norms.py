@@ -262,10 +262,11 @@ def stream_auto_applies(kind_name: str, itemsize: int, n: int) -> bool:
     against 144.9, Liger 145.1): 16-bit rms_norm streams below 768, layer_norm where lean does
     not apply. Run 187 (fp32, Liger in the same run): at 512 and 768 layer_norm_lean at two packs
     per thread beat the stream plan (lean_auto_applies); run 188 also at 384 (274.5 us against
-    286.2, Liger 293.0), not at 256 (320.9 against 297.8): fp32 layer_norm streams below 384."""
+    286.2, Liger 293.0), not at 256 (320.9 against 297.8): fp32 layer_norm streams below 1024
+    where lean does not apply (below 384)."""
     if kind_name == "layer_norm":
-        return (itemsize == 4 and n < 384) or (itemsize == 2
-                                                and not lean_auto_applies(itemsize, n))
+        return ((itemsize == 2 or (itemsize == 4 and n < 1024))
+                and not lean_auto_applies(itemsize, n))
     if kind_name == "rms_norm":
         return itemsize == 2 and n < 768
     return False
