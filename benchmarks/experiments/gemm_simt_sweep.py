@@ -84,17 +84,18 @@ class plan_set:   # noqa: N801
 
 
 class decode_variant:   # noqa: N801
-    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN][+tN]' for a block:
+    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN][+tN][+cNT.U.MINB]':
     PLAN['decode'] = PLAN; GPUOPS_PDL on with '+pdl' (else off); PLAN['gemv_l2_prefetch'] True
     with '+prefetch', N bytes per row with '+prefetchN' (else off); PLAN['gemv_ahead'] = N or
     'auto' with '+aN' / '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else
     'auto'); PLAN['gemv_simt_max_m'] = N with '+sN' (else 1); '+tN': the pipe plans' single-weight
-    configurations cut to those of NT = N (their plan then picks among those only)."""
+    configurations cut to those of NT = N (their plan then picks among those only); '+cNT.U.MINB':
+    cut to that one configuration."""
 
     def __init__(self, spec):
         plan, *opts = spec.split("+")
         self.plan, self.pdl, self.prefetch, self.ahead, self.rows = plan, False, False, 0, "auto"
-        self.simt, self.nt = 1, None
+        self.simt, self.nt, self.cfg = 1, None, None
         ok = plan in G.DECODE_PLANS
         for o in opts:
             if o == "pdl":
@@ -113,19 +114,24 @@ class decode_variant:   # noqa: N801
             elif o[:1] == "t" and o[1:].isdigit() and plan in G.GEMV_PIPE and any(
                     c[0] == int(o[1:]) for c in G.GEMV_PIPE[plan][False]):
                 self.nt = int(o[1:])
+            elif o[:1] == "c" and plan in G.GEMV_PIPE and tuple(
+                    int(v) for v in o[1:].split(".") if v.isdigit()) in G.GEMV_PIPE[plan][False]:
+                self.cfg = tuple(int(v) for v in o[1:].split("."))
             else:
                 ok = False
         if not ok:
             raise SystemExit(f"bad decode variant {spec!r}: PLAN[+pdl][+prefetch[N]][+aN|+aauto]"
                              f"[+rN][+sN][+tN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} "
-                             "for a, 8 / 16 / 32 for r, 1..16 for s, a pipe plan's NT for t")
+                             "for a, 8 / 16 / 32 for r, 1..16 for s, a pipe plan's NT for t, its "
+                             "NT.U.MINB for c")
 
     def __enter__(self):
         self.old = (dict(G.PLAN), os.environ.get("GPUOPS_PDL"))
         self.old_pipe = {k: dict(v) for k, v in G.GEMV_PIPE.items()}
-        if self.nt is not None:
-            G.GEMV_PIPE[self.plan][False] = tuple(c for c in G.GEMV_PIPE[self.plan][False]
-                                                  if c[0] == self.nt)
+        if self.nt is not None or self.cfg is not None:
+            G.GEMV_PIPE[self.plan][False] = tuple(
+                c for c in G.GEMV_PIPE[self.plan][False]
+                if (self.nt is None or c[0] == self.nt) and (self.cfg is None or c == self.cfg))
         G.PLAN["decode"], G.PLAN["gemv_l2_prefetch"] = self.plan, self.prefetch
         G.PLAN["gemv_ahead"], G.PLAN["gemv_rows"] = self.ahead, self.rows
         G.PLAN["gemv_simt_max_m"] = self.simt
