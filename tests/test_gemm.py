@@ -293,7 +293,7 @@ def test_decode_plans():
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
     assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma", "warp_tiled", "gemv_l2_prefetch",
-                           "gemv_ahead", "gemv_rows", "gemv_simt_max_m"}
+                           "gemv_ahead", "gemv_rows", "gemv_simt_max_m", "gemv_tma"}
     # fp16/bf16 decode rows above PLAN['gemv_simt_max_m'] go to gemv_mma (sm_80+)
     choose = lambda M: G._choose("matmul", None, dt.bfloat16, 90, M, False, True)  # noqa: E731
     assert [choose(M) for M in (1, 2, 3, 16)] == ["gemv", "gemv_mma", "gemv_mma", "gemv_mma"]
@@ -1163,6 +1163,64 @@ def test_emulated_gemv_mma_pipe(case, monkeypatch, rng):
 
 
 @needs_emu
+def test_emulated_gemv_tma_routing(monkeypatch, rng):
+    """PLAN['decode'] = 'tma': on sm_80 the 'balanced' plan runs (checked in the emulator); on
+    sm_90 gemv_mma_tma is launched (not run: the emulator has no TMA) with one block of 8
+    consumer warps and a producer per SM, at most one per tile of 8-row groups, the weight's
+    tensor map ([N, K], boxes of 256 k x 8 rows, no swizzle) and its shared memory (every
+    configuration within the 227 KiB of an H100 / H200 block); batched weights, SwiGLU pairs,
+    unaligned weight rows and row strides TMA cannot take run the other kernels."""
+    f, M, N, K = "bfloat16", 4, 70, 1000
+    e = _Emu(monkeypatch, sms=2, cc=80)
+    monkeypatch.setitem(G.PLAN, "decode", "tma")
+    x, w = e.arr(_emu_rand(rng, (M, K)), f), e.arr(_emu_rand(rng, (N, K)), f)
+    out = e.run("matmul", f, x, w.T)
+    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="sm_80 fallback")
+    assert e.launched and not any("tma" in k for k in e.launched), e.launched
+
+    e = _Emu(monkeypatch, sms=132, cc=90)
+    got, maps = [], []
+
+    class Fake:
+        def __init__(self, name, expr):
+            self.name, self.expr = name, expr
+
+        def launch(self, grid, block, stream, *args, smem=0):
+            got.append((self.name, self.expr, grid, block, smem, args))
+
+    monkeypatch.setattr(G._kernels, "get", lambda m, expr, d: Fake(m.name, expr))
+    monkeypatch.setattr(G.tma, "encode_tiled", lambda *a: maps.append(a) or b"m" * 128)
+    for key, cfg in G.GEMV_TMA_CONFIGS.items():
+        monkeypatch.setitem(G.PLAN, "gemv_tma", key)
+        for n_rows in (14336, 70, 1):
+            got.clear()
+            maps.clear()
+            wn = e.arr(_emu_rand(rng, (n_rows, K)), f)
+            e.run("matmul", f, x, wn.T)
+            mod, expr, grid, block, smem, args = got[0]
+            assert mod == "gemm.gemv_mma_tma_bf16" and expr == G._kname(
+                "gemv_mma_tma", dt.bfloat16.ctype, *cfg), (mod, expr)
+            assert grid == (max(1, min(132, -(-n_rows // 8) // cfg[0])), 1, 1), grid
+            assert block == (288, 1, 1) and smem == G._gemv_tma_smem(*cfg) <= 232448
+            assert args[0] == b"m" * 128 and len(maps) == 1
+            _, dtype_id, dims, strides, box, swizzle = maps[0]
+            assert (dims, strides, box, swizzle) == ((K, n_rows), (2 * K,), (256, 8),
+                                                     G.tma.SWIZZLE_NONE)
+    monkeypatch.setitem(G.PLAN, "gemv_tma", "n4k512")
+    for what, run in (
+            ("batched", lambda: e.run("matmul", f, e.arr(_emu_rand(rng, (2, M, K)), f),
+                                      e.arr(_emu_rand(rng, (2, N, K)), f).transpose(0, 2, 1))),
+            ("swiglu", lambda: e.run("swiglu_linear", f, x, w.T, b2=w.T)),
+            ("unaligned rows", lambda: e.run("matmul", f, x, e.arr(
+                _emu_rand(rng, (N, K + 1)), f)[:, 1:].T)),
+            ("row stride", lambda: e.run("matmul", f, e.arr(_emu_rand(rng, (M, 999)), f),
+                                         e.arr(_emu_rand(rng, (N, 999)), f).T))):
+        got.clear()
+        run()
+        assert got and not any("tma" in k[1] for k in got), (what, got)
+
+
+@needs_emu
 @needs_torch
 def test_emulated_balanced_takes_pipe_for_large_weights(monkeypatch, rng):
     """PLAN['decode'] 'balanced' runs the 'pipe' plan where the weight has at least
@@ -1307,7 +1365,7 @@ def test_gemv_pipe_plans():
                     nt, u, minb, gx = got
                     assert (nt, u, minb) in cfgs and u <= G._cdiv(K, 256)
                     assert gx <= minb * 132 and gx <= G._cdiv(N, 8 * nt)
-    assert set(G.DECODE_PLANS) == {"balanced", "legacy", "pipe", "pipe_deep"}
+    assert set(G.DECODE_PLANS) == {"balanced", "legacy", "pipe", "pipe_deep", "tma"}
 
 
 def test_warp_tiled_configurations(monkeypatch):
@@ -1687,6 +1745,64 @@ def test_gpu_gemv_mma_pipe(case, dtype, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     _check(y, x, w.T, dtype, what=f"{case} graph")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("cfg", list(G.GEMV_TMA_CONFIGS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_gemv_mma_tma(cfg, dtype, monkeypatch):
+    """gemv_mma_tma (PLAN['decode'] 'tma', sm_90) in each configuration, outputs poisoned: M =
+    1..16, one row to 40000 rows (ragged tiles, blocks of unequal row ranges), K tails inside a
+    chunk, inside a 32-k sub-step and inside a 16-byte pack (TMA's zero fill, A gathered), K = 8,
+    the fused epilogue, a CUDA graph replayed with new data; batched weights, unaligned rows and
+    row strides TMA cannot take run the other kernels, correctly."""
+    if _arch() < 90:
+        pytest.skip(f"gemv_mma_tma needs sm_90 (kernels built for sm_{_arch()})")
+    monkeypatch.setenv("GPUOPS_DEBUG_POISON", "1")
+    monkeypatch.setitem(G.PLAN, "decode", "tma")
+    monkeypatch.setitem(G.PLAN, "gemv_tma", cfg)
+    launched = []
+    get = G._kernels.get
+    monkeypatch.setattr(G._kernels, "get", lambda m, e, d: launched.append(e) or get(m, e, d))
+    expr = G._kname("gemv_mma_tma", dt.BY_NAME[dtype].ctype, *G.GEMV_TMA_CONFIGS[cfg])
+    for M, N, K, ldw in ((1, 6144, 2048, 2048), (2, 2048, 6144, 6144), (13, 40000, 520, 520),
+                         (16, 777, 1032, 1032), (16, 37984, 2312, 2312), (5, 100, 8, 8),
+                         (8, 264, 8192, 8192), (3, 1, 4096, 4096), (16, 14336, 4096, 4096),
+                         (7, 500, 2001, 2008), (4, 3000, 1000, 1000), (16, 14336, 4096, -1),
+                         (13, 40000, 520, -1), (1, 5, 16, -1)):
+        # ldw -1: the same with PLAN['gemv_l2_prefetch'] (each block's first chunks into L2
+        # before the PDL wait)
+        monkeypatch.setitem(G.PLAN, "gemv_l2_prefetch", ldw < 0)
+        x, w = _randn((M, K), dtype), _randn((N, max(ldw, K)), dtype)[:, :K]
+        bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+        launched.clear()
+        out = go.matmul(x, w.T, bias=bias, activation="gelu", residual=res, variant="gemv_mma")
+        _check(out, x, w.T, dtype, bias=bias, act="gelu", residual=res,
+               what=f"{cfg} {(M, N, K)}")
+        assert launched == [expr], launched
+    monkeypatch.setitem(G.PLAN, "gemv_l2_prefetch", False)
+    for what, (x, w) in (
+            ("batched", (_randn((2, 4, 1024), dtype), _randn((2, 300, 1024), dtype))),
+            ("unaligned rows", (_randn((4, 1024), dtype), _randn((300, 1025), dtype)[:, 1:])),
+            ("row stride", (_randn((4, 1001), dtype), _randn((300, 1001), dtype)))):
+        launched.clear()
+        out = go.matmul(x, w.transpose(-1, -2), variant="gemv_mma")
+        _check(out, x, w.transpose(-1, -2), dtype, what=f"{cfg} {what}")
+        assert launched and expr not in launched, (what, launched)
+    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.linear(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.linear(x, w)
+    x.copy_(_randn((8, 4096), dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y, x, w.T, dtype, what=f"{cfg} graph")
 
 
 @gpu

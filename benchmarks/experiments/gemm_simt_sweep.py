@@ -84,18 +84,18 @@ class plan_set:   # noqa: N801
 
 
 class decode_variant:   # noqa: N801
-    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN][+tN][+cNT.U.MINB]':
+    """A decode variant 'PLAN[+pdl][+prefetch[N]][+aN|+aauto][+rN][+sN][+tN][+cNT.U.MINB][+gKEY]':
     PLAN['decode'] = PLAN; GPUOPS_PDL on with '+pdl' (else off); PLAN['gemv_l2_prefetch'] True
     with '+prefetch', N bytes per row with '+prefetchN' (else off); PLAN['gemv_ahead'] = N or
     'auto' with '+aN' / '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else
     'auto'); PLAN['gemv_simt_max_m'] = N with '+sN' (else 1); '+tN': the pipe plans' single-weight
     configurations cut to those of NT = N (their plan then picks among those only); '+cNT.U.MINB':
-    cut to that one configuration."""
+    cut to that one configuration; '+gKEY': PLAN['gemv_tma'] = KEY ('tma' only)."""
 
     def __init__(self, spec):
         plan, *opts = spec.split("+")
         self.plan, self.pdl, self.prefetch, self.ahead, self.rows = plan, False, False, 0, "auto"
-        self.simt, self.nt, self.cfg = 1, None, None
+        self.simt, self.nt, self.cfg, self.tma = 1, None, None, G.PLAN["gemv_tma"]
         ok = plan in G.DECODE_PLANS
         for o in opts:
             if o == "pdl":
@@ -114,6 +114,8 @@ class decode_variant:   # noqa: N801
             elif o[:1] == "t" and o[1:].isdigit() and plan in G.GEMV_PIPE and any(
                     c[0] == int(o[1:]) for c in G.GEMV_PIPE[plan][False]):
                 self.nt = int(o[1:])
+            elif o[:1] == "g" and o[1:] in G.GEMV_TMA_CONFIGS and plan == "tma":
+                self.tma = o[1:]
             elif o[:1] == "c" and plan in G.GEMV_PIPE and tuple(
                     int(v) for v in o[1:].split(".") if v.isdigit()) in G.GEMV_PIPE[plan][False]:
                 self.cfg = tuple(int(v) for v in o[1:].split("."))
@@ -123,7 +125,7 @@ class decode_variant:   # noqa: N801
             raise SystemExit(f"bad decode variant {spec!r}: PLAN[+pdl][+prefetch[N]][+aN|+aauto]"
                              f"[+rN][+sN][+tN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} "
                              "for a, 8 / 16 / 32 for r, 1..16 for s, a pipe plan's NT for t, its "
-                             "NT.U.MINB for c")
+                             "NT.U.MINB for c, a GEMV_TMA_CONFIGS key for g")
 
     def __enter__(self):
         self.old = (dict(G.PLAN), os.environ.get("GPUOPS_PDL"))
@@ -135,6 +137,7 @@ class decode_variant:   # noqa: N801
         G.PLAN["decode"], G.PLAN["gemv_l2_prefetch"] = self.plan, self.prefetch
         G.PLAN["gemv_ahead"], G.PLAN["gemv_rows"] = self.ahead, self.rows
         G.PLAN["gemv_simt_max_m"] = self.simt
+        G.PLAN["gemv_tma"] = self.tma
         os.environ["GPUOPS_PDL"] = "1" if self.pdl else "0"
         config.refresh()
 
@@ -206,6 +209,10 @@ def decode_kernel(variant, M, N, K):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if M <= decode_variant(variant).simt:
         return f"gemv (SIMT) MT={next(m for m in G.GEMV_MT if M <= m)}"
+    if plan == "balanced" and N * K * 2 >= G.GEMV_PIPE_MIN_BYTES:   # _launch_gemv's rule
+        got = G._gemv_pipe_plan(sms, N, K, 1, False, "pipe")
+        if got and got[0] == G.GEMV_PIPE_BALANCED_NT:
+            plan = "pipe"
     if plan in G.GEMV_PIPE:
         with decode_variant(variant):          # (+tN narrows the configurations)
             got = G._gemv_pipe_plan(sms, N, K, 1, False, plan)
@@ -214,6 +221,8 @@ def decode_kernel(variant, M, N, K):
             return f"gemv_mma_pipe NT={nt} U={u} {minb}/SM grid={gx}"
     if plan == "legacy":
         return "gemv_mma NT=4 (legacy split)" if M > 4 else "gemv (SIMT)"
+    if plan == "tma":
+        return f"gemv_mma_tma {decode_variant(variant).tma}"
     v = decode_variant(variant)
     nt, splits, _ = G._gemv_mma_plan(sms, N, K, 1, False, v.rows)
     ahead = G._gemv_mma_ahead(v.ahead, G._cdiv(N, 8 * nt) * splits, G.GEMV_MMA_NT[False][nt] * sms)

@@ -32,8 +32,9 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   decode_m1 / decode_m2 / decode_m2_ahead2 / decode_m2_cublas
                       bf16 linear x [M, 2048] @ w [6144, 2048].T: SIMT gemv (M = 1), gemv_mma
                       (PLAN['gemv_ahead'] 'auto' = 0 here, or 2), cuBLAS
-  decode117_m1 / decode117_m8 / decode117_m8_ahead2 / decode117_m8_cublas / decode117_m8_pipe
-                      the same at w [14336, 4096] (117 MB; M = 8; _pipe: PLAN['decode'] 'pipe')
+  decode117_m1 / decode117_m8 / decode117_m8_ahead2 / decode117_m8_cublas / decode117_m8_pipe /
+  decode117_m8_tma    the same at w [14336, 4096] (117 MB; M = 8; _pipe / _tma: PLAN['decode']
+                      'pipe' / 'tma')
 """
 from __future__ import annotations
 
@@ -228,6 +229,8 @@ TARGETS = {
     "decode117_m8_cublas": _decode(8, peer=True, weight=(14336, 4096)),
     # the 'pipe' plan there (NT = 4 since run 194: 74-77% of copy; the default from 96 MB)
     "decode117_m8_pipe": _decode(8, weight=(14336, 4096), plan="pipe"),
+    # the TMA ring (gemv_mma_tma, PLAN['decode'] 'tma', sm_90)
+    "decode117_m8_tma": _decode(8, weight=(14336, 4096), plan="tma"),
 }
 
 

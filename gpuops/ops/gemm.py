@@ -183,6 +183,20 @@ GEMV_MMA_PIPE = {
         _pipe_expr(d, *c, dual): GEMM_ARGS for dual, lst in cfgs.items() for c in lst},
         dtypes=_HALFS, archs=_TC_ARCHS, pdl=True)
     for plan, cfgs in GEMV_PIPE.items()}
+# gemv_mma_tma (PLAN['decode'] 'tma', sm_90): the weight streamed by TMA (boxes of 8 rows x 256 k)
+# into a shared-memory ring, one persistent block of 8 consumer warps + 1 producer warp per SM.
+# The configurations (PLAN['gemv_tma']): (NT 8-row groups per tile, KC k per chunk, STAGES slots).
+GEMV_TMA_CONFIGS = {"n4k512": (4, 512, 5), "n2k1024": (2, 1024, 5), "n4k256": (4, 256, 8)}
+GEMV_TMA_ARGS = ArgSpec("tensormap", "9P25qf4i")
+GEMV_TMA = _per_dtype("gemv_mma_tma", "gemm/gemv_tma.cu", lambda d: {
+    _kname("gemv_mma_tma", d.ctype, *c): GEMV_TMA_ARGS for c in GEMV_TMA_CONFIGS.values()},
+    dtypes=_HALFS, archs=("90",), pdl=True)
+GEMV_TMA_BOX = (256, 8)           # k x rows of one TMA box (4 KiB of 16-bit weight)
+
+
+def _gemv_tma_smem(nt, kc, stages):
+    """Dynamic shared memory of gemv_mma_tma (GemvTmaSmem in cuda_src/gemm/gemv_tma.cu)."""
+    return stages * nt * (kc // 256) * 8 * 256 * 2 + 2 * 8 * nt * 4 * 32 * 4
 
 # Plan switches, kept so that one run can time the old paths next to the new ones:
 #   "decode": "balanced" (gemv_mma for fp16/bf16 M = 2..16 with the block size and split that
@@ -192,7 +206,11 @@ GEMV_MMA_PIPE = {
 #             M = 2..16 calls run gemv_mma_pipe: persistent blocks, a ring of 4 / 8 KiB of weight
 #             loads in flight per warp, no split-K; calls with too few weight rows for that take
 #             "balanced"'s plan). "balanced" itself runs "pipe" for weights of at least
-#             GEMV_PIPE_MIN_BYTES. Issue 4 / benchmarks/notes_gemm.md "Decode GEMV";
+#             GEMV_PIPE_MIN_BYTES. "tma" (sm_90): gemv_mma_tma where _gemv_tma_applies, else
+#             "balanced" (H200 run 201, bf16 graphs, PDL: 98-100% of copy streaming but 7-11 us
+#             fixed per call against "balanced"'s 96% and 5 us: ahead at the LM head M = 2..8,
+#             behind below 256 MB and at M = 16, so not the default). Issue 4 /
+#             benchmarks/notes_gemm.md "Decode GEMV";
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
@@ -229,13 +247,15 @@ GEMV_MMA_PIPE = {
 #             issued together per warp (0: one step at a time; "auto": _gemv_mma_ahead);
 #   "gemv_rows": "auto" or 8 / 16 / 32: gemv_mma's weight rows per block (8 * NT; "auto": the
 #             plan of _gemv_mma_plan among GEMV_MMA_NT_AUTO).
+#   "gemv_tma": a key of GEMV_TMA_CONFIGS ("tma"'s tile, chunk and ring depth);
 #   "gemv_simt_max_m": fp16/bf16 decode calls with M up to this many rows take the SIMT gemv,
 #             above it gemv_mma (sm_80+, K-contiguous weights; the 'balanced' and pipe plans).
 #             Run 142 (H100, bf16, graphs): M = 2 on a SIMT kernel (an MT = 2 instantiation, since
 #             removed) was slower at [6144, 2048] and [2048, 6144], faster at [4096, 4096]
 #             (14.4 vs 16.5 us) and in SwiGLU; M = 3..4 on MT = 4 slower everywhere: 1 stays.
 PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto",
-        "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto", "gemv_simt_max_m": 1}
+        "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto", "gemv_simt_max_m": 1,
+        "gemv_tma": "n4k512"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -402,7 +422,7 @@ WG_SPLIT_PAIR = 1 << 17              # wgmma split-K of swiglu_linear: partials 
 W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight slice into L2 first
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
-DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE)
+DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE, "tma")
 # 'balanced' runs the 'pipe' plan for weights of at least GEMV_PIPE_MIN_BYTES where that plan
 # picks tiles of GEMV_PIPE_BALANCED_NT n8 tiles (not SwiGLU's pairs: not measured). bf16, graphs
 # of 20 rotated weights, % of copy at M = 2 / 4 / 8 / 16 (balanced -> pipe at NT = 4), H200:
@@ -825,6 +845,15 @@ def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
     return (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0) | (B_KCONTIG if b_kruns else 0)
 
 
+def _gemv_tma_applies(call, p, L, dual):
+    """gemv_mma_tma's conditions: sm_90 (TMA, mbarriers), one weight, not SwiGLU's pair, and a
+    weight TMA can describe as [N, K] with K contiguous (16-byte aligned base and row stride)."""
+    return (effective_arch(call.device) >= 90 and p.batch == 1 and not dual and p.b_sk == 1
+            and p.K > 0 and max(p.N, p.K) < 2 ** 31
+            and tma.check_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * 2,),
+                                GEMV_TMA_BOX, tma.SWIZZLE_NONE) is None)
+
+
 def _launch_gemv(call, p, L, dtype, dual, use_mma):
     itemsize = dtype.itemsize
     vec_w = 16 // itemsize
@@ -836,6 +865,18 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
         sms = device.device_info(call.device).sm_count
+        if plan == "tma" and _gemv_tma_applies(call, p, L, dual):
+            cfg = GEMV_TMA_CONFIGS[PLAN["gemv_tma"]]
+            desc = tma.encode_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * itemsize,),
+                                    GEMV_TMA_BOX, tma.SWIZZLE_NONE)
+            L.splits, L.k_split = 1, 0
+            if PLAN["gemv_l2_prefetch"]:   # the first chunks of each block into L2 first
+                L.flags |= W_PREFETCH
+            kernel = _kernels.get(GEMV_TMA[dtype], _kname("gemv_mma_tma", dtype.ctype, *cfg),
+                                  call.device)
+            kernel.launch((max(1, min(sms, _cdiv(p.N, 8) // cfg[0])), 1, 1), (288, 1, 1),
+                          call.stream, desc, *_gemm_args(p, L, 0), smem=_gemv_tma_smem(*cfg))
+            return
         pipe = plan in GEMV_PIPE and _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, plan)
         if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
             # large weights: the 'pipe' plan where it runs its widest tiles (GEMV_PIPE_MIN_BYTES)

@@ -1,0 +1,210 @@
+// Decode-sized GEMMs on Hopper with the weight streamed by TMA into a shared-memory ring
+// (`PLAN['decode'] = 'tma'`, sm_90, fp16/bf16, M <= 16, a K-contiguous weight whose rows TMA can
+// describe). What it adds over gemv_mma_pipe (gemv_mma.cu): the bytes in flight cost neither
+// registers nor instructions. The pipe kernel keeps its loads in flight in a register ring of
+// 4 KiB per warp (128 registers at NT 4) and spends ~38 instructions per 16-byte load; its time
+// followed its steps per warp, not its bytes (H200 runs 194-197: 75% of copy at [14336, 4096],
+// cuBLAS 88-94%, and every change that added steps or instructions per byte lost). cuBLAS's
+// decode kernel (run 193's ncu: 3.86 TB/s, 164 KB of shared memory) moves the weight with TMA.
+//
+// One persistent block per SM: warp 8 is the producer, warps 0..7 consume. The block owns a
+// contiguous range of 8-row groups (the same count +-1 for every block: a ragged tile costs its
+// bytes, not a full tile's steps) and walks it in tiles of NT groups; a tile is read in chunks
+// of KC k. Per chunk the producer's lane 0 waits for the ring slot to be free, expects the bytes
+// on the slot's mbarrier and issues one box of 8 rows x 256 k (4 KiB) per group and 256 k: one
+// instruction per 4 KiB. (A first version, run 198-199, issued one 1-D bulk copy per row and
+// chunk: ~75 ns per copy per SM whatever its size, 41-67% of copy.) Boxes land dense, rows 512
+// bytes apart, so the 8 rows of one 16-byte load instruction share their banks (8 wavefronts
+// instead of 4: a quarter of the shared memory's bandwidth at the DRAM rate). Elements past K
+// or N arrive as zeros. The consumers wait for the slot; warp w multiplies the chunk's 32-k
+// sub-steps w, w + 8, ... (lane (g, t): the 8 k at 8 t of weight row g of each group, against
+// the same 8 k of rows g and g + 8 of A: gemv_mma's k permutation, so the fragments are the
+// 16-byte words), A loaded two chunks ahead (the ring leaves L1 ~20 KiB: A comes from L2), then
+// frees the slot (one arrival per warp). At a tile's end the 8 warps' sums meet in shared memory
+// (two buffers, one barrier of the 256 consumer threads per tile) and the epilogue runs. Rows
+// past the block's range are not loaded: their columns of the product are garbage (an mma's
+// column n depends only on weight row n) and never stored.
+#include "gemm/gemv_common.cuh"
+#include "common/mma.cuh"
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+#include "common/wgmma.cuh"   // mbarriers, TMA
+#endif
+
+namespace gpuops {
+namespace gemm {
+
+constexpr int kGtConsumers = 8, kGtThreads = (kGtConsumers + 1) * 32;
+
+// Dynamic shared memory of one block: the ring, then the two reduction buffers.
+// Slot layout: box (group n, 256-k part b) at (n * KC / 256 + b) * 4 KiB, row r of it at r * 512.
+template <int NT, int KC, int STAGES>
+struct GemvTmaSmem {
+  static constexpr int kBoxBytes = 8 * 256 * 2;
+  static constexpr int kStageBytes = NT * (KC / 256) * kBoxBytes;
+  static constexpr int kRedBytes = 2 * kGtConsumers * NT * 4 * 32 * 4;
+  static constexpr int kBytes = STAGES * kStageBytes + kRedBytes;
+};
+
+template <class T, int NT, int KC, int STAGES>
+__global__ void __launch_bounds__(kGtThreads, 1)
+    gemv_mma_tma(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  static_assert(sizeof(T) == 2 && KC % 256 == 0, "16-bit weights, chunks of whole warp rounds");
+  using Smem = GemvTmaSmem<NT, KC, STAGES>;
+  constexpr int kRows = NT * 8, kVals = NT * 4;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long bars[2 * STAGES];   // full[s], then empty[s]
+  float(*red)[kGtConsumers][kVals][32] =
+      reinterpret_cast<float(*)[kGtConsumers][kVals][32]>(smem + STAGES * Smem::kStageBytes);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const unsigned int full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, kGtConsumers);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  // the block's rows [n_lo, n_hi): 8-row groups [r0, r1); the host keeps gridDim.x <= groups
+  const long long groups = (p.N + 7) / 8;
+  const long long r0 = groups * blockIdx.x / gridDim.x, r1 = groups * (blockIdx.x + 1) / gridDim.x;
+  const long long n_lo = 8 * r0, n_hi = 8 * r1 < p.N ? 8 * r1 : p.N;
+  const int my_tiles = (int)((r1 - r0 + NT - 1) / NT);
+  const long long chunks = (p.K + KC - 1) / KC;
+  // kWPrefetch (PLAN['gemv_l2_prefetch']): the first tile's first STAGES chunks asked into L2
+  // before the PDL wait (prefetch_weight_rows' reasoning, gemv_common.cuh: L2 is coherent, so
+  // this is safe where loading them into shared memory before the wait would not be)
+  if (warp == kGtConsumers && (p.flags & kWPrefetch) && lane < kRows && n_lo + lane < n_hi) {
+    const long long kb = p.K < (long long)STAGES * KC ? p.K : (long long)STAGES * KC;
+    const unsigned int bytes = (unsigned int)(kb * 2) & ~15u;
+    if (bytes != 0u) l2_prefetch_bulk(static_cast<const T*>(p.b) + (n_lo + lane) * p.b_sn, bytes);
+  }
+  pdl_start();
+  if (warp == kGtConsumers) {                       // the producer
+    if (lane == 0) {
+      tma_prefetch_desc(&tma_w);
+      long long q = 0;                              // chunks issued so far
+      for (int i = 0; i < my_tiles; ++i) {
+        const long long n0 = n_lo + (long long)i * kRows;
+        const int nv = (int)((n_hi - n0 + 7) / 8 < NT ? (n_hi - n0 + 7) / 8 : NT);   // groups
+        for (long long c = 0; c < chunks; ++c, ++q) {
+          const int s = (int)(q % STAGES);
+          if (q >= STAGES) mbar_wait(empty0 + 8 * s, (unsigned int)((q / STAGES) & 1) ^ 1u);
+          mbar_arrive_expect_tx(full0 + 8 * s, nv * (KC / 256) * Smem::kBoxBytes);
+          const unsigned int dst = smem_u32(smem + s * Smem::kStageBytes);
+          for (int n = 0; n < nv; ++n)
+#pragma unroll
+            for (int b = 0; b < KC / 256; ++b)
+              tma_load_2d(dst + (n * (KC / 256) + b) * Smem::kBoxBytes, &tma_w, full0 + 8 * s,
+                          (int)(c * KC + 256 * b), (int)(n0 + 8 * n));
+        }
+      }
+    }
+    return;
+  }
+
+  // the consumers
+  constexpr int kSub = KC / 256;                    // 32-k sub-steps of a warp per chunk
+  const int g = lane / 4, t = lane % 4;
+  const bool x_vec = p.flags & kAVec;
+  const bool lo_row = g < p.M, hi_row = g + 8 < p.M;
+  const T* x_lo = static_cast<const T*>(p.a) + g * p.a_sm;
+  const T* x_hi = static_cast<const T*>(p.a) + (g + 8) * p.a_sm;
+  const BatchOffsets o = batch_offsets(p, 0);
+  // This warp's rows of A for chunk c (the same for every tile), loaded two chunks before their
+  // mma: the ring leaves L1 ~20 KiB, so A comes from L2 (run 198's ncu: L1 hit rate 1.5%, the
+  // consumers' loads of A in the same chunk set the pace, 46% of copy at [14336, 4096]).
+  auto load_x = [&](long long c, uint4 (&xs)[kSub][2]) {
+#pragma unroll
+    for (int h = 0; h < kSub; ++h) {
+      const long long k = c * KC + 32 * (warp + kGtConsumers * h) + 8 * t;
+      const long long nk = p.K - k;
+      const bool full = nk >= 8;
+      xs[h][0] = make_uint4(0u, 0u, 0u, 0u);
+      xs[h][1] = xs[h][0];
+      if (lo_row) xs[h][0] = (x_vec && full) ? load_cached16(x_lo + k)
+                                             : gather16(x_lo + k * p.a_sk, p.a_sk, nk);
+      if (hi_row) xs[h][1] = (x_vec && full) ? load_cached16(x_hi + k)
+                                             : gather16(x_hi + k * p.a_sk, p.a_sk, nk);
+    }
+  };
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+
+  const long long total = (long long)my_tiles * chunks;   // chunks this block consumes
+  uint4 xr[2][kSub][2];                             // A of chunks q and q + 1 (static slots)
+  if (total > 0) load_x(0, xr[0]);
+  if (total > 1) load_x(1 % chunks, xr[1]);
+  long long q = 0;
+  int buf = 0;
+  while (q < total) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (q < total) {                              // block-uniform
+        const long long c = q % chunks;
+        const int s = (int)(q % STAGES);
+        mbar_wait(full0 + 8 * s, (unsigned int)((q / STAGES) & 1));
+        const unsigned char* slot = smem + s * Smem::kStageBytes;
+#pragma unroll
+        for (int h = 0; h < kSub; ++h) {
+          const int j = warp + kGtConsumers * h;
+          if (c * KC + 32 * j < p.K) {              // warp-uniform
+            const unsigned int a0[4] = {xr[u][h][0].x, xr[u][h][1].x, xr[u][h][0].y,
+                                        xr[u][h][1].y};   // gemv_mma's k permutation
+            const unsigned int a1[4] = {xr[u][h][0].z, xr[u][h][1].z, xr[u][h][0].w,
+                                        xr[u][h][1].w};
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              // box (n, h), row g, k 32 warp + 8 t of its 256 (zeros past K: TMA's fill)
+              const uint4 wv = *reinterpret_cast<const uint4*>(
+                  slot + (n * kSub + h) * Smem::kBoxBytes + g * 512 + (32 * warp + 8 * t) * 2);
+              Mma<T>::run(acc[n], a0, wv.x, wv.y);
+              Mma<T>::run(acc[n], a1, wv.z, wv.w);
+            }
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);   // this warp is done with the slot
+        if (q + 2 < total) load_x((q + 2) % chunks, xr[u]);
+        if (c == chunks - 1) {                      // the tile ends: sums over the 8 warps
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+              red[buf][warp][n * 4 + cc][lane] = acc[n][cc];
+              acc[n][cc] = 0.0f;
+            }
+          named_bar_sync(1, kGtConsumers * 32);
+          const long long n0 = n_lo + (q / chunks) * kRows;
+          for (int e = tid; e < NT * 4 * 32; e += kGtConsumers * 32) {
+            const int l = e % 32, cc = (e / 32) % 4, n = e / 128;
+            const long long m = l / 4 + (cc >= 2 ? 8 : 0);
+            const long long col = n0 + 8 * n + 2 * (l % 4) + (cc & 1);
+            if (m >= p.M || col >= n_hi) continue;
+            float v = 0.0f;
+#pragma unroll
+            for (int ww = 0; ww < kGtConsumers; ++ww) v += red[buf][ww][n * 4 + cc][l];
+            const float vv[1] = {v};
+            epilogue_run<T, 1>(p, o, m, col, vv);
+          }
+          // no second barrier: red[buf] is written again two tiles on, after the next barrier
+          buf ^= 1;
+        }
+        ++q;
+      }
+    }
+  }
+#else
+  __trap();   // not reached: the module is built for sm_90 only
+#endif
+}
+
+}  // namespace gemm
+}  // namespace gpuops
