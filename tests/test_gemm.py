@@ -1200,13 +1200,14 @@ def test_emulated_gemv_tma_routing(monkeypatch, rng):
             mod, expr, grid, block, smem, args = got[0]
             assert mod == "gemm.gemv_mma_tma_bf16" and expr == G._kname(
                 "gemv_mma_tma", dt.bfloat16.ctype, *cfg), (mod, expr)
-            assert grid == (max(1, min(132, -(-n_rows // 8) // cfg[0])), 1, 1), grid
+            assert grid == (max(1, min(132 * cfg[3], -(-n_rows // 8) // cfg[0])), 1, 1), grid
+            assert smem * cfg[3] <= 233472 - 1024 * cfg[3]          # the blocks fit the SM
             assert block == (288, 1, 1) and smem == G._gemv_tma_smem(*cfg) <= 232448
             assert args[0] == b"m" * 128 and len(maps) == 1
             _, dtype_id, dims, strides, box, swizzle = maps[0]
             assert (dims, strides, box, swizzle) == ((K, n_rows), (2 * K,), (256, 8),
                                                      G.tma.SWIZZLE_NONE)
-    monkeypatch.setitem(G.PLAN, "gemv_tma", "n4k512")
+    monkeypatch.setitem(G.PLAN, "gemv_tma", "n4k512b2")
     for what, run in (
             ("batched", lambda: e.run("matmul", f, e.arr(_emu_rand(rng, (2, M, K)), f),
                                       e.arr(_emu_rand(rng, (2, N, K)), f).transpose(0, 2, 1))),
@@ -1218,6 +1219,15 @@ def test_emulated_gemv_tma_routing(monkeypatch, rng):
         got.clear()
         run()
         assert got and not any("tma" in k[1] for k in got), (what, got)
+    # 'balanced' takes 'tma' from GEMV_TMA_MIN_BYTES where every block has a whole tile
+    # (ceil(N / 8) >= NT x blocks per SM x SMs: 4 x 2 x 132 = 1056 groups for n4k512b2)
+    monkeypatch.setitem(G.PLAN, "decode", "balanced")
+    for n_rows, min_bytes, want in ((8448, 8448 * K * 2, True), (8448, 8448 * K * 2 + 1, False),
+                                    (8440, 1, False)):
+        monkeypatch.setattr(G, "GEMV_TMA_MIN_BYTES", min_bytes)
+        got.clear()
+        e.run("matmul", f, x, e.arr(_emu_rand(rng, (n_rows, K)), f).T)
+        assert any("gemv_mma_tma" in k[1] for k in got) == want, (n_rows, min_bytes, got)
 
 
 @needs_emu

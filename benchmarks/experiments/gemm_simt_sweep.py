@@ -209,7 +209,11 @@ def decode_kernel(variant, M, N, K):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if M <= decode_variant(variant).simt:
         return f"gemv (SIMT) MT={next(m for m in G.GEMV_MT if M <= m)}"
-    if plan == "balanced" and N * K * 2 >= G.GEMV_PIPE_MIN_BYTES:   # _launch_gemv's rule
+    tma_cfg = G.GEMV_TMA_CONFIGS[decode_variant(variant).tma]
+    if plan == "balanced" and N * K * 2 >= G.GEMV_TMA_MIN_BYTES and (   # _launch_gemv's rules
+            G._cdiv(N, 8) >= tma_cfg[0] * tma_cfg[3] * sms):
+        plan = "tma"
+    if plan == "balanced" and N * K * 2 >= G.GEMV_PIPE_MIN_BYTES:
         got = G._gemv_pipe_plan(sms, N, K, 1, False, "pipe")
         if got and got[0] == G.GEMV_PIPE_BALANCED_NT:
             plan = "pipe"

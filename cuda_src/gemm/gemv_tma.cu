@@ -45,8 +45,9 @@ struct GemvTmaSmem {
   static constexpr int kBytes = STAGES * kStageBytes + kRedBytes;
 };
 
-template <class T, int NT, int KC, int STAGES>
-__global__ void __launch_bounds__(kGtThreads, 1)
+// MINB: blocks per SM of the launch bounds (the host's grid is MINB x the SMs at most).
+template <class T, int NT, int KC, int STAGES, int MINB>
+__global__ void __launch_bounds__(kGtThreads, MINB)
     gemv_mma_tma(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(sizeof(T) == 2 && KC % 256 == 0, "16-bit weights, chunks of whole warp rounds");

@@ -185,8 +185,18 @@ GEMV_MMA_PIPE = {
     for plan, cfgs in GEMV_PIPE.items()}
 # gemv_mma_tma (PLAN['decode'] 'tma', sm_90): the weight streamed by TMA (boxes of 8 rows x 256 k)
 # into a shared-memory ring, one persistent block of 8 consumer warps + 1 producer warp per SM.
-# The configurations (PLAN['gemv_tma']): (NT 8-row groups per tile, KC k per chunk, STAGES slots).
-GEMV_TMA_CONFIGS = {"n4k512": (4, 512, 5), "n2k1024": (2, 1024, 5), "n4k256": (4, 256, 8)}
+# The configurations (PLAN['gemv_tma']): (NT 8-row groups per tile, KC k per chunk, STAGES slots,
+# blocks per SM).
+# Run 203 (H200, bf16 graphs, PDL): two blocks per SM of 2 slots each ("n4k512b2") against one of
+# 5 ("n4k512"): [14336, 4096] M = 2..16 88.3 / 88.6 / 87.3 / 82.1% of copy against 73.0 / 71.8 /
+# 70.7 / 63.0 ('balanced' 77.9 / 77.8 / 77.5 / 75.0); [151936, 2048] 98.6-99.2 / 97.7; [32768,
+# 4096] 95.6-96.9 / 92.6. Below a whole tile per block ([4096, 14336]: 2 groups per block) and at
+# 25 MB it lost to 'balanced'. 'balanced' takes it for weights of >= GEMV_TMA_MIN_BYTES where
+# every block has a whole tile (ceil(N / 8) >= NT x blocks).
+GEMV_TMA_CONFIGS = {"n4k512b2": (4, 512, 2, 2), "n4k512": (4, 512, 5, 1),
+                    "n2k1024": (2, 1024, 5, 1), "n4k256": (4, 256, 8, 1),
+                    "n4k256b2": (4, 256, 4, 2)}
+GEMV_TMA_MIN_BYTES = 96 << 20
 GEMV_TMA_ARGS = ArgSpec("tensormap", "9P25qf4i")
 GEMV_TMA = _per_dtype("gemv_mma_tma", "gemm/gemv_tma.cu", lambda d: {
     _kname("gemv_mma_tma", d.ctype, *c): GEMV_TMA_ARGS for c in GEMV_TMA_CONFIGS.values()},
@@ -194,7 +204,7 @@ GEMV_TMA = _per_dtype("gemv_mma_tma", "gemm/gemv_tma.cu", lambda d: {
 GEMV_TMA_BOX = (256, 8)           # k x rows of one TMA box (4 KiB of 16-bit weight)
 
 
-def _gemv_tma_smem(nt, kc, stages):
+def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):
     """Dynamic shared memory of gemv_mma_tma (GemvTmaSmem in cuda_src/gemm/gemv_tma.cu)."""
     return stages * nt * (kc // 256) * 8 * 256 * 2 + 2 * 8 * nt * 4 * 32 * 4
 
@@ -205,12 +215,11 @@ def _gemv_tma_smem(nt, kc, stages):
 #             the GPU 4 times over), or "pipe" / "pipe_deep" (as "balanced", but gemv_mma's
 #             M = 2..16 calls run gemv_mma_pipe: persistent blocks, a ring of 4 / 8 KiB of weight
 #             loads in flight per warp, no split-K; calls with too few weight rows for that take
-#             "balanced"'s plan). "balanced" itself runs "pipe" for weights of at least
-#             GEMV_PIPE_MIN_BYTES. "tma" (sm_90): gemv_mma_tma where _gemv_tma_applies, else
-#             "balanced" (H200 run 201, bf16 graphs, PDL: 98-100% of copy streaming but 7-11 us
-#             fixed per call against "balanced"'s 96% and 5 us: ahead at the LM head M = 2..8,
-#             behind below 256 MB and at M = 16, so not the default). Issue 4 /
-#             benchmarks/notes_gemm.md "Decode GEMV";
+#             "balanced"'s plan). "tma" (sm_90): gemv_mma_tma where _gemv_tma_applies, else
+#             "balanced". "balanced" itself runs "tma" for weights of at least
+#             GEMV_TMA_MIN_BYTES with a whole tile per block (where TMA applies), else "pipe"
+#             for weights of at least GEMV_PIPE_MIN_BYTES. Issue 4 / benchmarks/notes_gemm.md
+#             "Decode GEMV";
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
 #             configuration of the fp16/bf16/int8 mma kernels (A/B timing, tests); a forced
 #             configuration that needs more shared memory than the device has falls back to
@@ -255,7 +264,7 @@ def _gemv_tma_smem(nt, kc, stages):
 #             (14.4 vs 16.5 us) and in SwiGLU; M = 3..4 on MT = 4 slower everywhere: 1 stays.
 PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto",
         "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto", "gemv_simt_max_m": 1,
-        "gemv_tma": "n4k512"}
+        "gemv_tma": "n4k512b2"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -865,8 +874,11 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
         sms = device.device_info(call.device).sm_count
-        if plan == "tma" and _gemv_tma_applies(call, p, L, dual):
-            cfg = GEMV_TMA_CONFIGS[PLAN["gemv_tma"]]
+        cfg = GEMV_TMA_CONFIGS[PLAN["gemv_tma"]]
+        # 'balanced' takes 'tma' for large weights with a whole tile for every block (run 203)
+        tma_auto = (plan == "balanced" and p.N * p.K * itemsize >= GEMV_TMA_MIN_BYTES
+                    and _cdiv(p.N, 8) >= cfg[0] * cfg[3] * sms)
+        if (plan == "tma" or tma_auto) and _gemv_tma_applies(call, p, L, dual):
             desc = tma.encode_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * itemsize,),
                                     GEMV_TMA_BOX, tma.SWIZZLE_NONE)
             L.splits, L.k_split = 1, 0
@@ -874,8 +886,9 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
                 L.flags |= W_PREFETCH
             kernel = _kernels.get(GEMV_TMA[dtype], _kname("gemv_mma_tma", dtype.ctype, *cfg),
                                   call.device)
-            kernel.launch((max(1, min(sms, _cdiv(p.N, 8) // cfg[0])), 1, 1), (288, 1, 1),
-                          call.stream, desc, *_gemm_args(p, L, 0), smem=_gemv_tma_smem(*cfg))
+            grid = max(1, min(cfg[3] * sms, _cdiv(p.N, 8) // cfg[0]))
+            kernel.launch((grid, 1, 1), (288, 1, 1), call.stream, desc, *_gemm_args(p, L, 0),
+                          smem=_gemv_tma_smem(*cfg))
             return
         pipe = plan in GEMV_PIPE and _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, plan)
         if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
