@@ -1118,6 +1118,24 @@ def test_emulated_register_tiled_vec4(monkeypatch, rng):
             _check(_cpu(out), _cpu(a), _cpu(b), "float32", what=f"{name} {(M, N, K)}")
 
 
+def _check_linear_in_graph(dtype, what):
+    """go.linear x [8, 4096] @ w [6144, 4096].T under the current PLAN, warmed up on a side stream,
+    captured in a CUDA graph and replayed after x is overwritten: the replay reads the new x."""
+    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.linear(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.linear(x, w)
+    x.copy_(_randn((8, 4096), dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y, x, w.T, dtype, what=what)
+
+
 PIPE_CASES = [(plan, dual, cfg) for plan, per in G.GEMV_PIPE.items() for dual, cfgs in per.items()
               for cfg in cfgs]
 
@@ -1742,19 +1760,7 @@ def test_gpu_gemv_mma_pipe(case, dtype, monkeypatch):
             _check(out, x, w.T, dtype, bias=bias, act="gelu", residual=res,
                    what=f"{case} {(M, N, K)}")
     assert set(launched) == {G._pipe_expr(dt.BY_NAME[dtype], nt, u, minb, dual)}, launched
-    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        go.linear(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = go.linear(x, w)
-    x.copy_(_randn((8, 4096), dtype))
-    graph.replay()
-    torch.cuda.synchronize()
-    _check(y, x, w.T, dtype, what=f"{case} graph")
+    _check_linear_in_graph(dtype, f"{case} graph")
 
 
 @gpu
@@ -1800,19 +1806,7 @@ def test_gpu_gemv_mma_tma(cfg, dtype, monkeypatch):
         out = go.matmul(x, w.transpose(-1, -2), variant="gemv_mma")
         _check(out, x, w.transpose(-1, -2), dtype, what=f"{cfg} {what}")
         assert launched and expr not in launched, (what, launched)
-    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        go.linear(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = go.linear(x, w)
-    x.copy_(_randn((8, 4096), dtype))
-    graph.replay()
-    torch.cuda.synchronize()
-    _check(y, x, w.T, dtype, what=f"{cfg} graph")
+    _check_linear_in_graph(dtype, f"{cfg} graph")
 
 
 @gpu
