@@ -41,6 +41,21 @@ __device__ __forceinline__ uint4 gather16(const T* p, long long step, long long 
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Rows g and g + 8 of A (lo, hi: their first elements) at k .. k + 7 for the tensor-core GEMVs
+// (16-bit A; the words are the mma's A fragment under gemv_mma's k permutation): one 16-byte load
+// through L1 each where A is vector-readable (vec) and the pack whole, else gathered with zeros
+// past nk elements; zeros for a row past M (lo_row / hi_row false).
+template <class T>
+__device__ __forceinline__ void load_a_pair16(const T* lo, const T* hi, long long k, long long nk,
+                                              long long a_sk, bool lo_row, bool hi_row, bool vec,
+                                              uint4& xl, uint4& xh) {
+  const bool full = nk >= 8;
+  xl = make_uint4(0u, 0u, 0u, 0u);
+  xh = xl;
+  if (lo_row) xl = (vec && full) ? load_cached16(lo + k) : gather16(lo + k * a_sk, a_sk, nk);
+  if (hi_row) xh = (vec && full) ? load_cached16(hi + k) : gather16(hi + k * a_sk, a_sk, nk);
+}
+
 // The flag (GemmArgs::flags) that asks the K-contiguous GEMV kernels to prefetch their weight
 // slice into L2 before pdl_start (host: PLAN['gemv_l2_prefetch']); flags bits 8..15: the bytes of
 // each row's slice to prefetch / 256 (0: all of it).

@@ -74,12 +74,8 @@ __global__ void __launch_bounds__(kGmThreads, (DUAL ? 2 : 1) * NT <= 2 ? 3 : 2) 
 
   // one step: the rows of A at k .. k + 7 (zeros past nk), multiplied with the weight packs w
   auto mma_step = [&](long long k, long long nk, const uint4 (&w)[kNB][kNT]) {
-    const bool full = nk >= 8;
-    uint4 xl = make_uint4(0u, 0u, 0u, 0u), xh = xl;
-    if (lo_row) xl = (x_vec && full) ? load_cached16(x_lo + k)
-                                     : gather16(x_lo + k * p.a_sk, p.a_sk, nk);
-    if (hi_row) xh = (x_vec && full) ? load_cached16(x_hi + k)
-                                     : gather16(x_hi + k * p.a_sk, p.a_sk, nk);
+    uint4 xl, xh;
+    load_a_pair16(x_lo, x_hi, k, nk, p.a_sk, lo_row, hi_row, x_vec, xl, xh);
     const unsigned int a0[4] = {xl.x, xh.x, xl.y, xh.y};   // step 0: words 0, 1
     const unsigned int a1[4] = {xl.z, xh.z, xl.w, xh.w};   // step 1: words 2, 3
 #pragma unroll
@@ -265,13 +261,8 @@ __global__ void __launch_bounds__(kGmThreads, MINB) gemv_mma_pipe(GemmArgs p) {
     for (int u = 0; u < U; ++u) {
       if (ci < my_tiles) {                          // block-uniform
         const long long k = kw + 256ll * cj + 8 * t;
-        const long long nk = p.K - k;
-        const bool full = nk >= 8;
-        uint4 xl = make_uint4(0u, 0u, 0u, 0u), xh = xl;
-        if (lo_row) xl = (x_vec && full) ? load_cached16(x_lo + k)
-                                         : gather16(x_lo + k * p.a_sk, p.a_sk, nk);
-        if (hi_row) xh = (x_vec && full) ? load_cached16(x_hi + k)
-                                         : gather16(x_hi + k * p.a_sk, p.a_sk, nk);
+        uint4 xl, xh;
+        load_a_pair16(x_lo, x_hi, k, p.K - k, p.a_sk, lo_row, hi_row, x_vec, xl, xh);
         const unsigned int a0[4] = {xl.x, xh.x, xl.y, xh.y};   // the k permutation of gemv_mma
         const unsigned int a1[4] = {xl.z, xh.z, xl.w, xh.w};
 #pragma unroll

@@ -7,7 +7,9 @@
 // cuBLAS 88-94%, and every change that added steps or instructions per byte lost). cuBLAS's
 // decode kernel (run 193's ncu: 3.86 TB/s, 164 KB of shared memory) moves the weight with TMA.
 //
-// One persistent block per SM: warp 8 is the producer, warps 0..7 consume. The block owns a
+// MINB persistent blocks per SM (the default configuration: 2 blocks of 2 slots; one block of 5
+// slots lost 7-10 us per call to its tile ends and start, run 203): warp 8 is the producer, warps
+// 0..7 consume. The block owns a
 // contiguous range of 8-row groups (the same count +-1 for every block: a ragged tile costs its
 // bytes, not a full tile's steps) and walks it in tiles of NT groups; a tile is read in chunks
 // of KC k. Per chunk the producer's lane 0 waits for the ring slot to be free, expects the bytes
@@ -41,8 +43,7 @@ template <int NT, int KC, int STAGES>
 struct GemvTmaSmem {
   static constexpr int kBoxBytes = 8 * 256 * 2;
   static constexpr int kStageBytes = NT * (KC / 256) * kBoxBytes;
-  static constexpr int kRedBytes = 2 * kGtConsumers * NT * 4 * 32 * 4;
-  static constexpr int kBytes = STAGES * kStageBytes + kRedBytes;
+  // (host: _gemv_tma_smem = STAGES x kStageBytes + 2 sum buffers of 8 x NT x 4 x 32 floats)
 };
 
 // MINB: blocks per SM of the launch bounds (the host's grid is MINB x the SMs at most).
@@ -123,14 +124,7 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
 #pragma unroll
     for (int h = 0; h < kSub; ++h) {
       const long long k = c * KC + 32 * (warp + kGtConsumers * h) + 8 * t;
-      const long long nk = p.K - k;
-      const bool full = nk >= 8;
-      xs[h][0] = make_uint4(0u, 0u, 0u, 0u);
-      xs[h][1] = xs[h][0];
-      if (lo_row) xs[h][0] = (x_vec && full) ? load_cached16(x_lo + k)
-                                             : gather16(x_lo + k * p.a_sk, p.a_sk, nk);
-      if (hi_row) xs[h][1] = (x_vec && full) ? load_cached16(x_hi + k)
-                                             : gather16(x_hi + k * p.a_sk, p.a_sk, nk);
+      load_a_pair16(x_lo, x_hi, k, p.K - k, p.a_sk, lo_row, hi_row, x_vec, xs[h][0], xs[h][1]);
     }
   };
   float acc[NT][4];

@@ -184,7 +184,7 @@ GEMV_MMA_PIPE = {
         dtypes=_HALFS, archs=_TC_ARCHS, pdl=True)
     for plan, cfgs in GEMV_PIPE.items()}
 # gemv_mma_tma (PLAN['decode'] 'tma', sm_90): the weight streamed by TMA (boxes of 8 rows x 256 k)
-# into a shared-memory ring, one persistent block of 8 consumer warps + 1 producer warp per SM.
+# into a shared-memory ring; persistent blocks (1 or 2 per SM) of 8 consumer warps + 1 producer.
 # The configurations (PLAN['gemv_tma']): (NT 8-row groups per tile, KC k per chunk, STAGES slots,
 # blocks per SM).
 # Run 203 (H200, bf16 graphs, PDL): two blocks per SM of 2 slots each ("n4k512b2") against one of
@@ -204,7 +204,7 @@ GEMV_TMA = _per_dtype("gemv_mma_tma", "gemm/gemv_tma.cu", lambda d: {
 GEMV_TMA_BOX = (256, 8)           # k x rows of one TMA box (4 KiB of 16-bit weight)
 
 
-def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):
+def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):   # (takes a whole GEMV_TMA_CONFIGS entry)
     """Dynamic shared memory of gemv_mma_tma (GemvTmaSmem in cuda_src/gemm/gemv_tma.cu)."""
     return stages * nt * (kc // 256) * 8 * 256 * 2 + 2 * 8 * nt * 4 * 32 * 4
 
