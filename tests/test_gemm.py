@@ -293,7 +293,22 @@ def test_decode_plans():
     assert G._l1_split(4, 4096, 4, 1, 0) == (1, 0)             # 64 KB: fits already
     assert G._l1_split(16, 4096, 4, 8, 512) == (8, 512)        # already split finer
     assert set(G.PLAN) == {"decode", "mma_tiles", "wgmma", "warp_tiled", "gemv_l2_prefetch",
-                           "gemv_ahead", "gemv_rows", "gemv_simt_max_m", "gemv_tma"}
+                           "gemv_ahead", "gemv_rows", "gemv_simt_max_m", "gemv_tma",
+                           "gemv_tma_split"}
+    # the 'tma' plan's K split (KS, clusters): whole tiles for >= 90% of the 264 block slots of
+    # an H200 / H100 with the fewest blocks per cluster; each rank >= 2 chunks of 512 k
+    split = G._gemv_tma_split
+    assert split(132, 14336, 4096, "n4k512b2") == (1, 264)      # 448 tiles
+    assert split(132, 8192, 28672, "n4k512b2") == (1, 256)      # 256 tiles: 97%
+    assert split(132, 4096, 14336, "n4k512b2") == (2, 128)      # 128 tiles: KS 1 fills 48%
+    assert split(132, 2048, 14336, "n4k512b2") == (2, 64)       # the best fill, 48%
+    assert split(132, 2048, 1536, "n4k512b2") == (1, 64)        # 3 chunks: KS 2 needs 4
+    assert split(132, 4096, 14336, "n4k512") == (1, 128)        # not built split
+    assert split(132, 14336, 4096, "n4k512b2", 2) == (2, 132)   # forced
+    assert split(132, 4096, 14336, "n4k512b2", 1) == (1, 128)
+    assert split(132, 4096, 512, "n4k512b2", 2) == (1, 128)     # 1 chunk: fewer than KS
+    with pytest.raises(ValueError, match="gemv_tma_split"):
+        split(132, 4096, 14336, "n4k512b2", 4)
     # fp16/bf16 decode rows above PLAN['gemv_simt_max_m'] go to gemv_mma (sm_80+)
     choose = lambda M: G._choose("matmul", None, dt.bfloat16, 90, M, False, True)  # noqa: E731
     assert [choose(M) for M in (1, 2, 3, 16)] == ["gemv", "gemv_mma", "gemv_mma", "gemv_mma"]
@@ -1240,12 +1255,39 @@ def test_emulated_gemv_tma_routing(monkeypatch, rng):
     # 'balanced' takes 'tma' from GEMV_TMA_MIN_BYTES where every block has a whole tile
     # (ceil(N / 8) >= NT x blocks per SM x SMs: 4 x 2 x 132 = 1056 groups for n4k512b2)
     monkeypatch.setitem(G.PLAN, "decode", "balanced")
+    # (K = 1000: 2 chunks, too few to split): 7584 rows = 237 tiles of 4 groups, 89.8% of the
+    # 264 block slots; 7616 rows: 238 tiles, 90.2%
     for n_rows, min_bytes, want in ((8448, 8448 * K * 2, True), (8448, 8448 * K * 2 + 1, False),
-                                    (8440, 1, False)):
+                                    (7616, 1, True), (7584, 1, False)):
         monkeypatch.setattr(G, "GEMV_TMA_MIN_BYTES", min_bytes)
         got.clear()
         e.run("matmul", f, x, e.arr(_emu_rand(rng, (n_rows, K)), f).T)
         assert any("gemv_mma_tma" in k[1] for k in got) == want, (n_rows, min_bytes, got)
+    # too few rows for whole tiles: K split over clusters of 2 blocks where K has >= 2 chunks
+    # per rank (of 4 where GEMV_TMA_SPLITS has it); the grid is clusters x KS (the emulator's
+    # kernels cannot say how many clusters are resident: no cut)
+    monkeypatch.setattr(G, "GEMV_TMA_MIN_BYTES", 1)
+    for n_rows, k, want in ((4096, 2048, (2, 128)), (2048, 8192, None), (2048, 2048, None),
+                            (4096, 1536, None)):
+        got.clear()
+        xk = e.arr(_emu_rand(rng, (M, k)), f)
+        out = e.run("matmul", f, xk, e.arr(_emu_rand(rng, (n_rows, k)), f).T)
+        tma_runs = [g for g in got if "gemv_mma_tma" in g[1]]
+        if want is None:   # (2048 rows: KS 2 fills 48%; 4096 x 1536: 3 chunks)
+            assert not tma_runs, (n_rows, k, got)
+            continue
+        ks, clusters = want
+        assert len(tma_runs) == 1 and tma_runs[0][1] == G._kname(
+            "gemv_mma_tma_split", dt.bfloat16.ctype, *G.GEMV_TMA_CONFIGS["n4k512b2"], ks), got
+        assert tma_runs[0][2] == (clusters * ks, 1, 1), tma_runs[0][2]
+        assert tma_runs[0][4] == G._gemv_tma_smem(*G.GEMV_TMA_CONFIGS["n4k512b2"], ks)
+        assert tma_runs[0][4] * 2 <= 233472 - 2048             # two blocks still fit the SM
+    monkeypatch.setattr(G, "GEMV_TMA_SPLITS", (2, 4))
+    got.clear()
+    e.run("matmul", f, e.arr(_emu_rand(rng, (M, 8192)), f),
+          e.arr(_emu_rand(rng, (2048, 8192)), f).T)
+    assert [g[1:3] for g in got] == [(G._kname("gemv_mma_tma_split", dt.bfloat16.ctype,
+                                               *G.GEMV_TMA_CONFIGS["n4k512b2"], 4), (256, 1, 1))]
 
 
 @needs_emu
@@ -1778,6 +1820,7 @@ def test_gpu_gemv_mma_tma(cfg, dtype, monkeypatch):
     monkeypatch.setenv("GPUOPS_DEBUG_POISON", "1")
     monkeypatch.setitem(G.PLAN, "decode", "tma")
     monkeypatch.setitem(G.PLAN, "gemv_tma", cfg)
+    monkeypatch.setitem(G.PLAN, "gemv_tma_split", 1)   # (the split kernel: the test below)
     launched = []
     get = G._kernels.get
     monkeypatch.setattr(G._kernels, "get", lambda m, e, d: launched.append(e) or get(m, e, d))
@@ -1807,6 +1850,42 @@ def test_gpu_gemv_mma_tma(cfg, dtype, monkeypatch):
         _check(out, x, w.transpose(-1, -2), dtype, what=f"{cfg} {what}")
         assert launched and expr not in launched, (what, launched)
     _check_linear_in_graph(dtype, f"{cfg} graph")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("ks", G.GEMV_TMA_SPLITS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_gemv_mma_tma_split(ks, dtype, monkeypatch):
+    """gemv_mma_tma_split (K split over clusters of KS blocks, rank 0 adding the others' sums
+    through distributed shared memory), KS forced, outputs poisoned: one tile per cluster, many
+    (the ranks' 'buffer free' barriers pass through both parities several times), ragged tiles,
+    K slices of unequal chunk counts, K tails inside a chunk and a 16-byte pack, M = 1..16, the
+    fused epilogue, a CUDA graph replayed with new data; K with fewer chunks than KS runs the
+    plain kernel."""
+    if _arch() < 90:
+        pytest.skip(f"gemv_mma_tma_split needs sm_90 (kernels built for sm_{_arch()})")
+    monkeypatch.setenv("GPUOPS_DEBUG_POISON", "1")
+    monkeypatch.setitem(G.PLAN, "decode", "tma")
+    monkeypatch.setitem(G.PLAN, "gemv_tma_split", ks)
+    cfg = G.GEMV_TMA_CONFIGS[G.PLAN["gemv_tma"]]
+    launched = []
+    get = G._kernels.get
+    monkeypatch.setattr(G._kernels, "get", lambda m, e, d: launched.append(e) or get(m, e, d))
+    split = G._kname("gemv_mma_tma_split", dt.BY_NAME[dtype].ctype, *cfg, ks)
+    plain = G._kname("gemv_mma_tma", dt.BY_NAME[dtype].ctype, *cfg)
+    # (K a multiple of 8: TMA's 16-byte row stride)
+    for M, N, K in ((2, 4096, 14336), (16, 4096, 14336), (1, 6144, 2048), (13, 40000, 2312),
+                    (7, 777, 4104), (16, 264, 8192), (3, 1, 4096), (5, 1000, 3000),
+                    (16, 37984, 2056), (4, 300, 1000), (2, 100, 520)):
+        x, w = _randn((M, K), dtype), _randn((N, K), dtype)
+        bias, res = _randn((N,), dtype), _randn((M, N), dtype)
+        launched.clear()
+        out = go.matmul(x, w.T, bias=bias, activation="gelu", residual=res, variant="gemv_mma")
+        _check(out, x, w.T, dtype, bias=bias, act="gelu", residual=res,
+               what=f"ks {ks} {(M, N, K)}")
+        assert launched == [split if -(-K // cfg[1]) >= ks else plain], (M, N, K, launched)
+    _check_linear_in_graph(dtype, f"ks {ks} graph")
 
 
 @gpu

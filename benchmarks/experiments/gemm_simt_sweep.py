@@ -90,12 +90,15 @@ class decode_variant:   # noqa: N801
     'auto' with '+aN' / '+aauto' (else 0); PLAN['gemv_rows'] = N (8, 16, 32) with '+rN' (else
     'auto'); PLAN['gemv_simt_max_m'] = N with '+sN' (else 1); '+tN': the pipe plans' single-weight
     configurations cut to those of NT = N (their plan then picks among those only); '+cNT.U.MINB':
-    cut to that one configuration; '+gKEY': PLAN['gemv_tma'] = KEY ('tma' only)."""
+    cut to that one configuration; '+gKEY': PLAN['gemv_tma'] = KEY ('tma' only); '+kN':
+    PLAN['gemv_tma_split'] = N (1 or a GEMV_TMA_SPLITS entry: the blocks of a cluster that
+    split K; else 'auto')."""
 
     def __init__(self, spec):
         plan, *opts = spec.split("+")
         self.plan, self.pdl, self.prefetch, self.ahead, self.rows = plan, False, False, 0, "auto"
         self.simt, self.nt, self.cfg, self.tma = 1, None, None, G.PLAN["gemv_tma"]
+        self.split = "auto"
         ok = plan in G.DECODE_PLANS
         for o in opts:
             if o == "pdl":
@@ -116,6 +119,8 @@ class decode_variant:   # noqa: N801
                 self.nt = int(o[1:])
             elif o[:1] == "g" and o[1:] in G.GEMV_TMA_CONFIGS and plan == "tma":
                 self.tma = o[1:]
+            elif o[:1] == "k" and o[1:].isdigit() and int(o[1:]) in (1, *G.GEMV_TMA_SPLITS):
+                self.split = int(o[1:])
             elif o[:1] == "c" and plan in G.GEMV_PIPE and tuple(
                     int(v) for v in o[1:].split(".") if v.isdigit()) in G.GEMV_PIPE[plan][False]:
                 self.cfg = tuple(int(v) for v in o[1:].split("."))
@@ -125,7 +130,7 @@ class decode_variant:   # noqa: N801
             raise SystemExit(f"bad decode variant {spec!r}: PLAN[+pdl][+prefetch[N]][+aN|+aauto]"
                              f"[+rN][+sN][+tN], PLAN in {G.DECODE_PLANS}, N in {G.GEMV_MMA_AHEAD} "
                              "for a, 8 / 16 / 32 for r, 1..16 for s, a pipe plan's NT for t, its "
-                             "NT.U.MINB for c, a GEMV_TMA_CONFIGS key for g")
+                             "NT.U.MINB for c, a GEMV_TMA_CONFIGS key for g, 1 or a GEMV_TMA_SPLITS for k")
 
     def __enter__(self):
         self.old = (dict(G.PLAN), os.environ.get("GPUOPS_PDL"))
@@ -137,7 +142,7 @@ class decode_variant:   # noqa: N801
         G.PLAN["decode"], G.PLAN["gemv_l2_prefetch"] = self.plan, self.prefetch
         G.PLAN["gemv_ahead"], G.PLAN["gemv_rows"] = self.ahead, self.rows
         G.PLAN["gemv_simt_max_m"] = self.simt
-        G.PLAN["gemv_tma"] = self.tma
+        G.PLAN["gemv_tma"], G.PLAN["gemv_tma_split"] = self.tma, self.split
         os.environ["GPUOPS_PDL"] = "1" if self.pdl else "0"
         config.refresh()
 
@@ -201,36 +206,20 @@ def copy_gbps():
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-def decode_kernel(variant, M, N, K):
-    """What gpuops launches for a bf16 linear of this shape under `variant` (for the record)."""
-    if variant is None:
-        return "cuBLAS / torch"
-    plan = variant.split("+")[0]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if M <= decode_variant(variant).simt:
-        return f"gemv (SIMT) MT={next(m for m in G.GEMV_MT if M <= m)}"
-    tma_cfg = G.GEMV_TMA_CONFIGS[decode_variant(variant).tma]
-    if plan == "balanced" and N * K * 2 >= G.GEMV_TMA_MIN_BYTES and (   # _launch_gemv's rules
-            G._cdiv(N, 8) >= tma_cfg[0] * tma_cfg[3] * sms):
-        plan = "tma"
-    if plan == "balanced" and N * K * 2 >= G.GEMV_PIPE_MIN_BYTES:
-        got = G._gemv_pipe_plan(sms, N, K, 1, False, "pipe")
-        if got and got[0] == G.GEMV_PIPE_BALANCED_NT:
-            plan = "pipe"
-    if plan in G.GEMV_PIPE:
-        with decode_variant(variant):          # (+tN narrows the configurations)
-            got = G._gemv_pipe_plan(sms, N, K, 1, False, plan)
-        if got:
-            nt, u, minb, gx = got
-            return f"gemv_mma_pipe NT={nt} U={u} {minb}/SM grid={gx}"
-    if plan == "legacy":
-        return "gemv_mma NT=4 (legacy split)" if M > 4 else "gemv (SIMT)"
-    if plan == "tma":
-        return f"gemv_mma_tma {decode_variant(variant).tma}"
-    v = decode_variant(variant)
-    nt, splits, _ = G._gemv_mma_plan(sms, N, K, 1, False, v.rows)
-    ahead = G._gemv_mma_ahead(v.ahead, G._cdiv(N, 8 * nt) * splits, G.GEMV_MMA_NT[False][nt] * sms)
-    return f"gemv_mma NT={nt} AHEAD={ahead} splits={splits}"
+def launched_kernels(first):
+    """first()'s result and the kernel expressions gpuops fetched to run it (for the record: the
+    labels follow _launch_gemv's rules by construction)."""
+    got, get = [], G._kernels.get
+
+    def recording(module, expr, dev):
+        got.append(expr.replace("gpuops::gemm::", ""))
+        return get(module, expr, dev)
+
+    G._kernels.get = recording
+    try:
+        return first(), " + ".join(got)
+    finally:
+        G._kernels.get = get
 
 
 def checked_ms(key, plan, first, all_calls, ref):
@@ -239,12 +228,14 @@ def checked_ms(key, plan, first, all_calls, ref):
     None after reporting a failure under FAILURES[key]."""
     try:
         if plan is None:
-            return rel_err(first(), ref), graph_ms_per_call(all_calls, GRAPH_CALLS)
+            ms = graph_ms_per_call(all_calls, GRAPH_CALLS)
+            return rel_err(first(), ref), ms, "cuBLAS / torch"
         with decode_variant(plan):
-            err = rel_err(first(), ref)
+            out, kernels = launched_kernels(first)
+            err = rel_err(out, ref)
             if not err <= DECODE_TOL:
                 raise AssertionError(f"max rel err {err:.3g} > {DECODE_TOL}")
-            return err, graph_ms_per_call(all_calls, GRAPH_CALLS)
+            return err, graph_ms_per_call(all_calls, GRAPH_CALLS), kernels
     except Exception as exc:  # report, go on
         FAILURES[key] = f"{type(exc).__name__}: {exc}"[:300]
         print(f"  {key:<26}FAILED: {FAILURES[key]}", flush=True)
@@ -277,11 +268,11 @@ def decode_part(plans, big_copy):
                                  lambda: [lin(x, w) for x, w in zip(xs, ws)], ref)
                 if got is None:
                     continue
-                err, ms = got
+                err, ms, kernels = got
                 gbps = moved / (ms * 1e-3) / 1e9
                 record("decode", name, (M, N, K), ms, gbps=gbps, pct_copy=100.0 * gbps / big_copy,
                        pct_copy_same=100.0 * gbps / same_gbps, max_rel_err=err,
-                       plan=plan or "torch", kernel=decode_kernel(plan, M, N, K))
+                       plan=plan or "torch", kernel=kernels)
                 fits.setdefault((name, M), []).append((moved, ms))
             del xs
         del ws
@@ -332,10 +323,10 @@ def swiglu_part(plans, big_copy):
                                  lambda: [one(x, g, u) for x, g, u in zip(xs, wg, wu)], ref)
                 if got is None:
                     continue
-                err, ms = got
+                err, ms, kernels = got
                 gbps = moved / (ms * 1e-3) / 1e9
                 record("swiglu", name, (M, N, K), ms, gbps=gbps, pct_copy=100.0 * gbps / big_copy,
-                       max_rel_err=err, plan=plan or "torch")
+                       max_rel_err=err, plan=plan or "torch", kernel=kernels)
             del xs
         del wg, wu
         torch.cuda.empty_cache()
@@ -372,10 +363,15 @@ def main():
             except Exception as exc:  # report and go on with the other part
                 FAILURES[part] = f"{type(exc).__name__}: {exc}"[:500]
                 print(f"  {part} FAILED: {FAILURES[part]}", flush=True)
+    # how many clusters of each cluster kernel the driver said fit at once (the grid's cut)
+    resident = [{"kernel": k[1], "smem": k[2], "clusters": v} for k, v in G._resident.items()]
+    for r in resident:
+        print(f"  resident clusters: {r['clusters']} of {r['kernel']} ({r['smem']} B shared)")
     print(f"\n{time.time() - t0:.0f} s; failures: {FAILURES or 'none'}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": big_copy, "rows": ROWS,
+                       "resident_clusters": resident,
                        "failures": FAILURES, "torch": torch.__version__,
                        "warp_tiled_configs": G.WARP_TILED_CONFIGS}, fh, indent=1)
     return 1 if FAILURES else 0

@@ -35,6 +35,7 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   decode117_m1 / decode117_m8 / decode117_m8_ahead2 / decode117_m8_cublas / decode117_m8_pipe /
   decode117_m8_tma    the same at w [14336, 4096] (117 MB; M = 8; _pipe / _tma: PLAN['decode']
                       'pipe' / 'tma')
+  decode117t_m8       M = 8 at w [4096, 14336], the default plan (K over clusters of 2)
 """
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ def _hgemm(shape, variant):
 HGEMM_SHAPES = ((8192, 8192, 8192), (4096, 6144, 2048), (4096, 2048, 6144))
 
 
-def _decode(M, ahead="auto", peer=False, weight=(6144, 2048), plan=None):
+def _decode(M, ahead="auto", peer=False, weight=(6144, 2048), plan=None, split="auto"):
     """A decode linear, bf16 x [M, K] @ w [N, K].T (weight [N, K]; the weight is cold: ncu
     flushes the caches before each pass): the SIMT gemv at M = 1, gemv_mma above (at [6144,
     2048] one wave of 384 blocks), or torch F.linear (cuBLAS)."""
@@ -188,13 +189,13 @@ def _decode(M, ahead="auto", peer=False, weight=(6144, 2048), plan=None):
             return lambda: torch.nn.functional.linear(x, w)
 
         def call():
-            saved = G.PLAN["gemv_ahead"], G.PLAN["decode"]
-            G.PLAN["gemv_ahead"] = ahead
+            saved = G.PLAN["gemv_ahead"], G.PLAN["decode"], G.PLAN["gemv_tma_split"]
+            G.PLAN["gemv_ahead"], G.PLAN["gemv_tma_split"] = ahead, split
             G.PLAN["decode"] = plan or saved[1]
             try:
                 return go.linear(x, w)
             finally:
-                G.PLAN["gemv_ahead"], G.PLAN["decode"] = saved
+                G.PLAN["gemv_ahead"], G.PLAN["decode"], G.PLAN["gemv_tma_split"] = saved
         return call
     return build
 
@@ -231,6 +232,9 @@ TARGETS = {
     "decode117_m8_pipe": _decode(8, weight=(14336, 4096), plan="pipe"),
     # the TMA ring (gemv_mma_tma, PLAN['decode'] 'tma', sm_90)
     "decode117_m8_tma": _decode(8, weight=(14336, 4096), plan="tma"),
+    # the transposed weight [4096, 14336] under the default plan (since the thirty-fourth
+    # session: gemv_mma_tma_split, K over clusters of 2)
+    "decode117t_m8": _decode(8, weight=(4096, 14336)),
 }
 
 

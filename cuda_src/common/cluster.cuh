@@ -51,6 +51,40 @@ __device__ __forceinline__ const T* cluster_map(const T* p, unsigned int rank) {
                : "=l"(out) : "l"(reinterpret_cast<unsigned long long>(p)), "r"(rank));
   return reinterpret_cast<const T*>(out);
 }
+
+// The shared::cluster address (for st.shared::cluster and remote mbarrier arrivals) of the
+// shared-memory word at shared::cta address `saddr` in block `rank` of this cluster.
+__device__ __forceinline__ unsigned int cluster_smem_u32(unsigned int saddr, unsigned int rank) {
+  unsigned int out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(saddr), "r"(rank));
+  return out;
+}
+
+// A store into another block's shared memory (an address from cluster_smem_u32). Ordered before
+// a later mbar_arrive_cluster of the same thread (its release), not before anything else.
+__device__ __forceinline__ void st_cluster_f32(unsigned int caddr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(caddr), "f"(v) : "memory");
+}
+
+// One arrival on an mbarrier in any block of the cluster (cluster_smem_u32 address), releasing
+// this thread's earlier shared-memory writes at cluster scope to whoever waits on that barrier
+// with mbar_wait_cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned int caddr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+               :: "r"(caddr) : "memory");
+}
+
+// Waits for the phase of parity `parity` of this block's mbarrier at shared::cta address `bar`,
+// acquiring at cluster scope (the writes that other blocks released with their arrivals).
+__device__ __forceinline__ void mbar_wait_cluster(unsigned int bar, unsigned int parity) {
+  unsigned int done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
 #else
 #define GPUOPS_CLUSTER_DIMS(S)
 #endif

@@ -26,8 +26,19 @@
 // (two buffers, one barrier of the 256 consumer threads per tile) and the epilogue runs. Rows
 // past the block's range are not loaded: their columns of the product are garbage (an mma's
 // column n depends only on weight row n) and never stored.
+//
+// gemv_mma_tma_split (KS = 2; the host builds no other): the same, K split over a cluster of KS
+// blocks, for weights with too few rows for a whole tile per block ([4096, 14336]: 128 tiles, so
+// 128 blocks of the 264 slots ran and each read all of A: 70-79% of copy, runs 203-204; KS 2:
+// 86-89%, run 205). The KS blocks of a cluster share one range of groups and each streams its KS-th of
+// the chunks; at a tile's end ranks 1.. store their sums into rank 0's shared memory (distributed
+// shared memory, one buffer per rank and tile parity) and arrive on rank 0's mbarrier, rank 0
+// adds them and runs the epilogue, then tells each rank the buffer is free again (an mbarrier in
+// that rank, skipped for its last two tiles, which nobody waits for). The producer warps take no
+// part, so their rings run on across tile ends.
 #include "gemm/gemv_common.cuh"
 #include "common/mma.cuh"
+#include "common/cluster.cuh"
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
 #include "common/wgmma.cuh"   // mbarriers, TMA
 #endif
@@ -46,18 +57,25 @@ struct GemvTmaSmem {
   // (host: _gemv_tma_smem = STAGES x kStageBytes + 2 sum buffers of 8 x NT x 4 x 32 floats)
 };
 
-// MINB: blocks per SM of the launch bounds (the host's grid is MINB x the SMs at most).
-template <class T, int NT, int KC, int STAGES, int MINB>
-__global__ void __launch_bounds__(kGtThreads, MINB)
-    gemv_mma_tma(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
+// The kernels' body. KS: the blocks of a cluster that split K (1: no cluster); the block's
+// place: its group range `cluster` of `clusters`, its K slice `rank` of KS.
+template <class T, int NT, int KC, int STAGES, int KS>
+__device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const GemmArgs& p,
+                                              long long cluster, long long clusters, int rank) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(sizeof(T) == 2 && KC % 256 == 0, "16-bit weights, chunks of whole warp rounds");
   using Smem = GemvTmaSmem<NT, KC, STAGES>;
   constexpr int kRows = NT * 8, kVals = NT * 4;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];   // full[s], then empty[s]
+  // KS > 1: rank 0's "partials in" (ranks 1.. x 256 arrivals) and each rank's "buffer free"
+  // (256 arrivals of rank 0), per tile parity
+  __shared__ __align__(8) unsigned long long xbars[2][2];
   float(*red)[kGtConsumers][kVals][32] =
       reinterpret_cast<float(*)[kGtConsumers][kVals][32]>(smem + STAGES * Smem::kStageBytes);
+  // KS > 1, rank 0: the other ranks' sums, [parity][rank - 1][kVals * 32]
+  float* xred = reinterpret_cast<float*>(smem + STAGES * Smem::kStageBytes) +
+                2 * kGtConsumers * kVals * 32;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const unsigned int full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
@@ -67,23 +85,39 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, kGtConsumers);
     }
+    if (KS > 1) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(smem_u32(&xbars[b][0]), (KS - 1) * kGtConsumers * 32);
+        mbar_init(smem_u32(&xbars[b][1]), kGtConsumers * 32);
+      }
+    }
     mbar_fence_init();
   }
-  __syncthreads();
+  if (KS > 1)
+    cluster_sync();   // every rank's barriers initialized before any remote arrival
+  else
+    __syncthreads();
 
-  // the block's rows [n_lo, n_hi): 8-row groups [r0, r1); the host keeps gridDim.x <= groups
+  // the block's rows [n_lo, n_hi): 8-row groups [r0, r1); the host keeps clusters <= groups
   const long long groups = (p.N + 7) / 8;
-  const long long r0 = groups * blockIdx.x / gridDim.x, r1 = groups * (blockIdx.x + 1) / gridDim.x;
-  const long long n_lo = 8 * r0, n_hi = 8 * r1 < p.N ? 8 * r1 : p.N;
+  const long long r0 = groups * cluster / clusters, r1 = groups * (cluster + 1) / clusters;
+  // (ints: the host keeps N < 2^31; two registers fewer than 64-bit bounds, which spilled)
+  const int n_lo = (int)(8 * r0), n_hi = (int)(8 * r1 < p.N ? 8 * r1 : p.N);
   const int my_tiles = (int)((r1 - r0 + NT - 1) / NT);
-  const long long chunks = (p.K + KC - 1) / KC;
+  // its chunks [c_lo, c_lo + chunks) of K (the host keeps KS <= the chunks of K)
+  const int all_chunks = (int)((p.K + KC - 1) / KC);
+  const int c_lo = all_chunks * rank / KS;
+  const int chunks = all_chunks * (rank + 1) / KS - c_lo;
   // kWPrefetch (PLAN['gemv_l2_prefetch']): the first tile's first STAGES chunks asked into L2
   // before the PDL wait (prefetch_weight_rows' reasoning, gemv_common.cuh: L2 is coherent, so
   // this is safe where loading them into shared memory before the wait would not be)
   if (warp == kGtConsumers && (p.flags & kWPrefetch) && lane < kRows && n_lo + lane < n_hi) {
-    const long long kb = p.K < (long long)STAGES * KC ? p.K : (long long)STAGES * KC;
+    const long long kb = (p.K - c_lo * KC) < (long long)STAGES * KC ? (p.K - c_lo * KC)
+                                                                     : (long long)STAGES * KC;
     const unsigned int bytes = (unsigned int)(kb * 2) & ~15u;
-    if (bytes != 0u) l2_prefetch_bulk(static_cast<const T*>(p.b) + (n_lo + lane) * p.b_sn, bytes);
+    if (bytes != 0u)
+      l2_prefetch_bulk(static_cast<const T*>(p.b) + (n_lo + lane) * p.b_sn + c_lo * KC, bytes);
   }
   pdl_start();
   if (warp == kGtConsumers) {                       // the producer
@@ -93,7 +127,7 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
       for (int i = 0; i < my_tiles; ++i) {
         const long long n0 = n_lo + (long long)i * kRows;
         const int nv = (int)((n_hi - n0 + 7) / 8 < NT ? (n_hi - n0 + 7) / 8 : NT);   // groups
-        for (long long c = 0; c < chunks; ++c, ++q) {
+        for (long long c = c_lo; c < c_lo + chunks; ++c, ++q) {
           const int s = (int)(q % STAGES);
           if (q >= STAGES) mbar_wait(empty0 + 8 * s, (unsigned int)((q / STAGES) & 1) ^ 1u);
           mbar_arrive_expect_tx(full0 + 8 * s, nv * (KC / 256) * Smem::kBoxBytes);
@@ -133,18 +167,18 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
 
-  const long long total = (long long)my_tiles * chunks;   // chunks this block consumes
+  const int total = my_tiles * chunks;              // chunks this block consumes
   uint4 xr[2][kSub][2];                             // A of chunks q and q + 1 (static slots)
-  if (total > 0) load_x(0, xr[0]);
-  if (total > 1) load_x(1 % chunks, xr[1]);
-  long long q = 0;
+  if (total > 0) load_x(c_lo, xr[0]);
+  if (total > 1) load_x(c_lo + 1 % chunks, xr[1]);
+  int q = 0;
   int buf = 0;
   while (q < total) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       if (q < total) {                              // block-uniform
-        const long long c = q % chunks;
-        const int s = (int)(q % STAGES);
+        const long long c = c_lo + q % chunks;
+        const int s = q % STAGES;
         mbar_wait(full0 + 8 * s, (unsigned int)((q / STAGES) & 1));
         const unsigned char* slot = smem + s * Smem::kStageBytes;
 #pragma unroll
@@ -167,8 +201,8 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);   // this warp is done with the slot
-        if (q + 2 < total) load_x((q + 2) % chunks, xr[u]);
-        if (c == chunks - 1) {                      // the tile ends: sums over the 8 warps
+        if (q + 2 < total) load_x(c_lo + (q + 2) % chunks, xr[u]);
+        if (q % chunks == chunks - 1) {             // the tile ends: sums over the 8 warps
 #pragma unroll
           for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -177,17 +211,45 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
               acc[n][cc] = 0.0f;
             }
           named_bar_sync(1, kGtConsumers * 32);
-          const long long n0 = n_lo + (q / chunks) * kRows;
-          for (int e = tid; e < NT * 4 * 32; e += kGtConsumers * 32) {
-            const int l = e % 32, cc = (e / 32) % 4, n = e / 128;
-            const long long m = l / 4 + (cc >= 2 ? 8 : 0);
-            const long long col = n0 + 8 * n + 2 * (l % 4) + (cc & 1);
-            if (m >= p.M || col >= n_hi) continue;
-            float v = 0.0f;
+          const int tile = q / chunks;
+          const long long n0 = n_lo + tile * kRows;
+          if (KS > 1 && rank != 0) {
+            // into rank 0's buffer [buf][rank - 1], once rank 0 has read it two tiles ago
+            if (tile >= 2)
+              mbar_wait_cluster(smem_u32(&xbars[buf][1]), (unsigned int)((tile / 2 - 1) & 1));
+            const unsigned int dst =
+                cluster_smem_u32(smem_u32(xred + (buf * (KS - 1) + rank - 1) * kVals * 32), 0);
+            for (int e = tid; e < kVals * 32; e += kGtConsumers * 32) {
+              const int l = e % 32, cc = (e / 32) % 4, n = e / 128;
+              float v = 0.0f;
 #pragma unroll
-            for (int ww = 0; ww < kGtConsumers; ++ww) v += red[buf][ww][n * 4 + cc][l];
-            const float vv[1] = {v};
-            epilogue_run<T, 1>(p, o, m, col, vv);
+              for (int ww = 0; ww < kGtConsumers; ++ww) v += red[buf][ww][n * 4 + cc][l];
+              st_cluster_f32(dst + 4 * e, v);
+            }
+            // every thread releases its own stores (one arrival per block after a barrier and a
+            // single release measured the same for one tile per block and 8 points slower
+            // with 36 tiles per cluster, run 207)
+            mbar_arrive_cluster(cluster_smem_u32(smem_u32(&xbars[buf][0]), 0));
+          } else {
+            if (KS > 1) mbar_wait_cluster(smem_u32(&xbars[buf][0]), (unsigned int)((tile / 2) & 1));
+            for (int e = tid; e < kVals * 32; e += kGtConsumers * 32) {
+              const int l = e % 32, cc = (e / 32) % 4, n = e / 128;
+              const long long m = l / 4 + (cc >= 2 ? 8 : 0);
+              const long long col = n0 + 8 * n + 2 * (l % 4) + (cc & 1);
+              if (m >= p.M || col >= n_hi) continue;
+              float v = 0.0f;
+#pragma unroll
+              for (int ww = 0; ww < kGtConsumers; ++ww) v += red[buf][ww][n * 4 + cc][l];
+#pragma unroll
+              for (int r = 0; r < KS - 1; ++r) v += xred[(buf * (KS - 1) + r) * kVals * 32 + e];
+              const float vv[1] = {v};
+              epilogue_run<T, 1>(p, o, m, col, vv);
+            }
+            if (KS > 1 && tile + 2 < my_tiles) {    // buffer [buf] free again for every rank
+#pragma unroll
+              for (int r = 1; r < KS; ++r)
+                mbar_arrive_cluster(cluster_smem_u32(smem_u32(&xbars[buf][1]), r));
+            }
           }
           // no second barrier: red[buf] is written again two tiles on, after the next barrier
           buf ^= 1;
@@ -196,6 +258,29 @@ __global__ void __launch_bounds__(kGtThreads, MINB)
       }
     }
   }
+#endif
+}
+
+// MINB: blocks per SM of the launch bounds (the host's grid is MINB x the SMs at most).
+template <class T, int NT, int KC, int STAGES, int MINB>
+__global__ void __launch_bounds__(kGtThreads, MINB)
+    gemv_mma_tma(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  gemv_tma_body<T, NT, KC, STAGES, 1>(tma_w, p, blockIdx.x, gridDim.x, 0);
+#else
+  __trap();   // not reached: the module is built for sm_90 only
+#endif
+}
+
+// Clusters of KS blocks along x (grid.x = clusters x KS): block x is rank x % KS of group range
+// x / KS.
+template <class T, int NT, int KC, int STAGES, int MINB, int KS>
+__global__ void GPUOPS_CLUSTER_DIMS(KS) __launch_bounds__(kGtThreads, MINB)
+    gemv_mma_tma_split(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  static_assert(KS >= 2 && KS <= 8, "a cluster of 2..8 blocks");
+  gemv_tma_body<T, NT, KC, STAGES, KS>(tma_w, p, blockIdx.x / KS, gridDim.x / KS,
+                                       (int)(blockIdx.x % KS));
 #else
   __trap();   // not reached: the module is built for sm_90 only
 #endif

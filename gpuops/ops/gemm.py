@@ -191,22 +191,71 @@ GEMV_MMA_PIPE = {
 # 5 ("n4k512"): [14336, 4096] M = 2..16 88.3 / 88.6 / 87.3 / 82.1% of copy against 73.0 / 71.8 /
 # 70.7 / 63.0 ('balanced' 77.9 / 77.8 / 77.5 / 75.0); [151936, 2048] 98.6-99.2 / 97.7; [32768,
 # 4096] 95.6-96.9 / 92.6. Below a whole tile per block ([4096, 14336]: 2 groups per block) and at
-# 25 MB it lost to 'balanced'. 'balanced' takes it for weights of >= GEMV_TMA_MIN_BYTES where
-# every block has a whole tile (ceil(N / 8) >= NT x blocks).
+# 25 MB it lost to 'balanced'. 'balanced' takes it for weights of >= GEMV_TMA_MIN_BYTES where its
+# blocks (K split over clusters where the rows are too few: _gemv_tma_split) fill >= 90% of the
+# block slots with whole tiles.
 GEMV_TMA_CONFIGS = {"n4k512b2": (4, 512, 2, 2), "n4k512": (4, 512, 5, 1),
                     "n2k1024": (2, 1024, 5, 1), "n4k256": (4, 256, 8, 1),
                     "n4k256b2": (4, 256, 4, 2)}
 GEMV_TMA_MIN_BYTES = 96 << 20
+# gemv_mma_tma_split: K split over clusters of KS blocks (rank 0 adds the others' sums through
+# distributed shared memory), for weights with too few 8-row groups to give every block of the
+# plain kernel a whole tile ([4096, 14336]: 512 groups; the plain kernel ran 128 blocks there,
+# 70-76% of copy in runs 203-204). Built for the configurations in GEMV_TMA_SPLIT_CONFIGS.
+# Run 205 (H200, bf16 graphs, PDL; % of copy at M = 2 / 4 / 8 / 16): [4096, 14336] KS 2 89.0 /
+# 88.6 / 88.3 / 86.1 (the plain kernel 79.8 / 76.1 / 74.0 / 62.6, cuBLAS 89.3 / 87.9 / 87.4 /
+# 87.7). KS 4 ran 25-35% slower than KS 1 / 2 at every weight (runs 205-207: 55-61% there; its
+# tile ends, 2-3 per block of 7 chunks each, and only 62 resident clusters of 4): not built.
+GEMV_TMA_SPLITS = (2,)
+GEMV_TMA_SPLIT_CONFIGS = ("n4k512b2",)
+GEMV_TMA_FILL = 0.9          # the least share of the resident blocks a KS must keep busy
 GEMV_TMA_ARGS = ArgSpec("tensormap", "9P25qf4i")
 GEMV_TMA = _per_dtype("gemv_mma_tma", "gemm/gemv_tma.cu", lambda d: {
-    _kname("gemv_mma_tma", d.ctype, *c): GEMV_TMA_ARGS for c in GEMV_TMA_CONFIGS.values()},
+    **{_kname("gemv_mma_tma", d.ctype, *c): GEMV_TMA_ARGS for c in GEMV_TMA_CONFIGS.values()},
+    **{_kname("gemv_mma_tma_split", d.ctype, *GEMV_TMA_CONFIGS[k], ks): GEMV_TMA_ARGS
+       for k in GEMV_TMA_SPLIT_CONFIGS for ks in GEMV_TMA_SPLITS}},
     dtypes=_HALFS, archs=("90",), pdl=True)
 GEMV_TMA_BOX = (256, 8)           # k x rows of one TMA box (4 KiB of 16-bit weight)
 
 
-def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):   # (takes a whole GEMV_TMA_CONFIGS entry)
-    """Dynamic shared memory of gemv_mma_tma (GemvTmaSmem in cuda_src/gemm/gemv_tma.cu)."""
-    return stages * nt * (kc // 256) * 8 * 256 * 2 + 2 * 8 * nt * 4 * 32 * 4
+def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1, ks=1):   # (a GEMV_TMA_CONFIGS entry, KS)
+    """Dynamic shared memory of gemv_mma_tma (GemvTmaSmem in cuda_src/gemm/gemv_tma.cu): the
+    ring, the two buffers of the 8 warps' sums, and with KS > 1 rank 0's buffers of the other
+    ranks' sums (two per rank)."""
+    return (stages * nt * (kc // 256) * 8 * 256 * 2 + 2 * 8 * nt * 4 * 32 * 4
+            + 2 * (ks - 1) * nt * 4 * 32 * 4)
+
+
+def _gemv_tma_split(sms, N, K, cfg_key, want="auto"):
+    """(KS, clusters) of the 'tma' plan: KS blocks per cluster splitting K (1: the plain kernel,
+    one block per 'cluster'), clusters = min(resident blocks / KS, tiles of NT groups). 'auto':
+    the smallest KS (1, then GEMV_TMA_SPLITS where built for cfg_key) whose blocks fill at
+    least GEMV_TMA_FILL of the resident block slots with a whole tile each and give each rank
+    >= 2 chunks of K; else the one that fills the most. `want` (PLAN['gemv_tma_split']) forces
+    a KS (where built and K has KS chunks)."""
+    nt, kc, _, minb = GEMV_TMA_CONFIGS[cfg_key]
+    slots = minb * sms
+    tiles = max(1, _cdiv(N, 8) // nt)
+    chunks = _cdiv(K, kc)
+    options = [1] + [ks for ks in GEMV_TMA_SPLITS
+                     if cfg_key in GEMV_TMA_SPLIT_CONFIGS and chunks >= 2 * ks]
+    if want != "auto":
+        if want not in (1, *GEMV_TMA_SPLITS):
+            raise ValueError(f"gpuops: PLAN['gemv_tma_split'] must be 'auto' or one of "
+                             f"{[1, *GEMV_TMA_SPLITS]}, got {want!r}")
+        if want == 1 or (cfg_key in GEMV_TMA_SPLIT_CONFIGS and chunks >= want):
+            return want, max(1, min(slots // want, tiles))
+        return 1, max(1, min(slots, tiles))
+    best = None
+    for ks in options:
+        clusters = max(1, min(slots // ks, tiles))
+        fill = clusters * ks / slots
+        if fill >= GEMV_TMA_FILL:
+            return ks, clusters
+        if best is None or fill > best[0]:
+            best = (fill, ks, clusters)
+    return best[1], best[2]
+
 
 # Plan switches, kept so that one run can time the old paths next to the new ones:
 #   "decode": "balanced" (gemv_mma for fp16/bf16 M = 2..16 with the block size and split that
@@ -217,7 +266,8 @@ def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):   # (takes a whole GEMV_TM
 #             loads in flight per warp, no split-K; calls with too few weight rows for that take
 #             "balanced"'s plan). "tma" (sm_90): gemv_mma_tma where _gemv_tma_applies, else
 #             "balanced". "balanced" itself runs "tma" for weights of at least
-#             GEMV_TMA_MIN_BYTES with a whole tile per block (where TMA applies), else "pipe"
+#             GEMV_TMA_MIN_BYTES where _gemv_tma_split's blocks fill >= GEMV_TMA_FILL of the
+#             block slots with whole tiles (and TMA applies), else "pipe"
 #             for weights of at least GEMV_PIPE_MIN_BYTES. Issue 4 / benchmarks/notes_gemm.md
 #             "Decode GEMV";
 #   "mma_tiles": "auto" (the rule of _mma_config) or a key of MMA_TILES to force one tile
@@ -257,6 +307,8 @@ def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):   # (takes a whole GEMV_TM
 #   "gemv_rows": "auto" or 8 / 16 / 32: gemv_mma's weight rows per block (8 * NT; "auto": the
 #             plan of _gemv_mma_plan among GEMV_MMA_NT_AUTO).
 #   "gemv_tma": a key of GEMV_TMA_CONFIGS ("tma"'s tile, chunk and ring depth);
+#   "gemv_tma_split": "auto" or 1 / 2: the blocks of a cluster that split K in "tma"
+#             (_gemv_tma_split; 2 only for GEMV_TMA_SPLIT_CONFIGS);
 #   "gemv_simt_max_m": fp16/bf16 decode calls with M up to this many rows take the SIMT gemv,
 #             above it gemv_mma (sm_80+, K-contiguous weights; the 'balanced' and pipe plans).
 #             Run 142 (H100, bf16, graphs): M = 2 on a SIMT kernel (an MT = 2 instantiation, since
@@ -264,7 +316,7 @@ def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1):   # (takes a whole GEMV_TM
 #             (14.4 vs 16.5 us) and in SwiGLU; M = 3..4 on MT = 4 slower everywhere: 1 stays.
 PLAN = {"decode": "balanced", "mma_tiles": "auto", "wgmma": "tma_fused", "warp_tiled": "auto",
         "gemv_l2_prefetch": False, "gemv_ahead": "auto", "gemv_rows": "auto", "gemv_simt_max_m": 1,
-        "gemv_tma": "n4k512b2"}
+        "gemv_tma": "n4k512b2", "gemv_tma_split": "auto"}
 
 # mma tile configurations: (BM, BN per B operand, warps along M, warps along N, stages, bytes of
 # K per shared-memory row and stage). Shared memory: stages * (BM + BN) * bytes.
@@ -854,6 +906,20 @@ def _gemv_flags(p, L, itemsize, dual, b_width, b_kruns):
     return (A_VEC if a_vec else 0) | (B_VEC if b_vec else 0) | (B_KCONTIG if b_kruns else 0)
 
 
+_resident = {}     # (device, kernel name, smem) -> clusters resident at once (or None)
+
+
+def _resident_clusters(dev, kernel, blocks, smem):
+    """How many clusters of a cluster kernel fit the device at once (cuOccupancyMaxActiveClusters,
+    asked once per kernel and shared memory; the persistent grid is cut to it: a cluster past it
+    would start only when another has finished), or `blocks` where the driver cannot say."""
+    key = (dev, getattr(kernel, "name", None), smem)
+    if key not in _resident:
+        query = getattr(kernel, "max_active_clusters", None)   # (the emulator's kernels: none)
+        _resident[key] = query((blocks, 1, 1), (288, 1, 1), smem) if query else None
+    return _resident[key] or blocks
+
+
 def _gemv_tma_applies(call, p, L, dual):
     """gemv_mma_tma's conditions: sm_90 (TMA, mbarriers), one weight, not SwiGLU's pair, and a
     weight TMA can describe as [N, K] with K contiguous (16-byte aligned base and row stride)."""
@@ -874,21 +940,31 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
     if use_mma:
         L.flags = _gemv_flags(p, L, itemsize, dual, vec_w, True)
         sms = device.device_info(call.device).sm_count
-        cfg = GEMV_TMA_CONFIGS[PLAN["gemv_tma"]]
-        # 'balanced' takes 'tma' for large weights with a whole tile for every block (run 203)
-        tma_auto = (plan == "balanced" and p.N * p.K * itemsize >= GEMV_TMA_MIN_BYTES
-                    and _cdiv(p.N, 8) >= cfg[0] * cfg[3] * sms)
+        cfg_key = PLAN["gemv_tma"]
+        cfg = GEMV_TMA_CONFIGS[cfg_key]
+        # 'balanced' takes 'tma' for large weights where its blocks (K split over clusters where
+        # the rows are too few) fill the GPU with whole tiles (runs 203-208)
+        tma_auto = plan == "balanced" and p.N * p.K * itemsize >= GEMV_TMA_MIN_BYTES
+        if tma_auto or plan == "tma":
+            ks, clusters = _gemv_tma_split(sms, p.N, p.K, cfg_key, PLAN["gemv_tma_split"])
+            tma_auto = tma_auto and clusters * ks >= GEMV_TMA_FILL * cfg[3] * sms
         if (plan == "tma" or tma_auto) and _gemv_tma_applies(call, p, L, dual):
             desc = tma.encode_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * itemsize,),
                                     GEMV_TMA_BOX, tma.SWIZZLE_NONE)
             L.splits, L.k_split = 1, 0
             if PLAN["gemv_l2_prefetch"]:   # the first chunks of each block into L2 first
                 L.flags |= W_PREFETCH
-            kernel = _kernels.get(GEMV_TMA[dtype], _kname("gemv_mma_tma", dtype.ctype, *cfg),
-                                  call.device)
-            grid = max(1, min(cfg[3] * sms, _cdiv(p.N, 8) // cfg[0]))
-            kernel.launch((grid, 1, 1), (288, 1, 1), call.stream, desc, *_gemm_args(p, L, 0),
-                          smem=_gemv_tma_smem(*cfg))
+            smem = _gemv_tma_smem(*cfg, ks)
+            if ks == 1:
+                kernel = _kernels.get(GEMV_TMA[dtype], _kname("gemv_mma_tma", dtype.ctype, *cfg),
+                                      call.device)
+            else:
+                kernel = _kernels.get(GEMV_TMA[dtype], _kname(
+                    "gemv_mma_tma_split", dtype.ctype, *cfg, ks), call.device)
+                clusters = min(clusters, _resident_clusters(call.device, kernel, clusters * ks,
+                                                            smem))
+            kernel.launch((clusters * ks, 1, 1), (288, 1, 1), call.stream, desc,
+                          *_gemm_args(p, L, 0), smem=smem)
             return
         pipe = plan in GEMV_PIPE and _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, plan)
         if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
