@@ -1294,34 +1294,41 @@ def test_emulated_gemv_tma_routing(monkeypatch, rng):
 @needs_torch
 def test_emulated_balanced_takes_pipe_for_large_weights(monkeypatch, rng):
     """PLAN['decode'] 'balanced' runs the 'pipe' plan where the weight has at least
-    GEMV_PIPE_MIN_BYTES and that plan picks tiles of GEMV_PIPE_BALANCED_NT (runs 188-194), not
-    below the size, not at narrower tiles and not for SwiGLU's pairs (not measured)."""
+    GEMV_PIPE_MIN_BYTES (SwiGLU: its two weights together) and that plan picks tiles of
+    GEMV_PIPE_BALANCED_NT[dual] (runs 188-194, 211), not below the size and not at narrower
+    tiles."""
     e = _Emu(monkeypatch, sms=2)
     monkeypatch.setitem(G.PLAN, "decode", "balanced")
     monkeypatch.setattr(G, "GEMV_PIPE_INFLIGHT", 0)
     f, M, N, K = "bfloat16", 4, 70, 1000
-    assert G._gemv_pipe_plan(2, N, K, 1, False, "pipe")[0] == G.GEMV_PIPE_BALANCED_NT
-    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2)
+    for dual in (False, True):
+        assert G._gemv_pipe_plan(2, N, K, 1, dual, "pipe")[0] == G.GEMV_PIPE_BALANCED_NT[dual]
     x, w, w2 = (e.arr(_emu_rand(rng, shape), f) for shape in ((M, K), (N, K), (N, K)))
-    out = e.run("matmul", f, x, w.T)
-    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="at the size")
-    assert e.launched and all(k.startswith("gpuops::gemm::gemv_mma_pipe<") for k in e.launched), \
-        e.launched
-    e.launched.clear()
-    out = e.run("swiglu_linear", f, x, w.T, b2=w2.T)
-    _check(_cpu(out), _cpu(x), _cpu(w).T, f, b2=_cpu(w2).T, what="swiglu")
-    assert not any("pipe" in k for k in e.launched), e.launched
-    e.launched.clear()
-    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2 + 1)
-    out = e.run("matmul", f, x, w.T)
-    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="below the size")
-    assert e.launched and not any("pipe" in k for k in e.launched), e.launched
-    e.launched.clear()
+
+    def run(what, dual, pipe):
+        e.launched.clear()
+        if dual:
+            out = e.run("swiglu_linear", f, x, w.T, b2=w2.T)
+            _check(_cpu(out), _cpu(x), _cpu(w).T, f, b2=_cpu(w2).T, what=what)
+        else:
+            out = e.run("matmul", f, x, w.T)
+            _check(_cpu(out), _cpu(x), _cpu(w).T, f, what=what)
+        is_pipe = [k.startswith("gpuops::gemm::gemv_mma_pipe<") for k in e.launched]
+        assert e.launched and (all(is_pipe) if pipe else not any(is_pipe)), (what, e.launched)
+
     monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2)
-    monkeypatch.setattr(G, "GEMV_PIPE_BALANCED_NT", 8)       # a tile width the plan never picks
-    out = e.run("matmul", f, x, w.T)
-    _check(_cpu(out), _cpu(x), _cpu(w).T, f, what="narrower tiles")
-    assert e.launched and not any("pipe" in k for k in e.launched), e.launched
+    run("at the size", False, True)
+    run("swiglu at twice the size", True, True)
+    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2 + 1)
+    run("below the size", False, False)
+    run("swiglu above twice the size", True, True)
+    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", 2 * N * K * 2 + 1)
+    run("swiglu below the size", True, False)
+    monkeypatch.setattr(G, "GEMV_PIPE_MIN_BYTES", N * K * 2)
+    # a tile width the plan never picks
+    monkeypatch.setattr(G, "GEMV_PIPE_BALANCED_NT", {False: 8, True: 8})
+    run("narrower tiles", False, False)
+    run("swiglu narrower tiles", True, False)
 
 
 @needs_emu

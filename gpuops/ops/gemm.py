@@ -484,8 +484,8 @@ W_PREFETCH = 64                      # K-contiguous GEMVs: the block's weight sl
 _ACT_IDS = {"kIdentity": 0, "kRelu": 1, "kSilu": 2, "kGeluErf": 3, "kGeluTanh": 4}
 
 DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE, "tma")
-# 'balanced' runs the 'pipe' plan for weights of at least GEMV_PIPE_MIN_BYTES where that plan
-# picks tiles of GEMV_PIPE_BALANCED_NT n8 tiles (not SwiGLU's pairs: not measured). bf16, graphs
+# 'balanced' runs the 'pipe' plan for weights of at least GEMV_PIPE_MIN_BYTES (SwiGLU: the two
+# together) where that plan picks tiles of GEMV_PIPE_BALANCED_NT[dual] n8 tiles. bf16, graphs
 # of 20 rotated weights, % of copy at M = 2 / 4 / 8 / 16 (balanced -> pipe at NT = 4), H200:
 # [151936, 2048] (622 MB) 78.8 / 77.9 / 76.6 / 74.2 -> 89.3 / 87.6 / 86.2 / 81.9 (run 191);
 # [32768, 4096] (268 MB) 87.5 / 87.7 / 86.9 / 83.3 -> 87.7 / 87.6 / 87.3 / 83.2 (run 194);
@@ -494,8 +494,13 @@ DECODE_PLANS = ("balanced", "legacy", *GEMV_PIPE, "tma")
 # At NT = 1 / 2 the pipe kernel lost everywhere ([14336, 4096] 39.0 / 55.1%, [32768, 4096] NT 2
 # 63.2%; [4096, 14336] has no NT = 4 plan and stays on balanced's 76%). H100 run 31, [151936,
 # 2048]: balanced 85.2-89.5, pipe 90.9-95.7.
+# SwiGLU's pairs (run 211, H200, the same graphs, % of copy for both weights at M = 2 / 4 / 8 /
+# 16, balanced -> pipe at NT 2; torch's two GEMVs + silu * mul in the same run):
+# 2 x [14336, 4096] 69.2 / 69.3 / 68.7 / 67.2 -> 78.4 / 78.5 / 78.1 / 76.4 (torch 84.6-86.1);
+# 2 x [11008, 4096] 71.2 / 70.4 / 70.2 / 68.7 -> 79.5 / 79.5 / 78.3 / 76.7 (torch 75.8-80.5);
+# 2 x [6144, 2048] (50 MB together) 68.6 / 68.5 / 68.0 / 66.5 -> 63.8-60.6 (no; torch 55-56).
 GEMV_PIPE_MIN_BYTES = 96 << 20
-GEMV_PIPE_BALANCED_NT = 4
+GEMV_PIPE_BALANCED_NT = {False: 4, True: 2}
 VARIANTS = ("naive", "smem_tiled", "register_tiled_vec4", "warp_tiled", "mma", "gemv", "gemv_mma",
             "wgmma")
 _DUAL_VARIANTS = ("warp_tiled", "mma", "gemv", "gemv_mma", "wgmma")
@@ -967,10 +972,11 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
                           *_gemm_args(p, L, 0), smem=smem)
             return
         pipe = plan in GEMV_PIPE and _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, plan)
-        if plan == "balanced" and not dual and p.N * p.K * itemsize >= GEMV_PIPE_MIN_BYTES:
+        if (plan == "balanced"
+                and p.N * p.K * itemsize * (2 if dual else 1) >= GEMV_PIPE_MIN_BYTES):
             # large weights: the 'pipe' plan where it runs its widest tiles (GEMV_PIPE_MIN_BYTES)
             pipe = _gemv_pipe_plan(sms, p.N, p.K, p.batch, dual, "pipe")
-            if pipe and pipe[0] == GEMV_PIPE_BALANCED_NT:
+            if pipe and pipe[0] == GEMV_PIPE_BALANCED_NT[dual]:
                 plan = "pipe"
             else:
                 pipe = None
