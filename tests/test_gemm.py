@@ -304,6 +304,8 @@ def test_decode_plans():
     assert split(132, 2048, 14336, "n4k512b2") == (2, 64)       # the best fill, 48%
     assert split(132, 2048, 1536, "n4k512b2") == (1, 64)        # 3 chunks: KS 2 needs 4
     assert split(132, 4096, 14336, "n4k512") == (1, 128)        # not built split
+    # 192 tiles: KS 1 fills 73%; KS 2 fills the slots but leaves clusters 1-2 tiles (73%)
+    assert split(132, 6144, 4096, "n4k512b2") == (1, 192)
     assert split(132, 14336, 4096, "n4k512b2", 2) == (2, 132)   # forced
     assert split(132, 4096, 14336, "n4k512b2", 1) == (1, 128)
     assert split(132, 4096, 512, "n4k512b2", 2) == (1, 128)     # 1 chunk: fewer than KS
@@ -1241,10 +1243,30 @@ def test_emulated_gemv_tma_routing(monkeypatch, rng):
             assert (dims, strides, box, swizzle) == ((K, n_rows), (2 * K,), (256, 8),
                                                      G.tma.SWIZZLE_NONE)
     monkeypatch.setitem(G.PLAN, "gemv_tma", "n4k512b2")
+    # SwiGLU: the dual kernel, one tensor map per weight, 2 groups of each per tile
+    got.clear()
+    maps.clear()
+    w2 = e.arr(_emu_rand(rng, (N, K)), f)
+    e.run("swiglu_linear", f, x, w.T, b2=w2.T)
+    dual = G._kname("gemv_mma_tma_dual", dt.bfloat16.ctype, *G.GEMV_TMA_CONFIGS["n4k512b2"])
+    assert [g[1:3] for g in got] == [(dual, (4, 1, 1))], got
+    assert len(maps) == 2 and maps[0][0] != maps[1][0] and got[0][5][:2] == (b"m" * 128,) * 2
+    # 'balanced' takes it for pairs of >= GEMV_TMA_DUAL_MIN_BYTES together with whole tiles for
+    # >= 90% of the 264 block slots (3792 rows: 237 tiles of 2 groups, 89.8%)
+    monkeypatch.setitem(G.PLAN, "decode", "balanced")
+    for n_rows, min_bytes, want in ((7616, 2 * 7616 * K * 2, True),
+                                    (7616, 2 * 7616 * K * 2 + 1, False), (3792, 1, False)):
+        monkeypatch.setattr(G, "GEMV_TMA_DUAL_MIN_BYTES", min_bytes)
+        got.clear()
+        wg, wu = (e.arr(_emu_rand(rng, (n_rows, K)), f) for _ in range(2))
+        e.run("swiglu_linear", f, x, wg.T, b2=wu.T)
+        assert any(g[1] == dual for g in got) == want, (n_rows, min_bytes, got)
+    monkeypatch.setitem(G.PLAN, "decode", "tma")
     for what, run in (
             ("batched", lambda: e.run("matmul", f, e.arr(_emu_rand(rng, (2, M, K)), f),
                                       e.arr(_emu_rand(rng, (2, N, K)), f).transpose(0, 2, 1))),
-            ("swiglu", lambda: e.run("swiglu_linear", f, x, w.T, b2=w.T)),
+            ("swiglu unaligned", lambda: e.run("swiglu_linear", f, x, w.T, b2=e.arr(
+                _emu_rand(rng, (N, K + 1)), f)[:, 1:].T)),
             ("unaligned rows", lambda: e.run("matmul", f, x, e.arr(
                 _emu_rand(rng, (N, K + 1)), f)[:, 1:].T)),
             ("row stride", lambda: e.run("matmul", f, e.arr(_emu_rand(rng, (M, 999)), f),
@@ -1893,6 +1915,54 @@ def test_gpu_gemv_mma_tma_split(ks, dtype, monkeypatch):
                what=f"ks {ks} {(M, N, K)}")
         assert launched == [split if -(-K // cfg[1]) >= ks else plain], (M, N, K, launched)
     _check_linear_in_graph(dtype, f"ks {ks} graph")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_gemv_mma_tma_dual(dtype, monkeypatch):
+    """gemv_mma_tma_dual (swiglu_linear under PLAN['decode'] 'tma', sm_90): silu(x wg^T) *
+    (x wu^T) with both weights through one ring, outputs poisoned: M = 1..16, ragged tiles
+    (N not a multiple of 16), one row, K tails inside a chunk and a 16-byte pack, a CUDA graph
+    replayed with new data; weights TMA cannot take run the other kernels, correctly."""
+    if _arch() < 90:
+        pytest.skip(f"gemv_mma_tma_dual needs sm_90 (kernels built for sm_{_arch()})")
+    monkeypatch.setenv("GPUOPS_DEBUG_POISON", "1")
+    monkeypatch.setitem(G.PLAN, "decode", "tma")
+    launched = []
+    get = G._kernels.get
+    monkeypatch.setattr(G._kernels, "get", lambda m, e, d: launched.append(e) or get(m, e, d))
+    expr = G._kname("gemv_mma_tma_dual", dt.BY_NAME[dtype].ctype,
+                    *G.GEMV_TMA_CONFIGS[G.PLAN["gemv_tma"]])
+    for M, N, K in ((2, 14336, 4096), (16, 2000, 2312), (1, 6144, 2048), (7, 777, 1032),
+                    (3, 1, 520), (5, 100, 8), (13, 40000, 1000)):
+        # (x scaled by K^-1/4 as in test_gpu_swiglu_linear: fp16's range)
+        x = _randn((M, K), dtype, scale=K ** -0.25)
+        w, w2 = _randn((N, K), dtype), _randn((N, K), dtype)
+        launched.clear()
+        _check(go.swiglu_linear(x, w, w2, variant="gemv_mma"), x, w.T, dtype, b2=w2.T,
+               what=f"dual {(M, N, K)}")
+        assert launched == [expr], ((M, N, K), launched)
+    x = _randn((4, 1001), dtype, scale=1001 ** -0.25)
+    w, w2 = _randn((300, 1001), dtype), _randn((300, 1001), dtype)      # row stride: no TMA
+    launched.clear()
+    _check(go.swiglu_linear(x, w, w2, variant="gemv_mma"), x, w.T, dtype, b2=w2.T,
+           what="dual row stride")
+    assert launched and expr not in launched, launched
+    xg, wg, wu = (_randn((8, 4096), dtype, scale=4096 ** -0.25), _randn((6144, 4096), dtype),
+                  _randn((6144, 4096), dtype))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        go.swiglu_linear(xg, wg, wu)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = go.swiglu_linear(xg, wg, wu)
+    xg.copy_(_randn((8, 4096), dtype, scale=4096 ** -0.25))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y, xg, wg.T, dtype, b2=wu.T, what="dual graph")
 
 
 @gpu

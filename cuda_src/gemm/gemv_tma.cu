@@ -30,8 +30,8 @@
 // gemv_mma_tma_split (KS = 2; the host builds no other): the same, K split over a cluster of KS
 // blocks, for weights with too few rows for a whole tile per block ([4096, 14336]: 128 tiles, so
 // 128 blocks of the 264 slots ran and each read all of A: 70-79% of copy, runs 203-204; KS 2:
-// 86-89%, run 205). The KS blocks of a cluster share one range of groups and each streams its KS-th of
-// the chunks; at a tile's end ranks 1.. store their sums into rank 0's shared memory (distributed
+// 86-89%, run 205). The KS blocks of a cluster share one range of groups and each streams its
+// KS-th of the chunks; at a tile's end ranks 1.. store their sums into rank 0's shared memory (distributed
 // shared memory, one buffer per rank and tile parity) and arrive on rank 0's mbarrier, rank 0
 // adds them and runs the epilogue, then tells each rank the buffer is free again (an mbarrier in
 // that rank, skipped for its last two tiles, which nobody waits for). The producer warps take no
@@ -59,13 +59,18 @@ struct GemvTmaSmem {
 
 // The kernels' body. KS: the blocks of a cluster that split K (1: no cluster); the block's
 // place: its group range `cluster` of `clusters`, its K slice `rank` of KS.
-template <class T, int NT, int KC, int STAGES, int KS>
-__device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const GemmArgs& p,
-                                              long long cluster, long long clusters, int rank) {
+// DUAL (SwiGLU, gemv_mma_tma_dual): NT / 2 groups of each weight per tile, the gate's in slot
+// positions 0 .. NT / 2 - 1 and the up projection's (tma_w2) after them, silu(gate) * up out.
+template <class T, int NT, int KC, int STAGES, int KS, bool DUAL>
+__device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const TmaDesc& tma_w2,
+                                              const GemmArgs& p, long long cluster,
+                                              long long clusters, int rank) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(sizeof(T) == 2 && KC % 256 == 0, "16-bit weights, chunks of whole warp rounds");
+  static_assert(!DUAL || (KS == 1 && NT % 2 == 0), "SwiGLU: no K split, a group of each weight");
   using Smem = GemvTmaSmem<NT, KC, STAGES>;
-  constexpr int kRows = NT * 8, kVals = NT * 4;
+  constexpr int NTW = DUAL ? NT / 2 : NT;           // groups of each weight per tile
+  constexpr int kRows = NTW * 8, kVals = NT * 4;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];   // full[s], then empty[s]
   // KS > 1: rank 0's "partials in" (ranks 1.. x 256 arrivals) and each rank's "buffer free"
@@ -104,7 +109,7 @@ __device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const GemmAr
   const long long r0 = groups * cluster / clusters, r1 = groups * (cluster + 1) / clusters;
   // (ints: the host keeps N < 2^31; two registers fewer than 64-bit bounds, which spilled)
   const int n_lo = (int)(8 * r0), n_hi = (int)(8 * r1 < p.N ? 8 * r1 : p.N);
-  const int my_tiles = (int)((r1 - r0 + NT - 1) / NT);
+  const int my_tiles = (int)((r1 - r0 + NTW - 1) / NTW);
   // its chunks [c_lo, c_lo + chunks) of K (the host keeps KS <= the chunks of K)
   const int all_chunks = (int)((p.K + KC - 1) / KC);
   const int c_lo = all_chunks * rank / KS;
@@ -123,20 +128,26 @@ __device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const GemmAr
   if (warp == kGtConsumers) {                       // the producer
     if (lane == 0) {
       tma_prefetch_desc(&tma_w);
+      if (DUAL) tma_prefetch_desc(&tma_w2);
       long long q = 0;                              // chunks issued so far
       for (int i = 0; i < my_tiles; ++i) {
         const long long n0 = n_lo + (long long)i * kRows;
-        const int nv = (int)((n_hi - n0 + 7) / 8 < NT ? (n_hi - n0 + 7) / 8 : NT);   // groups
+        const int nv = (int)((n_hi - n0 + 7) / 8 < NTW ? (n_hi - n0 + 7) / 8 : NTW);   // groups
         for (long long c = c_lo; c < c_lo + chunks; ++c, ++q) {
           const int s = (int)(q % STAGES);
           if (q >= STAGES) mbar_wait(empty0 + 8 * s, (unsigned int)((q / STAGES) & 1) ^ 1u);
-          mbar_arrive_expect_tx(full0 + 8 * s, nv * (KC / 256) * Smem::kBoxBytes);
+          mbar_arrive_expect_tx(full0 + 8 * s,
+                                (DUAL ? 2 : 1) * nv * (KC / 256) * Smem::kBoxBytes);
           const unsigned int dst = smem_u32(smem + s * Smem::kStageBytes);
           for (int n = 0; n < nv; ++n)
 #pragma unroll
-            for (int b = 0; b < KC / 256; ++b)
+            for (int b = 0; b < KC / 256; ++b) {
               tma_load_2d(dst + (n * (KC / 256) + b) * Smem::kBoxBytes, &tma_w, full0 + 8 * s,
                           (int)(c * KC + 256 * b), (int)(n0 + 8 * n));
+              if (DUAL)
+                tma_load_2d(dst + ((NTW + n) * (KC / 256) + b) * Smem::kBoxBytes, &tma_w2,
+                            full0 + 8 * s, (int)(c * KC + 256 * b), (int)(n0 + 8 * n));
+            }
         }
       }
     }
@@ -230,6 +241,20 @@ __device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const GemmAr
             // single release measured the same for one tile per block and 8 points slower
             // with 36 tiles per cluster, run 207)
             mbar_arrive_cluster(cluster_smem_u32(smem_u32(&xbars[buf][0]), 0));
+          } else if (DUAL) {
+            for (int e = tid; e < NTW * 4 * 32; e += kGtConsumers * 32) {
+              const int l = e % 32, cc = (e / 32) % 4, n = e / 128;
+              const long long m = l / 4 + (cc >= 2 ? 8 : 0);
+              const long long col = n0 + 8 * n + 2 * (l % 4) + (cc & 1);
+              if (m >= p.M || col >= n_hi) continue;
+              float gv[1] = {0.0f}, uv[1] = {0.0f};
+#pragma unroll
+              for (int ww = 0; ww < kGtConsumers; ++ww) {
+                gv[0] += red[buf][ww][n * 4 + cc][l];
+                uv[0] += red[buf][ww][(NTW + n) * 4 + cc][l];
+              }
+              swiglu_run<T, 1>(p, o, m, col, gv, uv);
+            }
           } else {
             if (KS > 1) mbar_wait_cluster(smem_u32(&xbars[buf][0]), (unsigned int)((tile / 2) & 1));
             for (int e = tid; e < kVals * 32; e += kGtConsumers * 32) {
@@ -266,7 +291,7 @@ template <class T, int NT, int KC, int STAGES, int MINB>
 __global__ void __launch_bounds__(kGtThreads, MINB)
     gemv_mma_tma(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
-  gemv_tma_body<T, NT, KC, STAGES, 1>(tma_w, p, blockIdx.x, gridDim.x, 0);
+  gemv_tma_body<T, NT, KC, STAGES, 1, false>(tma_w, tma_w, p, blockIdx.x, gridDim.x, 0);
 #else
   __trap();   // not reached: the module is built for sm_90 only
 #endif
@@ -279,8 +304,21 @@ __global__ void GPUOPS_CLUSTER_DIMS(KS) __launch_bounds__(kGtThreads, MINB)
     gemv_mma_tma_split(const __grid_constant__ TmaDesc tma_w, const GemmArgs p) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(KS >= 2 && KS <= 8, "a cluster of 2..8 blocks");
-  gemv_tma_body<T, NT, KC, STAGES, KS>(tma_w, p, blockIdx.x / KS, gridDim.x / KS,
-                                       (int)(blockIdx.x % KS));
+  gemv_tma_body<T, NT, KC, STAGES, KS, false>(tma_w, tma_w, p, blockIdx.x / KS, gridDim.x / KS,
+                                              (int)(blockIdx.x % KS));
+#else
+  __trap();   // not reached: the module is built for sm_90 only
+#endif
+}
+
+// SwiGLU (swiglu_linear's decode): silu(x w^T) * (x w2^T), both weights streamed through the
+// same ring (NT / 2 groups of each per tile, so a slot holds what the single kernel's does).
+template <class T, int NT, int KC, int STAGES, int MINB>
+__global__ void __launch_bounds__(kGtThreads, MINB)
+    gemv_mma_tma_dual(const __grid_constant__ TmaDesc tma_w, const __grid_constant__ TmaDesc tma_w2,
+                      const GemmArgs p) {
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+  gemv_tma_body<T, NT, KC, STAGES, 1, true>(tma_w, tma_w2, p, blockIdx.x, gridDim.x, 0);
 #else
   __trap();   // not reached: the module is built for sm_90 only
 #endif

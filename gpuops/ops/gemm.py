@@ -197,7 +197,12 @@ GEMV_MMA_PIPE = {
 GEMV_TMA_CONFIGS = {"n4k512b2": (4, 512, 2, 2), "n4k512": (4, 512, 5, 1),
                     "n2k1024": (2, 1024, 5, 1), "n4k256": (4, 256, 8, 1),
                     "n4k256b2": (4, 256, 4, 2)}
-GEMV_TMA_MIN_BYTES = 96 << 20
+# Run 216 (H200, bf16 graphs, PDL, % of copy at M = 2 / 4 / 8 / 16, 'tma' against the former
+# 'balanced' below 96 MB): [11008, 4096] (90 MB) M = 8 / 16 74.8 / 69.3 against 60.5 / 58.9;
+# [8192, 4096] (67 MB) 82.7 / 82.2 / 81.7 / 79.1 against 76.9-75.3; [4096, 4096] (34 MB, KS 2)
+# 65.7 / 66.0 / 65.7 / 63.4 against 58.2-50.9 (cuBLAS 59-61); at 25 MB ([6144, 2048], runs
+# 201-203) the plain kernel lost (51-56 against 58-62).
+GEMV_TMA_MIN_BYTES = 32 << 20
 # gemv_mma_tma_split: K split over clusters of KS blocks (rank 0 adds the others' sums through
 # distributed shared memory), for weights with too few 8-row groups to give every block of the
 # plain kernel a whole tile ([4096, 14336]: 512 groups; the plain kernel ran 128 blocks there,
@@ -209,11 +214,25 @@ GEMV_TMA_MIN_BYTES = 96 << 20
 GEMV_TMA_SPLITS = (2,)
 GEMV_TMA_SPLIT_CONFIGS = ("n4k512b2",)
 GEMV_TMA_FILL = 0.9          # the least share of the resident blocks a KS must keep busy
+# 'balanced' takes gemv_mma_tma_dual for SwiGLU pairs of >= GEMV_TMA_DUAL_MIN_BYTES together with
+# whole tiles for GEMV_TMA_FILL of the block slots. Run 214 (H200, bf16 graphs, PDL, % of copy
+# for both weights at M = 2 / 4 / 8 / 16; torch's two GEMVs + silu * mul, and the 'pipe' plan
+# 'balanced' ran before, in the same run): 2 x [14336, 4096] 90.4 / 90.5 / 91.2 / 88.0 (torch 87.0
+# / 86.5 / 86.5 / 85.4, pipe 79.3-77.1); 2 x [11008, 4096] 92.9 / 93.2 / 93.2 / 88.5 (torch 76.8-
+# 80.2, pipe 80.3-77.9); 2 x [6144, 2048] (50 MB) 74.6 / 74.1 / 73.3 / 69.6 (torch 55.5-56.6,
+# gemv_mma 68.7-66.6).
+GEMV_TMA_DUAL_MIN_BYTES = 48 << 20
+# gemv_mma_tma_dual (swiglu_linear): both weights through one ring, NT / 2 groups of each per
+# tile; built for these configurations.
+GEMV_TMA_DUAL_CONFIGS = ("n4k512b2",)
 GEMV_TMA_ARGS = ArgSpec("tensormap", "9P25qf4i")
+GEMV_TMA_DUAL_ARGS = ArgSpec("tensormap", "tensormap", "9P25qf4i")
 GEMV_TMA = _per_dtype("gemv_mma_tma", "gemm/gemv_tma.cu", lambda d: {
     **{_kname("gemv_mma_tma", d.ctype, *c): GEMV_TMA_ARGS for c in GEMV_TMA_CONFIGS.values()},
     **{_kname("gemv_mma_tma_split", d.ctype, *GEMV_TMA_CONFIGS[k], ks): GEMV_TMA_ARGS
-       for k in GEMV_TMA_SPLIT_CONFIGS for ks in GEMV_TMA_SPLITS}},
+       for k in GEMV_TMA_SPLIT_CONFIGS for ks in GEMV_TMA_SPLITS},
+    **{_kname("gemv_mma_tma_dual", d.ctype, *GEMV_TMA_CONFIGS[k]): GEMV_TMA_DUAL_ARGS
+       for k in GEMV_TMA_DUAL_CONFIGS}},
     dtypes=_HALFS, archs=("90",), pdl=True)
 GEMV_TMA_BOX = (256, 8)           # k x rows of one TMA box (4 KiB of 16-bit weight)
 
@@ -229,10 +248,13 @@ def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1, ks=1):   # (a GEMV_TMA_CONF
 def _gemv_tma_split(sms, N, K, cfg_key, want="auto"):
     """(KS, clusters) of the 'tma' plan: KS blocks per cluster splitting K (1: the plain kernel,
     one block per 'cluster'), clusters = min(resident blocks / KS, tiles of NT groups). 'auto':
-    the smallest KS (1, then GEMV_TMA_SPLITS where built for cfg_key) whose blocks fill at
-    least GEMV_TMA_FILL of the resident block slots with a whole tile each and give each rank
-    >= 2 chunks of K; else the one that fills the most. `want` (PLAN['gemv_tma_split']) forces
-    a KS (where built and K has KS chunks)."""
+    the smallest KS (1, then GEMV_TMA_SPLITS where built for cfg_key) whose score reaches
+    GEMV_TMA_FILL, each rank getting >= 2 chunks of K; else the best score (the smaller KS on a
+    tie). Score: the share of the resident block slots that hold a whole tile, and for KS > 1
+    times tiles / (clusters x the most tiles of a cluster): every tile end of a split costs a
+    cluster round trip (run 216, [6144, 4096]: KS 2 with 1-2 tiles per cluster 63-68% of copy,
+    'balanced' 69-71). `want` (PLAN['gemv_tma_split']) forces a KS (where built and K has KS
+    chunks)."""
     nt, kc, _, minb = GEMV_TMA_CONFIGS[cfg_key]
     slots = minb * sms
     tiles = max(1, _cdiv(N, 8) // nt)
@@ -249,11 +271,13 @@ def _gemv_tma_split(sms, N, K, cfg_key, want="auto"):
     best = None
     for ks in options:
         clusters = max(1, min(slots // ks, tiles))
-        fill = clusters * ks / slots
-        if fill >= GEMV_TMA_FILL:
+        score = clusters * ks / slots
+        if ks > 1:
+            score *= tiles / (clusters * _cdiv(tiles, clusters))
+        if score >= GEMV_TMA_FILL:
             return ks, clusters
-        if best is None or fill > best[0]:
-            best = (fill, ks, clusters)
+        if best is None or score > best[0] + 1e-9:
+            best = (score, ks, clusters)
     return best[1], best[2]
 
 
@@ -926,12 +950,13 @@ def _resident_clusters(dev, kernel, blocks, smem):
 
 
 def _gemv_tma_applies(call, p, L, dual):
-    """gemv_mma_tma's conditions: sm_90 (TMA, mbarriers), one weight, not SwiGLU's pair, and a
-    weight TMA can describe as [N, K] with K contiguous (16-byte aligned base and row stride)."""
-    return (effective_arch(call.device) >= 90 and p.batch == 1 and not dual and p.b_sk == 1
+    """gemv_mma_tma's conditions: sm_90 (TMA, mbarriers), one batch, and weights (SwiGLU: both)
+    TMA can describe as [N, K] with K contiguous (16-byte aligned bases and row stride)."""
+    return (effective_arch(call.device) >= 90 and p.batch == 1 and p.b_sk == 1
             and p.K > 0 and max(p.N, p.K) < 2 ** 31
-            and tma.check_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * 2,),
-                                GEMV_TMA_BOX, tma.SWIZZLE_NONE) is None)
+            and all(tma.check_tiled(ptr, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * 2,),
+                                    GEMV_TMA_BOX, tma.SWIZZLE_NONE) is None
+                    for ptr in ((L.b, L.b2) if dual else (L.b,))))
 
 
 def _launch_gemv(call, p, L, dtype, dual, use_mma):
@@ -949,17 +974,31 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
         cfg = GEMV_TMA_CONFIGS[cfg_key]
         # 'balanced' takes 'tma' for large weights where its blocks (K split over clusters where
         # the rows are too few) fill the GPU with whole tiles (runs 203-208)
-        tma_auto = plan == "balanced" and p.N * p.K * itemsize >= GEMV_TMA_MIN_BYTES
-        if tma_auto or plan == "tma":
+        tma_auto = plan == "balanced" and p.N * p.K * itemsize * (2 if dual else 1) >= (
+            GEMV_TMA_DUAL_MIN_BYTES if dual else GEMV_TMA_MIN_BYTES)
+        tma_ok = True
+        if dual:   # (SwiGLU: NT / 2 groups of each weight per tile, no K split)
+            ks, clusters = 1, max(1, min(cfg[3] * sms, _cdiv(p.N, 8) // (cfg[0] // 2)))
+            tma_auto = tma_auto and clusters >= GEMV_TMA_FILL * cfg[3] * sms
+            tma_ok = cfg_key in GEMV_TMA_DUAL_CONFIGS
+        elif tma_auto or plan == "tma":
             ks, clusters = _gemv_tma_split(sms, p.N, p.K, cfg_key, PLAN["gemv_tma_split"])
             tma_auto = tma_auto and clusters * ks >= GEMV_TMA_FILL * cfg[3] * sms
-        if (plan == "tma" or tma_auto) and _gemv_tma_applies(call, p, L, dual):
+        if (plan == "tma" or tma_auto) and tma_ok and _gemv_tma_applies(call, p, L, dual):
             desc = tma.encode_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * itemsize,),
                                     GEMV_TMA_BOX, tma.SWIZZLE_NONE)
             L.splits, L.k_split = 1, 0
             if PLAN["gemv_l2_prefetch"]:   # the first chunks of each block into L2 first
                 L.flags |= W_PREFETCH
             smem = _gemv_tma_smem(*cfg, ks)
+            if dual:
+                desc2 = tma.encode_tiled(L.b2, tma.DTYPE_UINT16, (p.K, p.N),
+                                         (p.b_sn * itemsize,), GEMV_TMA_BOX, tma.SWIZZLE_NONE)
+                kernel = _kernels.get(GEMV_TMA[dtype], _kname(
+                    "gemv_mma_tma_dual", dtype.ctype, *cfg), call.device)
+                kernel.launch((clusters, 1, 1), (288, 1, 1), call.stream, desc, desc2,
+                              *_gemm_args(p, L, 0), smem=smem)
+                return
             if ks == 1:
                 kernel = _kernels.get(GEMV_TMA[dtype], _kname("gemv_mma_tma", dtype.ctype, *cfg),
                                       call.device)
