@@ -1135,22 +1135,26 @@ def test_emulated_register_tiled_vec4(monkeypatch, rng):
             _check(_cpu(out), _cpu(a), _cpu(b), "float32", what=f"{name} {(M, N, K)}")
 
 
-def _check_linear_in_graph(dtype, what):
-    """go.linear x [8, 4096] @ w [6144, 4096].T under the current PLAN, warmed up on a side stream,
-    captured in a CUDA graph and replayed after x is overwritten: the replay reads the new x."""
-    x, w = _randn((8, 4096), dtype), _randn((6144, 4096), dtype)
+def _check_linear_in_graph(dtype, what, swiglu=False):
+    """go.linear x [8, 4096] @ w [6144, 4096].T (swiglu: go.swiglu_linear with a second weight,
+    x scaled by K^-1/4) under the current PLAN, warmed up on a side stream, captured in a CUDA
+    graph and replayed after x is overwritten: the replay reads the new x."""
+    scale = 4096 ** -0.25 if swiglu else 1.0
+    x, w = _randn((8, 4096), dtype, scale=scale), _randn((6144, 4096), dtype)
+    w2 = _randn((6144, 4096), dtype) if swiglu else None
+    call = (lambda: go.swiglu_linear(x, w, w2)) if swiglu else (lambda: go.linear(x, w))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        go.linear(x, w)
+        call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = go.linear(x, w)
-    x.copy_(_randn((8, 4096), dtype))
+        y = call()
+    x.copy_(_randn((8, 4096), dtype, scale=scale))
     graph.replay()
     torch.cuda.synchronize()
-    _check(y, x, w.T, dtype, what=what)
+    _check(y, x, w.T, dtype, b2=None if w2 is None else w2.T, what=what)
 
 
 PIPE_CASES = [(plan, dual, cfg) for plan, per in G.GEMV_PIPE.items() for dual, cfgs in per.items()
@@ -1949,20 +1953,7 @@ def test_gpu_gemv_mma_tma_dual(dtype, monkeypatch):
     _check(go.swiglu_linear(x, w, w2, variant="gemv_mma"), x, w.T, dtype, b2=w2.T,
            what="dual row stride")
     assert launched and expr not in launched, launched
-    xg, wg, wu = (_randn((8, 4096), dtype, scale=4096 ** -0.25), _randn((6144, 4096), dtype),
-                  _randn((6144, 4096), dtype))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        go.swiglu_linear(xg, wg, wu)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = go.swiglu_linear(xg, wg, wu)
-    xg.copy_(_randn((8, 4096), dtype, scale=4096 ** -0.25))
-    graph.replay()
-    torch.cuda.synchronize()
-    _check(y, xg, wg.T, dtype, b2=wu.T, what="dual graph")
+    _check_linear_in_graph(dtype, "dual graph", swiglu=True)
 
 
 @gpu
