@@ -297,7 +297,7 @@ def test_decode_plans():
                            "gemv_tma_split"}
     # the 'tma' plan's K split (KS, clusters): whole tiles for >= 90% of the 264 block slots of
     # an H200 / H100 with the fewest blocks per cluster; each rank >= 2 chunks of 512 k
-    split = G._gemv_tma_split
+    split = lambda *a, **k: G._gemv_tma_split(*a, **k)[:2]  # noqa: E731  (KS, clusters)
     assert split(132, 14336, 4096, "n4k512b2") == (1, 264)      # 448 tiles
     assert split(132, 8192, 28672, "n4k512b2") == (1, 256)      # 256 tiles: 97%
     assert split(132, 4096, 14336, "n4k512b2") == (2, 128)      # 128 tiles: KS 1 fills 48%
@@ -308,6 +308,9 @@ def test_decode_plans():
     assert split(132, 6144, 4096, "n4k512b2") == (1, 192)
     assert split(132, 14336, 4096, "n4k512b2", 2) == (2, 132)   # forced
     assert split(132, 4096, 14336, "n4k512b2", 1) == (1, 128)
+    # SwiGLU: 2 groups of each weight per tile, never split; the score is the slots' fill
+    assert G._gemv_tma_split(132, 14336, 4096, "n4k512b2", dual=True) == (1, 264, 1.0)
+    assert G._gemv_tma_split(132, 3792, 4096, "n4k512b2", dual=True)[:2] == (1, 237)
     assert split(132, 4096, 512, "n4k512b2", 2) == (1, 128)     # 1 chunk: fewer than KS
     with pytest.raises(ValueError, match="gemv_tma_split"):
         split(132, 4096, 14336, "n4k512b2", 4)

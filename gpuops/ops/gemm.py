@@ -245,40 +245,43 @@ def _gemv_tma_smem(nt, kc, stages, _blocks_per_sm=1, ks=1):   # (a GEMV_TMA_CONF
             + 2 * (ks - 1) * nt * 4 * 32 * 4)
 
 
-def _gemv_tma_split(sms, N, K, cfg_key, want="auto"):
-    """(KS, clusters) of the 'tma' plan: KS blocks per cluster splitting K (1: the plain kernel,
-    one block per 'cluster'), clusters = min(resident blocks / KS, tiles of NT groups). 'auto':
-    the smallest KS (1, then GEMV_TMA_SPLITS where built for cfg_key) whose score reaches
-    GEMV_TMA_FILL, each rank getting >= 2 chunks of K; else the best score (the smaller KS on a
-    tie). Score: the share of the resident block slots that hold a whole tile, and for KS > 1
-    times tiles / (clusters x the most tiles of a cluster): every tile end of a split costs a
-    cluster round trip (run 216, [6144, 4096]: KS 2 with 1-2 tiles per cluster 63-68% of copy,
-    'balanced' 69-71). `want` (PLAN['gemv_tma_split']) forces a KS (where built and K has KS
-    chunks)."""
+def _gemv_tma_split(sms, N, K, cfg_key, want="auto", dual=False):
+    """(KS, clusters, score) of the 'tma' plan: KS blocks per cluster splitting K (1: the plain
+    kernel, one block per 'cluster'), clusters = min(resident blocks / KS, tiles of NT groups;
+    SwiGLU (dual): NT / 2 groups of each weight, never split). 'auto': the smallest KS (1, then
+    GEMV_TMA_SPLITS where built for cfg_key) whose score reaches GEMV_TMA_FILL, each rank getting
+    >= 2 chunks of K; else the best score (the smaller KS on a tie). Score: the share of the
+    resident block slots that hold a whole tile, and for KS > 1 times tiles / (clusters x the
+    most tiles of a cluster): every tile end of a split costs a cluster round trip (run 216,
+    [6144, 4096]: KS 2 with 1-2 tiles per cluster 63-68% of copy, 'balanced' 69-71). 'balanced'
+    takes the plan where the score reaches GEMV_TMA_FILL. `want` (PLAN['gemv_tma_split']) forces
+    a KS (where built and K has KS chunks)."""
     nt, kc, _, minb = GEMV_TMA_CONFIGS[cfg_key]
     slots = minb * sms
-    tiles = max(1, _cdiv(N, 8) // nt)
+    tiles = max(1, _cdiv(N, 8) // (nt // 2 if dual else nt))
     chunks = _cdiv(K, kc)
-    options = [1] + [ks for ks in GEMV_TMA_SPLITS
-                     if cfg_key in GEMV_TMA_SPLIT_CONFIGS and chunks >= 2 * ks]
-    if want != "auto":
-        if want not in (1, *GEMV_TMA_SPLITS):
-            raise ValueError(f"gpuops: PLAN['gemv_tma_split'] must be 'auto' or one of "
-                             f"{[1, *GEMV_TMA_SPLITS]}, got {want!r}")
-        if want == 1 or (cfg_key in GEMV_TMA_SPLIT_CONFIGS and chunks >= want):
-            return want, max(1, min(slots // want, tiles))
-        return 1, max(1, min(slots, tiles))
-    best = None
-    for ks in options:
+    splittable = not dual and cfg_key in GEMV_TMA_SPLIT_CONFIGS
+
+    def scored(ks):
         clusters = max(1, min(slots // ks, tiles))
         score = clusters * ks / slots
         if ks > 1:
             score *= tiles / (clusters * _cdiv(tiles, clusters))
-        if score >= GEMV_TMA_FILL:
-            return ks, clusters
-        if best is None or score > best[0] + 1e-9:
-            best = (score, ks, clusters)
-    return best[1], best[2]
+        return ks, clusters, score
+
+    if want != "auto":
+        if want not in (1, *GEMV_TMA_SPLITS):
+            raise ValueError(f"gpuops: PLAN['gemv_tma_split'] must be 'auto' or one of "
+                             f"{[1, *GEMV_TMA_SPLITS]}, got {want!r}")
+        return scored(want if splittable and chunks >= want else 1)
+    best = None
+    for ks in [1] + [ks for ks in GEMV_TMA_SPLITS if splittable and chunks >= 2 * ks]:
+        got = scored(ks)
+        if got[2] >= GEMV_TMA_FILL:
+            return got
+        if best is None or got[2] > best[2] + 1e-9:
+            best = got
+    return best
 
 
 # Plan switches, kept so that one run can time the old paths next to the new ones:
@@ -976,14 +979,11 @@ def _launch_gemv(call, p, L, dtype, dual, use_mma):
         # the rows are too few) fill the GPU with whole tiles (runs 203-208)
         tma_auto = plan == "balanced" and p.N * p.K * itemsize * (2 if dual else 1) >= (
             GEMV_TMA_DUAL_MIN_BYTES if dual else GEMV_TMA_MIN_BYTES)
-        tma_ok = True
-        if dual:   # (SwiGLU: NT / 2 groups of each weight per tile, no K split)
-            ks, clusters = 1, max(1, min(cfg[3] * sms, _cdiv(p.N, 8) // (cfg[0] // 2)))
-            tma_auto = tma_auto and clusters >= GEMV_TMA_FILL * cfg[3] * sms
-            tma_ok = cfg_key in GEMV_TMA_DUAL_CONFIGS
-        elif tma_auto or plan == "tma":
-            ks, clusters = _gemv_tma_split(sms, p.N, p.K, cfg_key, PLAN["gemv_tma_split"])
-            tma_auto = tma_auto and clusters * ks >= GEMV_TMA_FILL * cfg[3] * sms
+        tma_ok = not dual or cfg_key in GEMV_TMA_DUAL_CONFIGS
+        if tma_ok and (tma_auto or plan == "tma"):
+            ks, clusters, score = _gemv_tma_split(sms, p.N, p.K, cfg_key,
+                                                  PLAN["gemv_tma_split"], dual)
+            tma_auto = tma_auto and score >= GEMV_TMA_FILL
         if (plan == "tma" or tma_auto) and tma_ok and _gemv_tma_applies(call, p, L, dual):
             desc = tma.encode_tiled(L.b, tma.DTYPE_UINT16, (p.K, p.N), (p.b_sn * itemsize,),
                                     GEMV_TMA_BOX, tma.SWIZZLE_NONE)
