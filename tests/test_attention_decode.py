@@ -226,6 +226,24 @@ def test_num_splits_rule():
         assert b * 8 * n <= max(slots, b * 8) and n * c >= s and (n - 1) * c < s
 
 
+def test_num_splits_tma_rule():
+    # decode_split_tma: one block per SM (TMA_SPLIT), chunks of whole 64-key stages. 132 SMs:
+    # B1 S8192 Hkv 8: 16 splits of 512 keys; B16 S4096: one split. At 2 blocks per SM, B1 wants
+    # 33 splits (249 keys) -> 256-key chunks, 32 splits (256 blocks of 264 slots)
+    assert A.num_splits_tma(1, 8, 1, 8192, 132) == (16, 512)
+    assert A.num_splits_tma(16, 8, 1, 4096, 132) == (1, 4096)
+    assert A.num_splits_tma(64, 8, 1, 4096, 132) == (1, 4096)
+    assert A.num_splits_tma(1, 8, 1, 8192, 132, blocks_per_sm=2) == (32, 256)
+    assert A.num_splits_tma(16, 8, 1, 4096, 132, blocks_per_sm=2) == (2, 2048)
+    assert A.num_splits_tma(1, 1, 1, 0, 132) == (1, 64)
+    assert A.num_splits_tma(1, 1, 1, 10, 132) == (1, 64)
+    for b, hkv, rc, s, sms in [(1, 8, 1, 8192, 132), (3, 4, 2, 5000, 132), (2, 8, 1, 4100, 78),
+                               (1, 1, 1, 10 ** 6, 132), (5, 2, 1, 4100, 132)]:
+        n, c = A.num_splits_tma(b, hkv, rc, s, sms)
+        assert c % A.TMA_KEYS == 0 and n * c >= s and (n - 1) * c < s and n <= A.MAX_SPLITS
+        assert b * hkv * rc * n <= max(2 * sms, b * hkv * rc)
+
+
 # ------------------------------------------------------------------ CPU: the kernels, emulated
 
 def _emu_param_types(orig):
@@ -271,6 +289,7 @@ def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 3 * 4)
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: False)   # an emulated device: no PDL
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
+    monkeypatch.setattr(A, "TMA", "off")             # the emulator has no TMA (sm_90 only)
     A._plans.clear()
 
     def run(op_name, dtype, *args, stream=0, **kwargs):
@@ -480,7 +499,12 @@ def test_gpu_paged(rng, dtype, page_size, hq, hkv, sq):
     assert_close(_host(out), ref, dtype, "paged")
     pad = -s_max % page_size             # same S_max as the pages: same splits, same arithmetic
     kz, vz = (np.concatenate([x, np.zeros((b, pad, hkv, d), x.dtype)], 1) for x in (k, v))
-    out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens), window_size=(300, 0))
+    A.TMA = "off"                        # the register kernel, as paged (sm_90: not the TMA one)
+    try:
+        out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens),
+                                  window_size=(300, 0))
+    finally:
+        A.TMA = "auto"
     assert torch.equal(out, out_c)
 
 
@@ -658,7 +682,9 @@ def test_gpu_split_and_pdl(rng, monkeypatch, pdl, shape, dtype):
         kp, vp, table = _paged_from(rng, k, v, 16)
         _poison_cache()
         pout = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens))
-        assert torch.equal(pout, out)
+        monkeypatch.setattr(A, "TMA", "off")     # paged runs the register kernel (not TMA's)
+        out_r = go.decode_attention(*args)
+        assert torch.equal(pout, out_r)
 
 
 @gpu
@@ -710,3 +736,144 @@ def test_gpu_pdl_in_a_cuda_graph(rng, monkeypatch, op, pdl):
         monkeypatch.setattr(A, "PDL", pdl)
         for e, o in zip(eager, outs):
             assert torch.equal(e, o)
+
+
+# ------------------------------------------------------------------ GPU: decode_split_tma (sm_90)
+
+def _tma_device():
+    """decode_split_tma can run: an sm_90 GPU whose kernels are not built for an older arch
+    (GPUOPS_ARCH=61 on the compute_61 bundle takes the register kernel)."""
+    return A._cc(torch.cuda.current_device()) >= 90
+
+
+def _tma_spy(monkeypatch):
+    """The plans decode_split_tma was launched with, call by call."""
+    used = []
+    orig = A._plan_tma
+
+    def spy(*args, **kwargs):
+        p = orig(*args, **kwargs)
+        used.append(p)
+        return p
+    monkeypatch.setattr(A, "_plan_tma", spy)
+    return used
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("hq,hkv,sq", [(16, 8, 1), (8, 1, 1), (32, 2, 1), (16, 1, 2), (8, 2, 4)])
+def test_gpu_decode_tma(rng, monkeypatch, dtype, d, hq, hkv, sq):
+    """The TMA kernel against the float64 reference (out and lse, the same tolerances as the
+    register kernel: P enters P V as two parts, not rounded to the storage type): lengths 0, 1,
+    17, 1000 and 4097 of a 4100-key cache holding NaN past each length (the last stage's V rows
+    there must be zeroed, 0 x NaN being NaN), 8 / 16 / 32 q rows per kv head (one or two row
+    chunks of the mma's 16), poisoned outputs and workspace; then a window."""
+    if not _tma_device():
+        pytest.skip("decode_split_tma runs on sm_90 only")
+    monkeypatch.setattr(A, "TMA", "on")        # every row count, not only 'auto''s
+    used = _tma_spy(monkeypatch)
+    lens = np.array([0, 1, 17, 1000, 4097], np.int32)
+    b, s_max = len(lens), 4100
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    for i, n in enumerate(lens):
+        k[i, n:] = np.nan
+        v[i, n:] = np.nan
+    args = (_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
+    _poison_cache()
+    out, lse = go.decode_attention(*args, return_lse=True)
+    assert len(used) == 1, "decode_split_tma did not take the call"
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(_host(out), ref, dtype, "tma")
+    _assert_lse(_host(lse), ref_lse)
+    _poison_cache()
+    out_w = go.decode_attention(*args, window_size=(300, 0))
+    assert len(used) == 2
+    assert_close(_host(out_w), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens,
+                                                      window_size=(300, 0)), dtype, "window")
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_decode_tma_layouts_splits_and_graph(rng, monkeypatch):
+    """The TMA kernel on a [B, Hkv, S, D] cache viewed as [B, S, Hkv, D] (other strides in the
+    tensor map), at several split rules (1 split per sequence, chunks of one stage, 2 waves), in
+    a CUDA graph replayed with other lengths (equal bit for bit to eager calls), and equal to the
+    register kernel within the tolerance; a cache TMA cannot describe (a 2-byte offset) takes the
+    register kernel."""
+    if not _tma_device():
+        pytest.skip("decode_split_tma runs on sm_90 only")
+    monkeypatch.setattr(A, "TMA", "on")
+    used = _tma_spy(monkeypatch)
+    b, s_max, hq, hkv, d, dtype = 2, 3000, 16, 4, 128, "bfloat16"
+    q = _arr(rng, (b, 3, hq, d), dtype)
+    kb, vb = _arr(rng, (b, hkv, s_max, d), dtype), _arr(rng, (b, hkv, s_max, d), dtype)
+    k, v = kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3)
+    tk, tv = _cuda(kb).transpose(1, 2), _cuda(vb).transpose(1, 2)
+    tq = _cuda(q)
+    lens = torch.tensor([3000, 777], dtype=torch.int32, device="cuda")
+    for rule in ({"waves": 1, "blocks_per_sm": 2}, {"waves": 1, "blocks_per_sm": 0},
+                 {"waves": 100, "blocks_per_sm": 2}):
+        monkeypatch.setattr(A, "TMA_SPLIT", rule)
+        _poison_cache()
+        out = go.decode_attention(tq, tk, tv, lens)
+        assert_close(_host(out), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), _host(lens)),
+                     dtype, f"split rule {rule}")
+    sms = A._sm_count(torch.cuda.current_device())
+    assert [p[3] for p in used] == [A.num_splits_tma(b, hkv, 1, s_max, sms, w, per)[0]
+                                    for w, per in ((1, 2), (1, 0), (100, 2))]
+    assert [p[3] for p in used][1:] == [1, 47]      # one split; 47 chunks of one stage
+    monkeypatch.setattr(A, "TMA_SPLIT", {"waves": 1, "blocks_per_sm": 2})
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        go.decode_attention(tq, tk, tv, lens, return_lse=True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = go.decode_attention(tq, tk, tv, lens, return_lse=True)
+    for new_lens in ([1, 3000], [0, 64], [2999, 65]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        tq.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = A.ref_decode_attention(_host(tq), _f64(k), _f64(v), np.array(new_lens),
+                                              return_lse=True)
+        assert_close(_host(gout), ref, dtype, f"graph {new_lens}")
+        _assert_lse(_host(glse), ref_lse)
+        eager, eager_lse = go.decode_attention(tq, tk, tv, lens, return_lse=True)
+        assert torch.equal(eager, gout) and torch.equal(eager_lse, glse)
+        monkeypatch.setattr(A, "TMA", "off")
+        reg = go.decode_attention(tq, tk, tv, lens)
+        monkeypatch.setattr(A, "TMA", "on")
+        assert_close(_host(reg), ref, dtype, f"register kernel {new_lens}")
+    n = len(used)
+    flat = _cuda(_arr(rng, (b * s_max * hkv * d + 8,), dtype))
+    k2 = flat[1:1 + b * s_max * hkv * d].view(b, s_max, hkv, d)
+    go.decode_attention(tq, k2, k2, lens)
+    assert len(used) == n, "a misaligned cache must take the register kernel"
+    monkeypatch.setattr(A, "TMA", "yes")
+    with pytest.raises(ValueError, match="TMA"):
+        go.decode_attention(tq, tk, tv, lens)
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_decode_tma_auto_rule(rng, monkeypatch):
+    """TMA 'auto' takes decode_split_tma from TMA_MIN_ROWS q rows per kv head (GQA group x query
+    tokens) and the register kernel below; both right."""
+    if not _tma_device():
+        pytest.skip("decode_split_tma runs on sm_90 only")
+    used = _tma_spy(monkeypatch)
+    b, s_max, d, dtype = 2, 1500, 128, "float16"
+    lens = np.array([1500, 700], np.int32)
+    k, v = _arr(rng, (b, s_max, 8, d), dtype), _arr(rng, (b, s_max, 8, d), dtype)
+    for hq, sq in ((16, 1), (16, 4), (64, 1), (8, 2), (24, 1), (32, 1)):
+        n = len(used)
+        q = _arr(rng, (b, sq, hq, d), dtype)
+        out = go.decode_attention(_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
+        assert len(used) - n == int((hq // 8) * sq >= A.TMA_MIN_ROWS), (hq, sq)
+        assert_close(_host(out), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens), dtype,
+                     f"hq={hq} sq={sq}")

@@ -36,6 +36,10 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   decode117_m8_tma    the same at w [14336, 4096] (117 MB; M = 8; _pipe / _tma: PLAN['decode']
                       'pipe' / 'tma')
   decode117t_m8       M = 8 at w [4096, 14336], the default plan (K over clusters of 2)
+  dattn_b16_tma / dattn_b16_reg / dattn_b1_tma / dattn_b16_sdpa / dattn_b1_sdpa
+                      decode_attention B16 S4096 / B1 S8192 (Hq 16, Hkv 8, D 128, bf16) with
+                      attention_decode.TMA 'on' (decode_split_tma) or 'off' (register kernel),
+                      or torch SDPA on the same caches
 """
 from __future__ import annotations
 
@@ -200,6 +204,30 @@ def _decode(M, ahead="auto", peer=False, weight=(6144, 2048), plan=None, split="
     return build
 
 
+def _decode_attn(b, s, tma, peer=False):
+    """decode_attention, B x S (Hq 16, Hkv 8, D 128, bf16, one query token, full caches), with
+    attention_decode.TMA = tma ('auto': decode_split_tma on sm_90, 'off': the register kernel)."""
+    def build():
+        from gpuops.ops import attention_decode as AD  # noqa: PLC0415
+        q = torch.randn(b, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, s, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, s, 8, 128, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+
+        if peer:
+            return lambda: AD._sdpa(q, k, v)
+
+        def call():
+            saved = AD.TMA
+            AD.TMA = tma
+            try:
+                return go.decode_attention(q, k, v, lens)
+            finally:
+                AD.TMA = saved
+        return call
+    return build
+
+
 TARGETS = {
     "sgemm_cublas": _sgemm(None),
     **{f"sgemm_{c}": _sgemm(c) for c in G.WARP_TILED_CONFIGS},
@@ -235,6 +263,12 @@ TARGETS = {
     # the transposed weight [4096, 14336] under the default plan (since the thirty-fourth
     # session: gemv_mma_tma_split, K over clusters of 2)
     "decode117t_m8": _decode(8, weight=(4096, 14336)),
+    # decode attention (issue 5): the TMA ring kernel and the register kernel
+    "dattn_b16_tma": _decode_attn(16, 4096, "on"),
+    "dattn_b16_reg": _decode_attn(16, 4096, "off"),
+    "dattn_b1_tma": _decode_attn(1, 8192, "on"),
+    "dattn_b16_sdpa": _decode_attn(16, 4096, "auto", peer=True),
+    "dattn_b1_sdpa": _decode_attn(1, 8192, "auto", peer=True),
 }
 
 

@@ -210,6 +210,10 @@ __device__ __forceinline__ void gemv_tma_body(const TmaDesc& tma_w, const TmaDes
             }
           }
         }
+        // our reads of the slot before the producer's next TMA fill of it: the mbarrier alone
+        // does not order generic-proxy reads before async-proxy writes (decode_split_tma.cu
+        // raced without this fence: H200 run 220, wrong 16-byte chunks in ~1% of outputs)
+        fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);   // this warp is done with the slot
         if (q + 2 < total) load_x(c_lo + (q + 2) % chunks, xr[u]);

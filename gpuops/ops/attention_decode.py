@@ -13,6 +13,10 @@ Kernels (cuda_src/attention/):
   K/V for head dims 64/128/256 (template), one-element loads for any other head dim or layout.
   fp32 math (online softmax in the log2 domain), fp16/bf16/fp32 storage. Each split writes its
   normalised partial output and log-sum-exp to an fp32 workspace (``call.empty``).
+* ``decode_split_tma.cu`` (sm_90, fp16/bf16, head dims 64 / 128, contiguous caches): the same
+  contract, K and V streamed by TMA into a shared-memory ring and multiplied on the tensor cores
+  with up to 16 q rows per block; taken from 3 q rows per kv head (``TMA``, ``TMA_MIN_ROWS``
+  below), where the register kernel holds too many rows in registers.
 * ``decode_combine.cu``: one block per output row merges the splits by log-sum-exp (a second
   launch, also for one split; a PDL secondary of the split kernel on sm_90). (A merge in the split
   kernel's last block, one launch, was slower at B1 in runs 22, 27 and 35 and was removed:
@@ -40,7 +44,7 @@ import numpy as np
 from gpuops import dtypes as dt
 from gpuops.bench_spec import BenchSpec
 from gpuops.registry import get as _get_op, register
-from gpuops.runtime import device, loader
+from gpuops.runtime import device, loader, tma
 from gpuops.runtime.launch import PDL as _PDL_ATTRS, ArgSpec, launch_ex_available
 from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
@@ -107,6 +111,48 @@ COMBINE_MODULE = KernelModule("attention.decode_combine", "attention/decode_comb
 APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append.cu", {
     f"gpuops::append_paged_kv<{d.ctype}>": APPEND_ARGS for d in dt.FLOATS})
 
+# decode_split_tma.cu (sm_90): the split kernel with K and V streamed by TMA into a shared-memory
+# ring (4 consumer warps on the tensor cores, 1 producer warp; 16 q rows and stages of 64 keys per
+# block). Where it applies (_tma_maps: sm_90, fp16/bf16, head dim 64 / 128, contiguous caches TMA
+# can describe), TMA = "auto" takes it for >= TMA_MIN_ROWS q rows per kv head (GQA group x query
+# tokens), "on" always (tests, experiments), "off" never; read at every call. H200 runs 218-222
+# (bf16, D 128, graph replay, rotated caches; benchmarks/notes_attention_decode.md): at 2 rows
+# (GQA 16/8, one token) the register kernel stays ahead (B1 S8192 15.4 us against 17.0-18.7,
+# B16 S4096 72.9 against 74.2); from 4 rows the TMA kernel leads: 32/8 B1 S8192 22.5 -> 17.5 us,
+# B16 S4096 106.3 -> 75.1; 16/8 with 2 tokens B1 22.9 -> 17.7; 64/8 B1 44.5 -> 18.5, B16 258.6
+# -> 78.7; 32/8 with 4 tokens B1 74.3 -> 20.6, B4 S8192 251.8 -> 45.0 (the register kernel holds
+# RT = 4 or 8 rows' q and o in registers: fewer keys in flight). 3 rows run the register kernel's
+# RT 4 path, as 4 do: the TMA kernel from 3.
+# TMA_SPLIT: its split rule (num_splits_tma): waves of TMA_SPLIT["blocks_per_sm"] x SMs blocks,
+# chunks of whole stages; one block per SM measured ahead of two at every shape above but B16
+# S4096 16/8 (runs 218, 222). Experiments may change both; part of the plan key.
+TMA = "auto"
+TMA_MIN_ROWS = 3
+TMA_SPLIT = {"waves": 1, "blocks_per_sm": 1}
+TMA_D = (64, 128)
+TMA_STAGES = {64: 6, 128: 3}  # ring slots (DecodeTmaSmem): 96 KiB either way, 2 blocks per SM
+TMA_THREADS = 160             # kDtThreads (decode_split_tma.cu)
+TMA_KEYS = 64                 # kDtKeys: keys per stage (the TMA box's rows)
+TMA_ROWS = 16                 # kDtRows: q rows per block (the mma's M)
+# How a stage lands in shared memory (GPUOPS_DTMA_LAYOUT in decode_split_tma.cu, which the
+# module must be built with): 0 boxes of 64 columns (the default), 1 / 2 experiments' layouts.
+TMA_LAYOUT = 0
+TMA_ARGS = ArgSpec("tensormap", "tensormap", *["ptr"] * 4, *["i64"] * 5, *["i32"] * 10, "f32")
+_HALFS = (dt.float16, dt.bfloat16)
+
+
+def _tma_expr(d, dim):
+    return f"gpuops::decode_split_tma<{d.ctype}, {dim}, {TMA_STAGES[dim]}>"
+
+
+def _tma_smem(dim):
+    """Dynamic shared memory of decode_split_tma (DecodeTmaSmem::kBytes)."""
+    return 1024 + TMA_STAGES[dim] * 2 * (dim // 64) * TMA_KEYS * 128
+
+
+TMA_MODULE = KernelModule("attention.decode_split_tma", "attention/decode_split_tma.cu", {
+    _tma_expr(d, dim): TMA_ARGS for d in _HALFS for dim in TMA_D}, archs=("90",))
+
 
 
 def _kernel(module, dev, expr):
@@ -126,6 +172,20 @@ def num_splits(batch, hkv, row_chunks, s_max, slots, waves=None, min_chunk=None)
     want = max(1, (w * slots) // base)
     n = max(1, min(want, -(-s_max // mc), MAX_SPLITS))
     chunk = max(1, -(-s_max // n))
+    return -(-max(s_max, 1) // chunk), chunk
+
+
+def num_splits_tma(batch, hkv, row_chunks, s_max, sms, waves=None, blocks_per_sm=None):
+    """(splits, keys per split) of decode_split_tma: num_splits' rule for ``waves`` waves of
+    ``blocks_per_sm`` x ``sms`` blocks, with chunks of whole stages (TMA_KEYS): a chunk that ends
+    inside a stage would load the next chunk's keys too."""
+    w = TMA_SPLIT["waves"] if waves is None else waves
+    per = TMA_SPLIT["blocks_per_sm"] if blocks_per_sm is None else blocks_per_sm
+    base = max(1, batch * hkv * row_chunks)
+    want = max(1, (w * per * sms) // base)
+    steps = max(1, -(-s_max // TMA_KEYS))
+    n = max(1, min(want, steps, MAX_SPLITS))
+    chunk = -(-steps // n) * TMA_KEYS
     return -(-max(s_max, 1) // chunk), chunk
 
 
@@ -427,6 +487,63 @@ def _st(t: Tensor, i):
     return t.strides[i] if t.shape[i] != 1 else 0
 
 
+def _kv_map(t: Tensor):
+    """The 4-D tensor map (d, key, kv head, batch; innermost first) of a 16-bit cache
+    ``[B, S_max, Hkv, D]`` (any strides with a unit d stride) in boxes of 64 head-dim columns x
+    TMA_KEYS keys, 128-byte swizzle; None where TMA cannot describe it (16-byte aligned base and
+    byte strides). A dim of extent 1 is never stepped: its stride is replaced by a valid one."""
+    b, s, h, dim = t.shape
+    if t.strides[3] != 1 and dim != 1:
+        return None
+    item = t.dtype.itemsize
+    strides = []
+    for extent, st in ((s, t.strides[1]), (h, t.strides[2]), (b, t.strides[0])):
+        nbytes = st * item
+        if extent == 1 and (nbytes <= 0 or nbytes % 16):
+            nbytes = 16 * max(1, -(-dim * item // 16))
+        strides.append(nbytes)
+    dims, box, swz = (dim, max(s, 1), h, b), (64, TMA_KEYS, 1, 1), tma.SWIZZLE_128B
+    if TMA_LAYOUT == 1:           # (64 d, halves, key, head, batch): both halves in one box
+        dims, box = (64, dim // 64, *dims[1:]), (64, dim // 64, TMA_KEYS, 1, 1)
+        strides = [128, *strides]
+    elif TMA_LAYOUT == 2:         # whole rows, no swizzle
+        box, swz = (dim, TMA_KEYS, 1, 1), tma.SWIZZLE_NONE
+    if tma.check_tiled(t.ptr, tma.DTYPE_UINT16, dims, strides, box, swz):
+        return None
+    return tma.encode_tiled(t.ptr, tma.DTYPE_UINT16, dims, strides, box, swz)
+
+
+def _tma_maps(call, op, dtype, dim, rows, k: Tensor, v: Tensor, paged):
+    """(K map, V map) where decode_split_tma takes the call (TMA; rows: q rows per kv head),
+    else None."""
+    if TMA not in ("auto", "on", "off"):
+        raise ValueError(f"gpuops.{op}: attention_decode.TMA = {TMA!r}; expected 'auto', 'on' "
+                         "or 'off'")
+    if (TMA == "off" or (TMA == "auto" and rows < TMA_MIN_ROWS) or paged or dtype not in _HALFS
+            or dim not in TMA_D or _cc(call.device) < 90 or min(k.shape[:3]) < 1
+            or k.shape[1] >= 2 ** 31):
+        return None
+    km = _kv_map(k)
+    vm = _kv_map(v) if km is not None else None
+    return (km, vm) if vm is not None else None
+
+
+def _plan_tma(op, dtype, q: Tensor, k: Tensor, s_max, dev):
+    key = ("tma", op, dtype, q.shape, k.shape, dev, tuple(TMA_SPLIT.values()))
+    p = _plans.get(key)
+    if p is None:
+        b, sq, hq, dim = q.shape
+        hkv = k.shape[2]
+        rows = (hq // hkv) * sq
+        row_chunks = -(-rows // TMA_ROWS)
+        nsplit, chunk = num_splits_tma(b, hkv, row_chunks, s_max, _sm_count(dev))
+        p = (_tma_expr(dtype, dim), rows, row_chunks, nsplit, chunk)
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = p
+    return p
+
+
 def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return_lse):
     dtype = call.result_dtype
     b, sq, hq, dim = q.shape
@@ -437,8 +554,12 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     lse = call.empty((b, hq, sq), dt.float32) if return_lse else None
     if out.numel == 0:
         return (out, lse) if return_lse else out
-    expr, rows, row_chunks, nsplit, chunk = _plan(
-        op, dtype, q, k, v, s_max, _fast(dtype, dim, k, v), call.device)
+    maps = _tma_maps(call, op, dtype, dim, (hq // hkv) * sq, k, v, table is not None)
+    if maps is not None:
+        expr, rows, row_chunks, nsplit, chunk = _plan_tma(op, dtype, q, k, s_max, call.device)
+    else:
+        expr, rows, row_chunks, nsplit, chunk = _plan(
+            op, dtype, q, k, v, s_max, _fast(dtype, dim, k, v), call.device)
     nrows = b * hq * sq
     block_rows = b * hkv * row_chunks
     if PDL not in ("off", "combine", "all"):
@@ -457,13 +578,20 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
         tab_ptr, ts0, ts1 = table.ptr, _st(table, 0), _st(table, 1)
         page_size, num_pages = k.shape[1], k.shape[0]
     lse_ptr = 0 if lse is None else lse.ptr
-    _kernel(SPLIT_MODULE, call.device, expr).launch(
-        (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
-        q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, ws_o.ptr, ws_lse.ptr,
-        *(_st(q, i) for i in range(4)), *(_st(k, i) for i in range(4)),
-        *(_st(v, i) for i in range(4)), _st(seqlens, 0), ts0, ts1,
-        page_size, num_pages, s_max, sq, hq, hkv, dim, rows, row_chunks, chunk, nsplit, left,
-        pdl_flags, sc * 1.4426950408889634, **split_attrs)
+    if maps is not None:
+        _kernel(TMA_MODULE, call.device, expr).launch(
+            (block_rows, nsplit, 1), (TMA_THREADS, 1, 1), call.stream, *maps,
+            q.ptr, seqlens.ptr, ws_o.ptr, ws_lse.ptr, *(_st(q, i) for i in range(4)),
+            _st(seqlens, 0), s_max, sq, hq, hkv, rows, row_chunks, chunk, nsplit, left,
+            pdl_flags, sc * 1.4426950408889634, smem=_tma_smem(dim), **split_attrs)
+    else:
+        _kernel(SPLIT_MODULE, call.device, expr).launch(
+            (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
+            q.ptr, k.ptr, v.ptr, seqlens.ptr, tab_ptr, ws_o.ptr, ws_lse.ptr,
+            *(_st(q, i) for i in range(4)), *(_st(k, i) for i in range(4)),
+            *(_st(v, i) for i in range(4)), _st(seqlens, 0), ts0, ts1,
+            page_size, num_pages, s_max, sq, hq, hkv, dim, rows, row_chunks, chunk, nsplit, left,
+            pdl_flags, sc * 1.4426950408889634, **split_attrs)
     _kernel(COMBINE_MODULE, call.device, f"gpuops::decode_combine<{dtype.ctype}>").launch(
         (nrows, 1, 1), (DECODE_THREADS, 1, 1), call.stream,
         ws_o.ptr, ws_lse.ptr, out.ptr, lse_ptr, nsplit, dim, sq, hq,
@@ -535,7 +663,7 @@ def _check_shape(shape):
     return (min(b, 2), min(s, 2048), hq, hkv, dim)
 
 
-BENCH_SHAPES = ((16, 4096, 16, 8, 128),)
+BENCH_SHAPES = ((16, 4096, 16, 8, 128), (1, 8192, 64, 8, 128))   # + GQA 8: the TMA kernel
 
 _DECODE_BENCH = BenchSpec(make_inputs=_make_contig, torch_fn=_sdpa_contig,
                           default_shape=_default_shape, bytes_moved=_kv_bytes,
@@ -573,7 +701,8 @@ def decode_attention(call, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     or layout the one-element path. On the CPU path the lse comes back in q's dtype.
 
     Two launches: the split kernel (each split of the keys writes its partial output and
-    log-sum-exp to a workspace) and the combine, which merges them (on sm_90 launched as a
+    log-sum-exp to a workspace; on sm_90 with fp16/bf16, head dim 64 or 128 and 3 or more q rows
+    per kv head the TMA-fed tensor-core kernel, ``attention_decode.TMA``) and the combine, which merges them (on sm_90 launched as a
     programmatic dependent of the split kernel: ``attention_decode.PDL``). No state is kept
     between calls: calls on different streams and graphs replayed at the same time are
     independent.

@@ -1,0 +1,148 @@
+"""Decode attention on Hopper: decode_split_tma (K/V through a TMA-filled shared-memory ring,
+tensor-core math) against the register kernel (decode_split) and torch SDPA, in one process.
+
+Per shape (B, S, Hq, Hkv, D), bf16, one query token, full caches in [B, S, Hkv, D] (and, for
+B1 S8192, [B, Hkv, S, D] viewed so), CUDA-graph replay of 20 calls over caches rotated through
+> 3x the L2 (decode_b1_floor.py's method): the op with attention_decode.TMA 'off' and 'on',
+each also with the combine a no-op (split kernel only), TMA_SPLIT variants (blocks per SM 1 / 2,
+two waves), and torch SDPA; the largest difference from the register kernel's output.
+
+    python benchmarks/experiments/decode_tma.py [--json out.json] [--shapes 1x8192,16x4096]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+import torch  # noqa: E402
+
+import gpuops as go  # noqa: E402
+from gpuops.bench import _Framework, graph_replay_us, rotating  # noqa: E402
+from gpuops.ops import attention_decode as AD  # noqa: E402
+from gpuops.runtime import device  # noqa: E402
+from gpuops.runtime.modules import KernelModule  # noqa: E402
+from decode_b1_floor import L2_BYTES, _pct, _without  # noqa: E402
+
+
+LAYOUTS: dict = {}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--shapes", default="1x8192,16x4096,4x8192,1x32768",
+                    help="BxS[xHqxHkvxSq] list (default Hq 16, Hkv 8, Sq 1; D 128)")
+    ap.add_argument("--variants", default="2,2:2", help="TMA_SPLIT variants blocks_per_sm[:waves]")
+    ap.add_argument("--layouts", default="0", help="GPUOPS_DTMA_LAYOUT values (0: the bundle's)")
+    ap.add_argument("--warm", action="store_true",
+                    help="also the register and TMA kernels on one L2-resident cache")
+    args = ap.parse_args()
+    fw = _Framework()
+    copy = fw.copy_bandwidth_gbps()
+    print(f"copy {copy:.0f} GB/s  {device.device_info(0).name}", flush=True)
+    res = {"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": []}
+
+    def record(shape, what, us, nbytes, **extra):
+        row = dict(shape=shape, what=what, us=us, pct_copy=_pct(nbytes, us, copy), **extra)
+        res["rows"].append(row)
+        print(f"{shape:<14} {what:<52}{us:9.2f} us {row['pct_copy']:6.1f}%", flush=True)
+
+    saved = AD._kernel
+    split_only = _without(AD.COMBINE_MODULE, saved)
+    td = torch.bfloat16
+    dim = 128
+    for spec in args.shapes.split(","):
+        b, s, hq, hkv, sq = ([int(x) for x in spec.split("x")] + [16, 8, 1][len(spec.split("x")) - 2:])[:5]
+        name = f"B{b} S{s}" + (f" {hq}/{hkv} Sq{sq}" if (hq, hkv, sq) != (16, 8, 1) else "")
+        kv_bytes = 2 * b * s * hkv * dim * td.itemsize
+        nrot = max(1, -(-3 * L2_BYTES // kv_bytes))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        bshd = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=td, generator=gen),
+                 torch.randn(b, s, hkv, dim, device="cuda", dtype=td, generator=gen))
+                for _ in range(nrot)]
+        layouts = [("bshd", bshd)]
+        if b == 1 and s == 8192:
+            layouts.append(("bhsd", [(k.transpose(1, 2).contiguous().transpose(1, 2),
+                                      v.transpose(1, 2).contiguous().transpose(1, 2))
+                                     for k, v in bshd]))
+        q = torch.randn(b, sq, hq, dim, device="cuda", dtype=td, generator=gen)
+        lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        print(f"{name}: {kv_bytes / 1e6:.1f} MB of K/V, floor {kv_bytes / copy / 1e3:.2f} us, "
+              f"{nrot} caches rotated", flush=True)
+        for layout, caches in layouts:
+            AD.TMA = "off"
+            ref = go.decode_attention(q, *caches[0], lens).float()
+            dec = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches)
+            tag = f"{name} {layout}"
+            record(tag, "register kernel (TMA off)", graph_replay_us(dec), kv_bytes, tma="off")
+            AD._kernel = split_only
+            try:
+                record(tag, "register kernel, split only", graph_replay_us(dec), kv_bytes,
+                       tma="off", split_only=True)
+            finally:
+                AD._kernel = saved
+            if args.warm and kv_bytes < 0.8 * L2_BYTES:
+                warm = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches[:1])
+                record(tag, "register kernel, L2-warm", graph_replay_us(warm), kv_bytes,
+                       tma="off", warm=True)
+                AD.TMA = "on"
+                record(tag, "TMA default, L2-warm", graph_replay_us(warm), kv_bytes,
+                       tma="default", warm=True)
+            AD.TMA = "on"
+            runs = [(0, v) for v in ["default"] + args.variants.split(",")] + [
+                (int(x), "default") for x in args.layouts.split(",") if x != "0"]
+            for lay, var in runs:
+                AD.TMA_LAYOUT = lay
+                if lay:
+                    if lay not in LAYOUTS:
+                        LAYOUTS[lay] = KernelModule(
+                            f"attention.decode_split_tma_l{lay}", "attention/decode_split_tma.cu",
+                            dict(AD.TMA_MODULE.kernels),
+                            options=(f"-DGPUOPS_DTMA_LAYOUT={lay}",), archs=("90",))
+                    mod = LAYOUTS[lay]
+                    AD._kernel = (lambda m, dev, e, mod=mod:
+                                  saved(mod if m is AD.TMA_MODULE else m, dev, e))
+                saved_split = dict(AD.TMA_SPLIT)
+                if var != "default":
+                    per, _, waves = var.partition(":")
+                    AD.TMA_SPLIT.update(blocks_per_sm=int(per), waves=int(waves or 1))
+                AD._plans.clear()
+                try:
+                    got = go.decode_attention(q, *caches[0], lens).float()
+                    diff = float((got - ref).abs().max())
+                    plan = AD._plan_tma("decode_attention", AD.dt.bfloat16, _T(q), _T(caches[0][0]),
+                                        s, 0)
+                    what = f"TMA {var} ({plan[3]} x {plan[4]} keys)" + (
+                        f" layout {lay}" if lay else "")
+                    record(tag, what, graph_replay_us(dec), kv_bytes, tma=var, splits=plan[3],
+                           chunk=plan[4], smem_layout=lay, max_diff_vs_register=diff)
+                    AD._kernel = _without(AD.COMBINE_MODULE, AD._kernel)
+                    record(tag, what + ", split only", graph_replay_us(dec), kv_bytes, tma=var,
+                           split_only=True)
+                finally:
+                    AD._kernel = saved
+                    AD.TMA_LAYOUT = 0
+                    AD.TMA_SPLIT.clear()
+                    AD.TMA_SPLIT.update(saved_split)
+                    AD._plans.clear()
+            sdpa = rotating(lambda k, v: AD._sdpa(q, k, v), caches)
+            record(tag, "torch SDPA", graph_replay_us(sdpa), kv_bytes)
+        del bshd, layouts
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+class _T:
+    """The shape of a torch tensor as gpuops' plans read it."""
+    def __init__(self, t):
+        self.shape = tuple(t.shape)
+
+
+if __name__ == "__main__":
+    main()
