@@ -38,6 +38,9 @@ def main():
                     help="BxS[xHqxHkvxSq] list (default Hq 16, Hkv 8, Sq 1; D 128)")
     ap.add_argument("--variants", default="2,2:2", help="TMA_SPLIT variants blocks_per_sm[:waves]")
     ap.add_argument("--layouts", default="0", help="GPUOPS_DTMA_LAYOUT values (0: the bundle's)")
+    ap.add_argument("--nomath", action="store_true",
+                    help="also each layout's ring without the math (GPUOPS_DTMA_NOMATH: the "
+                         "streaming rate alone, split kernel only, results garbage)")
     ap.add_argument("--warm", action="store_true",
                     help="also the register and TMA kernels on one L2-resident cache")
     args = ap.parse_args()
@@ -93,17 +96,20 @@ def main():
                 record(tag, "TMA default, L2-warm", graph_replay_us(warm), kv_bytes,
                        tma="default", warm=True)
             AD.TMA = "on"
-            runs = [(0, v) for v in ["default"] + args.variants.split(",")] + [
-                (int(x), "default") for x in args.layouts.split(",") if x != "0"]
-            for lay, var in runs:
+            variants = [x for x in args.variants.split(",") if x]
+            runs = [(0, v, False) for v in ["default"] + variants] + [
+                (int(x), "default", False) for x in args.layouts.split(",") if x != "0"] + [
+                (int(x), "default", True) for x in args.layouts.split(",") if args.nomath]
+            for lay, var, nomath in runs:
                 AD.TMA_LAYOUT = lay
-                if lay:
-                    if lay not in LAYOUTS:
-                        LAYOUTS[lay] = KernelModule(
-                            f"attention.decode_split_tma_l{lay}", "attention/decode_split_tma.cu",
-                            dict(AD.TMA_MODULE.kernels),
-                            options=(f"-DGPUOPS_DTMA_LAYOUT={lay}",), archs=("90",))
-                    mod = LAYOUTS[lay]
+                if lay or nomath:
+                    if (lay, nomath) not in LAYOUTS:
+                        LAYOUTS[lay, nomath] = KernelModule(
+                            f"attention.decode_split_tma_l{lay}{'_nomath' if nomath else ''}",
+                            "attention/decode_split_tma.cu", dict(AD.TMA_MODULE.kernels),
+                            options=(f"-DGPUOPS_DTMA_LAYOUT={lay}",
+                                     f"-DGPUOPS_DTMA_NOMATH={int(nomath)}"), archs=("90",))
+                    mod = LAYOUTS[lay, nomath]
                     AD._kernel = (lambda m, dev, e, mod=mod:
                                   saved(mod if m is AD.TMA_MODULE else m, dev, e))
                 saved_split = dict(AD.TMA_SPLIT)
@@ -117,12 +123,14 @@ def main():
                     plan = AD._plan_tma("decode_attention", AD.dt.bfloat16, _T(q), _T(caches[0][0]),
                                         s, 0)
                     what = f"TMA {var} ({plan[3]} x {plan[4]} keys)" + (
-                        f" layout {lay}" if lay else "")
-                    record(tag, what, graph_replay_us(dec), kv_bytes, tma=var, splits=plan[3],
-                           chunk=plan[4], smem_layout=lay, max_diff_vs_register=diff)
+                        f" layout {lay}" if lay else "") + (" NO MATH" if nomath else "")
+                    if not nomath:
+                        record(tag, what, graph_replay_us(dec), kv_bytes, tma=var,
+                               splits=plan[3], chunk=plan[4], smem_layout=lay,
+                               max_diff_vs_register=diff)
                     AD._kernel = _without(AD.COMBINE_MODULE, AD._kernel)
                     record(tag, what + ", split only", graph_replay_us(dec), kv_bytes, tma=var,
-                           split_only=True)
+                           split_only=True, smem_layout=lay, nomath=nomath)
                 finally:
                     AD._kernel = saved
                     AD.TMA_LAYOUT = 0

@@ -48,7 +48,7 @@ namespace gpuops {
 #define GPUOPS_DTMA_FENCES 1
 #endif
 
-constexpr int kDtConsumers = 4, kDtThreads = (kDtConsumers + 1) * 32;   // DECODE_TMA_THREADS
+constexpr int kDtConsumers = 4, kDtThreads = (kDtConsumers + 1) * 32;   // TMA_THREADS
 constexpr int kDtKeys = 64;                                              // keys per stage
 constexpr int kDtRows = 16;                                              // q rows per block
 
@@ -62,6 +62,10 @@ constexpr int kDtRows = 16;                                              // q ro
 // whether TMA's cost follows its 128-byte rows (box rows of 256 bytes in 2).
 #ifndef GPUOPS_DTMA_LAYOUT
 #define GPUOPS_DTMA_LAYOUT 0
+#endif
+// GPUOPS_DTMA_NOMATH=1 (experiments): the consumers only wait for each stage and hand it back.
+#ifndef GPUOPS_DTMA_NOMATH
+#define GPUOPS_DTMA_NOMATH 0
 #endif
 
 template <int D, int STAGES>
@@ -219,7 +223,11 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     const unsigned int kslot = base + s * Smem::kStageBytes;
     const unsigned int vslot = kslot + Smem::kTensorBytes;
     const int j0 = start + st * kDtKeys + krow;            // key of this warp's row 0
+#if GPUOPS_DTMA_NOMATH   // experiments: the ring's streaming rate alone (results are garbage)
+    if (j0 < 0) {
+#else
     if (j0 + 16 > len) {
+#endif
       // keys at or past the length: V rows to zeros (the cache may hold NaN there)
       for (int e = lane; e < 16 * Smem::kBoxes * 8; e += 32) {
         const int r = e / (Smem::kBoxes * 8), c = e % (Smem::kBoxes * 8);
@@ -230,6 +238,7 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
       }
       __syncwarp();
     }
+#if !GPUOPS_DTMA_NOMATH
     // S = Q K^T for keys krow .. krow + 15 (n-tiles of 8 keys)
     float sc[2][4];
 #pragma unroll
@@ -307,6 +316,7 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
         Mma<T>::run(o[2 * dp + 1], pl, vf[2], vf[3]);
       }
     }
+#endif  // !GPUOPS_DTMA_NOMATH
 #if GPUOPS_DTMA_FENCES
     fence_proxy_async_smem();                              // our reads before the next fill
 #endif
