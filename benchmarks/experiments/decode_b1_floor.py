@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
@@ -127,6 +126,36 @@ def _pct(nbytes, us, copy):
     return 100 * nbytes / (us * 1e-6) / 1e9 / copy
 
 
+def rotated_caches(b, s, hkv, dim, dtype):
+    """Seeded K/V caches [b, s, hkv, dim], as many pairs as rotate through > 3x the L2: (bytes of
+    one K + V, the (k, v) list, the generator for the inputs that follow). Shared with
+    decode_tma.py."""
+    kv_bytes = 2 * b * s * hkv * dim * dtype.itemsize
+    nrot = max(1, -(-3 * L2_BYTES // kv_bytes))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=dtype, generator=gen),
+               torch.randn(b, s, hkv, dim, device="cuda", dtype=dtype, generator=gen))
+              for _ in range(nrot)]
+    return kv_bytes, caches, gen
+
+
+def start_results(label_key, widths):
+    """The copy bandwidth (printed), the results dict and record(label, what, us, nbytes,
+    **extra): one row of res["rows"] with its % of copy, printed in columns of `widths`.
+    Shared with decode_tma.py."""
+    copy = _Framework().copy_bandwidth_gbps()
+    print(f"copy {copy:.0f} GB/s  {device.device_info(0).name}", flush=True)
+    res = {"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": []}
+
+    def record(label, what, us, nbytes, **extra):
+        row = {label_key: label, "what": what, "us": us, "pct_copy": _pct(nbytes, us, copy),
+               **extra}
+        res["rows"].append(row)
+        print(f"{label:<{widths[0]}} {what:<{widths[1]}}{us:9.2f} us {row['pct_copy']:6.1f}%",
+              flush=True)
+    return copy, res, record
+
+
 def trace_summary(tr):
     """tr: [blocks, 6] (ns at entry, q / length loaded, first step done, key loop done, exit;
     SM id), all relative to the first entry, in us; percentiles 0 / 50 / 90 / 100."""
@@ -152,24 +181,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer stream configs")
     ap.add_argument("--sections", default="ABCDE", help="which of A B C D E to run (default all)")
     args = ap.parse_args()
-    fw = _Framework()
-    copy = fw.copy_bandwidth_gbps()
-    print(f"copy {copy:.0f} GB/s", flush=True)
-    res = {"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": []}
-
-    def record(section, what, us, nbytes, **extra):
-        row = dict(section=section, what=what, us=us, pct_copy=_pct(nbytes, us, copy), **extra)
-        res["rows"].append(row)
-        print(f"{section} {what:<58}{us:9.2f} us {row['pct_copy']:6.1f}%", flush=True)
+    copy, res, record = start_results("section", (1, 58))
 
     b, s, hq, hkv, dim = 1, 8192, 16, 8, 128
     td = torch.bfloat16
-    kv_bytes = 2 * b * s * hkv * dim * td.itemsize
-    nrot = max(1, -(-3 * L2_BYTES // kv_bytes))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bshd = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=td, generator=gen),
-             torch.randn(b, s, hkv, dim, device="cuda", dtype=td, generator=gen))
-            for _ in range(nrot)]
+    kv_bytes, bshd, gen = rotated_caches(b, s, hkv, dim, td)
+    nrot = len(bshd)
     bhsd = [(k.transpose(1, 2).contiguous().transpose(1, 2),
              v.transpose(1, 2).contiguous().transpose(1, 2)) for k, v in bshd]
     q = torch.randn(b, 1, hq, dim, device="cuda", dtype=td, generator=gen)

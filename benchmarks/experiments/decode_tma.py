@@ -21,11 +21,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import torch  # noqa: E402
 
 import gpuops as go  # noqa: E402
-from gpuops.bench import _Framework, graph_replay_us, rotating  # noqa: E402
+from gpuops.bench import graph_replay_us, rotating  # noqa: E402
 from gpuops.ops import attention_decode as AD  # noqa: E402
-from gpuops.runtime import device  # noqa: E402
 from gpuops.runtime.modules import KernelModule  # noqa: E402
-from decode_b1_floor import L2_BYTES, _pct, _without  # noqa: E402
+from decode_b1_floor import L2_BYTES, _without, rotated_caches, start_results  # noqa: E402
 
 
 LAYOUTS: dict = {}
@@ -44,29 +43,18 @@ def main():
     ap.add_argument("--warm", action="store_true",
                     help="also the register and TMA kernels on one L2-resident cache")
     args = ap.parse_args()
-    fw = _Framework()
-    copy = fw.copy_bandwidth_gbps()
-    print(f"copy {copy:.0f} GB/s  {device.device_info(0).name}", flush=True)
-    res = {"copy_gbps": copy, "gpu": device.device_info(0).name, "rows": []}
-
-    def record(shape, what, us, nbytes, **extra):
-        row = dict(shape=shape, what=what, us=us, pct_copy=_pct(nbytes, us, copy), **extra)
-        res["rows"].append(row)
-        print(f"{shape:<14} {what:<52}{us:9.2f} us {row['pct_copy']:6.1f}%", flush=True)
+    copy, res, record = start_results("shape", (14, 52))
 
     saved = AD._kernel
     split_only = _without(AD.COMBINE_MODULE, saved)
     td = torch.bfloat16
     dim = 128
     for spec in args.shapes.split(","):
-        b, s, hq, hkv, sq = ([int(x) for x in spec.split("x")] + [16, 8, 1][len(spec.split("x")) - 2:])[:5]
+        given = [int(x) for x in spec.split("x")]
+        b, s, hq, hkv, sq = (given + [16, 8, 1][len(given) - 2:])[:5]
         name = f"B{b} S{s}" + (f" {hq}/{hkv} Sq{sq}" if (hq, hkv, sq) != (16, 8, 1) else "")
-        kv_bytes = 2 * b * s * hkv * dim * td.itemsize
-        nrot = max(1, -(-3 * L2_BYTES // kv_bytes))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        bshd = [(torch.randn(b, s, hkv, dim, device="cuda", dtype=td, generator=gen),
-                 torch.randn(b, s, hkv, dim, device="cuda", dtype=td, generator=gen))
-                for _ in range(nrot)]
+        kv_bytes, bshd, gen = rotated_caches(b, s, hkv, dim, td)
+        nrot = len(bshd)
         layouts = [("bshd", bshd)]
         if b == 1 and s == 8192:
             layouts.append(("bhsd", [(k.transpose(1, 2).contiguous().transpose(1, 2),
