@@ -499,8 +499,10 @@ def test_gpu_paged(rng, dtype, page_size, hq, hkv, sq):
     assert_close(_host(out), ref, dtype, "paged")
     pad = -s_max % page_size             # same S_max as the pages: same splits, same arithmetic
     kz, vz = (np.concatenate([x, np.zeros((b, pad, hkv, d), x.dtype)], 1) for x in (k, v))
-    A.TMA = "off"                        # the register kernel, as paged (sm_90: not the TMA one)
-    try:
+    A.TMA = "off"                        # the register kernel for both (the TMA one rounds the
+    try:                                 # split's start down to whole pages)
+        out = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
+                                 window_size=(300, 0))
         out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens),
                                   window_size=(300, 0))
     finally:
@@ -681,8 +683,8 @@ def test_gpu_split_and_pdl(rng, monkeypatch, pdl, shape, dtype):
     if s % 16 == 0:
         kp, vp, table = _paged_from(rng, k, v, 16)
         _poison_cache()
+        monkeypatch.setattr(A, "TMA", "off")     # the register kernel for both (test_gpu_paged_tma)
         pout = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens))
-        monkeypatch.setattr(A, "TMA", "off")     # paged runs the register kernel (not TMA's)
         out_r = go.decode_attention(*args)
         assert torch.equal(pout, out_r)
 
@@ -877,3 +879,40 @@ def test_gpu_decode_tma_auto_rule(rng, monkeypatch):
         assert len(used) - n == int((hq // 8) * sq >= A.TMA_MIN_ROWS), (hq, sq)
         assert_close(_host(out), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens), dtype,
                      f"hq={hq} sq={sq}")
+
+
+@gpu
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 128, 7])
+def test_gpu_paged_tma(rng, monkeypatch, dtype, page_size):
+    """paged_attention on the TMA kernel (GQA 32/8: 4 rows per kv head) for pages that divide a
+    64-key stage or are multiples of it (7: the register kernel): against the reference, with NaN
+    in every pool row past each sequence's length and in the pages no table names, poisoned
+    outputs; a window (the split starts inside a page: keys before it masked) and two tokens."""
+    if not _tma_device():
+        pytest.skip("decode_split_tma runs on sm_90 only")
+    used = _tma_spy(monkeypatch)
+    lens = np.array([1, 17, 1000, 4097], np.int32)
+    b, s_max, hq, hkv, d = 4, 4097, 32, 8, 128
+    for sq, window in ((1, None), (2, (300, 0))):
+        q = _arr(rng, (b, sq, hq, d), dtype)
+        k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+        kp, vp, table = _paged_from(rng, k, v, page_size)
+        named = np.zeros(kp.shape[0], bool)
+        named[table.reshape(-1)] = True
+        kp[~named] = np.nan
+        vp[~named] = np.nan
+        for i, n in enumerate(lens):
+            for j in range(n, table.shape[1] * page_size):
+                kp[table[i, j // page_size], j % page_size] = np.nan
+                vp[table[i, j // page_size], j % page_size] = np.nan
+        n0 = len(used)
+        _poison_cache()
+        out, lse = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
+                                      window_size=window, return_lse=True)
+        assert len(used) - n0 == (0 if page_size == 7 else 1)
+        ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens,
+                                              window_size=window, return_lse=True)
+        assert_close(_host(out), ref, dtype, f"paged {page_size} sq={sq} window={window}")
+        _assert_lse(_host(lse), ref_lse)

@@ -105,15 +105,22 @@ __device__ __forceinline__ float unpack_hi(unsigned int r) {
 
 // pdl as in decode_split (bit 0: let the combine be scheduled; bit 1: wait for the previous
 // kernel before the first memory access).
-template <class T, int D, int STAGES>
+// PAGED (paged_attention): the tensor maps describe the page pool [num_pages, page_size, Hkv, D]
+// with boxes of min(page_size, 64) rows (the host takes page sizes that divide 64 or are
+// multiples of it); a stage's 64 keys are 64 / rows boxes, each from the page the block table
+// names (lane i of the producer warp looks up and issues box i), and the stages start at a
+// multiple of the box rows (keys before the split's start are masked).
+template <class T, int D, int STAGES, bool PAGED>
 __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
-    const T* __restrict__ q, const int* __restrict__ seqlens, float* __restrict__ ws_o,
-    float* __restrict__ ws_lse, long long q_sb, long long q_ss, long long q_sh, long long q_sd,
-    long long seq_stride, int s_max, int sq, int hq, int hkv, int rows, int row_chunks,
-    int chunk, int nsplit, int win_left, int pdl, float scale_log2) {
+    const T* __restrict__ q, const int* __restrict__ seqlens, const int* __restrict__ block_table,
+    float* __restrict__ ws_o, float* __restrict__ ws_lse, long long q_sb, long long q_ss,
+    long long q_sh, long long q_sd, long long seq_stride, long long table_s0, long long table_s1,
+    int s_max, int sq, int hq, int hkv, int rows, int row_chunks, int chunk, int nsplit,
+    int win_left, int pdl, int page_size, int num_pages, float scale_log2) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "16-bit storage, head dim 64 or 128");
+  static_assert(!PAGED || GPUOPS_DTMA_LAYOUT == 0, "paged caches: the default layout only");
   using Smem = DecodeTmaSmem<D, STAGES>;
   constexpr int kChunks = D / 8;                           // 16-byte chunks per row
   extern __shared__ unsigned char smem_raw[];
@@ -147,10 +154,46 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
   int start = split * chunk, end = start + chunk;
   if (start < kmin) start = kmin;
   if (end > len) end = len;
-  const int steps = end > start ? (end - start + kDtKeys - 1) / kDtKeys : 0;
+  // boxes of box_rows keys; the stages from first (start rounded down to whole boxes)
+  const int box_rows = PAGED ? (page_size < kDtKeys ? page_size : kDtKeys) : kDtKeys;
+  const int first = PAGED ? start - start % box_rows : start;
+  const int steps = end > start ? (end - first + kDtKeys - 1) / kDtKeys : 0;
 
   if (warp == kDtConsumers) {                              // the producer
-    if (lane == 0 && steps > 0) {
+    if (PAGED && steps > 0) {
+      const int nb = kDtKeys / box_rows;                   // page boxes per stage
+      const int max_pages = s_max / page_size;
+      if (lane == 0) {
+        tma_prefetch_desc(&tma_k);
+        tma_prefetch_desc(&tma_v);
+      }
+      for (int st = 0; st < steps; ++st) {
+        const int s = st % STAGES;
+        int page = 0, prow = 0;
+        if (lane < nb) {                                   // box lane: keys j .. j + box_rows
+          const int j = first + st * kDtKeys + lane * box_rows;
+          const int pi = j / page_size;
+          prow = j - pi * page_size;
+          // past the table: keys past the length (masked, V zeroed): any page in the pool
+          page = pi < max_pages ? block_table[b * table_s0 + pi * table_s1] : 0;
+          page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+        }
+        if (lane == 0) {
+          if (st >= STAGES) mbar_wait(empty0 + 8 * s, (unsigned int)((st / STAGES) & 1) ^ 1u);
+          mbar_arrive_expect_tx(full0 + 8 * s, Smem::kStageBytes);
+        }
+        __syncwarp();
+        if (lane < nb) {
+          const unsigned int dst = base + s * Smem::kStageBytes + lane * box_rows * 128;
+#pragma unroll
+          for (int x = 0; x < Smem::kBoxes; ++x) {
+            tma_load_4d(dst + x * Smem::kBoxBytes, &tma_k, full0 + 8 * s, 64 * x, prow, kvh, page);
+            tma_load_4d(dst + (Smem::kBoxes + x) * Smem::kBoxBytes, &tma_v, full0 + 8 * s,
+                        64 * x, prow, kvh, page);
+          }
+        }
+      }
+    } else if (!PAGED && lane == 0 && steps > 0) {
       tma_prefetch_desc(&tma_k);
       tma_prefetch_desc(&tma_v);
       for (int st = 0; st < steps; ++st) {
@@ -158,7 +201,7 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
         if (st >= STAGES) mbar_wait(empty0 + 8 * s, (unsigned int)((st / STAGES) & 1) ^ 1u);
         mbar_arrive_expect_tx(full0 + 8 * s, Smem::kStageBytes);
         const unsigned int dst = base + s * Smem::kStageBytes;
-        const int j0 = start + st * kDtKeys;
+        const int j0 = first + st * kDtKeys;
 #if GPUOPS_DTMA_LAYOUT == 0
 #pragma unroll
         for (int x = 0; x < Smem::kBoxes; ++x) {
@@ -222,7 +265,7 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     mbar_wait(full0 + 8 * s, (unsigned int)((st / STAGES) & 1));
     const unsigned int kslot = base + s * Smem::kStageBytes;
     const unsigned int vslot = kslot + Smem::kTensorBytes;
-    const int j0 = start + st * kDtKeys + krow;            // key of this warp's row 0
+    const int j0 = first + st * kDtKeys + krow;            // key of this warp's row 0
 #if GPUOPS_DTMA_NOMATH   // experiments: the ring's streaming rate alone (results are garbage)
     if (j0 < 0) {
 #else
@@ -266,7 +309,7 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
         for (int e = 0; e < 2; ++e) {
           const int j = j0 + 8 * nt + 2 * t + e;
           float v = sc[nt][2 * h + e] * scale_log2;
-          if (j >= end || j < row_lo[h] || j > row_pos[h]) v = kNegInf;
+          if (j >= end || j < start || j < row_lo[h] || j > row_pos[h]) v = kNegInf;
           sc[nt][2 * h + e] = v;
           mx = fmaxf(mx, v);
         }

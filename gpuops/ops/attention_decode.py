@@ -13,7 +13,8 @@ Kernels (cuda_src/attention/):
   K/V for head dims 64/128/256 (template), one-element loads for any other head dim or layout.
   fp32 math (online softmax in the log2 domain), fp16/bf16/fp32 storage. Each split writes its
   normalised partial output and log-sum-exp to an fp32 workspace (``call.empty``).
-* ``decode_split_tma.cu`` (sm_90, fp16/bf16, head dims 64 / 128, contiguous caches): the same
+* ``decode_split_tma.cu`` (sm_90, fp16/bf16, head dims 64 / 128, contiguous caches and pages of
+  8..64 keys or multiples of 64): the same
   contract, K and V streamed by TMA into a shared-memory ring and multiplied on the tensor cores
   with up to 16 q rows per block; taken from 3 q rows per kv head (``TMA``, ``TMA_MIN_ROWS``
   below), where the register kernel holds too many rows in registers.
@@ -113,8 +114,9 @@ APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append
 
 # decode_split_tma.cu (sm_90): the split kernel with K and V streamed by TMA into a shared-memory
 # ring (4 consumer warps on the tensor cores, 1 producer warp; 16 q rows and stages of 64 keys per
-# block). Where it applies (_tma_maps: sm_90, fp16/bf16, head dim 64 / 128, contiguous caches TMA
-# can describe), TMA = "auto" takes it for >= TMA_MIN_ROWS q rows per kv head (GQA group x query
+# block). Where it applies (_tma_maps: sm_90, fp16/bf16, head dim 64 / 128, caches TMA can
+# describe: contiguous, or page pools with pages of 8..64 keys dividing 64 or multiples of 64),
+# TMA = "auto" takes it for >= TMA_MIN_ROWS q rows per kv head (GQA group x query
 # tokens), "on" always (tests, experiments), "off" never; read at every call. H200 runs 218-222
 # (bf16, D 128, graph replay, rotated caches; benchmarks/notes_attention_decode.md): at 2 rows
 # (GQA 16/8, one token) the register kernel stays ahead (B1 S8192 15.4 us against 17.0-18.7,
@@ -137,12 +139,18 @@ TMA_ROWS = 16                 # kDtRows: q rows per block (the mma's M)
 # How a stage lands in shared memory (GPUOPS_DTMA_LAYOUT in decode_split_tma.cu, which the
 # module must be built with): 0 boxes of 64 columns (the default), 1 / 2 experiments' layouts.
 TMA_LAYOUT = 0
-TMA_ARGS = ArgSpec("tensormap", "tensormap", *["ptr"] * 4, *["i64"] * 5, *["i32"] * 10, "f32")
+TMA_ARGS = ArgSpec("tensormap", "tensormap", *["ptr"] * 5, *["i64"] * 7, *["i32"] * 12, "f32")
 _HALFS = (dt.float16, dt.bfloat16)
 
 
-def _tma_expr(d, dim):
-    return f"gpuops::decode_split_tma<{d.ctype}, {dim}, {TMA_STAGES[dim]}>"
+def _tma_expr(d, dim, paged=False):
+    return f"gpuops::decode_split_tma<{d.ctype}, {dim}, {TMA_STAGES[dim]}, {_B[paged]}>"
+
+
+def _tma_page_ok(page_size):
+    """Page sizes decode_split_tma reads in whole boxes: divisors of a stage (8..64 keys) or
+    multiples of it."""
+    return (page_size >= 8 and TMA_KEYS % page_size == 0) or page_size % TMA_KEYS == 0
 
 
 def _tma_smem(dim):
@@ -151,7 +159,8 @@ def _tma_smem(dim):
 
 
 TMA_MODULE = KernelModule("attention.decode_split_tma", "attention/decode_split_tma.cu", {
-    _tma_expr(d, dim): TMA_ARGS for d in _HALFS for dim in TMA_D}, archs=("90",))
+    _tma_expr(d, dim, paged): TMA_ARGS for d in _HALFS for dim in TMA_D
+    for paged in (False, True)}, archs=("90",))
 
 
 
@@ -487,11 +496,12 @@ def _st(t: Tensor, i):
     return t.strides[i] if t.shape[i] != 1 else 0
 
 
-def _kv_map(t: Tensor):
+def _kv_map(t: Tensor, rows=TMA_KEYS):
     """The 4-D tensor map (d, key, kv head, batch; innermost first) of a 16-bit cache
-    ``[B, S_max, Hkv, D]`` (any strides with a unit d stride) in boxes of 64 head-dim columns x
-    TMA_KEYS keys, 128-byte swizzle; None where TMA cannot describe it (16-byte aligned base and
-    byte strides). A dim of extent 1 is never stepped: its stride is replaced by a valid one."""
+    ``[B, S_max, Hkv, D]`` (any strides with a unit d stride; a page pool ``[num_pages,
+    page_size, Hkv, D]`` alike) in boxes of 64 head-dim columns x ``rows`` keys, 128-byte swizzle;
+    None where TMA cannot describe it (16-byte aligned base and byte strides). A dim of extent 1
+    is never stepped: its stride is replaced by a valid one."""
     b, s, h, dim = t.shape
     if t.strides[3] != 1 and dim != 1:
         return None
@@ -502,7 +512,7 @@ def _kv_map(t: Tensor):
         if extent == 1 and (nbytes <= 0 or nbytes % 16):
             nbytes = 16 * max(1, -(-dim * item // 16))
         strides.append(nbytes)
-    dims, box, swz = (dim, max(s, 1), h, b), (64, TMA_KEYS, 1, 1), tma.SWIZZLE_128B
+    dims, box, swz = (dim, max(s, 1), h, b), (64, rows, 1, 1), tma.SWIZZLE_128B
     if TMA_LAYOUT == 1:           # (64 d, halves, key, head, batch): both halves in one box
         dims, box = (64, dim // 64, *dims[1:]), (64, dim // 64, TMA_KEYS, 1, 1)
         strides = [128, *strides]
@@ -514,17 +524,18 @@ def _kv_map(t: Tensor):
 
 
 def _tma_maps(call, op, dtype, dim, rows, k: Tensor, v: Tensor, paged):
-    """(K map, V map) where decode_split_tma takes the call (TMA; rows: q rows per kv head),
-    else None."""
+    """(K map, V map) where decode_split_tma takes the call (TMA; rows: q rows per kv head;
+    paged: k and v are page pools), else None."""
     if TMA not in ("auto", "on", "off"):
         raise ValueError(f"gpuops.{op}: attention_decode.TMA = {TMA!r}; expected 'auto', 'on' "
                          "or 'off'")
-    if (TMA == "off" or (TMA == "auto" and rows < TMA_MIN_ROWS) or paged or dtype not in _HALFS
+    if (TMA == "off" or (TMA == "auto" and rows < TMA_MIN_ROWS) or dtype not in _HALFS
             or dim not in TMA_D or _cc(call.device) < 90 or min(k.shape[:3]) < 1
-            or k.shape[1] >= 2 ** 31):
+            or k.shape[1] >= 2 ** 31 or (paged and not _tma_page_ok(k.shape[1]))):
         return None
-    km = _kv_map(k)
-    vm = _kv_map(v) if km is not None else None
+    box_rows = min(k.shape[1], TMA_KEYS) if paged else TMA_KEYS
+    km = _kv_map(k, box_rows)
+    vm = _kv_map(v, box_rows) if km is not None else None
     return (km, vm) if vm is not None else None
 
 
@@ -537,7 +548,7 @@ def _plan_tma(op, dtype, q: Tensor, k: Tensor, s_max, dev):
         rows = (hq // hkv) * sq
         row_chunks = -(-rows // TMA_ROWS)
         nsplit, chunk = num_splits_tma(b, hkv, row_chunks, s_max, _sm_count(dev))
-        p = (_tma_expr(dtype, dim), rows, row_chunks, nsplit, chunk)
+        p = (_tma_expr(dtype, dim, op == "paged_attention"), rows, row_chunks, nsplit, chunk)
         if len(_plans) > 4096:
             _plans.clear()
         _plans[key] = p
@@ -581,9 +592,10 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     if maps is not None:
         _kernel(TMA_MODULE, call.device, expr).launch(
             (block_rows, nsplit, 1), (TMA_THREADS, 1, 1), call.stream, *maps,
-            q.ptr, seqlens.ptr, ws_o.ptr, ws_lse.ptr, *(_st(q, i) for i in range(4)),
-            _st(seqlens, 0), s_max, sq, hq, hkv, rows, row_chunks, chunk, nsplit, left,
-            pdl_flags, sc * 1.4426950408889634, smem=_tma_smem(dim), **split_attrs)
+            q.ptr, seqlens.ptr, tab_ptr, ws_o.ptr, ws_lse.ptr, *(_st(q, i) for i in range(4)),
+            _st(seqlens, 0), ts0, ts1, s_max, sq, hq, hkv, rows, row_chunks, chunk, nsplit, left,
+            pdl_flags, page_size, num_pages, sc * 1.4426950408889634, smem=_tma_smem(dim),
+            **split_attrs)
     else:
         _kernel(SPLIT_MODULE, call.device, expr).launch(
             (block_rows, nsplit, 1), (DECODE_THREADS, 1, 1), call.stream,
