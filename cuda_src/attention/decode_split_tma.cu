@@ -9,6 +9,10 @@
 // by TMA boxes (one instruction per 8 KiB, a producer warp, consumers waiting on mbarriers)
 // reached 88-100%, with two blocks per SM overlapping each other's ends. The register kernel of
 // decode_split.cu reads B1 S8192 at 61.7% of copy and B16 S4096 at ~87%.
+// What it measured (H200 runs 218-227, notes_attention_decode.md): no faster than the register
+// kernel at 2 q rows per kv head (the bare ring streams B16 S4096 in 67-69 us, the register kernel
+// 70), but its cost does not grow with the rows up to 16, where the register kernel's does: the
+// host takes it from 3 rows per kv head (GQA 64/8 B1 S8192 44.5 -> 18.5 us).
 //
 // Block: warps 0..3 consume, warp 4 produces. A stage holds KB = 64 keys of K and of V, as boxes
 // of 64 keys x 64 head-dim columns (128 bytes) in TMA's 128-byte swizzle: chunk c of key row r at
@@ -23,10 +27,10 @@
 // At the end the 4 warps' (m, l, o) meet in shared memory (the ring, free by then) and the block
 // writes its partial as decode_split does.
 //
-// Keys at or past the sequence length inside the last box (the cache may hold anything there,
-// NaN included) get score -inf and their V rows are zeroed in shared memory before P V (0 x NaN
-// would be NaN); keys past S_max arrive as TMA's zeros. The producer reads the length before its
-// first box (a split past the length loads nothing).
+// Paged caches: see PAGED below. Keys at or past the sequence length inside the last box (the
+// cache may hold anything there, NaN included) get score -inf and their V rows are zeroed in
+// shared memory before P V (0 x NaN would be NaN); keys past S_max arrive as TMA's zeros. The
+// producer reads the length before its first box (a split past the length loads nothing).
 #include "attention/decode_common.cuh"
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
