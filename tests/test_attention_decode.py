@@ -487,7 +487,7 @@ def test_gpu_decode(rng, dtype, hq, hkv, sq, d):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [16, 256, 7])
 @pytest.mark.parametrize("hq,hkv,sq", [(16, 8, 1), (8, 1, 4)])
-def test_gpu_paged(rng, dtype, page_size, hq, hkv, sq):
+def test_gpu_paged(rng, monkeypatch, dtype, page_size, hq, hkv, sq):
     lens = np.array([1, 17, 1000, 4097], np.int32)
     b, s_max, d = 4, 4097, 128
     q = _arr(rng, (b, sq, hq, d), dtype)
@@ -499,14 +499,11 @@ def test_gpu_paged(rng, dtype, page_size, hq, hkv, sq):
     assert_close(_host(out), ref, dtype, "paged")
     pad = -s_max % page_size             # same S_max as the pages: same splits, same arithmetic
     kz, vz = (np.concatenate([x, np.zeros((b, pad, hkv, d), x.dtype)], 1) for x in (k, v))
-    A.TMA = "off"                        # the register kernel for both (the TMA one rounds the
-    try:                                 # split's start down to whole pages)
-        out = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
-                                 window_size=(300, 0))
-        out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens),
-                                  window_size=(300, 0))
-    finally:
-        A.TMA = "auto"
+    # the register kernel for both (the TMA one rounds a split's start down to whole pages)
+    monkeypatch.setattr(A, "TMA", "off")
+    out = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
+                             window_size=(300, 0))
+    out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens), window_size=(300, 0))
     assert torch.equal(out, out_c)
 
 

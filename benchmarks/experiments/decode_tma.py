@@ -27,7 +27,7 @@ from gpuops.runtime.modules import KernelModule  # noqa: E402
 from decode_b1_floor import L2_BYTES, _without, rotated_caches, start_results  # noqa: E402
 
 
-LAYOUTS: dict = {}
+_NOMATH: dict = {}   # the module built with GPUOPS_DTMA_NOMATH=1 (--nomath), once
 
 
 def main():
@@ -36,9 +36,8 @@ def main():
     ap.add_argument("--shapes", default="1x8192,16x4096,4x8192,1x32768",
                     help="BxS[xHqxHkvxSq] list (default Hq 16, Hkv 8, Sq 1; D 128)")
     ap.add_argument("--variants", default="2,2:2", help="TMA_SPLIT variants blocks_per_sm[:waves]")
-    ap.add_argument("--layouts", default="0", help="GPUOPS_DTMA_LAYOUT values (0: the bundle's)")
     ap.add_argument("--nomath", action="store_true",
-                    help="also each layout's ring without the math (GPUOPS_DTMA_NOMATH: the "
+                    help="also the ring without the math (GPUOPS_DTMA_NOMATH: the "
                          "streaming rate alone, split kernel only, results garbage)")
     ap.add_argument("--warm", action="store_true",
                     help="also the register and TMA kernels on one L2-resident cache")
@@ -85,19 +84,16 @@ def main():
                        tma="default", warm=True)
             AD.TMA = "on"
             variants = [x for x in args.variants.split(",") if x]
-            runs = [(0, v, False) for v in ["default"] + variants] + [
-                (int(x), "default", False) for x in args.layouts.split(",") if x != "0"] + [
-                (int(x), "default", True) for x in args.layouts.split(",") if args.nomath]
-            for lay, var, nomath in runs:
-                AD.TMA_LAYOUT = lay
-                if lay or nomath:
-                    if (lay, nomath) not in LAYOUTS:
-                        LAYOUTS[lay, nomath] = KernelModule(
-                            f"attention.decode_split_tma_l{lay}{'_nomath' if nomath else ''}",
-                            "attention/decode_split_tma.cu", dict(AD.TMA_MODULE.kernels),
-                            options=(f"-DGPUOPS_DTMA_LAYOUT={lay}",
-                                     f"-DGPUOPS_DTMA_NOMATH={int(nomath)}"), archs=("90",))
-                    mod = LAYOUTS[lay, nomath]
+            runs = [(v, False) for v in ["default"] + variants] + (
+                [("default", True)] if args.nomath else [])
+            for var, nomath in runs:
+                if nomath:
+                    if not _NOMATH:
+                        _NOMATH["module"] = KernelModule(
+                            "attention.decode_split_tma_nomath", "attention/decode_split_tma.cu",
+                            dict(AD.TMA_MODULE.kernels), options=("-DGPUOPS_DTMA_NOMATH=1",),
+                            archs=("90",))
+                    mod = _NOMATH["module"]
                     AD._kernel = (lambda m, dev, e, mod=mod:
                                   saved(mod if m is AD.TMA_MODULE else m, dev, e))
                 saved_split = dict(AD.TMA_SPLIT)
@@ -111,17 +107,16 @@ def main():
                     plan = AD._plan_tma("decode_attention", AD.dt.bfloat16, _T(q), _T(caches[0][0]),
                                         s, 0)
                     what = f"TMA {var} ({plan[3]} x {plan[4]} keys)" + (
-                        f" layout {lay}" if lay else "") + (" NO MATH" if nomath else "")
+                        " NO MATH" if nomath else "")
                     if not nomath:
                         record(tag, what, graph_replay_us(dec), kv_bytes, tma=var,
-                               splits=plan[3], chunk=plan[4], smem_layout=lay,
+                               splits=plan[3], chunk=plan[4],
                                max_diff_vs_register=diff)
                     AD._kernel = _without(AD.COMBINE_MODULE, AD._kernel)
                     record(tag, what + ", split only", graph_replay_us(dec), kv_bytes, tma=var,
-                           split_only=True, smem_layout=lay, nomath=nomath)
+                           split_only=True, nomath=nomath)
                 finally:
                     AD._kernel = saved
-                    AD.TMA_LAYOUT = 0
                     AD.TMA_SPLIT.clear()
                     AD.TMA_SPLIT.update(saved_split)
                     AD._plans.clear()

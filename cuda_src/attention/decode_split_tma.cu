@@ -58,15 +58,9 @@ constexpr int kDtRows = 16;                                              // q ro
 
 // Dynamic shared memory: 1 KiB of alignment slack, then STAGES x (K boxes, V boxes) of
 // kDtKeys x 128 bytes each (host: _tma_smem in gpuops/ops/attention_decode.py).
-// GPUOPS_DTMA_LAYOUT (experiments; attention_decode.TMA_LAYOUT must match): how a stage's
-// K (and V) lands in shared memory. 0: one box per 64 head-dim columns, [half][key][128 B], 128-byte
-// swizzle (the default); 1: one box per tensor from a 5-D view (64 d, D / 64 halves, key, head,
-// batch), [key][half][128 B], 128-byte swizzle on the 128-byte rows (2-way ldmatrix conflicts);
-// 2: one box per tensor, [key][D * 2 bytes], no swizzle (8-way conflicts). The question (run 219):
-// whether TMA's cost follows its 128-byte rows (box rows of 256 bytes in 2).
-#ifndef GPUOPS_DTMA_LAYOUT
-#define GPUOPS_DTMA_LAYOUT 0
-#endif
+// (Runs 221 and 224 also measured two other layouts of a stage, one 5-D box per tensor with a key's
+// two 128-byte halves adjacent, and whole 256-byte rows without swizzle: no faster, the second
+// 36 us slower at B16 S4096 with the math; removed.)
 // GPUOPS_DTMA_NOMATH=1 (experiments): the consumers only wait for each stage and hand it back.
 #ifndef GPUOPS_DTMA_NOMATH
 #define GPUOPS_DTMA_NOMATH 0
@@ -81,14 +75,7 @@ struct DecodeTmaSmem {
   static constexpr int kBytes = 1024 + STAGES * kStageBytes;
   // byte offset of 16-byte chunk c (of D / 8) of key row r within a tensor's part of a stage
   static __device__ __forceinline__ unsigned int at(int r, int c) {
-#if GPUOPS_DTMA_LAYOUT == 0
     return (c >> 3) * kBoxBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-#elif GPUOPS_DTMA_LAYOUT == 1
-    const int r2 = r * kBoxes + (c >> 3);
-    return r2 * 128 + (((c & 7) ^ (r2 & 7)) << 4);
-#else
-    return r * (D * 2) + (c << 4);
-#endif
   }
 };
 
@@ -124,7 +111,6 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     int win_left, int pdl, int page_size, int num_pages, float scale_log2) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "16-bit storage, head dim 64 or 128");
-  static_assert(!PAGED || GPUOPS_DTMA_LAYOUT == 0, "paged caches: the default layout only");
   using Smem = DecodeTmaSmem<D, STAGES>;
   constexpr int kChunks = D / 8;                           // 16-byte chunks per row
   extern __shared__ unsigned char smem_raw[];
@@ -206,20 +192,12 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
         mbar_arrive_expect_tx(full0 + 8 * s, Smem::kStageBytes);
         const unsigned int dst = base + s * Smem::kStageBytes;
         const int j0 = first + st * kDtKeys;
-#if GPUOPS_DTMA_LAYOUT == 0
 #pragma unroll
         for (int x = 0; x < Smem::kBoxes; ++x) {
           tma_load_4d(dst + x * Smem::kBoxBytes, &tma_k, full0 + 8 * s, 64 * x, j0, kvh, b);
           tma_load_4d(dst + (Smem::kBoxes + x) * Smem::kBoxBytes, &tma_v, full0 + 8 * s, 64 * x,
                       j0, kvh, b);
         }
-#elif GPUOPS_DTMA_LAYOUT == 1
-        tma_load_5d(dst, &tma_k, full0 + 8 * s, 0, 0, j0, kvh, b);
-        tma_load_5d(dst + Smem::kTensorBytes, &tma_v, full0 + 8 * s, 0, 0, j0, kvh, b);
-#else
-        tma_load_4d(dst, &tma_k, full0 + 8 * s, 0, j0, kvh, b);
-        tma_load_4d(dst + Smem::kTensorBytes, &tma_v, full0 + 8 * s, 0, j0, kvh, b);
-#endif
       }
     }
     return;

@@ -44,8 +44,9 @@ import numpy as np
 
 from gpuops import dtypes as dt
 from gpuops.bench_spec import BenchSpec
+from gpuops.ops import attention as fwd
 from gpuops.registry import get as _get_op, register
-from gpuops.runtime import device, loader, tma
+from gpuops.runtime import device, loader
 from gpuops.runtime.launch import PDL as _PDL_ATTRS, ArgSpec, launch_ex_available
 from gpuops.runtime.modules import KernelModule
 from gpuops.tensor import Tensor
@@ -136,9 +137,6 @@ TMA_STAGES = {64: 6, 128: 3}  # ring slots (DecodeTmaSmem): 96 KiB either way, 2
 TMA_THREADS = 160             # kDtThreads (decode_split_tma.cu)
 TMA_KEYS = 64                 # kDtKeys: keys per stage (the TMA box's rows)
 TMA_ROWS = 16                 # kDtRows: q rows per block (the mma's M)
-# How a stage lands in shared memory (GPUOPS_DTMA_LAYOUT in decode_split_tma.cu, which the
-# module must be built with): 0 boxes of 64 columns (the default), 1 / 2 experiments' layouts.
-TMA_LAYOUT = 0
 TMA_ARGS = ArgSpec("tensormap", "tensormap", *["ptr"] * 5, *["i64"] * 7, *["i32"] * 12, "f32")
 _HALFS = (dt.float16, dt.bfloat16)
 
@@ -190,11 +188,8 @@ def num_splits_tma(batch, hkv, row_chunks, s_max, sms, waves=None, blocks_per_sm
     inside a stage would load the next chunk's keys too."""
     w = TMA_SPLIT["waves"] if waves is None else waves
     per = TMA_SPLIT["blocks_per_sm"] if blocks_per_sm is None else blocks_per_sm
-    base = max(1, batch * hkv * row_chunks)
-    want = max(1, (w * per * sms) // base)
-    steps = max(1, -(-s_max // TMA_KEYS))
-    n = max(1, min(want, steps, MAX_SPLITS))
-    chunk = -(-steps // n) * TMA_KEYS
+    _, chunk = num_splits(batch, hkv, row_chunks, s_max, per * sms, w, TMA_KEYS)
+    chunk = -(-chunk // TMA_KEYS) * TMA_KEYS
     return -(-max(s_max, 1) // chunk), chunk
 
 
@@ -496,33 +491,6 @@ def _st(t: Tensor, i):
     return t.strides[i] if t.shape[i] != 1 else 0
 
 
-def _kv_map(t: Tensor, rows=TMA_KEYS):
-    """The 4-D tensor map (d, key, kv head, batch; innermost first) of a 16-bit cache
-    ``[B, S_max, Hkv, D]`` (any strides with a unit d stride; a page pool ``[num_pages,
-    page_size, Hkv, D]`` alike) in boxes of 64 head-dim columns x ``rows`` keys, 128-byte swizzle;
-    None where TMA cannot describe it (16-byte aligned base and byte strides). A dim of extent 1
-    is never stepped: its stride is replaced by a valid one."""
-    b, s, h, dim = t.shape
-    if t.strides[3] != 1 and dim != 1:
-        return None
-    item = t.dtype.itemsize
-    strides = []
-    for extent, st in ((s, t.strides[1]), (h, t.strides[2]), (b, t.strides[0])):
-        nbytes = st * item
-        if extent == 1 and (nbytes <= 0 or nbytes % 16):
-            nbytes = 16 * max(1, -(-dim * item // 16))
-        strides.append(nbytes)
-    dims, box, swz = (dim, max(s, 1), h, b), (64, rows, 1, 1), tma.SWIZZLE_128B
-    if TMA_LAYOUT == 1:           # (64 d, halves, key, head, batch): both halves in one box
-        dims, box = (64, dim // 64, *dims[1:]), (64, dim // 64, TMA_KEYS, 1, 1)
-        strides = [128, *strides]
-    elif TMA_LAYOUT == 2:         # whole rows, no swizzle
-        box, swz = (dim, TMA_KEYS, 1, 1), tma.SWIZZLE_NONE
-    if tma.check_tiled(t.ptr, tma.DTYPE_UINT16, dims, strides, box, swz):
-        return None
-    return tma.encode_tiled(t.ptr, tma.DTYPE_UINT16, dims, strides, box, swz)
-
-
 def _tma_maps(call, op, dtype, dim, rows, k: Tensor, v: Tensor, paged):
     """(K map, V map) where decode_split_tma takes the call (TMA; rows: q rows per kv head;
     paged: k and v are page pools), else None."""
@@ -533,9 +501,12 @@ def _tma_maps(call, op, dtype, dim, rows, k: Tensor, v: Tensor, paged):
             or dim not in TMA_D or _cc(call.device) < 90 or min(k.shape[:3]) < 1
             or k.shape[1] >= 2 ** 31 or (paged and not _tma_page_ok(k.shape[1]))):
         return None
+    # [B, S_max, Hkv, D] (a page pool [num_pages, page_size, Hkv, D] alike) is the flash kernels'
+    # 'bshd': the same tensor map, boxes of 64 columns x box_rows keys (whole pages up to 64)
     box_rows = min(k.shape[1], TMA_KEYS) if paged else TMA_KEYS
-    km = _kv_map(k, box_rows)
-    vm = _kv_map(v, box_rows) if km is not None else None
+    b_, s_, h_, d_ = k.shape
+    km = fwd._tma_map(k, "bshd", (b_, h_, s_, d_), box_rows)
+    vm = fwd._tma_map(v, "bshd", (b_, h_, s_, d_), box_rows) if km is not None else None
     return (km, vm) if vm is not None else None
 
 
@@ -714,8 +685,9 @@ def decode_attention(call, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
 
     Two launches: the split kernel (each split of the keys writes its partial output and
     log-sum-exp to a workspace; on sm_90 with fp16/bf16, head dim 64 or 128 and 3 or more q rows
-    per kv head the TMA-fed tensor-core kernel, ``attention_decode.TMA``) and the combine, which merges them (on sm_90 launched as a
-    programmatic dependent of the split kernel: ``attention_decode.PDL``). No state is kept
+    per kv head the TMA-fed tensor-core kernel, ``attention_decode.TMA``) and the combine, which
+    merges them (on sm_90 launched as a programmatic dependent of the split kernel:
+    ``attention_decode.PDL``). No state is kept
     between calls: calls on different streams and graphs replayed at the same time are
     independent.
     """
