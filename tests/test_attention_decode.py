@@ -25,6 +25,7 @@ from gpuops.ops import attention_decode as A
 from conftest import HAS_TORCH, assert_close, gpu, needs_torch, needs_torch_cuda
 
 import cuda_host_emulation as emu
+import emu as kernel_emu
 
 torch = pytest.importorskip("torch") if HAS_TORCH else None
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -226,22 +227,72 @@ def test_num_splits_rule():
         assert b * 8 * n <= max(slots, b * 8) and n * c >= s and (n - 1) * c < s
 
 
-def test_num_splits_tma_rule():
-    # decode_split_tma: one block per SM (TMA_SPLIT), chunks of whole 64-key stages. 132 SMs:
+def test_num_splits_ring_rule():
+    # the ring kernels: one block per SM (RING_SPLIT), chunks of whole 64-key stages. 132 SMs:
     # B1 S8192 Hkv 8: 16 splits of 512 keys; B16 S4096: one split. At 2 blocks per SM, B1 wants
     # 33 splits (249 keys) -> 256-key chunks, 32 splits (256 blocks of 264 slots)
-    assert A.num_splits_tma(1, 8, 1, 8192, 132) == (16, 512)
-    assert A.num_splits_tma(16, 8, 1, 4096, 132) == (1, 4096)
-    assert A.num_splits_tma(64, 8, 1, 4096, 132) == (1, 4096)
-    assert A.num_splits_tma(1, 8, 1, 8192, 132, blocks_per_sm=2) == (32, 256)
-    assert A.num_splits_tma(16, 8, 1, 4096, 132, blocks_per_sm=2) == (2, 2048)
-    assert A.num_splits_tma(1, 1, 1, 0, 132) == (1, 64)
-    assert A.num_splits_tma(1, 1, 1, 10, 132) == (1, 64)
+    assert A.num_splits_ring(1, 8, 1, 8192, 132) == (16, 512)
+    assert A.num_splits_ring(16, 8, 1, 4096, 132) == (1, 4096)
+    assert A.num_splits_ring(64, 8, 1, 4096, 132) == (1, 4096)
+    assert A.num_splits_ring(1, 8, 1, 8192, 132, blocks_per_sm=2) == (32, 256)
+    assert A.num_splits_ring(16, 8, 1, 4096, 132, blocks_per_sm=2) == (2, 2048)
+    assert A.num_splits_ring(1, 1, 1, 0, 132) == (1, 64)
+    assert A.num_splits_ring(1, 1, 1, 10, 132) == (1, 64)
     for b, hkv, rc, s, sms in [(1, 8, 1, 8192, 132), (3, 4, 2, 5000, 132), (2, 8, 1, 4100, 78),
                                (1, 1, 1, 10 ** 6, 132), (5, 2, 1, 4100, 132)]:
-        n, c = A.num_splits_tma(b, hkv, rc, s, sms)
-        assert c % A.TMA_KEYS == 0 and n * c >= s and (n - 1) * c < s and n <= A.MAX_SPLITS
+        n, c = A.num_splits_ring(b, hkv, rc, s, sms)
+        assert c % A.RING_KEYS == 0 and n * c >= s and (n - 1) * c < s and n <= A.MAX_SPLITS
         assert b * hkv * rc * n <= max(2 * sms, b * hkv * rc)
+
+
+def test_ring_auto_rule(monkeypatch):
+    """Which kernel RING 'auto' picks (host rule; an sm_90 device of 132 SMs faked): contiguous
+    caches the cp.async ring from 2 q rows per kv head and at 1 row only without splits; page
+    pools the TMA ring from 2 rows for the pages it takes, else the register kernel; never fp32,
+    head dim 256, a misaligned cache or a device before sm_80. RING 'on' / 'off' and RING_KERNEL
+    override; bad values raise."""
+    monkeypatch.setattr(A, "_sm_count", lambda dev: 132)
+    cc = [90]
+    monkeypatch.setattr(A, "_cc", lambda dev: cc[0])
+    monkeypatch.setattr(A, "_tma_maps", lambda k, v, paged: (
+        None if paged and not A._tma_page_ok(k.shape[1]) else ("k map", "v map")))
+    call = emu.Call("decode_attention", dt.bfloat16)
+
+    def kind(b, hq, sq, paged=False, ps=64, dtype="bfloat16", d=128, misaligned=False):
+        hkv, s = 8, 1024
+        q = emu.view(np.zeros((b, sq, hq, d), _np(dtype)))
+        shape = (b * s // ps, ps, hkv, d) if paged else (b, s, hkv, d)
+        flat = np.zeros(int(np.prod(shape)) + 1, _np(dtype))
+        k = emu.view((flat[1:] if misaligned else flat[:-1]).reshape(shape))
+        r = A._ring(call, "decode_attention", dt.BY_NAME[dtype], q, k, k, s, paged)
+        return None if r is None else r[0]
+    assert kind(1, 16, 1) == "async" and kind(1, 64, 1) == "async" and kind(1, 8, 2) == "async"
+    assert kind(1, 8, 1) is None and kind(4, 8, 1) is None      # 1 row, several splits
+    assert kind(16, 8, 1) == "async" and kind(17, 8, 1) == "async"   # 1 row, one split
+    assert kind(1, 16, 1, paged=True) == "tma" and kind(1, 16, 1, paged=True, ps=16) == "tma"
+    assert kind(1, 16, 1, paged=True, ps=7) is None and kind(17, 8, 1, paged=True) is None
+    assert kind(1, 16, 1, dtype="float32") is None and kind(1, 16, 1, d=256) is None
+    assert kind(1, 16, 1, misaligned=True) is None
+    cc[0] = 80
+    assert kind(1, 16, 1) == "async" and kind(1, 16, 1, paged=True) is None   # no TMA
+    cc[0] = 61
+    assert kind(1, 16, 1) is None
+    cc[0] = 90
+    monkeypatch.setattr(A, "RING", "on")
+    assert kind(1, 8, 1) == "async" and kind(1, 8, 1, paged=True) == "tma"
+    monkeypatch.setattr(A, "RING_KERNEL", "async")
+    assert kind(1, 16, 1, paged=True, ps=7) == "async"
+    monkeypatch.setattr(A, "RING_KERNEL", "tma")
+    assert kind(1, 16, 1) == "tma"
+    monkeypatch.setattr(A, "RING", "off")
+    assert kind(1, 64, 1) is None
+    monkeypatch.setattr(A, "RING", "yes")
+    with pytest.raises(ValueError, match="RING"):
+        kind(1, 16, 1)
+    monkeypatch.setattr(A, "RING", "auto")
+    monkeypatch.setattr(A, "RING_KERNEL", "cp.async")
+    with pytest.raises(ValueError, match="RING_KERNEL"):
+        kind(1, 16, 1)
 
 
 # ------------------------------------------------------------------ CPU: the kernels, emulated
@@ -289,7 +340,7 @@ def emu_ops(emulated, monkeypatch):
     monkeypatch.setattr(A, "_split_slots", lambda expr, dev, *a: 3 * 4)
     monkeypatch.setattr(A, "_pdl_ok", lambda dev: False)   # an emulated device: no PDL
     monkeypatch.setitem(A.SPLIT, "min_chunk", 16)    # several splits at small lengths
-    monkeypatch.setattr(A, "TMA", "off")             # the emulator has no TMA (sm_90 only)
+    monkeypatch.setattr(A, "RING", "off")       # the register kernel (the rings: ring_ops below)
     A._plans.clear()
 
     def run(op_name, dtype, *args, stream=0, **kwargs):
@@ -451,6 +502,88 @@ def test_emulated_pdl_launches(pdl_emu, emulated, monkeypatch, rng, pdl):
         pdl_emu("decode_attention", dtype, q, k, v, lens)
 
 
+# ------------------------------------------------------------- CPU: the cp.async ring (emulated)
+# decode_split_async (tensor cores: ldmatrix, mma.sync, cp.async) runs in tests/emu.py's emulator,
+# which models those instructions; the combine in the host emulation above.
+
+@pytest.fixture(scope="module")
+def ring_emulated():
+    if not kernel_emu.available():
+        pytest.skip("g++ not installed")
+    return kernel_emu.build(A.ASYNC_MODULE, 900)
+
+
+@pytest.fixture
+def ring_ops(emu_ops, emulated, ring_emulated, monkeypatch):
+    """emu_ops with the ring switched on and RING 'async' (sm_90-like device, 3 SMs)."""
+    lib, index = ring_emulated
+    launched = []
+
+    def kernel(module, dev, expr):
+        if module is A.ASYNC_MODULE:
+            launched.append(expr)
+            return kernel_emu.EmuKernel(lib, index[expr], module.kernels[expr], expr)
+        return emulated[module.name].kernel(expr)
+    monkeypatch.setattr(A, "_kernel", kernel)
+    monkeypatch.setattr(A, "_cc", lambda dev: 90)
+    monkeypatch.setattr(A, "RING", "on")
+    monkeypatch.setattr(A, "RING_KERNEL", "async")
+    emu_ops.launched = launched
+    return emu_ops
+
+
+@pytest.mark.parametrize("dtype,d,hq,hkv,sq", [("bfloat16", 64, 4, 2, 1), ("float16", 128, 8, 1, 2),
+                                               ("bfloat16", 64, 6, 2, 3),
+                                               ("bfloat16", 64, 12, 1, 2)])
+def test_emulated_async_ring(ring_ops, emulated, rng, monkeypatch, dtype, d, hq, hkv, sq):
+    """decode_split_async against the float64 reference: lengths 0, 1, 63, 65 and 200 of a
+    200-key cache holding NaN past each length (the zero-filled copies must keep it out of P V),
+    several splits (chunks of one 64-key stage, so the prologue's empty groups and the ring's
+    reuse of slots run), 2 .. 24 q rows per kv head (two row chunks of the mma's 16 at 24); one
+    split (the output and lse written by the ring kernel, no combine); a window, and pages of 7
+    and 64 keys (any page size: rows looked up one by one)."""
+    monkeypatch.setattr(A, "RING_SPLIT", {"waves": 1, "blocks_per_sm": 40})  # 64-key chunks
+    lens = np.array([0, 1, 63, 65, 200], np.int32)
+    b, s_max = len(lens), 200
+    q = _arr(rng, (b, sq, hq, d), dtype)
+    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
+    for i, n in enumerate(lens):
+        k[i, n:] = np.nan
+        v[i, n:] = np.nan
+    out, lse = ring_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+    assert ring_ops.launched and "decode_split_async" in ring_ops.launched[-1]
+    plan = next(p for key, p in A._plans.items() if key[0] == "async")
+    assert plan[3] == 4 and plan[4] == 64, plan      # 4 splits of one stage
+    ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
+    assert_close(out, ref, dtype, "async")
+    _assert_lse(lse, ref_lse)
+    # one split: the ring writes out and lse itself, no combine launched
+    combine = emulated[A.COMBINE_MODULE.name]
+    n_comb = len(combine.launches)
+    monkeypatch.setattr(A, "RING_SPLIT", {"waves": 1, "blocks_per_sm": 0})
+    A._plans.clear()
+    out1, lse1 = ring_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
+    assert next(p for key, p in A._plans.items() if key[0] == "async")[3] == 1
+    assert len(combine.launches) == n_comb, "one split must not launch the combine"
+    assert_close(out1, ref, dtype, "async, one split")
+    _assert_lse(lse1, ref_lse)
+    monkeypatch.setattr(A, "RING_SPLIT", {"waves": 1, "blocks_per_sm": 40})
+    A._plans.clear()
+    out_w = ring_ops("decode_attention", dtype, q, k, v, lens, window_size=(70, 0))[0]
+    assert_close(out_w, A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens,
+                                               window_size=(70, 0)), dtype, "window")
+    for ps in (7, 64):
+        kp, vp, table = _paged_from(rng, np.nan_to_num(k, nan=0.0), np.nan_to_num(v, nan=0.0), ps)
+        named = np.zeros(kp.shape[0], bool)
+        named[table.reshape(-1)] = True
+        kp[~named] = np.nan
+        vp[~named] = np.nan
+        n0 = len(ring_ops.launched)
+        pout = ring_ops("paged_attention", dtype, q, kp, vp, table, lens)[0]
+        assert len(ring_ops.launched) == n0 + 1
+        assert_close(pout, ref, dtype, f"paged {ps}")
+
+
 # ------------------------------------------------------------------ GPU
 
 def _cuda(x):
@@ -500,7 +633,7 @@ def test_gpu_paged(rng, monkeypatch, dtype, page_size, hq, hkv, sq):
     pad = -s_max % page_size             # same S_max as the pages: same splits, same arithmetic
     kz, vz = (np.concatenate([x, np.zeros((b, pad, hkv, d), x.dtype)], 1) for x in (k, v))
     # the register kernel for both (the TMA one rounds a split's start down to whole pages)
-    monkeypatch.setattr(A, "TMA", "off")
+    monkeypatch.setattr(A, "RING", "off")
     out = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
                              window_size=(300, 0))
     out_c = go.decode_attention(_cuda(q), _cuda(kz), _cuda(vz), _cuda(lens), window_size=(300, 0))
@@ -680,7 +813,7 @@ def test_gpu_split_and_pdl(rng, monkeypatch, pdl, shape, dtype):
     if s % 16 == 0:
         kp, vp, table = _paged_from(rng, k, v, 16)
         _poison_cache()
-        monkeypatch.setattr(A, "TMA", "off")     # the register kernel for both (test_gpu_paged_tma)
+        monkeypatch.setattr(A, "RING", "off")     # the register kernel for both
         pout = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens))
         out_r = go.decode_attention(*args)
         assert torch.equal(pout, out_r)
@@ -737,24 +870,34 @@ def test_gpu_pdl_in_a_cuda_graph(rng, monkeypatch, op, pdl):
             assert torch.equal(e, o)
 
 
-# ------------------------------------------------------------------ GPU: decode_split_tma (sm_90)
+# ------------------------------------------------------------------ GPU: the ring kernels
 
-def _tma_device():
-    """decode_split_tma can run: an sm_90 GPU whose kernels are not built for an older arch
+def _ring_device():
+    """The ring kernels' tests run: an sm_90 GPU whose kernels are not built for an older arch
     (GPUOPS_ARCH=61 on the compute_61 bundle takes the register kernel)."""
     return A._cc(torch.cuda.current_device()) >= 90
 
 
-def _tma_spy(monkeypatch):
-    """The plans decode_split_tma was launched with, call by call."""
+@pytest.fixture(params=["tma", "async"])
+def ring(request, monkeypatch):
+    """The ring kernel under test: decode_split_tma (sm_90) or decode_split_async (sm_80+; run
+    where the TMA one runs, on the same tests)."""
+    if not _ring_device():
+        pytest.skip("the ring kernels' tests run on sm_90")
+    monkeypatch.setattr(A, "RING_KERNEL", request.param)
+    return request.param
+
+
+def _ring_spy(monkeypatch):
+    """The plans the ring kernels were launched with, call by call."""
     used = []
-    orig = A._plan_tma
+    orig = A._plan_ring
 
     def spy(*args, **kwargs):
         p = orig(*args, **kwargs)
         used.append(p)
         return p
-    monkeypatch.setattr(A, "_plan_tma", spy)
+    monkeypatch.setattr(A, "_plan_ring", spy)
     return used
 
 
@@ -763,16 +906,14 @@ def _tma_spy(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("hq,hkv,sq", [(16, 8, 1), (8, 1, 1), (32, 2, 1), (16, 1, 2), (8, 2, 4)])
-def test_gpu_decode_tma(rng, monkeypatch, dtype, d, hq, hkv, sq):
-    """The TMA kernel against the float64 reference (out and lse, the same tolerances as the
+def test_gpu_decode_ring(rng, monkeypatch, ring, dtype, d, hq, hkv, sq):
+    """The ring kernel against the float64 reference (out and lse, the same tolerances as the
     register kernel: P enters P V as two parts, not rounded to the storage type): lengths 0, 1,
     17, 1000 and 4097 of a 4100-key cache holding NaN past each length (the last stage's V rows
     there must be zeroed, 0 x NaN being NaN), 8 / 16 / 32 q rows per kv head (one or two row
     chunks of the mma's 16), poisoned outputs and workspace; then a window."""
-    if not _tma_device():
-        pytest.skip("decode_split_tma runs on sm_90 only")
-    monkeypatch.setattr(A, "TMA", "on")        # every row count, not only 'auto''s
-    used = _tma_spy(monkeypatch)
+    monkeypatch.setattr(A, "RING", "on")        # every row count, not only 'auto''s
+    used = _ring_spy(monkeypatch)
     lens = np.array([0, 1, 17, 1000, 4097], np.int32)
     b, s_max = len(lens), 4100
     q = _arr(rng, (b, sq, hq, d), dtype)
@@ -783,9 +924,9 @@ def test_gpu_decode_tma(rng, monkeypatch, dtype, d, hq, hkv, sq):
     args = (_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
     _poison_cache()
     out, lse = go.decode_attention(*args, return_lse=True)
-    assert len(used) == 1, "decode_split_tma did not take the call"
+    assert len(used) == 1 and f"decode_split_{ring}<" in used[0][0], "the ring kernel did not run"
     ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens, return_lse=True)
-    assert_close(_host(out), ref, dtype, "tma")
+    assert_close(_host(out), ref, dtype, ring)
     _assert_lse(_host(lse), ref_lse)
     _poison_cache()
     out_w = go.decode_attention(*args, window_size=(300, 0))
@@ -796,16 +937,15 @@ def test_gpu_decode_tma(rng, monkeypatch, dtype, d, hq, hkv, sq):
 
 @gpu
 @needs_torch_cuda
-def test_gpu_decode_tma_layouts_splits_and_graph(rng, monkeypatch):
-    """The TMA kernel on a [B, Hkv, S, D] cache viewed as [B, S, Hkv, D] (other strides in the
-    tensor map), at several split rules (1 split per sequence, chunks of one stage, 2 waves), in
-    a CUDA graph replayed with other lengths (equal bit for bit to eager calls), and equal to the
-    register kernel within the tolerance; a cache TMA cannot describe (a 2-byte offset) takes the
-    register kernel."""
-    if not _tma_device():
-        pytest.skip("decode_split_tma runs on sm_90 only")
-    monkeypatch.setattr(A, "TMA", "on")
-    used = _tma_spy(monkeypatch)
+def test_gpu_decode_ring_layouts_splits_and_graph(rng, monkeypatch, ring):
+    """The ring kernel on a [B, Hkv, S, D] cache viewed as [B, S, Hkv, D] (other strides in the
+    tensor map or the copies), at several split rules (1 split per sequence: the output written
+    by the ring kernel itself; chunks of one stage; 2 waves), in a CUDA graph replayed with other
+    lengths (equal bit for bit to eager calls), and equal to the register kernel within the
+    tolerance; a cache TMA cannot describe (a 2-byte offset) takes the register kernel (the
+    cp.async ring too: it needs 16-byte aligned rows)."""
+    monkeypatch.setattr(A, "RING", "on")
+    used = _ring_spy(monkeypatch)
     b, s_max, hq, hkv, d, dtype = 2, 3000, 16, 4, 128, "bfloat16"
     q = _arr(rng, (b, 3, hq, d), dtype)
     kb, vb = _arr(rng, (b, hkv, s_max, d), dtype), _arr(rng, (b, hkv, s_max, d), dtype)
@@ -815,16 +955,16 @@ def test_gpu_decode_tma_layouts_splits_and_graph(rng, monkeypatch):
     lens = torch.tensor([3000, 777], dtype=torch.int32, device="cuda")
     for rule in ({"waves": 1, "blocks_per_sm": 2}, {"waves": 1, "blocks_per_sm": 0},
                  {"waves": 100, "blocks_per_sm": 2}):
-        monkeypatch.setattr(A, "TMA_SPLIT", rule)
+        monkeypatch.setattr(A, "RING_SPLIT", rule)
         _poison_cache()
         out = go.decode_attention(tq, tk, tv, lens)
         assert_close(_host(out), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), _host(lens)),
                      dtype, f"split rule {rule}")
     sms = A._sm_count(torch.cuda.current_device())
-    assert [p[3] for p in used] == [A.num_splits_tma(b, hkv, 1, s_max, sms, w, per)[0]
+    assert [p[3] for p in used] == [A.num_splits_ring(b, hkv, 1, s_max, sms, w, per)[0]
                                     for w, per in ((1, 2), (1, 0), (100, 2))]
     assert [p[3] for p in used][1:] == [1, 47]      # one split; 47 chunks of one stage
-    monkeypatch.setattr(A, "TMA_SPLIT", {"waves": 1, "blocks_per_sm": 2})
+    monkeypatch.setattr(A, "RING_SPLIT", {"waves": 1, "blocks_per_sm": 2})
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -844,52 +984,57 @@ def test_gpu_decode_tma_layouts_splits_and_graph(rng, monkeypatch):
         _assert_lse(_host(glse), ref_lse)
         eager, eager_lse = go.decode_attention(tq, tk, tv, lens, return_lse=True)
         assert torch.equal(eager, gout) and torch.equal(eager_lse, glse)
-        monkeypatch.setattr(A, "TMA", "off")
+        monkeypatch.setattr(A, "RING", "off")
         reg = go.decode_attention(tq, tk, tv, lens)
-        monkeypatch.setattr(A, "TMA", "on")
+        monkeypatch.setattr(A, "RING", "on")
         assert_close(_host(reg), ref, dtype, f"register kernel {new_lens}")
     n = len(used)
     flat = _cuda(_arr(rng, (b * s_max * hkv * d + 8,), dtype))
     k2 = flat[1:1 + b * s_max * hkv * d].view(b, s_max, hkv, d)
     go.decode_attention(tq, k2, k2, lens)
     assert len(used) == n, "a misaligned cache must take the register kernel"
-    monkeypatch.setattr(A, "TMA", "yes")
-    with pytest.raises(ValueError, match="TMA"):
+    monkeypatch.setattr(A, "RING", "yes")
+    with pytest.raises(ValueError, match="RING"):
+        go.decode_attention(tq, tk, tv, lens)
+    monkeypatch.setattr(A, "RING", "on")
+    monkeypatch.setattr(A, "RING_KERNEL", "cp.async")
+    with pytest.raises(ValueError, match="RING_KERNEL"):
         go.decode_attention(tq, tk, tv, lens)
 
 
 @gpu
 @needs_torch_cuda
-def test_gpu_decode_tma_auto_rule(rng, monkeypatch):
-    """TMA 'auto' takes decode_split_tma from TMA_MIN_ROWS q rows per kv head (GQA group x query
-    tokens) and the register kernel below; both right."""
-    if not _tma_device():
-        pytest.skip("decode_split_tma runs on sm_90 only")
-    used = _tma_spy(monkeypatch)
-    b, s_max, d, dtype = 2, 1500, 128, "float16"
-    lens = np.array([1500, 700], np.int32)
-    k, v = _arr(rng, (b, s_max, 8, d), dtype), _arr(rng, (b, s_max, 8, d), dtype)
-    for hq, sq in ((16, 1), (16, 4), (64, 1), (8, 2), (24, 1), (32, 1)):
+def test_gpu_decode_ring_auto_rule(rng, monkeypatch, ring):
+    """RING 'auto' takes the ring kernel from RING_MIN_ROWS q rows per kv head (GQA group x query
+    tokens), at 1 row only where it needs no splits (17 x 8 kv heads fill the 132 SMs), and the
+    register kernel otherwise; all right."""
+    used = _ring_spy(monkeypatch)
+    s_max, d, dtype = 1500, 128, "float16"
+    sms = A._sm_count(torch.cuda.current_device())
+    for b, hq, sq in ((2, 16, 1), (2, 16, 4), (2, 64, 1), (2, 8, 2), (2, 8, 1), (17, 8, 1)):
+        lens = rng.integers(1, s_max + 1, b).astype(np.int32)
+        k, v = _arr(rng, (b, s_max, 8, d), dtype), _arr(rng, (b, s_max, 8, d), dtype)
         n = len(used)
         q = _arr(rng, (b, sq, hq, d), dtype)
         out = go.decode_attention(_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
-        assert len(used) - n == int((hq // 8) * sq >= A.TMA_MIN_ROWS), (hq, sq)
+        rows = (hq // 8) * sq
+        want = rows >= A.RING_MIN_ROWS or A.num_splits_ring(b, 8, 1, s_max, sms)[0] == 1
+        assert len(used) - n == int(want), (b, hq, sq)
         assert_close(_host(out), A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens), dtype,
-                     f"hq={hq} sq={sq}")
+                     f"b={b} hq={hq} sq={sq}")
 
 
 @gpu
 @needs_torch_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("page_size", [8, 16, 64, 128, 7])
-def test_gpu_paged_tma(rng, monkeypatch, dtype, page_size):
-    """paged_attention on the TMA kernel (GQA 32/8: 4 rows per kv head) for pages that divide a
+def test_gpu_paged_ring(rng, monkeypatch, ring, dtype, page_size):
+    """paged_attention on the ring kernel (GQA 32/8: 4 rows per kv head) for pages that divide a
     64-key stage or are multiples of it (7: the register kernel): against the reference, with NaN
     in every pool row past each sequence's length and in the pages no table names, poisoned
-    outputs; a window (the split starts inside a page: keys before it masked) and two tokens."""
-    if not _tma_device():
-        pytest.skip("decode_split_tma runs on sm_90 only")
-    used = _tma_spy(monkeypatch)
+    outputs; a window (the split starts inside a page: keys before it masked) and two tokens.
+    The cp.async ring takes every page size (7 too)."""
+    used = _ring_spy(monkeypatch)
     lens = np.array([1, 17, 1000, 4097], np.int32)
     b, s_max, hq, hkv, d = 4, 4097, 32, 8, 128
     for sq, window in ((1, None), (2, (300, 0))):
@@ -908,7 +1053,7 @@ def test_gpu_paged_tma(rng, monkeypatch, dtype, page_size):
         _poison_cache()
         out, lse = go.paged_attention(_cuda(q), _cuda(kp), _cuda(vp), _cuda(table), _cuda(lens),
                                       window_size=window, return_lse=True)
-        assert len(used) - n0 == (0 if page_size == 7 else 1)
+        assert len(used) - n0 == (0 if page_size == 7 and ring == "tma" else 1)
         ref, ref_lse = A.ref_decode_attention(_f64(q), _f64(k), _f64(v), lens,
                                               window_size=window, return_lse=True)
         assert_close(_host(out), ref, dtype, f"paged {page_size} sq={sq} window={window}")

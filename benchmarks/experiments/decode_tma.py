@@ -3,7 +3,7 @@ tensor-core math) against the register kernel (decode_split) and torch SDPA, in 
 
 Per shape (B, S, Hq, Hkv, D), bf16, one query token, full caches in [B, S, Hkv, D] (and, for
 B1 S8192, [B, Hkv, S, D] viewed so), CUDA-graph replay of 20 calls over caches rotated through
-> 3x the L2 (decode_b1_floor.py's method): the op with attention_decode.TMA 'off' and 'on',
+> 3x the L2 (decode_b1_floor.py's method): the op with attention_decode.RING 'off' and 'on',
 each also with the combine a no-op (split kernel only), TMA_SPLIT variants (blocks per SM 1 / 2,
 two waves), and torch SDPA; the largest difference from the register kernel's output.
 
@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--warm", action="store_true",
                     help="also the register and TMA kernels on one L2-resident cache")
     args = ap.parse_args()
+    AD.RING_KERNEL = "tma"                  # this script is about decode_split_tma
     copy, res, record = start_results("shape", (14, 52))
 
     saved = AD._kernel
@@ -64,7 +65,7 @@ def main():
         print(f"{name}: {kv_bytes / 1e6:.1f} MB of K/V, floor {kv_bytes / copy / 1e3:.2f} us, "
               f"{nrot} caches rotated", flush=True)
         for layout, caches in layouts:
-            AD.TMA = "off"
+            AD.RING = "off"
             ref = go.decode_attention(q, *caches[0], lens).float()
             dec = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches)
             tag = f"{name} {layout}"
@@ -79,10 +80,10 @@ def main():
                 warm = rotating(lambda k, v: go.decode_attention(q, k, v, lens), caches[:1])
                 record(tag, "register kernel, L2-warm", graph_replay_us(warm), kv_bytes,
                        tma="off", warm=True)
-                AD.TMA = "on"
+                AD.RING = "on"
                 record(tag, "TMA default, L2-warm", graph_replay_us(warm), kv_bytes,
                        tma="default", warm=True)
-            AD.TMA = "on"
+            AD.RING = "on"
             variants = [x for x in args.variants.split(",") if x]
             runs = [(v, False) for v in ["default"] + variants] + (
                 [("default", True)] if args.nomath else [])
@@ -96,16 +97,16 @@ def main():
                     mod = _NOMATH["module"]
                     AD._kernel = (lambda m, dev, e, mod=mod:
                                   saved(mod if m is AD.TMA_MODULE else m, dev, e))
-                saved_split = dict(AD.TMA_SPLIT)
+                saved_split = dict(AD.RING_SPLIT)
                 if var != "default":
                     per, _, waves = var.partition(":")
-                    AD.TMA_SPLIT.update(blocks_per_sm=int(per), waves=int(waves or 1))
+                    AD.RING_SPLIT.update(blocks_per_sm=int(per), waves=int(waves or 1))
                 AD._plans.clear()
                 try:
                     got = go.decode_attention(q, *caches[0], lens).float()
                     diff = float((got - ref).abs().max())
-                    plan = AD._plan_tma("decode_attention", AD.dt.bfloat16, _T(q), _T(caches[0][0]),
-                                        s, 0)
+                    plan = AD._plan_ring("decode_attention", AD.dt.bfloat16, _T(q),
+                                         _T(caches[0][0]), s, 0, "tma")
                     what = f"TMA {var} ({plan[3]} x {plan[4]} keys)" + (
                         " NO MATH" if nomath else "")
                     if not nomath:
@@ -117,8 +118,8 @@ def main():
                            split_only=True, nomath=nomath)
                 finally:
                     AD._kernel = saved
-                    AD.TMA_SPLIT.clear()
-                    AD.TMA_SPLIT.update(saved_split)
+                    AD.RING_SPLIT.clear()
+                    AD.RING_SPLIT.update(saved_split)
                     AD._plans.clear()
             sdpa = rotating(lambda k, v: AD._sdpa(q, k, v), caches)
             record(tag, "torch SDPA", graph_replay_us(sdpa), kv_bytes)

@@ -43,6 +43,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
+    AD.RING_KERNEL = "tma"                  # this script is about decode_split_tma
     res = []
     configs = [(64, 1, 16, 8, "bfloat16"), (64, 1, 8, 8, "bfloat16"), (128, 4, 16, 2, "float16"),
                (128, 1, 16, 8, "bfloat16"), (64, 1, 16, 8, "float16")]
@@ -65,7 +66,7 @@ def main():
                                           v.double().cpu().numpy(), lens_np)
             row = {"fences": fence, "s_max": s_max, "d": d, "sq": sq, "hq": hq, "hkv": hkv,
                    "dtype": dtype, "seed": seed}
-            AD.TMA, AD.PDL = "on", "combine"
+            AD.RING, AD.PDL = "on", "combine"
             outs = [go.decode_attention(q, k, v, lens).double().cpu().numpy() for _ in range(8)]
             row["runs_differ"] = int(sum(not np.array_equal(o, outs[0]) for o in outs[1:]))
             bad, err = _bad(outs[0], ref, dtype)
@@ -80,19 +81,19 @@ def main():
             for name, tma, pdl, split in (("pdl_off", "on", "off", None),
                                           ("one_split", "on", "combine", 0),
                                           ("register", "off", "combine", None)):
-                AD.TMA, AD.PDL = tma, pdl
-                saved = dict(AD.TMA_SPLIT)
+                AD.RING, AD.PDL = tma, pdl
+                saved = dict(AD.RING_SPLIT)
                 if split is not None:
-                    AD.TMA_SPLIT["blocks_per_sm"] = split
+                    AD.RING_SPLIT["blocks_per_sm"] = split
                 AD._plans.clear()
                 try:
                     o = go.decode_attention(q, k, v, lens).double().cpu().numpy()
                 finally:
-                    AD.TMA_SPLIT.clear()
-                    AD.TMA_SPLIT.update(saved)
+                    AD.RING_SPLIT.clear()
+                    AD.RING_SPLIT.update(saved)
                     AD._plans.clear()
                 row[name] = int(_bad(o, ref, dtype)[0].sum())
-            AD.TMA, AD.PDL = "on", "combine"
+            AD.RING, AD.PDL = "on", "combine"
             print(json.dumps(row), flush=True)
             res.append(row)
     if args.json:

@@ -36,10 +36,13 @@ Targets (issue 4's fp32 SIMT gap, issue 3's long rows, issue 4's fused epilogue)
   decode117_m8_tma    the same at w [14336, 4096] (117 MB; M = 8; _pipe / _tma: PLAN['decode']
                       'pipe' / 'tma')
   decode117t_m8       M = 8 at w [4096, 14336], the default plan (K over clusters of 2)
-  dattn_b16_tma / dattn_b16_reg / dattn_b1_tma / dattn_b16_sdpa / dattn_b1_sdpa
-                      decode_attention B16 S4096 / B1 S8192 (Hq 16, Hkv 8, D 128, bf16) with
-                      attention_decode.TMA 'on' (decode_split_tma) or 'off' (register kernel),
-                      or torch SDPA on the same caches
+  rms_bwd_bf16 / rms_bwd_fp32 / ln_bwd_bf16
+                      rms_norm_backward / layer_norm_backward at [32768, 4096] (both launches)
+  dattn_b16_tma / dattn_b16_async / dattn_b16_reg / dattn_b1_tma / dattn_b1_async /
+  dattn_b16_sdpa / dattn_b1_sdpa
+                      decode_attention B16 S4096 / B1 S8192 (Hq 16, Hkv 8, D 128, bf16) on
+                      decode_split_tma, decode_split_async or the register kernel
+                      (attention_decode.RING 'off'), or torch SDPA on the same caches
 """
 from __future__ import annotations
 
@@ -204,9 +207,27 @@ def _decode(M, ahead="auto", peer=False, weight=(6144, 2048), plan=None, split="
     return build
 
 
-def _decode_attn(b, s, tma, peer=False):
+def _norm_bwd(op, dtype, shape=ROWS):
+    """rms_norm_backward / layer_norm_backward at `shape` (issue 3, run 234: bf16 at [32768, 4096]
+    73.9-77.9% of copy, fp32 88.5-89.7%): both launches (the row kernel and the weight
+    gradient's sum)."""
+    def build():
+        td = getattr(torch, dtype)
+        x = torch.randn(*shape, device="cuda", dtype=td)
+        g = torch.randn(*shape, device="cuda", dtype=td)
+        w = torch.randn(shape[1], device="cuda", dtype=td)
+        if op == "rms":
+            _, rstd = go.rms_norm_forward(x, (shape[1],), w)
+            return lambda: go.rms_norm_backward(g, x, rstd, (shape[1],), w)[0]
+        _, mean, rstd = go.layer_norm_forward(x, (shape[1],), w)
+        return lambda: go.layer_norm_backward(g, x, mean, rstd, (shape[1],), w)[0]
+    return build
+
+
+def _decode_attn(b, s, ring, kernel="auto", peer=False):
     """decode_attention, B x S (Hq 16, Hkv 8, D 128, bf16, one query token, full caches), with
-    attention_decode.TMA = tma ('auto': decode_split_tma on sm_90, 'off': the register kernel)."""
+    attention_decode.RING = ring ('on': a ring kernel, 'off': the register kernel) and
+    RING_KERNEL = kernel ('async', 'tma')."""
     def build():
         from gpuops.ops import attention_decode as AD  # noqa: PLC0415
         q = torch.randn(b, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
@@ -218,12 +239,12 @@ def _decode_attn(b, s, tma, peer=False):
             return lambda: AD._sdpa(q, k, v)
 
         def call():
-            saved = AD.TMA
-            AD.TMA = tma
+            saved = AD.RING, AD.RING_KERNEL
+            AD.RING, AD.RING_KERNEL = ring, kernel
             try:
                 return go.decode_attention(q, k, v, lens)
             finally:
-                AD.TMA = saved
+                AD.RING, AD.RING_KERNEL = saved
         return call
     return build
 
@@ -264,9 +285,14 @@ TARGETS = {
     # session: gemv_mma_tma_split, K over clusters of 2)
     "decode117t_m8": _decode(8, weight=(4096, 14336)),
     # decode attention (issue 5): the TMA ring kernel and the register kernel
-    "dattn_b16_tma": _decode_attn(16, 4096, "on"),
+    "rms_bwd_bf16": _norm_bwd("rms", "bfloat16"),
+    "rms_bwd_fp32": _norm_bwd("rms", "float32"),
+    "ln_bwd_bf16": _norm_bwd("ln", "bfloat16"),
+    "dattn_b16_tma": _decode_attn(16, 4096, "on", "tma"),
+    "dattn_b16_async": _decode_attn(16, 4096, "on", "async"),
     "dattn_b16_reg": _decode_attn(16, 4096, "off"),
-    "dattn_b1_tma": _decode_attn(1, 8192, "on"),
+    "dattn_b1_tma": _decode_attn(1, 8192, "on", "tma"),
+    "dattn_b1_async": _decode_attn(1, 8192, "on", "async"),
     "dattn_b16_sdpa": _decode_attn(16, 4096, "auto", peer=True),
     "dattn_b1_sdpa": _decode_attn(1, 8192, "auto", peer=True),
 }

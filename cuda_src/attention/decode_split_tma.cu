@@ -9,30 +9,24 @@
 // by TMA boxes (one instruction per 8 KiB, a producer warp, consumers waiting on mbarriers)
 // reached 88-100%, with two blocks per SM overlapping each other's ends. The register kernel of
 // decode_split.cu reads B1 S8192 at 61.7% of copy and B16 S4096 at ~87%.
-// What it measured (H200 runs 218-227, notes_attention_decode.md): no faster than the register
+// What it measured (H200 runs 218-233, notes_attention_decode.md): no faster than the register
 // kernel at 2 q rows per kv head (the bare ring streams B16 S4096 in 67-69 us, the register kernel
-// 70), but its cost does not grow with the rows up to 16, where the register kernel's does: the
-// host takes it from 3 rows per kv head (GQA 64/8 B1 S8192 44.5 -> 18.5 us).
+// 70), its cost not growing with the rows up to 16 (GQA 64/8 B1 S8192 44.5 -> 18.5 us); the
+// cp.async ring of decode_split_async.cu (same math) is faster on contiguous caches (B16 S4096
+// 16/8 64.2 against 71.5), so the host takes this kernel for page pools, where it reads pages of
+// 64 as fast as a contiguous cache (71.4 us) and the cp.async ring does not (87.7).
 //
-// Block: warps 0..3 consume, warp 4 produces. A stage holds KB = 64 keys of K and of V, as boxes
-// of 64 keys x 64 head-dim columns (128 bytes) in TMA's 128-byte swizzle: chunk c of key row r at
-// (c ^ r % 8) * 16, so ldmatrix reads every 8 rows from 8 distinct bank groups. The producer (one
-// lane) waits for a free slot, expects the stage's bytes on the slot's "full" mbarrier and issues
-// 2 * D / 64 boxes. Consumer warp w takes keys 16 w .. 16 w + 15 of each stage on the tensor cores
-// (mma.m16n8k16, fp32 accumulate; the 16 rows of the mma are the block's q rows, zero past them):
-// S = Q K^T from ldmatrix of K, the online softmax in the log2 domain on S's fragments, then
-// P V with P reused from S's registers as the A fragment (as two parts in the storage type, so
-// that P is not rounded to it) and V read by ldmatrix.trans; then it frees the slot (one
-// arrival per warp).
-// At the end the 4 warps' (m, l, o) meet in shared memory (the ring, free by then) and the block
-// writes its partial as decode_split does.
+// Block: warps 0..3 consume (decode_ring.cuh: the stage layout, the math, the block's partial),
+// warp 4 produces: one lane waits for a free slot, expects the stage's bytes on the slot's "full"
+// mbarrier and issues 2 * D / 64 boxes of 64 keys x 64 head-dim columns in TMA's 128-byte
+// swizzle (the layout decode_ring.cuh reads); a consumer warp frees the slot (one arrival per
+// warp) after its part of the stage.
 //
 // Paged caches: see PAGED below. Keys at or past the sequence length inside the last box (the
 // cache may hold anything there, NaN included) get score -inf and their V rows are zeroed in
 // shared memory before P V (0 x NaN would be NaN); keys past S_max arrive as TMA's zeros. The
 // producer reads the length before its first box (a split past the length loads nothing).
-#include "attention/decode_common.cuh"
-#include "common/mma.cuh"
+#include "attention/decode_ring.cuh"
 #include "common/pdl.cuh"
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
 #include "common/wgmma.cuh"   // mbarriers, TMA
@@ -52,9 +46,8 @@ namespace gpuops {
 #define GPUOPS_DTMA_FENCES 1
 #endif
 
-constexpr int kDtConsumers = 4, kDtThreads = (kDtConsumers + 1) * 32;   // TMA_THREADS
-constexpr int kDtKeys = 64;                                              // keys per stage
-constexpr int kDtRows = 16;                                              // q rows per block
+constexpr int kDtConsumers = kDrWarps, kDtThreads = (kDtConsumers + 1) * 32;   // TMA_THREADS
+constexpr int kDtKeys = kDrKeys;                                              // keys per stage
 
 // Dynamic shared memory: 1 KiB of alignment slack, then STAGES x (K boxes, V boxes) of
 // kDtKeys x 128 bytes each (host: _tma_smem in gpuops/ops/attention_decode.py).
@@ -68,31 +61,19 @@ constexpr int kDtRows = 16;                                              // q ro
 
 template <int D, int STAGES>
 struct DecodeTmaSmem {
-  static constexpr int kBoxBytes = kDtKeys * 128;
-  static constexpr int kBoxes = D / 64;                    // 64-column halves per tensor
-  static constexpr int kTensorBytes = kBoxes * kBoxBytes;  // K (or V) of one stage
+  using Tile = DecodeRingTile<D>;
+  static constexpr int kBoxBytes = Tile::kBoxBytes;
+  static constexpr int kBoxes = Tile::kBoxes;              // 64-column halves per tensor
+  static constexpr int kTensorBytes = Tile::kBytes;        // K (or V) of one stage
   static constexpr int kStageBytes = 2 * kTensorBytes;
   static constexpr int kBytes = 1024 + STAGES * kStageBytes;
-  // byte offset of 16-byte chunk c (of D / 8) of key row r within a tensor's part of a stage
-  static __device__ __forceinline__ unsigned int at(int r, int c) {
-    return (c >> 3) * kBoxBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-  }
 };
 
-// The low / high element of a register of two T (pack_b16x2's layout), as fp32.
-template <class T>
-__device__ __forceinline__ float unpack_lo(unsigned int r) {
-  T x;
-  x.bits = static_cast<unsigned short>(r & 0xffffu);
-  return to_float(x);
-}
-
-template <class T>
-__device__ __forceinline__ float unpack_hi(unsigned int r) {
-  T x;
-  x.bits = static_cast<unsigned short>(r >> 16);
-  return to_float(x);
-}
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+struct DecodeTmaConsumersSync {                            // the consumer warps only
+  static __device__ __forceinline__ void run() { named_bar_sync(1, kDtConsumers * 32); }
+};
+#endif
 
 // pdl as in decode_split (bit 0: let the combine be scheduled; bit 1: wait for the previous
 // kernel before the first memory access).
@@ -105,14 +86,14 @@ template <class T, int D, int STAGES, bool PAGED>
 __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
     const T* __restrict__ q, const int* __restrict__ seqlens, const int* __restrict__ block_table,
-    float* __restrict__ ws_o, float* __restrict__ ws_lse, long long q_sb, long long q_ss,
+    float* __restrict__ ws_o, float* __restrict__ ws_lse, T* __restrict__ out,
+    float* __restrict__ lse_out, long long q_sb, long long q_ss,
     long long q_sh, long long q_sd, long long seq_stride, long long table_s0, long long table_s1,
     int s_max, int sq, int hq, int hkv, int rows, int row_chunks, int chunk, int nsplit,
     int win_left, int pdl, int page_size, int num_pages, float scale_log2) {
 #if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "16-bit storage, head dim 64 or 128");
   using Smem = DecodeTmaSmem<D, STAGES>;
-  constexpr int kChunks = D / 8;                           // 16-byte chunks per row
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];   // full[s], then empty[s]
   const unsigned int base = (smem_u32(smem_raw) + 1023u) & ~1023u;   // swizzle atoms: 1 KiB
@@ -120,10 +101,8 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
 
   if (pdl & 2) pdl_wait();
   if (pdl & 1) pdl_launch_dependents();
-  const int split = blockIdx.y;
-  const int rchunk = static_cast<int>(blockIdx.x % row_chunks);
-  const int kvh = static_cast<int>((blockIdx.x / row_chunks) % hkv);
-  const int b = static_cast<int>(blockIdx.x / (static_cast<unsigned>(row_chunks) * hkv));
+  const DecodeRingBlock blk(row_chunks, hkv);
+  const int b = blk.b, kvh = blk.kvh, rchunk = blk.rchunk, split = blk.split;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const unsigned int full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
   if (tid == 0) {
@@ -134,16 +113,9 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     }
     mbar_fence_init();
   }
-  int len = seqlens[b * seq_stride];
+  int len = seqlens[b * seq_stride], start, end;
   __syncthreads();
-
-  // the keys of this split that some row of the sequence can see: [start, end)
-  len = len < 0 ? 0 : (len > s_max ? s_max : len);
-  int kmin = win_left >= 0 ? len - sq - win_left : 0;
-  if (kmin < 0) kmin = 0;
-  int start = split * chunk, end = start + chunk;
-  if (start < kmin) start = kmin;
-  if (end > len) end = len;
+  blk.keys(len, s_max, sq, win_left, chunk, start, end);
   // boxes of box_rows keys; the stages from first (start rounded down to whole boxes)
   const int box_rows = PAGED ? (page_size < kDtKeys ? page_size : kDtKeys) : kDtKeys;
   const int first = PAGED ? start - start % box_rows : start;
@@ -203,44 +175,9 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     return;
   }
 
-  // the consumers. Rows of this block: row r = rchunk * 16 + (g or g + 8) -> q head
-  // kvh * group + r / sq, query token r % sq (decode_split's numbering).
-  const int g = lane >> 2, t = lane & 3;
-  const int group = hq / hkv;
-  int row_pos[2], row_lo[2];
-  const T* qrow[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int rr = rchunk * kDtRows + g + 8 * h;
-    const bool valid = rr < rows;
-    const int gq = valid ? rr / sq : 0, i = valid ? rr - gq * sq : 0;
-    qrow[h] = valid ? q + b * q_sb + i * q_ss + (kvh * group + gq) * q_sh : nullptr;
-    row_pos[h] = valid ? len - sq + i : -1;               // an invalid row sees no key
-    row_lo[h] = win_left >= 0 ? row_pos[h] - win_left : 0;
-    if (row_lo[h] < 0) row_lo[h] = 0;
-  }
-  // Q as the A fragments of the D / 16 k-steps: qa[ks] = Q[g][16 ks + 2t, +1], Q[g + 8][...],
-  // Q[g][16 ks + 8 + 2t, +1], Q[g + 8][...] (zeros for rows past the block's)
-  unsigned int qa[D / 16][4];
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      const T* qr = qrow[f & 1];
-      const int d = 16 * ks + 2 * t + 8 * (f >> 1);
-      const unsigned int lo = qr ? qr[d * q_sd].bits : 0u;
-      const unsigned int hi = qr ? qr[(d + 1) * q_sd].bits : 0u;
-      qa[ks][f] = lo | (hi << 16);
-    }
-
-  const float kNegInf = -__int_as_float(0x7f800000);
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
-  float o[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[n][c] = 0.f;
-
+  // the consumers
+  DecodeRingWarp<T, D> cw;
+  cw.start(q, q_sb, q_ss, q_sh, q_sd, b, kvh, rchunk, rows, sq, hq, hkv, len, win_left, lane);
   const int krow = 16 * warp;                              // this warp's first key of a stage
   for (int st = 0; st < steps; ++st) {
     const int s = st % STAGES;
@@ -249,153 +186,22 @@ __global__ void __launch_bounds__(kDtThreads, 2) decode_split_tma(
     const unsigned int vslot = kslot + Smem::kTensorBytes;
     const int j0 = first + st * kDtKeys + krow;            // key of this warp's row 0
 #if GPUOPS_DTMA_NOMATH   // experiments: the ring's streaming rate alone (results are garbage)
-    if (j0 < 0) {
+    if (j0 < 0) DecodeRingWarp<T, D>::zero_v_past(vslot, krow, j0, len, lane);
 #else
-    if (j0 + 16 > len) {
+    // keys at or past the length: V rows to zeros (TMA copies whatever the cache holds there)
+    if (j0 + 16 > len) DecodeRingWarp<T, D>::zero_v_past(vslot, krow, j0, len, lane);
+    cw.stage(kslot, vslot, krow, j0, start, end, scale_log2, lane);
 #endif
-      // keys at or past the length: V rows to zeros (the cache may hold NaN there)
-      for (int e = lane; e < 16 * Smem::kBoxes * 8; e += 32) {
-        const int r = e / (Smem::kBoxes * 8), c = e % (Smem::kBoxes * 8);
-        if (j0 + r >= len) {
-          const unsigned int a = vslot + Smem::at(krow + r, c);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(a), "r"(0u) : "memory");
-        }
-      }
-      __syncwarp();
-    }
-#if !GPUOPS_DTMA_NOMATH
-    // S = Q K^T for keys krow .. krow + 15 (n-tiles of 8 keys)
-    float sc[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sc[nt][c] = 0.f;
-      const int r = krow + 8 * nt + (lane & 7);
-#pragma unroll
-      for (int c4 = 0; c4 < kChunks / 4; ++c4) {
-        const int c = 4 * c4 + (lane >> 3);
-        unsigned int kf[4];
-        ldmatrix_x4(kf, kslot + Smem::at(r, c));
-        Mma<T>::run(sc[nt], qa[2 * c4], kf[0], kf[1]);
-        Mma<T>::run(sc[nt], qa[2 * c4 + 1], kf[2], kf[3]);
-      }
-    }
-    // online softmax on the fragments: c0, c1 row g, c2, c3 row g + 8; key j0 + 8 nt + 2t (+1)
-    float p[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m[h];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = j0 + 8 * nt + 2 * t + e;
-          float v = sc[nt][2 * h + e] * scale_log2;
-          if (j >= end || j < start || j < row_lo[h] || j > row_pos[h]) v = kNegInf;
-          sc[nt][2 * h + e] = v;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float bm = mx == kNegInf ? 0.f : mx;           // nothing visible yet: keep the state
-      const float corr = exp2f(m[h] - bm);
-      float psum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = exp2f(sc[nt][2 * h + e] - bm);
-          p[nt][2 * h + e] = pv;
-          psum += pv;
-        }
-      l[h] = l[h] * corr + psum;                           // this thread's columns only
-      m[h] = mx;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][2 * h] *= corr;
-        o[n][2 * h + 1] *= corr;
-      }
-    }
-    // P as the A fragments of k = the warp's 16 keys, in two parts: hi = P rounded to T and
-    // lo = (P - hi) rounded to T, so that P V carries P to ~2^-16 (bf16) instead of the 2^-9 of
-    // FlashAttention's single rounding; the tensor cores have time to spare here (the kernel
-    // waits on memory), and the results keep the register kernel's accuracy.
-    unsigned int pa[4], pl[4];
-#pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      const float x0 = p[f >> 1][2 * (f & 1)], x1 = p[f >> 1][2 * (f & 1) + 1];
-      pa[f] = pack_b16x2<T>(x0, x1);
-      pl[f] = pack_b16x2<T>(x0 - unpack_lo<T>(pa[f]), x1 - unpack_hi<T>(pa[f]));
-    }
-    // O += P V: ldmatrix.trans of V (matrices: keys 0-7 / 8-15 of chunk 2 dp, then of 2 dp + 1)
-    {
-      const int r = krow + (lane & 7) + 8 * ((lane >> 3) & 1);
-#pragma unroll
-      for (int dp = 0; dp < kChunks / 2; ++dp) {
-        const int c = 2 * dp + (lane >> 4);
-        unsigned int vf[4];
-        ldmatrix_x4_trans(vf, vslot + Smem::at(r, c));
-        Mma<T>::run(o[2 * dp], pa, vf[0], vf[1]);
-        Mma<T>::run(o[2 * dp], pl, vf[0], vf[1]);
-        Mma<T>::run(o[2 * dp + 1], pa, vf[2], vf[3]);
-        Mma<T>::run(o[2 * dp + 1], pl, vf[2], vf[3]);
-      }
-    }
-#endif  // !GPUOPS_DTMA_NOMATH
 #if GPUOPS_DTMA_FENCES
     fence_proxy_async_smem();                              // our reads before the next fill
 #endif
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);            // this warp is done with the slot
   }
-
-  // l over the 4 threads of a row; then the warps meet in shared memory (the ring: every box
-  // the producer issued has been waited for and read)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-  }
-  named_bar_sync(1, kDtConsumers * 32);
-  float* sm_m = reinterpret_cast<float*>(ring);            // [warp][16]
-  float* sm_l = sm_m + kDtConsumers * kDtRows;             // [warp][16]
-  float* sm_o = sm_l + kDtConsumers * kDtRows;             // [warp][16][D]
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = g + 8 * h;
-    if (t == 0) {
-      sm_m[warp * kDtRows + r] = m[h];
-      sm_l[warp * kDtRows + r] = l[h];
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      float* dst = sm_o + (warp * kDtRows + r) * D + 8 * n + 2 * t;
-      dst[0] = o[n][2 * h];
-      dst[1] = o[n][2 * h + 1];
-    }
-  }
-  named_bar_sync(1, kDtConsumers * 32);
-  const long long row_base = (static_cast<long long>(b) * hq + kvh * group) * sq;
-  for (int e = tid; e < kDtRows * D; e += kDtConsumers * 32) {
-    const int r = e / D, d = e - r * D;
-    const int rr = rchunk * kDtRows + r;
-    if (rr >= rows) continue;
-    float mx = sm_m[r];
-#pragma unroll
-    for (int w = 1; w < kDtConsumers; ++w) mx = fmaxf(mx, sm_m[w * kDtRows + r]);
-    const float bm = mx == kNegInf ? 0.f : mx;
-    float lsum = 0.f, osum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDtConsumers; ++w) {
-      const float a = exp2f(sm_m[w * kDtRows + r] - bm);
-      lsum += sm_l[w * kDtRows + r] * a;
-      osum += sm_o[(w * kDtRows + r) * D + d] * a;
-    }
-    const long long slot = (row_base + rr) * nsplit + split;
-    ws_o[slot * D + d] = lsum > 0.f ? osum / lsum : 0.f;
-    if (d == 0)
-      ws_lse[slot] = lsum > 0.f ? (mx + log2f(lsum)) * 0.6931471805599453f : kNegInf;
-  }
+  // the ring is free: every box the producer issued has been waited for and read
+  cw.template write_partial<DecodeTmaConsumersSync>(ring, ws_o, ws_lse, out, lse_out, b, kvh,
+                                                    rchunk, rows, sq, hq, hkv, split, nsplit,
+                                                    warp, lane, tid);
 #if GPUOPS_DTMA_FENCES
   // the merge's writes before any later TMA fill of this shared memory (the next block here);
   // the barriers' memory handed back (mbarrier.inval: PTX requires it before the memory is
