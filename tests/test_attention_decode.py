@@ -39,6 +39,17 @@ def _arr(rng, shape, dtype):
     return rng.standard_normal(shape).astype(_np(dtype))
 
 
+def _caches_nan_past(rng, lens, s_max, hkv, d, dtype):
+    """Random K and V caches [B, s_max, hkv, d] holding NaN at and past each sequence's length
+    (what a kernel must never let into P V)."""
+    shape = (len(lens), s_max, hkv, d)
+    k, v = _arr(rng, shape, dtype), _arr(rng, shape, dtype)
+    for i, n in enumerate(lens):
+        k[i, n:] = np.nan
+        v[i, n:] = np.nan
+    return k, v
+
+
 def _paged_from(rng, k, v, page_size, extra_pages=3):
     """Scatter contiguous caches [B, S, H, D] into a shuffled page pool + block table."""
     b, s, h, d = k.shape
@@ -546,10 +557,7 @@ def test_emulated_async_ring(ring_ops, emulated, rng, monkeypatch, dtype, d, hq,
     lens = np.array([0, 1, 63, 65, 200], np.int32)
     b, s_max = len(lens), 200
     q = _arr(rng, (b, sq, hq, d), dtype)
-    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
-    for i, n in enumerate(lens):
-        k[i, n:] = np.nan
-        v[i, n:] = np.nan
+    k, v = _caches_nan_past(rng, lens, s_max, hkv, d, dtype)
     out, lse = ring_ops("decode_attention", dtype, q, k, v, lens, return_lse=True)
     assert ring_ops.launched and "decode_split_async" in ring_ops.launched[-1]
     plan = next(p for key, p in A._plans.items() if key[0] == "async")
@@ -917,10 +925,7 @@ def test_gpu_decode_ring(rng, monkeypatch, ring, dtype, d, hq, hkv, sq):
     lens = np.array([0, 1, 17, 1000, 4097], np.int32)
     b, s_max = len(lens), 4100
     q = _arr(rng, (b, sq, hq, d), dtype)
-    k, v = _arr(rng, (b, s_max, hkv, d), dtype), _arr(rng, (b, s_max, hkv, d), dtype)
-    for i, n in enumerate(lens):
-        k[i, n:] = np.nan
-        v[i, n:] = np.nan
+    k, v = _caches_nan_past(rng, lens, s_max, hkv, d, dtype)
     args = (_cuda(q), _cuda(k), _cuda(v), _cuda(lens))
     _poison_cache()
     out, lse = go.decode_attention(*args, return_lse=True)

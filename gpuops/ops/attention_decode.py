@@ -128,14 +128,15 @@ APPEND_MODULE = KernelModule("attention.decode_append", "attention/decode_append
 #   (contiguous, or page pools with pages of 8..64 keys dividing 64 or multiples of 64).
 # With one split a ring kernel writes the output itself (no combine launch).
 # RING (read at every call): "auto", "on" (every row count: tests, experiments) or "off".
-# "auto" (H200 runs 228-231, bf16 D 128, CUDA graphs over rotated caches; notes_attention_decode.md
-# "Runs 228-231"):
+# "auto" (H200 runs 228-233, bf16 D 128, CUDA graphs over rotated caches; notes_attention_decode.md
+# "Runs 228-233"):
 # - contiguous caches: the cp.async ring from RING_MIN_ROWS = 2 q rows per kv head (GQA group x
 #   query tokens): GQA 16/8 B16 S4096 71.9 -> 64.3 us (torch SDPA 62.5), B4 S8192 40.5 -> 37.7,
 #   B1 S8192 15.7 -> 15.5 (torch 15.2; at D 64 it loses: 11.4 -> 11.6); 64/8 B16 260.6 -> 66.2,
-#   B1 44.8 -> 16.7; 32/8 with 4 tokens B4 S8192 254.4 -> 42.3; and at 1 row where its plan has one split (the sequences fill the GPU): 8/8 B16 S4096
-#   65.9 -> 63.6; at 1 row with several splits it loses (8/8 B1 S8192 14.3 against 15.2, B4 36.4
-#   against 37.4) and the register kernel runs. (The TMA ring: 71.2-71.8 at B16 16/8 and 8/8.)
+#   B1 44.8 -> 16.7; 32/8 with 4 tokens B4 S8192 254.4 -> 42.3; and at 1 row where its plan has
+#   one split (the sequences fill the GPU): 8/8 B16 S4096 65.9 -> 63.6; at 1 row with several
+#   splits it loses (8/8 B1 S8192 14.3 against 15.2, B4 36.4 against 37.4) and the register
+#   kernel runs. (The TMA ring: 71.2-71.8 at B16 16/8 and 8/8.)
 # - page pools: the TMA ring from 2 rows, for the pages it takes: pages of 64, GQA 16/8 B16 S4096
 #   88.2 -> 71.4 us, B1 S8192 18.5 -> 17.0; pages of 16 88.2 -> 80.6 / 18.5 -> 18.1. The cp.async
 #   ring reads pages no faster than the register kernel (87.7 / 88.5 against 88.2 at B16, 19.0
@@ -622,7 +623,6 @@ def _attend(call, op, q, k, v, seqlens, table, s_max, scale, window_size, return
     pdl_flags = ((0 if direct else 1) | (2 if PDL == "all" else 0)) if pdl else 0
     split_attrs = {"attrs": _PDL_ATTRS} if pdl and PDL == "all" else {}
     if direct:
-        ws_o = ws_lse = None
         ws_ptrs = (0, 0, out.ptr, 0 if lse is None else lse.ptr)
     else:
         ws_o = call.empty((nrows * nsplit * dim,), dt.float32)
